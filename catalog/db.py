@@ -1,0 +1,88 @@
+"""The catalog database: one DuckDB file per data root, schema from ``schema.sql``.
+
+Only ``catalog merge`` and ``catalog manifest`` open it for writing; every other reader opens
+it read-only, so many readers can query while nothing writes. Workers on other nodes never
+touch it: they write sidecar parquets that merge loads.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+from reelcache import UserError
+
+SCHEMA_FILE = Path(__file__).with_name("schema.sql")
+DB_NAME = "catalog.duckdb"
+
+# version -> SQL that upgrades version-1 to version. Explicit, applied by `open_catalog`.
+MIGRATIONS: dict[int, str] = {}
+
+
+def schema_sql() -> str:
+    return SCHEMA_FILE.read_text()
+
+
+def schema_version() -> int:
+    m = re.search(r"schema_version:\s*(\d+)", schema_sql())
+    assert m, "schema.sql must declare its schema_version"
+    return int(m.group(1))
+
+
+def db_path(root: str | Path) -> Path:
+    return Path(root) / DB_NAME
+
+
+def open_catalog(root: str | Path, *, write: bool = False):
+    """Open ROOT/catalog.duckdb; create it when writing, refuse a foreign schema version."""
+    import duckdb
+
+    path = db_path(root)
+    if not write:
+        if not path.exists():
+            raise UserError(f"no catalog at {path}: run `reelcache catalog merge --root {root}` first")
+        try:
+            return duckdb.connect(str(path), read_only=True)
+        except duckdb.IOException as e:
+            raise UserError(f"cannot open {path} read-only ({e}); is a merge running?") from e
+    path.parent.mkdir(parents=True, exist_ok=True)
+    con = duckdb.connect(str(path))
+    con.execute(schema_sql())
+    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    want = schema_version()
+    if row is None:
+        con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(want)])
+    else:
+        have = int(row[0])
+        if have > want:
+            raise UserError(f"{path} has schema version {have}, newer than this reelcache ({want}): upgrade reelcache")
+        for v in range(have + 1, want + 1):
+            if v not in MIGRATIONS:
+                raise UserError(f"{path} has schema version {have}; no migration to {v} exists")
+            con.execute(MIGRATIONS[v])
+            con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(v)])
+    return con
+
+
+@lru_cache(maxsize=1)
+def clips_arrow_schema():
+    """The Arrow schema of `clips`, derived from schema.sql: what every sidecar is cast to."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.execute(schema_sql())
+    schema = con.sql("SELECT * FROM clips LIMIT 0").to_arrow_table().schema
+    con.close()
+    return schema
+
+
+def clips_table(rows: list[dict]):
+    """Rows (dicts keyed by clips column) -> Arrow table with exactly the clips schema."""
+    import pyarrow as pa
+
+    schema = clips_arrow_schema()
+    unknown = set().union(*(r.keys() for r in rows)) - set(schema.names) if rows else set()
+    assert not unknown, f"columns not in schema.sql: {sorted(unknown)}"
+    cols = {name: [r.get(name) for r in rows] for name in schema.names}
+    return pa.table(cols, schema=schema)

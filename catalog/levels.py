@@ -1,0 +1,83 @@
+"""Difficulty: nouns in the caption, and levels 1..5 by quantile.
+
+``noun_count`` comes from a real part-of-speech tagger, run in batches inside each ingest unit
+(so GNU parallel spreads it over every core and node). Two taggers:
+
+- ``pattern`` (default): textblob's PatternTagger; its lexicon ships inside the wheel, so it
+  works offline everywhere. Fast (~1,300 short captions/s per core), less accurate.
+- ``spacy``: spaCy's ``en_core_web_sm`` when the user has it installed; more accurate, slower.
+
+The tagger and its version are recorded per clip (``noun_tagger``): counts from different
+taggers are not comparable, and levels should be computed over one.
+
+Levels are recomputed on every merge over accepted clips: the 20/40/60/80% cut points of
+``noun_count`` come from one ``quantile_cont`` aggregate and a CASE assigns the level (cheap:
+no window over all columns). ``noun_pct`` is a tie-broken percentile (ties ordered by clip id),
+so ``WHERE noun_pct < 99.99`` drops exactly the hardest 0.01%.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from reelcache import UserError
+
+TAGGERS = ("pattern", "spacy")
+NOUN_TAGS = {"NN", "NNS", "NNP", "NNPS"}
+
+
+@lru_cache(maxsize=2)
+def _tagger(name: str):
+    if name == "pattern":
+        from importlib.metadata import version
+
+        from textblob.en.taggers import PatternTagger
+
+        tagger = PatternTagger()
+        return f"textblob-{version('textblob')}-pattern", lambda texts: [
+            sum(1 for _, tag in tagger.tag(t) if tag in NOUN_TAGS) for t in texts]
+    if name == "spacy":
+        try:
+            import spacy
+
+            nlp = spacy.load("en_core_web_sm", disable=["parser", "ner", "lemmatizer"])
+        except (ImportError, OSError) as e:
+            raise UserError("--tagger spacy needs spaCy and its en_core_web_sm model installed "
+                            f"(pip install spacy, then the model package): {e}") from e
+        version = f"spacy-{spacy.__version__}-{nlp.meta['name']}-{nlp.meta['version']}"
+        return version, lambda texts: [sum(1 for tok in doc if tok.pos_ in ("NOUN", "PROPN"))
+                                       for doc in nlp.pipe(texts, batch_size=256)]
+    raise UserError(f"unknown tagger {name!r}; choose one of {', '.join(TAGGERS)}")
+
+
+def tagger_name(name: str) -> str:
+    return _tagger(name)[0]
+
+
+def count_nouns(texts: list[str], tagger: str = "pattern") -> list[int]:
+    """Nouns per caption, batched through one tagger instance."""
+    return _tagger(tagger)[1]([t or "" for t in texts])
+
+
+LEVELS_SQL = """
+WITH cuts AS (
+    SELECT quantile_cont(noun_count, [0.2, 0.4, 0.6, 0.8]) AS q
+    FROM clips WHERE status = 'ok' AND noun_count IS NOT NULL
+), ranked AS (
+    SELECT clip_id, 100.0 * cume_dist() OVER (ORDER BY noun_count, clip_id) AS pct
+    FROM clips WHERE status = 'ok' AND noun_count IS NOT NULL
+)
+UPDATE clips SET
+    level = CASE WHEN clips.noun_count <= cuts.q[1] THEN 1
+                 WHEN clips.noun_count <= cuts.q[2] THEN 2
+                 WHEN clips.noun_count <= cuts.q[3] THEN 3
+                 WHEN clips.noun_count <= cuts.q[4] THEN 4 ELSE 5 END,
+    noun_pct = ranked.pct
+FROM cuts, ranked
+WHERE clips.clip_id = ranked.clip_id
+"""
+
+
+def recompute_levels(con) -> None:
+    con.execute("UPDATE clips SET level = NULL, noun_pct = NULL WHERE status <> 'ok' OR noun_count IS NULL")
+    con.execute(LEVELS_SQL)

@@ -1,0 +1,123 @@
+-- reelcache catalog schema.
+-- schema_version: 1
+--
+-- The one definition of the catalog. Sidecar parquets written by ingest are cast to the
+-- `clips` columns below (catalog/db.py derives their Arrow schema from this file), so a
+-- column added here reaches every writer. A change to an existing table bumps
+-- schema_version and comes with an explicit migration in catalog/db.py: MIGRATIONS.
+
+CREATE TABLE IF NOT EXISTS meta (
+    key   VARCHAR PRIMARY KEY,
+    value VARCHAR
+);
+
+-- One row per input row of every source table, accepted or rejected.
+CREATE TABLE IF NOT EXISTS clips (
+    clip_id        VARCHAR NOT NULL,   -- stable: hash of (source, relative path[, occurrence])
+    source         VARCHAR NOT NULL,   -- source name given at ingest (e.g. openvid, miradata)
+    unit           VARCHAR NOT NULL,   -- ingest unit, e.g. 'openvid/000012'
+    "row"          BIGINT  NOT NULL,   -- 0-based data row in the source table
+    path           VARCHAR,            -- absolute path of the original video
+    relpath        VARCHAR,            -- path as the table gives it, relative to --videos
+    text           VARCHAR,            -- caption used for training
+    status         VARCHAR NOT NULL,   -- 'ok' | 'rejected'
+    reject_reason  VARCHAR,            -- fixed vocabulary, ingest/filters.py: Reason
+    reject_detail  VARCHAR,            -- free text: what exactly was wrong
+
+    -- probe of the file (headers and packets, never a full decode unless --verify decode)
+    num_frames     BIGINT,
+    frames_from    VARCHAR,            -- 'header' | 'demux' | 'decode'
+    fps            DOUBLE,
+    fps_num        BIGINT,             -- exact frame rate as a fraction
+    fps_den        BIGINT,
+    duration       DOUBLE,             -- seconds
+    width          INTEGER,            -- displayed (after rotation)
+    height         INTEGER,
+    coded_width    INTEGER,
+    coded_height   INTEGER,
+    rotation       INTEGER,            -- degrees, from the display matrix
+    aspect_ratio   DOUBLE,             -- height / width (Open-Sora convention)
+    resolution     BIGINT,             -- height * width
+    codec          VARCHAR,
+    pix_fmt        VARCHAR,
+    bit_depth      INTEGER,
+    container      VARCHAR,
+    bit_rate       BIGINT,
+    has_audio      BOOLEAN,
+    file_size      BIGINT,
+
+    -- what the source table claims; the probe is authoritative
+    stated_num_frames BIGINT,
+    stated_fps        DOUBLE,
+    stated_duration   DOUBLE,
+    stated_mismatch   VARCHAR,         -- e.g. 'num_frames 120!=121', NULL when they agree
+
+    -- difficulty
+    noun_count     INTEGER,
+    noun_tagger    VARCHAR,            -- which tagger produced noun_count, with version
+    level          TINYINT,            -- 1..5, quantiles of noun_count over ok clips (merge)
+    noun_pct       DOUBLE,             -- 0..100, tie-broken percentile of noun_count over ok clips
+
+    -- where the clip lives in the raw shards
+    shard          VARCHAR,            -- relative to ROOT, e.g. 'raw/openvid/000012-00.tar'
+    shard_offset   BIGINT,             -- byte offset of the video member's data in the tar
+    ext            VARCHAR,            -- video member extension in the shard, e.g. 'mp4'
+
+    -- OpenVid-1M scores
+    aesthetic_score            DOUBLE,
+    motion_score               DOUBLE,
+    temporal_consistency_score DOUBLE,
+    camera_motion              VARCHAR,
+
+    -- MiraData: ids and every caption (which one is `text` is recorded in caption_column)
+    mira_clip_id        VARCHAR,
+    mira_source         VARCHAR,
+    video_url           VARCHAR,
+    video_id            VARCHAR,
+    "timestamp"         VARCHAR,
+    framestamp          VARCHAR,
+    short_caption       VARCHAR,
+    dense_caption       VARCHAR,
+    background_caption  VARCHAR,
+    main_object_caption VARCHAR,
+    style_caption       VARCHAR,
+    camera_caption      VARCHAR,
+    caption_column      VARCHAR
+);
+
+-- One row per merged ingest unit: what merge has seen, so merging again is a no-op.
+CREATE TABLE IF NOT EXISTS units (
+    unit       VARCHAR PRIMARY KEY,
+    source     VARCHAR NOT NULL,
+    sidecar    VARCHAR NOT NULL,       -- relative to ROOT
+    signature  VARCHAR NOT NULL,       -- size:mtime_ns of the sidecar when merged
+    num_rows   BIGINT NOT NULL,
+    num_ok     BIGINT NOT NULL,
+    merged_at  TIMESTAMP NOT NULL
+);
+
+-- Raw shards, derived from clips (never stored twice).
+CREATE VIEW IF NOT EXISTS shards AS
+    SELECT shard, source, unit, count(*) AS num_clips, sum(file_size) AS video_bytes
+    FROM clips WHERE shard IS NOT NULL GROUP BY ALL;
+
+-- Latent shards written by the cache stage (filled by merge once `cache` lands).
+CREATE TABLE IF NOT EXISTS latents (
+    clip_id  VARCHAR NOT NULL,
+    cache    VARCHAR NOT NULL,
+    bucket   VARCHAR,
+    shape    INTEGER[],
+    shard    VARCHAR,
+    shard_offset BIGINT
+);
+
+-- Frozen selections: the parquet at `path` is named by its content fingerprint.
+CREATE TABLE IF NOT EXISTS manifests (
+    name        VARCHAR NOT NULL,
+    fingerprint VARCHAR NOT NULL,
+    path        VARCHAR NOT NULL,      -- relative to ROOT
+    where_sql   VARCHAR,
+    num_clips   BIGINT NOT NULL,
+    created_at  TIMESTAMP NOT NULL,
+    PRIMARY KEY (name, fingerprint)
+);

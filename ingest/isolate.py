@@ -1,0 +1,153 @@
+"""Run a function over many items in child processes that can be killed.
+
+A corrupt or hostile video can hang FFmpeg (a stalled network mount, a decoder stuck in a
+loop) or crash it outright. ``isolated_map`` runs ``fn(item)`` in long-lived worker processes
+and gives each call a deadline: a worker past its deadline is SIGKILLed and replaced, and a
+worker that dies takes only its current item with it. Results come back in input order, as
+``(item, result)`` or ``(item, Failed(reason, detail))``; the caller never sees an exception
+from a worker. Workers are started with "spawn" so that no thread pool or lock state of the
+parent (pyarrow, DuckDB) is inherited.
+
+The trade-off: one pipe round trip per item (~50 µs), negligible next to opening a file.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import resource
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any, Callable, Iterable, Iterator
+
+
+@dataclass
+class Failed:
+    reason: str          # "timeout" | "crashed" | "error"
+    detail: str
+
+
+def _worker(conn, fn, memory_mb):
+    if memory_mb:
+        limit = int(memory_mb) * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        seq, item = msg
+        try:
+            out = (seq, True, fn(item))
+        except MemoryError:
+            out = (seq, False, Failed("crashed", "out of memory (worker memory limit)"))
+        except Exception as e:  # noqa: BLE001 - any error on one item is that item's result
+            out = (seq, False, e if _picklable(e) else Failed("error", "".join(
+                traceback.format_exception_only(type(e), e)).strip()))
+        conn.send(out)
+
+
+def _picklable(e) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return True
+    except Exception:
+        return False
+
+
+class _Slot:
+    def __init__(self, ctx, fn, memory_mb):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(child, fn, memory_mb), daemon=True)
+        self.proc.start()
+        child.close()
+        self.job = None          # (seq, item, deadline)
+
+    def kill(self):
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+
+def isolated_map(fn: Callable[[Any], Any], items: Iterable, *, workers: int = 1,
+                 timeout: float = 30.0, memory_mb: int | None = None) -> Iterator[tuple[Any, Any]]:
+    """Yield (item, fn(item) | exception raised by fn | Failed) for each item, in order."""
+    ctx = mp.get_context("spawn")
+    todo = deque(enumerate(items))
+    slots = [_Slot(ctx, fn, memory_mb) for _ in range(max(1, min(workers, len(todo) or 1)))]
+    done: dict[int, tuple[Any, Any]] = {}
+    nxt = 0
+    try:
+        while todo or any(s.job for s in slots):
+            for i, s in enumerate(slots):
+                if s.job is None and todo:
+                    seq, item = todo.popleft()
+                    s.conn.send((seq, item))
+                    s.job = (seq, item, time.monotonic() + timeout)
+            busy = [s for s in slots if s.job]
+            soonest = min(s.job[2] for s in busy)
+            ready = wait([s.conn for s in busy] + [s.proc.sentinel for s in busy],
+                         timeout=max(0.0, soonest - time.monotonic()))
+            for i, s in enumerate(slots):
+                if s.job is None:
+                    continue
+                seq, item, deadline = s.job
+                result = None
+                if s.conn in ready or s.conn.poll():
+                    try:
+                        rseq, ok, value = s.conn.recv()
+                        assert rseq == seq
+                        result = value
+                    except (EOFError, OSError):
+                        result = Failed("crashed", _death(s.proc))
+                elif s.proc.sentinel in ready or not s.proc.is_alive():
+                    result = Failed("crashed", _death(s.proc))
+                elif time.monotonic() >= deadline:
+                    result = Failed("timeout", f"no answer within {timeout:g} s; worker killed")
+                    s.kill()
+                if result is None:
+                    continue
+                done[seq] = (item, result)
+                s.job = None
+                if isinstance(result, Failed) and result.reason in ("timeout", "crashed"):
+                    s.kill()
+                    slots[i] = _Slot(ctx, fn, memory_mb)
+            while nxt in done:
+                yield done.pop(nxt)
+                nxt += 1
+    finally:
+        for s in slots:
+            try:
+                s.conn.send(None)
+            except (OSError, ValueError):
+                pass
+            s.proc.join(timeout=1)
+            s.kill()
+
+
+def _death(proc) -> str:
+    proc.join(timeout=1)
+    code = proc.exitcode
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            return f"worker killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"worker killed by signal {-code}"
+    return f"worker exited with status {code}"
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

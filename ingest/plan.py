@@ -1,0 +1,130 @@
+"""``ingest plan``: read a source table once, freeze it, and print one work unit per line.
+
+The plan lives in ``ROOT/raw/<source>/_plan/``: ``plan.json`` (the resolved configuration and
+the input's fingerprint) and ``input.parquet`` (the normalized input table, one row group per
+unit). A unit line is ``<source>/<NNNNNN>``; ``ingest run`` reads only its own row group, so a
+million-row table is parsed once, not once per unit. Re-planning the same input with the same
+configuration is a no-op; a different one is refused while finished units exist, unless
+``--replace`` (which deletes the source's shards) is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reelcache import UserError
+from reelcache.ingest.filters import Thresholds
+from reelcache.progress import say
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class IngestConfig:
+    """Everything a unit needs, resolved once at plan time and written to plan.json."""
+
+    source: str                       # name of this source in the catalog (default: the format)
+    format: str                       # openvid | miradata | csv | parquet | folder
+    videos: str                       # folder that relative paths resolve against
+    meta: str | None = None           # the table (not used by the folder format)
+    caption: str | None = None        # MiraData: which caption column is `text`
+    rows_per_unit: int = 1000         # input rows per work unit (one retryable job)
+    shard_mb: float = 1000.0          # cap on one tar shard's size
+    verify: str = "header"            # header: headers + first frame; decode: full decode
+    probe_timeout: float = 30.0       # seconds per file (header probe)
+    decode_timeout: float = 600.0     # seconds per file with --verify decode
+    workers: int = 1                  # probe processes per unit (GNU parallel gives the rest)
+    worker_memory_mb: int | None = None  # address-space cap per probe process
+    tagger: str = "pattern"           # part-of-speech tagger for noun_count
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+    def __post_init__(self):
+        if isinstance(self.thresholds, dict):
+            self.thresholds = Thresholds(**self.thresholds)
+        if self.verify not in ("header", "decode"):
+            raise UserError(f"--verify must be 'header' or 'decode', not {self.verify!r}")
+        if self.rows_per_unit < 1 or self.shard_mb <= 0:
+            raise UserError("--rows-per-unit and --shard-mb must be positive")
+        if not self.source.replace("-", "").replace("_", "").isalnum():
+            raise UserError(f"--name {self.source!r}: use letters, digits, '-' and '_' only")
+
+
+def source_dir(root, source: str) -> Path:
+    return Path(root) / "raw" / source
+
+
+def plan_dir(root, source: str) -> Path:
+    return source_dir(root, source) / "_plan"
+
+
+def unit_name(source: str, index: int) -> str:
+    return f"{source}/{index:06d}"
+
+
+def load_plan(root, source: str) -> tuple[IngestConfig, dict]:
+    path = plan_dir(root, source) / "plan.json"
+    if not path.exists():
+        raise UserError(f"no plan for source {source!r} under {root}: run `reelcache ingest plan` first")
+    doc = json.loads(path.read_text())
+    if doc.get("plan_version") != PLAN_VERSION:
+        raise UserError(f"{path} was written by another reelcache version; re-run `ingest plan --replace`")
+    return IngestConfig(**doc["config"]), doc
+
+
+def _fingerprint(cfg: IngestConfig, table) -> str:
+    import pyarrow as pa
+
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    h.update(sink.getvalue())
+    return h.hexdigest()
+
+
+def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[str]:
+    import pyarrow.parquet as pq
+
+    from reelcache.ingest.sources import read_source
+
+    say(f"reading {cfg.meta or cfg.videos} as {cfg.format} ...")
+    table = read_source(cfg.format, cfg.source, cfg.meta, cfg.videos, cfg.caption)
+    if table.num_rows == 0:
+        raise UserError(f"{cfg.meta or cfg.videos} has no rows: nothing to ingest")
+    fp = _fingerprint(cfg, table)
+    src, pdir = source_dir(root, cfg.source), plan_dir(root, cfg.source)
+    num_units = -(-table.num_rows // cfg.rows_per_unit)
+    units = [unit_name(cfg.source, i) for i in range(num_units)]
+    done = sorted(src.glob("[0-9]*.parquet")) if src.exists() else []
+    old = pdir / "plan.json"
+    if old.exists():
+        prev = json.loads(old.read_text())
+        if prev.get("fingerprint") == fp:
+            say(f"plan for {cfg.source!r} unchanged: {len(units)} units, {len(done)} finished")
+            return units
+        if done and not replace:
+            raise UserError(f"source {cfg.source!r} was planned from a different table or configuration and "
+                            f"{len(done)} units are finished. Use another --name, or --replace to delete "
+                            f"{src} and start over.")
+    if replace and src.exists():
+        shutil.rmtree(src)
+    pdir.mkdir(parents=True, exist_ok=True)
+    tmp = pdir / f".input.parquet.tmp{os.getpid()}"
+    pq.write_table(table, tmp, row_group_size=cfg.rows_per_unit, compression="zstd")
+    os.replace(tmp, pdir / "input.parquet")
+    doc = {"plan_version": PLAN_VERSION, "fingerprint": fp, "num_rows": table.num_rows,
+           "num_units": num_units, "config": dataclasses.asdict(cfg)}
+    tmp = pdir / f".plan.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(doc, indent=2))
+    os.replace(tmp, old)
+    errs = sum(1 for e in table.column("row_error").to_pylist() if e)
+    dups = table.num_rows - table.column("duplicate_of").null_count
+    say(f"planned {cfg.source!r}: {table.num_rows} rows in {num_units} units of {cfg.rows_per_unit} "
+        f"({errs} malformed rows, {dups} duplicate rows: recorded as rejects)")
+    return units

@@ -1,0 +1,202 @@
+"""Source tables -> one normalized input table, one row per input row.
+
+Formats (``--source``):
+
+- ``openvid``: OpenVid-1M / OpenVidHD CSV, header exactly DATASETS.md's; ``video`` is a file name
+  inside ``--videos``; its frame/fps/seconds are kept as ``stated_*`` (the probe is authoritative).
+- ``miradata``: ``miradata_v1_330k.csv``; ``file_path`` relative to ``--videos``; every caption
+  is kept, and which one becomes ``text`` must be chosen with ``--caption``.
+- ``csv`` / ``parquet``: at least ``path,text``; Open-Sora's ``num_frames,fps,height,width`` are
+  read as ``stated_*`` when present.
+- ``folder``: every video under ``--videos``, caption from the ``.txt`` beside it.
+
+A table missing required columns is refused before any work starts, with the missing names and,
+when the header matches another known format, which ``--source`` was probably meant. Rows are
+never dropped: a malformed row comes through with ``row_error`` set, a repeated path with
+``duplicate_of``; the unit turns both into recorded rejects.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+from reelcache import UserError
+
+OPENVID_COLUMNS = ["video", "caption", "aesthetic score", "motion score", "temporal consistency score",
+                   "camera motion", "frame", "fps", "seconds"]
+MIRADATA_COLUMNS = ["clip_id", "source", "video_url", "video_id", "width", "height", "fps", "seconds",
+                    "timestamp", "frame_number", "framestamp", "file_path", "short_caption",
+                    "dense_caption", "background_caption", "main_object_caption", "style_caption",
+                    "camera_caption"]
+MIRADATA_CAPTIONS = ["short_caption", "dense_caption", "background_caption", "main_object_caption",
+                     "style_caption", "camera_caption"]
+GENERIC_COLUMNS = ["path", "text"]
+VIDEO_EXTENSIONS = {".mp4", ".mov", ".m4v", ".mkv", ".webm", ".avi", ".ts", ".mpg", ".mpeg", ".flv", ".wmv"}
+FORMATS = ("openvid", "miradata", "csv", "parquet", "folder")
+REQUIRED = {"openvid": OPENVID_COLUMNS, "miradata": MIRADATA_COLUMNS, "csv": GENERIC_COLUMNS,
+            "parquet": GENERIC_COLUMNS}
+
+# Columns of the normalized input table besides those it shares with `clips`.
+INTERNAL = {"row_error": "string", "duplicate_of": "int64"}
+SHARED = ["row", "relpath", "path", "text", "clip_id", "stated_num_frames", "stated_fps", "stated_duration",
+          "aesthetic_score", "motion_score", "temporal_consistency_score", "camera_motion",
+          "mira_clip_id", "mira_source", "video_url", "video_id", "timestamp", "framestamp",
+          *MIRADATA_CAPTIONS, "caption_column"]
+
+
+def clip_id(source: str, relpath: str, occurrence: int = 0) -> str:
+    """Stable id from (source, relative path); later repeats of a path get their own id."""
+    key = f"{source}\0{relpath}" + (f"\0{occurrence}" if occurrence else "")
+    return hashlib.blake2b(key.encode(), digest_size=10).hexdigest()
+
+
+def _num(v, kind=float):
+    if v is None or v == "":
+        return None
+    try:
+        x = float(v)
+        return int(x) if kind is int and x == int(x) else (None if kind is int else x)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _guess(header: list[str]) -> str:
+    for name, cols in REQUIRED.items():
+        if name != "parquet" and set(cols) <= set(header):
+            return f" This header looks like --source {name}."
+    return ""
+
+
+def _check_header(kind: str, header: list[str], where: str) -> None:
+    missing = [c for c in REQUIRED[kind] if c not in header]
+    if missing:
+        raise UserError(f"{where} is not a {kind} table: missing column(s) {', '.join(map(repr, missing))}; "
+                        f"found {', '.join(map(repr, header[:20]))}.{_guess(header)}")
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[tuple[list[str] | None, str | None]]]:
+    csv.field_size_limit(sys.maxsize)
+    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        reader = csv.reader(f)
+        try:
+            header = [h.strip() for h in next(reader)]
+        except StopIteration:
+            raise UserError(f"{path} is empty: no header row") from None
+        rows = []
+        while True:
+            try:
+                fields = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as e:
+                rows.append((None, f"line {reader.line_num}: unparseable CSV ({e})"))
+                continue
+            if not fields:
+                continue  # blank line: not a row
+            if len(fields) != len(header):
+                rows.append((fields, f"line {reader.line_num}: {len(fields)} fields, header has {len(header)}"))
+            else:
+                rows.append((fields, None))
+    return header, rows
+
+
+def _records(kind: str, meta: Path | None, videos: Path):
+    """Yield (fields dict | None, row_error) per input row."""
+    if kind == "folder":
+        if not videos.is_dir():
+            raise UserError(f"--videos {videos} is not a directory")
+        for p in sorted(videos.rglob("*")):
+            if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file():
+                txt = p.with_suffix(".txt")
+                text = txt.read_text(encoding="utf-8", errors="replace").strip() if txt.exists() else ""
+                yield {"path": str(p.relative_to(videos)), "text": text}, None
+        return
+    if meta is None or not meta.exists():
+        raise UserError(f"--meta {meta} does not exist")
+    if kind == "parquet" or meta.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(meta)
+        _check_header("parquet" if kind == "parquet" else kind, table.column_names, str(meta))
+        for r in table.to_pylist():
+            yield {k: (None if v is None else str(v)) for k, v in r.items()}, None
+        return
+    header, rows = _read_csv(meta)
+    _check_header(kind, header, str(meta))
+    for fields, err in rows:
+        yield (dict(zip(header, fields)) if fields else None), err
+
+
+def read_source(kind: str, source: str, meta: str | None, videos: str, caption: str | None = None):
+    """Read any supported table into the normalized input table (pyarrow), one row per input row."""
+    import pyarrow as pa
+
+    if kind not in FORMATS:
+        raise UserError(f"unknown --source format {kind!r}; choose one of {', '.join(FORMATS)}")
+    if kind == "miradata":
+        if caption is None:
+            raise UserError("MiraData has six captions; choose which one trains with --caption "
+                            f"({', '.join(c.removesuffix('_caption') for c in MIRADATA_CAPTIONS)}). "
+                            "All of them are kept in the catalog either way.")
+        caption = caption if caption.endswith("_caption") else f"{caption}_caption"
+        if caption not in MIRADATA_CAPTIONS:
+            raise UserError(f"--caption {caption!r} is not a MiraData caption column")
+    videos_dir = Path(videos).resolve()
+    seen: dict[str, tuple[int, int]] = {}
+    out = []
+    for i, (rec, err) in enumerate(_records(kind, Path(meta) if meta else None, videos_dir)):
+        rec = rec or {}
+        r = _normalize(kind, rec, caption)
+        r["row"] = i
+        r["row_error"] = err
+        rel = os.path.normpath(r["relpath"]) if r.get("relpath") else None
+        r["relpath"] = rel
+        r["path"] = str(videos_dir / rel) if rel else None
+        if rel and not err:
+            first, n = seen.get(rel, (i, 0))
+            seen[rel] = (first, n + 1)
+            r["duplicate_of"] = first if n else None
+            r["clip_id"] = clip_id(source, rel, n)
+        else:
+            r["duplicate_of"] = None
+            r["clip_id"] = clip_id(source, f"#row{i}")
+        out.append(r)
+    schema = input_schema()
+    return pa.Table.from_pylist(out, schema=schema)
+
+
+def input_schema():
+    import pyarrow as pa
+
+    from reelcache.catalog.db import clips_arrow_schema
+
+    clips = clips_arrow_schema()
+    fields = [clips.field(n) for n in SHARED]
+    fields += [pa.field(n, t) for n, t in INTERNAL.items()]
+    return pa.schema(fields)
+
+
+def _normalize(kind: str, rec: dict, caption: str | None) -> dict:
+    g = rec.get
+    if kind == "openvid":
+        return {"relpath": g("video"), "text": g("caption"),
+                "aesthetic_score": _num(g("aesthetic score")), "motion_score": _num(g("motion score")),
+                "temporal_consistency_score": _num(g("temporal consistency score")),
+                "camera_motion": g("camera motion"),
+                "stated_num_frames": _num(g("frame"), int), "stated_fps": _num(g("fps")),
+                "stated_duration": _num(g("seconds"))}
+    if kind == "miradata":
+        r = {"relpath": g("file_path"), "text": g(caption), "caption_column": caption,
+             "mira_clip_id": g("clip_id"), "mira_source": g("source"), "video_url": g("video_url"),
+             "video_id": g("video_id"), "timestamp": g("timestamp"), "framestamp": g("framestamp"),
+             "stated_num_frames": _num(g("frame_number"), int), "stated_fps": _num(g("fps")),
+             "stated_duration": _num(g("seconds"))}
+        r.update({c: g(c) for c in MIRADATA_CAPTIONS})
+        return r
+    return {"relpath": g("path"), "text": g("text"),
+            "stated_num_frames": _num(g("num_frames"), int), "stated_fps": _num(g("fps")),
+            "stated_duration": _num(g("seconds"))}

@@ -1,0 +1,5 @@
+import sys
+
+from reelcache.cli import main
+
+sys.exit(main())

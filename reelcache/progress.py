@@ -1,0 +1,24 @@
+"""Progress bars for long work, on stderr so that stdout stays machine-readable.
+
+Bars show count, rate and ETA when stderr is a terminal; under GNU parallel or CI (no tty)
+they stay silent and the caller prints one summary line instead, so logs are not flooded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tqdm import tqdm
+
+
+def bar(total: int | None = None, desc: str = "", unit: str = "it", **kw) -> tqdm:
+    force = os.environ.get("REELCACHE_PROGRESS")
+    disable = {"1": False, "0": True}.get(force, not sys.stderr.isatty())
+    return tqdm(total=total, desc=desc, unit=unit, disable=disable, dynamic_ncols=True,
+                smoothing=0.1, file=sys.stderr, **kw)
+
+
+def say(msg: str) -> None:
+    """One line of human-facing status on stderr."""
+    print(msg, file=sys.stderr, flush=True)
