@@ -49,7 +49,7 @@ def open_catalog(root: str | Path, *, write: bool = False):
     path.parent.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(path))
     con.execute(schema_sql())
-    row = con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    row = next(iter(con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()), None)
     want = schema_version()
     if row is None:
         con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(want)])

@@ -74,7 +74,7 @@ def merge(root: str | Path) -> dict:
                                 "Nothing was merged.")
             recompute_levels(con)
         con.execute("COMMIT")
-        rows, ok = con.execute("SELECT count(*), count(*) FILTER (status = 'ok') FROM clips").fetchone()
+        rows, ok = con.execute("SELECT count(*), count(*) FILTER (status = 'ok') FROM clips").fetchall()[0]
     except BaseException:
         try:
             con.execute("ROLLBACK")

@@ -36,7 +36,7 @@ def copy_to(con, query: str, out: str) -> int:
     except duckdb.Error as e:
         raise _sql_error(e, query) from e
     os.replace(tmp, out)
-    return con.execute(f"SELECT count(*) FROM ({query})").fetchone()[0]
+    return con.execute(f"SELECT count(*) FROM ({query})").fetchall()[0][0]
 
 
 def run_sql(root, query: str, out: str | None = None, limit: int = 50) -> None:

@@ -1,0 +1,64 @@
+# reelcache: `make demo` (install + the whole pipeline on a generated dataset), `make test`.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+JOBS ?= $(shell nproc)
+
+DEMO_DATA ?= demo-data
+DEMO_ROOT ?= demo-root
+
+# make ingest ROOT=/data/rc SOURCE=openvid META=OpenVid-1M.csv VIDEOS=/data/openvid [NAME=..] [ARGS=..]
+ROOT ?=
+SOURCE ?=
+META ?=
+VIDEOS ?=
+NAME ?= $(SOURCE)
+ARGS ?=
+
+.PHONY: install demo ingest test bench clean
+
+install: $(STAMP)
+
+# torch is pinned (an unpinned one pulls gigabytes of CUDA wheels); colossalai 0.5.0 pins an old
+# torch, so it goes in with --no-deps plus the few modules it imports, never via pyproject.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
+	$(BIN)/pip install -q psutil einops peft accelerate bitsandbytes
+	touch $@
+
+demo: install
+	@[ -f $(DEMO_DATA)/OpenVid-demo.csv ] || $(BIN)/reelcache demo generate --out $(DEMO_DATA)
+	$(MAKE) --no-print-directory ingest ROOT=$(DEMO_ROOT) SOURCE=openvid META=$(DEMO_DATA)/OpenVid-demo.csv \
+	    VIDEOS=$(DEMO_DATA)/videos ARGS="--config configs/ingest/demo.toml"
+	$(BIN)/reelcache catalog stats --root $(DEMO_ROOT)
+	$(BIN)/reelcache catalog manifest --root $(DEMO_ROOT) --name demo-stage1 \
+	    --where "height >= 240 AND level <= 3 AND noun_pct < 99.99"
+	$(BIN)/reelcache catalog export --root $(DEMO_ROOT) --format opensora --where "level <= 3" \
+	    --out $(DEMO_ROOT)/exports/demo-stage1-opensora.csv
+	@echo "demo done: catalog $(DEMO_ROOT)/catalog.duckdb, plots $(DEMO_ROOT)/stats/catalog.png"
+
+ingest: install
+	@[ -n "$(ROOT)" ] && [ -n "$(SOURCE)" ] && [ -n "$(VIDEOS)" ] || \
+	    { echo "usage: make ingest ROOT=... SOURCE=openvid|miradata|csv|parquet|folder META=... VIDEOS=... [NAME=] [ARGS=]"; exit 2; }
+	mkdir -p $(ROOT)
+	$(BIN)/reelcache ingest plan --root $(ROOT) --source $(SOURCE) --name $(NAME) \
+	    $(if $(META),--meta $(META)) --videos $(VIDEOS) $(ARGS) > $(ROOT)/units-$(NAME).txt
+	parallel --will-cite -j $(JOBS) --joblog $(ROOT)/ingest-$(NAME).joblog \
+	    $(BIN)/reelcache ingest run --root $(ROOT) {} :::: $(ROOT)/units-$(NAME).txt
+	$(BIN)/reelcache catalog merge --root $(ROOT)
+
+test: install
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/python bench/bench_ingest.py
+
+clean:
+	rm -rf $(DEMO_ROOT) bench-out .pytest_cache

@@ -1,0 +1,247 @@
+"""End to end: every input row accounted for, shards readable by plain webdataset, idempotent
+merge, exports and manifests, SIGKILL mid-unit, GNU parallel with two slots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ingest, sql
+from reelcache.cli import main
+from reelcache.ingest.filters import Reason
+
+EXPECTED_REJECTS = {
+    "bad_row": "broken_row.mp4", "duplicate_row": None, "empty_caption": None,
+    "missing_file": "not_there.mp4", "empty_file": "zero_bytes.mp4", "too_large": "huge_noise.mp4",
+    "no_video_stream": "audio_only.mp4", "undecodable": "random_bytes.mp4", "truncated": "cut_in_half.mp4",
+    "too_short": "short_clip.mp4",
+}
+
+
+def _csv_rows(data: Path) -> int:
+    with open(data / "OpenVid-demo.csv", newline="") as f:
+        return sum(1 for _ in csv.reader(f)) - 1
+
+
+def test_every_row_accounted_for(ingested, demo_dataset):
+    (n,), = sql(ingested, "SELECT count(*) FROM clips")
+    assert n == _csv_rows(demo_dataset)
+    (distinct,), = sql(ingested, "SELECT count(DISTINCT clip_id) FROM clips")
+    assert distinct == n
+    rows = sql(ingested, "SELECT \"row\" FROM clips ORDER BY 1")
+    assert [r for r, in rows] == list(range(n))
+    bad = sql(ingested, "SELECT count(*) FROM clips WHERE status NOT IN ('ok','rejected') "
+                        "OR (status = 'rejected') = (reject_reason IS NULL)")
+    assert bad == [(0,)]
+
+
+def test_every_reject_reason_comes_from_a_real_bad_input(ingested):
+    got = dict(sql(ingested, "SELECT reject_reason, list(relpath ORDER BY relpath) FROM clips "
+                             "WHERE status = 'rejected' GROUP BY 1"))
+    for reason, name in EXPECTED_REJECTS.items():
+        assert reason in got, f"no {reason} reject; got {sorted(got)}"
+        if name:
+            assert name in got[reason], (reason, got[reason])
+    assert {"cut_in_half.mp4", "cut_no_moov.mp4", "cut_in_half.mkv"} <= set(got["truncated"])
+    assert set(got) <= {r.value for r in Reason}
+
+
+def test_probe_metadata_is_consistent(ingested):
+    rows = sql(ingested, "SELECT width, height, aspect_ratio, resolution, fps, fps_num, fps_den, num_frames, "
+                         "duration, noun_count, level, noun_tagger FROM clips WHERE status = 'ok'")
+    assert len(rows) >= 15
+    for w, h, ar, res, fps, num, den, nf, dur, nouns, level, tagger in rows:
+        assert ar == pytest.approx(h / w) and res == h * w
+        assert fps == pytest.approx(num / den)
+        assert dur == pytest.approx(nf / fps, rel=0.05, abs=0.1)
+        assert nouns >= 1 and 1 <= level <= 5 and tagger.startswith("textblob")
+    mism = sql(ingested, "SELECT stated_mismatch FROM clips WHERE stated_mismatch IS NOT NULL")
+    assert any("num_frames" in m for m, in mism) and any("fps" in m for m, in mism)
+
+
+def test_shards_read_by_plain_webdataset(ingested):
+    import webdataset as wds
+
+    shards = sorted(str(p) for p in (ingested / "raw" / "openvid").glob("*.tar"))
+    assert len(shards) >= 3
+    seen = {}
+    for s in wds.WebDataset(shards, shardshuffle=False):
+        meta = json.loads(s["json"])
+        video_ext = next(k for k in s if k not in ("__key__", "__url__", "json", "txt", "__local_path__"))
+        seen[s["__key__"]] = (meta, s[video_ext], s["txt"].decode())
+    ok = sql(ingested, "SELECT clip_id, path, text, shard, shard_offset, file_size FROM clips WHERE status = 'ok'")
+    assert set(seen) == {r[0] for r in ok}
+    for clip_id, path, text, shard, offset, size in ok:
+        meta, video, txt = seen[clip_id]
+        original = Path(path).read_bytes()
+        assert video == original and txt == text and meta["clip_id"] == clip_id
+        with open(ingested / shard, "rb") as f:   # the recorded offset is random access into the tar
+            f.seek(offset)
+            assert f.read(size) == original
+
+
+def test_merge_is_idempotent_and_incremental(fresh_root):
+    def snapshot():
+        return (sql(fresh_root, "SELECT * EXCLUDE (level, noun_pct) FROM clips ORDER BY clip_id"),
+                sql(fresh_root, "SELECT unit, signature, num_rows FROM units ORDER BY 1"))
+
+    before = snapshot()
+    assert main(["catalog", "merge", "--root", str(fresh_root)]) == 0
+    assert snapshot() == before
+    # Drop two units from the catalog's memory by removing them and merging a fresh catalog
+    # of the others, then add them back: only they are inserted.
+    sidecars = sorted((fresh_root / "raw" / "openvid").glob("[0-9]*.parquet"))
+    hold = fresh_root / "held"
+    hold.mkdir()
+    for p in sidecars[:2]:
+        shutil.move(p, hold / p.name)
+    (fresh_root / "catalog.duckdb").unlink()
+    assert main(["catalog", "merge", "--root", str(fresh_root)]) == 0
+    assert len(sql(fresh_root, "SELECT * FROM units")) == len(sidecars) - 2
+    for p in hold.iterdir():
+        shutil.move(p, fresh_root / "raw" / "openvid" / p.name)
+    from reelcache.catalog.merge import merge
+
+    assert merge(fresh_root)["merged"] == 2
+    assert snapshot()[0] == before[0]
+
+
+def test_opensora_export_reads_back(ingested, tmp_path):
+    out = tmp_path / "stage1.csv"
+    assert main(["catalog", "export", "--root", str(ingested), "--format", "opensora",
+                 "--where", "height >= 240", "--out", str(out)]) == 0
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["path", "text", "num_frames", "height", "width", "aspect_ratio", "resolution",
+                             "fps", "file_size"]
+    for r in rows:
+        assert Path(r["path"]).is_file() and r["text"]
+        assert float(r["aspect_ratio"]) == pytest.approx(int(r["height"]) / int(r["width"]))
+        assert int(r["resolution"]) == int(r["height"]) * int(r["width"])
+        assert int(r["file_size"]) == Path(r["path"]).stat().st_size
+    (n,), = sql(ingested, "SELECT count(*) FROM clips WHERE status='ok' AND height >= 240")
+    assert len(rows) == n
+
+
+def test_manifest_is_fingerprinted_and_recorded(fresh_root):
+    from reelcache.catalog.manifest import make_manifest, read_manifest
+
+    p1 = make_manifest(fresh_root, "stage1", "level <= 3 AND noun_pct < 99.99")
+    p2 = make_manifest(fresh_root, "stage1", "level <= 3 AND noun_pct < 99.99")
+    assert p1 == p2 and p1.exists()
+    table, fp = read_manifest(p1)
+    assert p1.name == f"stage1-{fp[:16]}.parquet"
+    assert table.column("clip_id").to_pylist() == sorted(table.column("clip_id").to_pylist())
+    assert max(table.column("level").to_pylist()) <= 3
+    p3 = make_manifest(fresh_root, "stage1", "level <= 2")
+    assert p3 != p1
+    assert sql(fresh_root, "SELECT count(*) FROM manifests WHERE name = 'stage1'") == [(2,)]
+    from reelcache import UserError
+
+    with pytest.raises(UserError, match="no ok clips"):
+        make_manifest(fresh_root, "empty", "height > 100000")
+
+
+def test_sql_writes_files_and_explains_errors(ingested, tmp_path, capsys):
+    for ext in ("csv", "json", "parquet"):
+        out = tmp_path / f"rejects.{ext}"
+        assert main(["catalog", "sql", "--root", str(ingested), "SELECT * FROM clips WHERE status='rejected'",
+                     "--out", str(out)]) == 0
+        assert out.stat().st_size > 0
+    assert main(["catalog", "sql", "--root", str(ingested), "SELECT nope FROM clips"]) == 2
+    assert "SQL failed" in capsys.readouterr().err
+
+
+def test_stats_prints_reasons_and_writes_png(ingested, tmp_path, capsys):
+    assert main(["catalog", "stats", "--root", str(ingested), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for reason in EXPECTED_REJECTS:
+        assert reason in out
+    png = tmp_path / "catalog.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replan_with_other_config_is_refused(fresh_root, demo_dataset, capsys):
+    args = ["ingest", "plan", "--root", str(fresh_root), "--source", "openvid", "--meta",
+            str(demo_dataset / "OpenVid-demo.csv"), "--videos", str(demo_dataset / "videos"), "--max-file-mb", "8"]
+    assert main(args + ["--rows-per-unit", "8"]) == 0          # same plan: a no-op
+    assert main(args + ["--rows-per-unit", "5"]) == 2
+    assert "--replace" in capsys.readouterr().err
+
+
+def _cli(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "reelcache", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_sigkill_mid_unit_then_rerun_equals_clean_run(demo_dataset, ingested, tmp_path):
+    """Kill a unit right after it made its first shard visible, re-run it, compare with a clean run."""
+    root = tmp_path / "killed"
+    base = ["--root", str(root)]
+    plan = _cli("ingest", "plan", *base, "--source", "openvid", "--meta", str(demo_dataset / "OpenVid-demo.csv"),
+                "--videos", str(demo_dataset / "videos"), "--rows-per-unit", "8", "--max-file-mb", "8",
+                "--shard-mb", "0.3", "--verify", "decode")
+    units = plan.communicate()[0].split()
+    assert plan.returncode == 0
+    unit = units[0]
+    src = root / "raw" / "openvid"
+    proc = _cli("ingest", "run", *base, unit)
+    deadline = time.monotonic() + 60
+    while not (src / "000000-00.tar").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (src / "000000.parquet").exists(), "the unit finished before it could be killed"
+    assert (src / "000000-00.tar").exists()
+    from reelcache.catalog.merge import merge
+
+    assert merge(root)["orphans"]                        # the half-done unit is reported, not merged
+    assert sql(root, "SELECT count(*) FROM clips") == [(0,)]
+    for u in units:
+        assert main(["ingest", "run", *base, u]) == 0
+    merge(root)
+    clean = tmp_path / "clean"
+    ingest(clean, demo_dataset, "--shard-mb", "0.3", "--verify", "decode")
+    q = "SELECT * FROM clips ORDER BY clip_id"
+    assert sql(root, q) == sql(clean, q)
+
+    def members(r):
+        return {p.name: [(m.name, m.size) for m in tarfile.open(p)] for p in sorted((r / "raw/openvid").glob("*.tar"))}
+
+    assert members(root) == members(clean)
+    assert not list(src.glob(".*tmp*"))
+
+
+def test_gnu_parallel_two_slots(demo_dataset, tmp_path):
+    if not shutil.which("parallel"):
+        pytest.skip("GNU parallel is not installed (apt-get install parallel)")
+    root = tmp_path / "par"
+    plan = _cli("ingest", "plan", "--root", str(root), "--source", "openvid", "--meta",
+                str(demo_dataset / "OpenVid-demo.csv"), "--videos", str(demo_dataset / "videos"),
+                "--rows-per-unit", "6", "--max-file-mb", "8")
+    units = plan.communicate()[0]
+    (tmp_path / "units.txt").write_text(units)
+    assert len(units.split()) >= 4
+    def run(joblog):
+        cmd = ["parallel", "--will-cite", "-j", "2", "--joblog", str(joblog), sys.executable, "-m", "reelcache",
+               "ingest", "run", "--root", str(root), "{}", "::::", str(tmp_path / "units.txt")]
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        log = joblog.read_text().splitlines()[1:]
+        assert len(log) == len(units.split()) and all(line.split("\t")[6] == "0" for line in log)
+        return done.stderr
+
+    run(tmp_path / "joblog1")
+    assert run(tmp_path / "joblog2").count("already done") == len(units.split())   # finished units skip
+    assert main(["catalog", "merge", "--root", str(root)]) == 0
+    (n,), = sql(root, "SELECT count(*) FROM clips")
+    assert n == _csv_rows(demo_dataset)
