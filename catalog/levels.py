@@ -12,8 +12,8 @@ taggers are not comparable, and levels should be computed over one.
 
 Levels are recomputed on every merge over accepted clips: the 20/40/60/80% cut points of
 ``noun_count`` come from one ``quantile_cont`` aggregate and a CASE assigns the level (cheap:
-no window over all columns). ``noun_pct`` is a tie-broken percentile (ties ordered by clip id),
-so ``WHERE noun_pct < 99.99`` drops exactly the hardest 0.01%.
+no window over all columns). ``noun_pct`` is the percentage of ok clips that come before this one in (noun_count, clip_id)
+order (ties broken by id), so ``WHERE noun_pct < 99.99`` drops exactly the hardest 0.01%.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ WITH cuts AS (
     SELECT quantile_cont(noun_count, [0.2, 0.4, 0.6, 0.8]) AS q
     FROM clips WHERE status = 'ok' AND noun_count IS NOT NULL
 ), ranked AS (
-    SELECT clip_id, 100.0 * cume_dist() OVER (ORDER BY noun_count, clip_id) AS pct
+    SELECT clip_id, 100.0 * (row_number() OVER (ORDER BY noun_count, clip_id) - 1) / count(*) OVER () AS pct
     FROM clips WHERE status = 'ok' AND noun_count IS NOT NULL
 )
 UPDATE clips SET

@@ -1,0 +1,42 @@
+"""Isolation: a hanging or crashing call costs one item, never the unit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from reelcache.ingest.isolate import Failed, isolated_map
+
+
+def work(x):
+    if x == "hang":
+        time.sleep(60)
+    if x == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if x == "raise":
+        raise ValueError("bad item")
+    return x * 2
+
+
+def test_results_in_order_despite_hangs_crashes_and_errors():
+    items = [1, "hang", 2, "segv", 3, "raise", 4]
+    t0 = time.monotonic()
+    out = list(isolated_map(work, items, workers=2, timeout=1.5))
+    assert time.monotonic() - t0 < 30
+    assert [i for i, _ in out] == items
+    res = dict((str(i), r) for i, r in out)
+    assert [res[k] for k in "1234"] == [2, 4, 6, 8]
+    assert isinstance(res["hang"], Failed) and res["hang"].reason == "timeout"
+    assert isinstance(res["segv"], Failed) and res["segv"].reason == "crashed" and "SIGSEGV" in res["segv"].detail
+    assert isinstance(res["raise"], ValueError)
+
+
+def test_memory_cap_turns_a_runaway_allocation_into_a_result():
+    out = list(isolated_map(_allocate, [10, 4000, 10], workers=1, timeout=30, memory_mb=1500))
+    assert out[0][1] == 10 and out[2][1] == 10
+    assert isinstance(out[1][1], Failed) and out[1][1].reason == "crashed"
+
+
+def _allocate(mb):
+    return len(bytearray(mb * 1024 * 1024)) // (1024 * 1024)

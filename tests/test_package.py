@@ -1,0 +1,36 @@
+"""The wheel installs only `reelcache.*`: bare train/cache/catalog/ingest are not ours to take."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_contains_only_the_reelcache_namespace(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True)
+    wheel, = tmp_path.glob("reelcache-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops <= {"reelcache", next(t for t in tops if t.endswith(".dist-info"))}, tops
+    for stage in ("ingest", "catalog", "cache", "train"):
+        assert f"reelcache/{stage}/__init__.py" in names
+    assert "reelcache/catalog/schema.sql" in names
+
+
+def test_bare_stage_names_are_not_importable(tmp_path):
+    code = ("import importlib.util as u, reelcache.catalog, reelcache.ingest, reelcache.cache, reelcache.train;"
+            "print([n for n in ('train','cache','catalog','ingest') if u.find_spec(n)])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_cli_starts_without_heavy_imports(tmp_path):
+    code = ("import sys; from reelcache.cli import build_parser; build_parser();"
+            "print([m for m in ('torch','duckdb','av','pyarrow','matplotlib') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,87 @@
+"""Source tables: exact headers refused with a useful message, every row kept, stable ids."""
+
+from __future__ import annotations
+
+import csv
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from reelcache import UserError
+from reelcache.ingest.sources import MIRADATA_COLUMNS, OPENVID_COLUMNS, clip_id, read_source
+
+
+def _write_csv(path, header, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def mira_row(i, path):
+    return [f"mira{i}", "youtube", f"https://example.invalid/{i}", f"vid{i}", 1280, 720, 30, 12.5,
+            "['0:00:01.000', '0:00:13.500']", 375, "[30, 405]", path, f"short {i}", f"dense caption {i} " * 40,
+            "bg", "main object", "style", "camera pans"]
+
+
+def test_openvid_header_is_checked_and_other_format_named(tmp_path):
+    bad = _write_csv(tmp_path / "m.csv", MIRADATA_COLUMNS, [mira_row(0, "a.mp4")])
+    with pytest.raises(UserError) as e:
+        read_source("openvid", "openvid", str(bad), str(tmp_path))
+    msg = str(e.value)
+    assert "'video'" in msg and "'caption'" in msg and "--source miradata" in msg
+    missing = _write_csv(tmp_path / "o.csv", OPENVID_COLUMNS[:-1], [["a.mp4", "cap", 5, 1, 1, "static", 10, 30]])
+    with pytest.raises(UserError, match="'seconds'"):
+        read_source("openvid", "openvid", str(missing), str(tmp_path))
+
+
+def test_openvid_rows_scores_and_stated_metadata(tmp_path):
+    rows = [["a.mp4", "A dog.", "5.1", "2.0", "0.97", "pan_left", "120", "30", "4.0"],
+            ["sub/b.mp4", "A cat.", "x", "", "", "static", "abc", "", ""],
+            ["a.mp4", "Again.", "5", "1", "1", "static", "1", "1", "1"]]
+    meta = _write_csv(tmp_path / "OpenVid.csv", OPENVID_COLUMNS, rows)
+    with open(meta, "a") as f:
+        f.write("short,row\n")
+    t = read_source("openvid", "openvid", str(meta), str(tmp_path)).to_pylist()
+    assert len(t) == 4 and [r["row"] for r in t] == [0, 1, 2, 3]
+    assert t[0]["aesthetic_score"] == 5.1 and t[0]["stated_num_frames"] == 120 and t[0]["camera_motion"] == "pan_left"
+    assert t[0]["path"] == str(tmp_path / "a.mp4") and t[1]["relpath"] == "sub/b.mp4"
+    assert t[1]["aesthetic_score"] is None and t[1]["stated_num_frames"] is None     # unparseable -> NULL, row kept
+    assert t[2]["duplicate_of"] == 0 and t[2]["clip_id"] != t[0]["clip_id"]
+    assert t[3]["row_error"] and "2 fields" in t[3]["row_error"]
+    assert t[0]["clip_id"] == clip_id("openvid", "a.mp4")                           # stable across runs
+
+
+def test_miradata_caption_must_be_chosen_and_all_are_kept(tmp_path):
+    meta = _write_csv(tmp_path / "mira.csv", MIRADATA_COLUMNS, [mira_row(0, "000/a.mp4"), mira_row(1, "000/b.mp4")])
+    with pytest.raises(UserError, match="--caption"):
+        read_source("miradata", "miradata", str(meta), str(tmp_path))
+    t = read_source("miradata", "miradata", str(meta), str(tmp_path), caption="short").to_pylist()
+    assert t[0]["text"] == "short 0" and t[0]["caption_column"] == "short_caption"
+    assert t[0]["dense_caption"].startswith("dense caption 0") and t[0]["camera_caption"] == "camera pans"
+    assert t[1]["mira_clip_id"] == "mira1" and t[1]["stated_duration"] == 12.5 and t[1]["stated_num_frames"] == 375
+    t = read_source("miradata", "miradata", str(meta), str(tmp_path), caption="dense_caption").to_pylist()
+    assert t[0]["text"].startswith("dense caption")
+
+
+def test_generic_csv_and_parquet_with_opensora_columns(tmp_path):
+    rows = [{"path": "x.mp4", "text": "t", "num_frames": 51, "fps": 24.0, "height": 240, "width": 426}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "m.parquet")
+    t = read_source("parquet", "mine", str(tmp_path / "m.parquet"), str(tmp_path)).to_pylist()
+    assert t[0]["stated_num_frames"] == 51 and t[0]["stated_fps"] == 24.0
+    meta = _write_csv(tmp_path / "m.csv", ["path", "text"], [["x.mp4", "t"]])
+    assert read_source("csv", "mine", str(meta), str(tmp_path)).num_rows == 1
+    with pytest.raises(UserError, match="'text'"):
+        read_source("csv", "mine", str(_write_csv(tmp_path / "n.csv", ["path", "caption"], [["x", "y"]])), str(tmp_path))
+
+
+def test_folder_with_sidecar_captions(tmp_path):
+    (tmp_path / "v" / "sub").mkdir(parents=True)
+    (tmp_path / "v" / "a.mp4").write_bytes(b"x")
+    (tmp_path / "v" / "a.txt").write_text("A red kite.\n")
+    (tmp_path / "v" / "sub" / "b.MKV").write_bytes(b"x")
+    (tmp_path / "v" / "notes.md").write_text("not a video")
+    t = read_source("folder", "mine", None, str(tmp_path / "v")).to_pylist()
+    assert [(r["relpath"], r["text"]) for r in t] == [("a.mp4", "A red kite."), ("sub/b.MKV", "")]
