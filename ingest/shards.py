@@ -6,8 +6,8 @@ members ``<key>.<ext>`` (original video bytes), ``<key>.json`` (metadata) and ``
 complete; the unit's sidecar parquet is renamed last, so a present sidecar means every shard it
 names is complete.
 
-Video bytes go from the source file to the tar with ``os.copy_file_range`` (falling back to
-``sendfile``/read-write): the kernel copies, nothing passes through Python buffers, which is
+Video bytes go from the source file to the tar with ``os.sendfile`` (falling back to
+``copy_file_range``, then read/write): the kernel copies, nothing passes through Python buffers, which is
 what keeps shard writing at the speed of ``cat``. If a file shrinks while being copied, the
 shard is cut back to before that member and the caller records a reject.
 """
@@ -34,15 +34,14 @@ class ShortRead(OSError):
 
 
 def _copy_fd(src: int, dst: int, n: int) -> int:
+    """Copy n bytes in the kernel (sendfile, else copy_file_range, else read/write)."""
     done = 0
     while done < n:
         try:
-            k = os.copy_file_range(src, dst, n - done)
-        except (AttributeError, OSError):
-            k = -1
-        if k < 0:
+            k = os.sendfile(dst, src, None, n - done)
+        except OSError:
             try:
-                k = os.sendfile(dst, src, None, n - done)
+                k = os.copy_file_range(src, dst, n - done)
             except OSError:
                 buf = os.read(src, min(1 << 20, n - done))
                 _write_all(dst, buf)
@@ -56,8 +55,8 @@ def _copy_fd(src: int, dst: int, n: int) -> int:
 class ShardWriter:
     """Writes members into ``<stem>-KK.tar`` files of at most ``max_bytes`` each."""
 
-    def __init__(self, directory: Path, stem: str, max_bytes: int):
-        self.dir, self.stem, self.max_bytes = Path(directory), stem, max_bytes
+    def __init__(self, directory: Path, stem: str, max_bytes: int, fsync: bool = True):
+        self.dir, self.stem, self.max_bytes, self.fsync = Path(directory), stem, max_bytes, fsync
         self.index = -1
         self.fd = None
         self.pos = 0
@@ -81,7 +80,8 @@ class ShardWriter:
         if self.fd is None:
             return
         _write_all(self.fd, b"\0" * (2 * BLOCK))   # end-of-archive marker
-        os.fsync(self.fd)
+        if self.fsync:             # durable before it becomes visible under its final name
+            os.fsync(self.fd)
         os.close(self.fd)
         self.fd = None
         os.replace(self._tmp(), self.dir / self.name)
