@@ -50,7 +50,7 @@ ingest: install
 	mkdir -p $(ROOT)
 	$(BIN)/reelcache ingest plan --root $(ROOT) --source $(SOURCE) --name $(NAME) \
 	    $(if $(META),--meta $(META)) --videos $(VIDEOS) $(ARGS) > $(ROOT)/units-$(NAME).txt
-	parallel --will-cite -j $(JOBS) --joblog $(ROOT)/ingest-$(NAME).joblog \
+	parallel --will-cite --bar -j $(JOBS) --joblog $(ROOT)/ingest-$(NAME).joblog \
 	    $(BIN)/reelcache ingest run --root $(ROOT) {} :::: $(ROOT)/units-$(NAME).txt
 	$(BIN)/reelcache catalog merge --root $(ROOT)
 

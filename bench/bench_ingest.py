@@ -72,14 +72,14 @@ def bench_probe(files: list[str]) -> None:
     import av
 
     from reelcache.ingest.isolate import isolated_map
-    from reelcache.ingest.probe import probe
+    from reelcache.ingest.probe import preload, probe
 
     def ours():
         for f in files:
             probe(f)
 
     def ours_isolated():
-        for _, r in isolated_map(probe, files, workers=1, timeout=30):
+        for _, r in isolated_map(probe, files, workers=1, timeout=30, init=preload):
             assert isinstance(r, dict), r
 
     def ffprobe(extra=()):

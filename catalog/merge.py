@@ -50,24 +50,29 @@ def merge(root: str | Path) -> dict:
         vanished = sorted(set(known) - set(sidecars))
         con.execute("BEGIN TRANSACTION")
         if todo:
-            batch = 256  # sidecars per INSERT: few statements, bounded file lists
+            import pyarrow as pa
+
+            batch = 512  # sidecars per INSERT: few statements (fast), bounded file lists, visible progress
             items = sorted(todo.items())
+            rerun = [u for u, _ in items if u in known]       # re-run units replace their rows
+            if rerun:
+                con.execute("DELETE FROM clips WHERE unit IN (SELECT unnest(?))", [rerun])
+                con.execute("DELETE FROM units WHERE unit IN (SELECT unnest(?))", [rerun])
             with bar(len(items), "merging units", "unit") as pbar:
                 for i in range(0, len(items), batch):
                     chunk = items[i:i + batch]
-                    names = [u for u, _ in chunk]
-                    files = [str(p) for _, p in chunk]
-                    con.execute("DELETE FROM clips WHERE unit IN (SELECT unnest(?))", [names])
-                    con.execute("DELETE FROM units WHERE unit IN (SELECT unnest(?))", [names])
                     con.execute("INSERT INTO clips BY NAME SELECT * FROM read_parquet(?, union_by_name = true)",
-                                [files])
-                    counts = {u: (n, k) for u, n, k in con.execute(
-                        "SELECT unit, count(*), count(*) FILTER (status = 'ok') FROM clips "
-                        "WHERE unit IN (SELECT unnest(?)) GROUP BY unit", [names]).fetchall()}
-                    con.executemany("INSERT INTO units VALUES (?, ?, ?, ?, ?, ?, now())", [
-                        (u, u.split("/")[0], str(p.relative_to(root)), _signature(p), *counts.get(u, (0, 0)))
-                        for u, p in chunk])
+                                [[str(p) for _, p in chunk]])
                     pbar.update(len(chunk))
+            con.register("_merged", pa.table({
+                "unit": [u for u, _ in items], "sidecar": [str(p.relative_to(root)) for _, p in items],
+                "signature": [_signature(p) for _, p in items]}))
+            con.execute("""
+                INSERT INTO units
+                SELECT m.unit, split_part(m.unit, '/', 1), m.sidecar, m.signature,
+                       count(c.unit), count(c.unit) FILTER (c.status = 'ok'), now()
+                FROM _merged m LEFT JOIN clips c ON c.unit = m.unit GROUP BY ALL""")
+            con.unregister("_merged")
             dup = con.execute("SELECT clip_id, count(*) FROM clips GROUP BY 1 HAVING count(*) > 1 LIMIT 3").fetchall()
             if dup:
                 raise UserError(f"clip ids appear twice in the catalog, e.g. {dup}: two sources share a --name? "

@@ -30,10 +30,13 @@ class Failed:
     detail: str
 
 
-def _worker(conn, fn, memory_mb):
+def _worker(conn, fn, memory_mb, init):
+    if init is not None:
+        init()
     if memory_mb:
         limit = int(memory_mb) * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    conn.send("ready")   # deadlines start only once the worker has imported everything
     while True:
         try:
             msg = conn.recv()
@@ -63,12 +66,16 @@ def _picklable(e) -> bool:
 
 
 class _Slot:
-    def __init__(self, ctx, fn, memory_mb):
+    def __init__(self, ctx, fn, memory_mb, init):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, fn, memory_mb), daemon=True)
+        self.proc = ctx.Process(target=_worker, args=(child, fn, memory_mb, init), daemon=True)
         self.proc.start()
         child.close()
         self.job = None          # (seq, item, deadline)
+
+    def wait_ready(self, timeout: float = 300.0):
+        if not self.conn.poll(timeout) or self.conn.recv() != "ready":
+            raise RuntimeError(f"probe worker did not start within {timeout:g} s")
 
     def kill(self):
         if self.proc.is_alive():
@@ -78,11 +85,18 @@ class _Slot:
 
 
 def isolated_map(fn: Callable[[Any], Any], items: Iterable, *, workers: int = 1,
-                 timeout: float = 30.0, memory_mb: int | None = None) -> Iterator[tuple[Any, Any]]:
-    """Yield (item, fn(item) | exception raised by fn | Failed) for each item, in order."""
+                 timeout: float = 30.0, memory_mb: int | None = None,
+                 init: Callable[[], None] | None = None) -> Iterator[tuple[Any, Any]]:
+    """Yield (item, fn(item) | exception raised by fn | Failed) for each item, in order.
+
+    ``init`` runs once in each worker before it reports ready (imports, warm-up), so that
+    deadlines measure the work on an item, never a worker's start-up.
+    """
     ctx = mp.get_context("spawn")
     todo = deque(enumerate(items))
-    slots = [_Slot(ctx, fn, memory_mb) for _ in range(max(1, min(workers, len(todo) or 1)))]
+    slots = [_Slot(ctx, fn, memory_mb, init) for _ in range(max(1, min(workers, len(todo) or 1)))]
+    for s in slots:
+        s.wait_ready()
     done: dict[int, tuple[Any, Any]] = {}
     nxt = 0
     try:
@@ -119,7 +133,8 @@ def isolated_map(fn: Callable[[Any], Any], items: Iterable, *, workers: int = 1,
                 s.job = None
                 if isinstance(result, Failed) and result.reason in ("timeout", "crashed"):
                     s.kill()
-                    slots[i] = _Slot(ctx, fn, memory_mb)
+                    slots[i] = _Slot(ctx, fn, memory_mb, init)
+                    slots[i].wait_ready()
             while nxt in done:
                 yield done.pop(nxt)
                 nxt += 1

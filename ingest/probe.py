@@ -44,6 +44,12 @@ def _frame_rate(stream) -> Fraction | None:
     return None
 
 
+def preload() -> None:
+    """Import PyAV ahead of the first file (probe workers call this before taking work)."""
+    import av  # noqa: F401
+    import av.error  # noqa: F401
+
+
 def mp4_cut(path: str, size: int) -> str | None:
     """For an ISO-BMFF file FFmpeg cannot open: say how it was cut short, reading box headers only.
 

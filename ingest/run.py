@@ -25,7 +25,7 @@ from reelcache import UserError
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason, Rejected, first_reject
 from reelcache.ingest.isolate import Failed, isolated_map
 from reelcache.ingest.plan import load_plan, source_dir
-from reelcache.ingest.probe import probe
+from reelcache.ingest.probe import preload, probe
 from reelcache.ingest.shards import ShardWriter, ShortRead, clear_unit
 from reelcache.progress import bar, say
 
@@ -94,7 +94,7 @@ def run_unit(root: str, unit: str) -> dict:
         with bar(len(rows), desc=unit, unit="file") as pbar:
             pbar.update(len(rows) - len(todo))
             results = isolated_map(fn, [r["path"] for r in todo], workers=cfg.workers,
-                                   timeout=timeout, memory_mb=cfg.worker_memory_mb)
+                                   timeout=timeout, memory_mb=cfg.worker_memory_mb, init=preload)
             for r, (_, res) in zip(todo, results):
                 pbar.update(1)
                 if isinstance(res, Rejected):

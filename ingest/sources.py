@@ -146,9 +146,12 @@ def read_source(kind: str, source: str, meta: str | None, videos: str, caption: 
         if caption not in MIRADATA_CAPTIONS:
             raise UserError(f"--caption {caption!r} is not a MiraData caption column")
     videos_dir = Path(videos).resolve()
+    from reelcache.progress import bar
+
     seen: dict[str, tuple[int, int]] = {}
     out = []
-    for i, (rec, err) in enumerate(_records(kind, Path(meta) if meta else None, videos_dir)):
+    records = _records(kind, Path(meta) if meta else None, videos_dir)
+    for i, (rec, err) in enumerate(bar(records, desc="reading rows", unit="row")):
         rec = rec or {}
         r = _normalize(kind, rec, caption)
         r["row"] = i

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+from pathlib import Path
 
 from reelcache import UserError, __version__
 
@@ -64,8 +65,8 @@ def _ingest_plan(a):
               "workers", "worker_memory_mb", "tagger"):
         if getattr(a, k) is not None:
             conf[k] = getattr(a, k)
-    cfg = IngestConfig(source=a.name or a.source, format=a.source, videos=a.videos,
-                       meta=a.meta and str(__import__("pathlib").Path(a.meta).resolve()),
+    cfg = IngestConfig(source=a.name or a.source, format=a.source, videos=str(Path(a.videos).resolve()),
+                       meta=a.meta and str(Path(a.meta).resolve()),
                        thresholds=Thresholds(**thresholds), **conf)
     units = make_plan(a.root, cfg, replace=a.replace)
     sys.stdout.write("".join(u + "\n" for u in units))

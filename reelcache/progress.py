@@ -12,11 +12,16 @@ import sys
 from tqdm import tqdm
 
 
-def bar(total: int | None = None, desc: str = "", unit: str = "it", **kw) -> tqdm:
+def bar(total_or_iterable=None, desc: str = "", unit: str = "it", **kw) -> tqdm:
+    """A tqdm bar over a count (``bar(n)``) or an iterable (``bar(rows)``)."""
     force = os.environ.get("REELCACHE_PROGRESS")
     disable = {"1": False, "0": True}.get(force, not sys.stderr.isatty())
-    return tqdm(total=total, desc=desc, unit=unit, disable=disable, dynamic_ncols=True,
-                smoothing=0.1, file=sys.stderr, **kw)
+    if isinstance(total_or_iterable, int) or total_or_iterable is None:
+        kw["total"] = total_or_iterable
+    else:
+        kw["iterable"] = total_or_iterable
+    return tqdm(desc=desc, unit=unit, disable=disable, dynamic_ncols=True, smoothing=0.1,
+                file=sys.stderr, **kw)
 
 
 def say(msg: str) -> None:

@@ -245,3 +245,22 @@ def test_gnu_parallel_two_slots(demo_dataset, tmp_path):
     assert main(["catalog", "merge", "--root", str(root)]) == 0
     (n,), = sql(root, "SELECT count(*) FROM clips")
     assert n == _csv_rows(demo_dataset)
+
+
+def test_a_file_past_its_deadline_is_a_timeout_reject_and_the_unit_goes_on(demo_dataset, tmp_path):
+    from reelcache.ingest.sources import OPENVID_COLUMNS
+
+    meta = tmp_path / "two.csv"
+    with open(meta, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(OPENVID_COLUMNS)
+        w.writerow(["long_take.mp4", "A long take of a city street.", 5, 1, 1, "static", "", "", ""])
+        w.writerow(["not_there.mp4", "A missing file.", 5, 1, 1, "static", "", "", ""])
+    root = tmp_path / "r"
+    assert main(["ingest", "plan", "--root", str(root), "--source", "openvid", "--meta", str(meta), "--videos",
+                 str(demo_dataset / "videos"), "--verify", "decode", "--decode-timeout", "0.05"]) == 0
+    assert main(["ingest", "run", "--root", str(root), "openvid/000000"]) == 0
+    assert main(["catalog", "merge", "--root", str(root)]) == 0
+    got = sql(root, "SELECT relpath, reject_reason, reject_detail FROM clips ORDER BY \"row\"")
+    assert [(p, r) for p, r, _ in got] == [("long_take.mp4", "timeout"), ("not_there.mp4", "missing_file")]
+    assert "0.05 s" in got[0][2]
