@@ -127,7 +127,7 @@ def bench_probe(files: list[str]) -> None:
 
 
 def bench_shards() -> None:
-    from reelcache.ingest.shards import ShardWriter
+    from reelcache.catalog.shards import ShardWriter
 
     src = OUT / "shard-src"
     src.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,8 @@ def bench_shards() -> None:
         dst.mkdir()
         w = ShardWriter(dst, "000000", 1 << 30, fsync=sync)
         for i, p in enumerate(files):
-            w.write_sample(f"{i:020x}", str(p), p.stat().st_size, "mp4", b'{"a": 1}', b"a caption")
+            w.write_sample(f"{i:020x}", [("mp4", str(p), p.stat().st_size), ("json", b'{"a": 1}', None),
+                                         ("txt", b"a caption", None)])
         w.close()
 
     RESULTS["shards"] = {"bytes": total}

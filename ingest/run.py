@@ -22,11 +22,11 @@ from collections import Counter
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.catalog.shards import ShardWriter, ShortRead, clear_unit
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason, Rejected, first_reject
 from reelcache.ingest.isolate import Failed, isolated_map
 from reelcache.ingest.plan import load_plan, source_dir
 from reelcache.ingest.probe import preload, probe
-from reelcache.ingest.shards import ShardWriter, ShortRead, clear_unit
 from reelcache.progress import bar, say
 
 # Metadata columns that are not copied into the sample's .json inside the shard.
@@ -143,13 +143,14 @@ def _write(writer: ShardWriter, r: dict, sdir: Path) -> None:
     ext = Path(r["path"]).suffix.lower().lstrip(".") or "video"
     meta = {k: v for k, v in r.items() if k not in _NOT_IN_JSON and v is not None}
     try:
-        name, offset = writer.write_sample(r["clip_id"], r["path"], r["file_size"], ext,
-                                           json.dumps(meta, sort_keys=True).encode(),
-                                           (r["text"] or "").encode())
+        name, offsets = writer.write_sample(r["clip_id"], [
+            (ext, r["path"], r["file_size"]),
+            ("json", json.dumps(meta, sort_keys=True).encode(), None),
+            ("txt", (r["text"] or "").encode(), None)])
     except ShortRead as e:
         _reject(r, Reason.truncated, str(e))
         return
     except OSError as e:
         _reject(r, Reason.missing_file, f"cannot read for sharding: {e}")
         return
-    r.update(shard=f"raw/{sdir.name}/{name}", shard_offset=offset, ext=ext)
+    r.update(shard=f"raw/{sdir.name}/{name}", shard_offset=offsets[ext], ext=ext)

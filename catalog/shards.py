@@ -1,20 +1,20 @@
-"""Size-capped webdataset tar shards, written atomically.
+"""Size-capped webdataset tar shards, written atomically: the one shard writer of every stage.
 
 A shard is a plain POSIX tar that ``webdataset.WebDataset(url)`` reads with no reelcache code:
-members ``<key>.<ext>`` (original video bytes), ``<key>.json`` (metadata) and ``<key>.txt``
-(caption), grouped by key. Each shard is written under a hidden temporary name and renamed when
-complete; the unit's sidecar parquet is renamed last, so a present sidecar means every shard it
-names is complete.
+members ``<key>.<ext>`` grouped by key (ingest: the original video bytes, ``.json`` metadata and
+``.txt`` caption; cache: latents). Each shard is written under a hidden temporary name and
+renamed when complete; the unit's sidecar parquet is renamed last, so a present sidecar means
+every shard it names is complete. The byte offset of every member's data is returned, so
+readers can also fetch one sample with a single ranged read.
 
 Video bytes go from the source file to the tar with ``os.sendfile`` (falling back to
 ``copy_file_range``, then read/write): the kernel copies, nothing passes through Python buffers, which is
 what keeps shard writing at the speed of ``cat``. If a file shrinks while being copied, the
-shard is cut back to before that member and the caller records a reject.
+shard is cut back to before that sample and the caller records a reject.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import tarfile
 import time
@@ -95,36 +95,45 @@ class ShardWriter:
     def _pad(self, size: int) -> bytes:
         return b"\0" * (-size % BLOCK)
 
-    def write_sample(self, key: str, video_path: str, video_size: int, ext: str,
-                     json_bytes: bytes, txt_bytes: bytes) -> tuple[str, int]:
-        """Append one sample; returns (shard file name, byte offset of the video data)."""
-        need = sum(len(self._header("x" * 40, 0)) + s + BLOCK for s in (video_size, len(json_bytes), len(txt_bytes)))
+    def write_sample(self, key: str, members: list[tuple[str, bytes | str | Path, int | None]]) -> tuple[str, dict]:
+        """Append one sample: members are (ext, bytes or a file path, size of that file).
+
+        Returns (shard file name, {ext: byte offset of that member's data}). Files are copied
+        by the kernel; a file shorter than its stated size raises ShortRead and leaves the shard
+        as it was before this sample.
+        """
+        sizes = [len(d) if isinstance(d, bytes) else int(n) for _, d, n in members]
+        need = sum(BLOCK + s + BLOCK for s in sizes) + len(key) * len(members)
         if self.fd is None or (self.pos > 0 and self.pos + need > self.max_bytes):
             self._open_next()
         start = self.pos
-        src = os.open(video_path, os.O_RDONLY)     # fails before anything is written
-        try:
-            head = self._header(f"{key}.{ext}", video_size)
-            _write_all(self.fd, head)
-            offset = start + len(head)
-            copied = _copy_fd(src, self.fd, video_size)
-            if copied != video_size:
-                raise ShortRead(f"read {copied} of {video_size} bytes; file changed during ingest")
-            buf = io.BytesIO()
-            buf.write(self._pad(video_size))
-            for name, data in ((f"{key}.json", json_bytes), (f"{key}.txt", txt_bytes)):
-                buf.write(self._header(name, len(data)))
-                buf.write(data)
-                buf.write(self._pad(len(data)))
-            _write_all(self.fd, buf.getvalue())
+        offsets = {}
+        srcs = [os.open(d, os.O_RDONLY) if not isinstance(d, bytes) else None for _, d, _ in members]
+        try:                                       # files opened above: a missing one fails before any write
+            pos = start
+            for (ext, data, _), size, src in zip(members, sizes, srcs):
+                head = self._header(f"{key}.{ext}", size)
+                _write_all(self.fd, head)
+                pos += len(head)
+                offsets[ext] = pos
+                if src is None:
+                    _write_all(self.fd, data)
+                else:
+                    copied = _copy_fd(src, self.fd, size)
+                    if copied != size:
+                        raise ShortRead(f"read {copied} of {size} bytes; file changed during ingest")
+                _write_all(self.fd, self._pad(size))
+                pos += size + len(self._pad(size))
         except BaseException:
             os.ftruncate(self.fd, start)            # cut the shard back to before this sample
             os.lseek(self.fd, start, os.SEEK_SET)
             raise
         finally:
-            os.close(src)
-        self.pos = offset + video_size + len(buf.getvalue())
-        return self.name, offset
+            for src in srcs:
+                if src is not None:
+                    os.close(src)
+        self.pos = pos
+        return self.name, offsets
 
     def close(self) -> list[Path]:
         self._close_current()
