@@ -110,6 +110,39 @@ def _catalog_export(a):
     export(a.root, a.format, a.where, a.out)
 
 
+def _loader_simulate(a):
+    from reelcache.train.plan import BucketBatchSizes
+    from reelcache.train.simulate import simulate
+
+    given = [w for _, w in a.manifests if w is not None]
+    if sum(given) > 1 or (len(given) == len(a.manifests) > 1 and abs(sum(given) - 1) > 1e-6):
+        raise UserError(f"--weight values {given} must add up to 1 (unweighted manifests share the rest)")
+    rest = (1 - sum(given)) / max(1, sum(1 for _, w in a.manifests if w is None))
+    manifests = [(m, w if w is not None else rest) for m, w in a.manifests]
+    try:
+        simulate(manifests, BucketBatchSizes.from_toml(a.buckets), root=a.root, world_size=a.world_size,
+                 workers=a.workers, seed=a.seed, epochs=a.epochs, out=a.out, save_at=a.save_at,
+                 resume_world_size=a.resume_world_size)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    if a.out:
+        print(a.out)
+
+
+class _ManifestArg(argparse.Action):
+    """--manifest NAME [--weight W] pairs, in the order given."""
+
+    def __call__(self, parser, ns, value, option=None):
+        pairs = getattr(ns, "manifests", None) or []
+        if option == "--manifest":
+            pairs.append((value, None))
+        elif not pairs or pairs[-1][1] is not None:
+            parser.error("--weight must follow the --manifest it applies to")
+        else:
+            pairs[-1] = (pairs[-1][0], float(value))
+        ns.manifests = pairs
+
+
 def _demo_generate(a):
     from reelcache.ingest.demo import generate
 
@@ -187,6 +220,30 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--where", default="true", help="SQL condition on clips (status='ok' is implied)")
     ex.add_argument("--out", required=True)
     ex.set_defaults(fn=_catalog_export)
+
+    ld = top.add_parser("loader", help="the streaming loader: simulate a stage's data order without GPUs")
+    ild = ld.add_subparsers(dest="cmd", required=True)
+    sim = ild.add_parser("simulate", help="plan every rank's batches (no model, no reads), optionally resume",
+                         formatter_class=fmt, epilog="""examples:
+  reelcache loader simulate --root /data/rc --manifest stage3-openvid --manifest stage3-mira --weight 0.3 \
+      --buckets configs/buckets/opensora12-stage1.toml --world-size 16 --workers 8 --seed 42 --epochs 2 \
+      --out consumed.parquet --save-at 1000 --resume-world-size 24
+  reelcache catalog sql --root /data/rc "SELECT epoch, count(DISTINCT clip_id), count(*) FROM 'consumed.parquet'
+      WHERE NOT pad GROUP BY 1"
+""")
+    sim.add_argument("--root", help="data root (manifest names resolve to ROOT/manifests/NAME-*.parquet)")
+    sim.add_argument("--manifest", dest="manifests", action=_ManifestArg, required=True,
+                     help="loader manifest name or path; repeat to mix")
+    sim.add_argument("--weight", action=_ManifestArg, help="share of the preceding --manifest (0..1)")
+    sim.add_argument("--buckets", required=True, help="bucket config TOML (batch size per resolution/frames)")
+    sim.add_argument("--world-size", type=int, required=True)
+    sim.add_argument("--workers", type=int, default=1, help="data workers per rank (recorded; order is independent)")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--epochs", type=int, default=1)
+    sim.add_argument("--out", help="write (epoch, step, rank, worker, clip_id, bucket, pad) parquet")
+    sim.add_argument("--save-at", type=int, help="save the data state at this global step, then resume")
+    sim.add_argument("--resume-world-size", type=int, help="world size to resume on (default: the same)")
+    sim.set_defaults(fn=_loader_simulate)
 
     demo = top.add_parser("demo", help="the bundled demo dataset")
     idemo = demo.add_subparsers(dest="cmd", required=True)

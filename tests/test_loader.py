@@ -1,0 +1,256 @@
+"""The streaming loader: permutation, disjoint equal shares, exact and elastic resume, refusal,
+loud small data, seeded noise, mixing, consumed log, SIGKILL, simulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from latent_data import write_latents
+from reelcache.train.loader import LatentLoader, read_sample
+from reelcache.train.plan import BucketBatchSizes
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = BucketBatchSizes.from_toml(REPO / "configs/buckets/tiny.toml")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("latents")
+    return root, write_latents(root, 97)
+
+
+def ids(path):
+    return pq.read_table(path, columns=["clip_id"]).column("clip_id").to_pylist()
+
+
+def run_ranks(loaders, steps=None):
+    """Iterate rank loaders in lockstep; returns per-rank lists of batches."""
+    out = [[] for _ in loaders]
+    iters = [iter(ld) for ld in loaders]
+    for k, batches in enumerate(zip(*iters)):
+        for r, b in enumerate(batches):
+            out[r].append(b)
+        if steps is not None and k + 1 == steps:
+            break
+    else:
+        for it in iters:         # finish the epoch bookkeeping of every rank
+            for _ in it:
+                pass
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+def test_epochs_are_permutations_with_disjoint_equal_shares(data, seed, world):
+    root, manifest = data
+    loaders = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=world, seed=seed, read=False)
+               for r in range(world)]
+    orders = []
+    for epoch in range(3):
+        assert all(ld.epoch == epoch for ld in loaders)
+        per_rank = run_ranks(loaders)
+        assert len({len(b) for b in per_rank}) == 1                      # same number of steps on every rank
+        real = [c for batches in per_rank for b in batches if b["weight"] == 1 for c in b["clip_id"]]
+        assert sorted(real) == sorted(ids(manifest))                     # no duplicate, no miss
+        for batches in per_rank:
+            for b in batches:
+                assert len(set(b["bucket"] for _ in b["clip_id"])) == 1
+        orders.append([c for b in sorted((b for rk in per_rank for b in rk if b["weight"] == 1),
+                                         key=lambda b: b["index"]) for c in b["clip_id"]])
+    assert orders[0] != orders[1] != orders[2]
+
+
+def test_global_order_is_independent_of_world_size(data):
+    root, manifest = data
+    def global_order(world):
+        loaders = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=world, seed=3, read=False)
+                   for r in range(world)]
+        batches = [b for rk in run_ranks(loaders) for b in rk if b["weight"] == 1]
+        return [tuple(b["clip_id"]) for b in sorted(batches, key=lambda b: b["index"])]
+    assert global_order(1) == global_order(2) == global_order(3)
+
+
+def same(a, b):
+    assert a["clip_id"] == b["clip_id"] and a["index"] == b["index"] and a["step"] == b["step"]
+    assert torch.equal(a["x"], b["x"]) and torch.equal(a["text"], b["text"]) and torch.equal(a["text_mask"], b["text_mask"])
+
+
+def test_resume_is_exact_and_workers_do_not_change_batches(data):
+    root, manifest = data
+    ref = list(LatentLoader([manifest], SIZES, root=root, seed=1, workers=0))
+    ld = LatentLoader([manifest], SIZES, root=root, seed=1, workers=2)
+    it = iter(ld)
+    first = [next(it) for _ in range(6)]
+    state = json.loads(json.dumps(ld.state_dict()))                      # survives serialization
+    resumed = LatentLoader([manifest], SIZES, root=root, seed=1, workers=2)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(first) + len(rest) == len(ref)
+    for a, b in zip(first + rest, ref):
+        same(a, b)
+    assert resumed.epoch == 1 and state["consumed"] == 6
+    assert ref[0]["x"].dtype == torch.bfloat16 and ref[0]["text_mask"].sum() == sum(ref[0]["text_len"])
+
+
+def test_elastic_resume_from_two_to_three_ranks_misses_and_repeats_nothing(data):
+    root, manifest = data
+    two = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=2, seed=5, read=False) for r in range(2)]
+    before = run_ranks(two, steps=4)
+    state = two[0].state_dict()
+    assert state == two[1].state_dict() and state["consumed"] == 8
+    three = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=3, seed=5, read=False) for r in range(3)]
+    for ld in three:
+        ld.load_state_dict(state)
+    after = run_ranks(three)
+    assert len({len(b) for b in after}) == 1
+    seen = [c for rk in before + after for b in rk if b["weight"] == 1 for c in b["clip_id"]]
+    assert Counter(seen) == Counter(ids(manifest))
+    assert all(ld.epoch == 1 for ld in three)
+
+
+def test_changed_manifest_is_refused_unless_data_is_reset(data, tmp_path):
+    root, manifest = data
+    ld = LatentLoader([manifest], SIZES, root=root, seed=0, read=False)
+    it = iter(ld)
+    next(it)
+    state = ld.state_dict()
+    smaller = tmp_path / "smaller.parquet"
+    pq.write_table(pq.read_table(manifest).slice(1), smaller)
+    other = LatentLoader([smaller], SIZES, root=root, seed=0, read=False)
+    with pytest.raises(ValueError) as e:
+        other.load_state_dict(state)
+    msg = str(e.value)
+    assert state["fingerprint"][:16] in msg and other.fingerprint[:16] in msg and "reset_data" in msg
+    other.load_state_dict(state, reset_data=True)
+    assert (other.epoch, other.consumed, other.step) == (0, 0, 0)
+
+
+def test_small_or_lost_data_is_loud(tmp_path):
+    manifest = write_latents(tmp_path, 5, buckets=["144p/17/0.56", "240p/34/0.56"])
+    t = pq.read_table(manifest)
+    with pytest.warns(UserWarning, match="fewer than its batch size"):
+        LatentLoader([manifest], SIZES, root=tmp_path, read=False, world_size=1)
+    with pytest.warns(UserWarning, match="padding"):
+        LatentLoader([manifest], SIZES, root=tmp_path, read=False, world_size=8, rank=0)
+    lost = tmp_path / "lost.parquet"
+    import pyarrow as pa
+
+    pq.write_table(t.set_column(1, "bucket", pa.array([None, None, None, None, "144p/17/0.56"], pa.string())), lost)
+    with pytest.warns(UserWarning, match="only 1 of 5 clips have latents"):
+        LatentLoader([lost], SIZES, root=tmp_path, read=False)
+    none = tmp_path / "none.parquet"
+    pq.write_table(t.set_column(1, "bucket", pa.array([None] * 5, pa.string())), none)
+    with pytest.raises(ValueError, match="none of its 5 clips has latents"):
+        LatentLoader([none], SIZES, root=tmp_path, read=False)
+
+
+def test_posterior_noise_is_fresh_each_epoch_and_differs_across_samples(data):
+    root, manifest = data
+    ld = LatentLoader([manifest], SIZES, root=root, seed=2)
+    e0 = {c: x for b in ld for c, x in zip(b["clip_id"], b["x"])}
+    e1 = {c: x for b in ld for c, x in zip(b["clip_id"], b["x"])}
+    clip = next(iter(e0))
+    assert not torch.equal(e0[clip], e1[clip])
+    sample = read_sample(str(root / pq.read_table(manifest).column("shard")[0].as_py()),
+                         pq.read_table(manifest).column("shard_offset")[0].as_py())
+    assert set(sample) == {"mean", "logvar", "text"}
+
+
+def test_mixing_weights_draw_the_asked_shares(tmp_path):
+    a = write_latents(tmp_path, 60, name="a", seed=1)
+    b = write_latents(tmp_path, 40, name="b", seed=2)
+    ld = LatentLoader([(a, 0.7), (b, 0.3)], SIZES, root=tmp_path, read=False)
+    got = [c for bt in ld for c in bt["clip_id"]]
+    assert len(got) == 100
+    from_a = sum(c in set(ids(a)) for c in got)
+    assert from_a == 70 and len(set(got) & set(ids(a))) == 60          # a upsampled: every clip, some twice
+
+
+def test_consumed_log_answers_which_clips_a_step_saw(data, tmp_path):
+    import duckdb
+
+    root, manifest = data
+    log = tmp_path / "consumed"
+    ld = LatentLoader([manifest], SIZES, root=root, seed=0, read=False, consumed_log=log, log_every=3)
+    batches = list(ld)
+    rows = duckdb.sql(f"SELECT step, list(clip_id ORDER BY clip_id) FROM '{log}/*.parquet' "
+                      "GROUP BY step ORDER BY step").fetchall()
+    assert [sorted(b["clip_id"]) for b in batches] == [r[1] for r in rows]
+
+
+def test_streamed_url_reads_the_same_sample(data):
+    root, manifest = data
+    t = pq.read_table(manifest)
+    shard, offset = str(root / t.column("shard")[3].as_py()), t.column("shard_offset")[3].as_py()
+    a, b = read_sample(shard, offset), read_sample(f"pipe:cat {shard}", offset)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_mid_epoch_then_resume_continues_exactly(data, tmp_path):
+    root, manifest = data
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, sys
+        from reelcache.train.loader import LatentLoader
+        from reelcache.train.plan import BucketBatchSizes
+        sizes = BucketBatchSizes.from_toml({str(REPO / 'configs/buckets/tiny.toml')!r})
+        ld = LatentLoader([{str(manifest)!r}], sizes, root={str(root)!r}, seed=9, workers=2)
+        state = {str(tmp_path / 'state.json')!r}
+        if os.path.exists(state):
+            ld.load_state_dict(json.load(open(state)))
+        with open({str(tmp_path / 'log.txt')!r}, "a") as log:
+            for b in ld:
+                log.write(json.dumps([b["step"], b["clip_id"], float(b["x"].float().sum())]) + "\\n")
+                log.flush()
+                tmp = state + ".tmp"
+                json.dump(ld.state_dict(), open(tmp, "w"))
+                os.replace(tmp, state)
+                if int(os.environ.get("SLOW", "0")):
+                    import time; time.sleep(0.05)
+    """))
+    env = {**os.environ, "SLOW": "1"}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env)
+    log = tmp_path / "log.txt"
+    deadline = time.monotonic() + 60
+    while (not log.exists() or len(log.read_text().splitlines()) < 5) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    state = json.loads((tmp_path / "state.json").read_text())
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    kept = [x for x in lines if x[0] < state["step"]]               # the log may run one batch past the state
+    assert 0 < state["step"] < 20
+    log.write_text("".join(json.dumps(x) + "\n" for x in kept))
+    subprocess.run([sys.executable, str(script)], check=True, env={**os.environ, "SLOW": "0"})
+    got = [json.loads(x) for x in log.read_text().splitlines()]
+    ref = [[b["step"], b["clip_id"], float(b["x"].float().sum())]
+           for b in LatentLoader([manifest], SIZES, root=root, seed=9)]
+    assert got == ref
+
+
+def test_simulator_cli_with_save_and_elastic_resume(data, tmp_path):
+    root, manifest = data
+    out = tmp_path / "consumed.parquet"
+    subprocess.run([sys.executable, "-m", "reelcache", "loader", "simulate", "--root", str(root), "--manifest",
+                    str(manifest), "--buckets", str(REPO / "configs/buckets/tiny.toml"), "--world-size", "4",
+                    "--workers", "3", "--seed", "42", "--epochs", "2", "--out", str(out), "--save-at", "3",
+                    "--resume-world-size", "6"], check=True, capture_output=True)
+    t = pq.read_table(out).to_pylist()
+    for epoch in (0, 1):
+        real = [r["clip_id"] for r in t if r["epoch"] == epoch and not r["pad"]]
+        assert Counter(real) == Counter(ids(manifest))
+    assert {r["world_size"] for r in t if r["epoch"] == 1} == {6}
+    assert {r["world_size"] for r in t if r["epoch"] == 0} == {4, 6}

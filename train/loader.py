@@ -1,0 +1,280 @@
+"""The streaming loader: bucketed micro-batches from latent shards, with exact and elastic resume.
+
+    loader = LatentLoader([manifest], BucketBatchSizes.from_toml(cfg), root=ROOT,
+                          rank=r, world_size=R, seed=42, workers=4)
+    while loader.epoch < epochs:
+        for batch in loader:            # the rest of the current epoch
+            ...
+            save(loader.state_dict())   # five integers and a fingerprint
+
+Order comes from train/plan.py, a pure function of (stage fingerprint, seed, epoch). The
+state is the global position in the epoch's micro-batch list, so it resumes exactly, also on
+another world size (rank r continues with global batches consumed + r, consumed + r + R', ...),
+and costs one plan build, whatever the position. A state saved against other manifests, weights
+or batch sizes is refused unless the caller resets the data position on purpose.
+
+Samples are read with one ranged read each from local or shared storage (the manifest records
+where each member's data starts), or streamed through webdataset's ``gopen`` for URLs and
+``pipe:`` commands. Posterior latents are sampled here, seeded from (seed, epoch, position), so
+noise is fresh each epoch, identical after a resume, and different across ranks and workers.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from reelcache.train.plan import PLAN_VERSION, BucketBatchSizes, Plan, Source, epoch_plan, stage_fingerprint
+
+
+def resolve_manifest(root, name_or_path) -> Path:
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    found = sorted(Path(root or ".").joinpath("manifests").glob(f"{name_or_path}-*.parquet"),
+                   key=lambda q: q.stat().st_mtime)
+    if not found:
+        raise ValueError(f"no manifest {name_or_path!r}: not a file, and nothing matches "
+                         f"{Path(root or '.') / 'manifests' / (str(name_or_path) + '-*.parquet')}")
+    return found[-1]
+
+
+def load_source(path, weight: float = 1.0, min_kept: float = 0.5) -> Source:
+    """A loader manifest -> Source. Rows without latents (no bucket/shard) are dropped, loudly."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from reelcache.catalog.latents import MANIFEST_COLUMNS
+    from reelcache.catalog.manifest import fingerprint
+
+    table = pq.read_table(path)
+    missing = [c for c in MANIFEST_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path} is not a loader manifest: missing {missing} (needs {list(MANIFEST_COLUMNS)})")
+    table = table.select(list(MANIFEST_COLUMNS))
+    total = table.num_rows
+    table = table.filter(pc.and_(pc.is_valid(table["bucket"]), pc.is_valid(table["shard"])))
+    table = table.sort_by("clip_id")
+    if table.num_rows == 0:
+        raise ValueError(f"{path}: none of its {total} clips has latents (bucket and shard are empty)")
+    if table.num_rows < min_kept * total:
+        warnings.warn(f"{path}: only {table.num_rows} of {total} clips have latents "
+                      f"({100 * table.num_rows / total:.1f}%); the rest are skipped", stacklevel=2)
+    return Source(fingerprint(table), np.asarray(table["clip_id"].to_pylist(), dtype=object),
+                  np.asarray(table["bucket"].to_pylist(), dtype=object),
+                  np.asarray(table["shard"].to_pylist(), dtype=object),
+                  table["shard_offset"].to_numpy().astype(np.int64), float(weight))
+
+
+class LatentLoader:
+    def __init__(self, manifests, buckets: BucketBatchSizes, *, root=None, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, workers: int = 0, prefetch: int = 2, block: int = 64, read: bool = True,
+                 consumed_log=None, log_every: int = 100, pin_memory: bool | None = None):
+        """manifests: paths or names (ROOT/manifests/NAME-*.parquet), or (path, weight) pairs."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+        pairs = [m if isinstance(m, tuple) else (m, 1.0) for m in manifests]
+        self.root = Path(root) if root else None
+        self.sources = [load_source(resolve_manifest(root, m), w) for m, w in pairs]
+        self.buckets, self.block = buckets, block
+        self.rank, self.world_size, self.seed = rank, world_size, int(seed)
+        self.workers, self.prefetch, self.read, self.pin_memory = workers, prefetch, read, pin_memory
+        self.fingerprint = stage_fingerprint(self.sources, buckets, block)
+        self.epoch = self.consumed = self.step = 0
+        self.generation = 0        # resumes so far: the consumed log keeps the newest per step
+        self.clip_id = np.concatenate([s.clip_id for s in self.sources])
+        self.shard = np.concatenate([s.shard for s in self.sources])
+        self.offset = np.concatenate([s.offset for s in self.sources])
+        self.log = ConsumedLog(consumed_log, rank, log_every) if consumed_log else None
+        self._check(self.plan())
+
+    # -- plan and position ------------------------------------------------------------------
+    def plan(self, epoch: int | None = None) -> Plan:
+        return epoch_plan(self.sources, self.buckets, self.seed, self.epoch if epoch is None else epoch, self.block)
+
+    def _check(self, plan: Plan) -> None:
+        if plan.num_batches < self.world_size:
+            warnings.warn(f"{plan.num_batches} micro-batches per epoch for {self.world_size} ranks: "
+                          "some ranks will only see padding batches", stacklevel=3)
+
+    def steps_remaining(self) -> int:
+        """Steps this rank takes in the rest of the current epoch (the same on every rank)."""
+        return len(self.plan().rank_batches(self.consumed, self.rank, self.world_size))
+
+    def state_dict(self) -> dict:
+        epoch, consumed, step = self.epoch, self.consumed, self.step
+        if consumed >= self.plan().num_batches:         # an epoch just ended: say so
+            epoch, consumed, step = epoch + 1, 0, 0
+        return {"epoch": epoch, "consumed": consumed, "step": step, "seed": self.seed,
+                "fingerprint": self.fingerprint, "plan_version": PLAN_VERSION, "generation": self.generation}
+
+    def load_state_dict(self, state: dict, reset_data: bool = False) -> None:
+        self.generation = int(state.get("generation", 0)) + 1
+        if self.log:
+            self.log.generation = self.generation
+        if reset_data:
+            self.epoch = self.consumed = self.step = 0
+            return
+        if state.get("plan_version") != PLAN_VERSION:
+            raise ValueError(f"data state has plan version {state.get('plan_version')}, this loader "
+                             f"{PLAN_VERSION}: the order would differ. Resume with reset_data=True (--reset-data).")
+        if state["fingerprint"] != self.fingerprint or state["seed"] != self.seed:
+            raise ValueError(
+                "refusing to resume the data position: it was saved for stage fingerprint "
+                f"{state['fingerprint'][:16]} (seed {state['seed']}), but this loader's manifests, weights and "
+                f"batch sizes give {self.fingerprint[:16]} (seed {self.seed}). Resuming would repeat and skip "
+                "samples. To keep the model and optimizer and restart the data on purpose, pass "
+                "reset_data=True (trainer flag --reset-data).")
+        self.epoch, self.consumed, self.step = int(state["epoch"]), int(state["consumed"]), int(state["step"])
+
+    # -- iteration -------------------------------------------------------------------------
+    def schedule(self) -> list[tuple[int, int, bool]]:
+        """(step, global batch index, is padding) for the rest of this epoch on this rank."""
+        return [(self.step + k, i, pad) for k, (i, pad) in
+                enumerate(self.plan().rank_batches(self.consumed, self.rank, self.world_size))]
+
+    def __iter__(self):
+        plan = self.plan()
+        if self.consumed >= plan.num_batches:
+            self.epoch, self.consumed, self.step = self.epoch + 1, 0, 0
+            plan = self.plan()
+        sched = self.schedule()
+        maker = _BatchMaker(self, plan, sched)
+        it = iter(maker) if (not self.read or self.workers == 0) else iter(maker.dataloader())
+        for batch in it:
+            self.consumed = min(plan.num_batches, self.consumed + self.world_size)
+            self.step += 1
+            if self.log:
+                self.log.add(self.epoch, batch["step"], batch["clip_id"], batch["bucket"], batch["weight"] == 0)
+            yield batch
+        if self.log:
+            self.log.flush()
+        self.epoch, self.consumed, self.step = self.epoch + 1, 0, 0
+
+
+class _BatchMaker:
+    """Turns schedule entries into batches; picklable, so DataLoader workers can run it."""
+
+    def __init__(self, loader: LatentLoader, plan: Plan, sched):
+        self.sched, self.plan = sched, plan
+        self.epoch, self.seed, self.read, self.root = loader.epoch, loader.seed, loader.read, loader.root
+        self.clip_id, self.shard, self.offset = loader.clip_id, loader.shard, loader.offset
+        self.workers, self.prefetch, self.pin_memory = loader.workers, loader.prefetch, loader.pin_memory
+
+    def __iter__(self, worker: int = 0, nworkers: int = 1):
+        for k in range(worker, len(self.sched), nworkers):
+            yield self.make(*self.sched[k])
+
+    def dataloader(self):
+        import torch
+        from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+        maker = self
+
+        class Steps(IterableDataset):
+            def __iter__(self):
+                info = get_worker_info()
+                return maker.__iter__(info.id, info.num_workers) if info else maker.__iter__()
+
+        pin = torch.cuda.is_available() if self.pin_memory is None else self.pin_memory
+        return DataLoader(Steps(), batch_size=None, num_workers=self.workers, prefetch_factor=self.prefetch,
+                          pin_memory=pin, multiprocessing_context="fork")
+
+    def make(self, step: int, index: int, pad: bool) -> dict:
+        idx = self.plan.batch(index)
+        batch = {"epoch": self.epoch, "step": step, "index": index, "bucket": self.plan.buckets[self.plan.bucket[index]],
+                 "clip_id": [self.clip_id[i] for i in idx], "weight": 0.0 if pad else 1.0}
+        if self.read:
+            pos = self.plan.starts[index] + np.arange(len(idx))     # positions in the epoch: noise seeds
+            batch.update(collate([read_sample(self._path(self.shard[i]), int(self.offset[i])) for i in idx],
+                                 self.seed, self.epoch, pos))
+        return batch
+
+    def _path(self, shard: str) -> str:
+        if "://" in shard or shard.startswith("pipe:") or os.path.isabs(shard) or self.root is None:
+            return shard
+        return str(self.root / shard)
+
+
+def read_sample(path: str, offset: int) -> dict:
+    """One latent sample: a ranged read at its offset (files), or a scan of the stream (URLs)."""
+    from reelcache.catalog.latents import decode
+
+    if "://" in path or path.startswith("pipe:"):
+        import webdataset as wds
+
+        with wds.gopen(path, "rb") as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+            for m in tar:
+                if m.offset_data == offset:
+                    return decode(tar.extractfile(m).read())
+        raise ValueError(f"no member at offset {offset} in {path}")
+    with open(path, "rb", buffering=0) as f:
+        head = os.pread(f.fileno(), 512, offset - 512)
+        size = tarfile.TarInfo.frombuf(head, tarfile.ENCODING, "surrogateescape").size
+        return decode(os.pread(f.fileno(), size, offset))
+
+
+def collate(samples: list[dict], seed: int, epoch: int, positions) -> dict:
+    """Stack one bucket's samples; sample posteriors with per-sample seeded noise; pad text."""
+    import torch
+
+    xs = []
+    for s, p in zip(samples, positions):
+        if "mean" in s:
+            g = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, epoch, int(p)]).generate_state(1)[0]))
+            mean = s["mean"].float()
+            eps = torch.randn(mean.shape, generator=g)
+            xs.append((mean + torch.exp(0.5 * s["logvar"].float()) * eps).to(s["mean"].dtype))
+        else:
+            xs.append(s["sample"])
+    lens = [s["text"].shape[0] for s in samples]
+    text = torch.zeros((len(samples), max(lens), samples[0]["text"].shape[1]), dtype=samples[0]["text"].dtype)
+    mask = torch.zeros((len(samples), max(lens)), dtype=torch.bool)
+    for i, s in enumerate(samples):
+        text[i, :lens[i]] = s["text"]
+        mask[i, :lens[i]] = True
+    return {"x": torch.stack(xs), "text": text, "text_mask": mask, "text_len": torch.tensor(lens)}
+
+
+class ConsumedLog:
+    """Per-rank parquet parts of (generation, epoch, step, rank, clip_id, bucket, pad).
+
+    Parts are written every ``every`` steps, so a killed run loses at most that many steps of
+    log, never its consistency. After a resume (generation g+1 from a state saved at step s),
+    steps >= s are logged again: per (epoch, step), the rows of the newest generation are the
+    ones that trained, e.g. ``QUALIFY generation = max(generation) OVER (PARTITION BY epoch, step)``.
+    """
+
+    def __init__(self, directory, rank: int, every: int = 100):
+        self.dir, self.rank, self.every = Path(directory), rank, every
+        self.generation = 0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rows: list[tuple] = []
+        self.steps = 0
+
+    def add(self, epoch, step, clip_ids, bucket, pad) -> None:
+        self.rows += [(epoch, step, self.rank, c, bucket, pad) for c in clip_ids]
+        self.steps += 1
+        if self.steps % self.every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        cols = list(zip(*self.rows))
+        t = pa.table({"generation": pa.array([self.generation] * len(cols[0]), pa.int32()),
+                      "epoch": pa.array(cols[0], pa.int32()), "step": pa.array(cols[1], pa.int64()),
+                      "rank": pa.array(cols[2], pa.int32()), "clip_id": pa.array(cols[3], pa.string()),
+                      "bucket": pa.array(cols[4], pa.string()), "pad": pa.array(cols[5], pa.bool_())})
+        name = f"rank{self.rank:05d}-g{self.generation:03d}-e{cols[0][0]:04d}-s{cols[1][0]:09d}.parquet"
+        tmp = self.dir / f".{name}.tmp{os.getpid()}"
+        pq.write_table(t, tmp)
+        os.replace(tmp, self.dir / name)
+        self.rows = []
