@@ -59,6 +59,7 @@ test: install
 
 bench: install
 	$(BIN)/python bench/bench_ingest.py
+	$(BIN)/python bench/bench_loader.py
 
 clean:
 	rm -rf $(DEMO_ROOT) bench-out .pytest_cache

@@ -182,7 +182,7 @@ class _BatchMaker:
 
         pin = torch.cuda.is_available() if self.pin_memory is None else self.pin_memory
         return DataLoader(Steps(), batch_size=None, num_workers=self.workers, prefetch_factor=self.prefetch,
-                          pin_memory=pin, multiprocessing_context="fork")
+                          pin_memory=pin, multiprocessing_context="fork", worker_init_fn=_one_thread)
 
     def make(self, step: int, index: int, pad: bool) -> dict:
         idx = self.plan.batch(index)
@@ -198,6 +198,13 @@ class _BatchMaker:
         if "://" in shard or shard.startswith("pipe:") or os.path.isabs(shard) or self.root is None:
             return shard
         return str(self.root / shard)
+
+
+def _one_thread(_worker_id):
+    """Workers are the parallelism: torch's intra-op threads in each would oversubscribe the cores."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def read_sample(path: str, offset: int) -> dict:

@@ -162,16 +162,26 @@ def _select(sources: list[Source], seed: int, epoch: int) -> np.ndarray:
     return np.concatenate(picks)
 
 
+def _codes(values: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """Dictionary-encode strings (hash-based: fast at millions of rows), codes in sorted-name order."""
+    import pyarrow as pa
+
+    enc = pa.array(values, type=pa.string()).dictionary_encode()
+    names = enc.dictionary.to_pylist()
+    remap = np.empty(len(names), dtype=np.int32)
+    remap[np.argsort(np.array(names, dtype=object))] = np.arange(len(names), dtype=np.int32)
+    return sorted(names), remap[enc.indices.to_numpy(zero_copy_only=False)]
+
+
 @lru_cache(maxsize=4)
 def _storage_order(sources: tuple[Source, ...]):
-    """Bucket codes and the (bucket, shard, offset) order of the concatenated sources."""
-    buckets = np.concatenate([s.bucket for s in sources])
-    names, codes = np.unique(buckets.astype(str), return_inverse=True)
-    _, shard_codes = np.unique(np.concatenate([s.shard for s in sources]).astype(str), return_inverse=True)
+    """Bucket codes and the (bucket, shard, offset) rank of every sample of the concatenated sources."""
+    names, codes = _codes(np.concatenate([s.bucket for s in sources]))
+    _, shard_codes = _codes(np.concatenate([s.shard for s in sources]))
     offsets = np.concatenate([s.offset for s in sources])
     rank = np.empty(len(codes), dtype=np.int64)
     rank[np.lexsort((offsets, shard_codes, codes))] = np.arange(len(codes))
-    return [str(n) for n in names], codes.astype(np.int32), rank
+    return names, codes, rank
 
 
 def epoch_plan(sources: list[Source], sizes: BucketBatchSizes, seed: int, epoch: int, block: int = 64) -> Plan:
@@ -182,38 +192,38 @@ def epoch_plan(sources: list[Source], sizes: BucketBatchSizes, seed: int, epoch:
 def _cached_plan(sources: tuple[Source, ...], sizes: BucketBatchSizes, seed: int, epoch: int, block: int) -> Plan:
     names, codes, rank = _storage_order(sources)
     sel = _select(list(sources), seed, epoch)
-    sel = sel[np.lexsort((sel, rank[sel]))]            # storage order, upsampled copies adjacent
+    sel = sel[np.lexsort((sel, rank[sel]))]            # storage order (bucket-major), upsampled copies adjacent
     sel_codes = codes[sel]
     batch_sizes = np.array([sizes(b) for b in names], dtype=np.int64)
-    per_bucket, bucket_batches = [], []
+    bounds = np.searchsorted(sel_codes, np.arange(len(names) + 1))
+    shuffled, batch_start, batch_len, batch_bucket = [], [], [], []
+    base = 0
     for b in range(len(names)):
-        s = sel[sel_codes == b]
-        if len(s) == 0:
+        s = sel[bounds[b]:bounds[b + 1]]
+        n = len(s)
+        if n == 0:
             continue
-        if len(s) < batch_sizes[b]:
-            warnings.warn(f"bucket {names[b]!r} has {len(s)} samples, fewer than its batch size "
+        if n < batch_sizes[b]:
+            warnings.warn(f"bucket {names[b]!r} has {n} samples, fewer than its batch size "
                           f"{batch_sizes[b]}: one partial batch per epoch", stacklevel=3)
         rng = _rng(seed, epoch, 2, zlib.crc32(names[b].encode()))
-        nblocks = -(-len(s) // block)
-        shuffled = [rng.permutation(s[j * block:(j + 1) * block]) for j in rng.permutation(nblocks)]
-        s = np.concatenate(shuffled)
-        cuts = np.arange(0, len(s), batch_sizes[b])
-        per_bucket.append((b, s, cuts))
-        bucket_batches.append(np.full(len(cuts), b, dtype=np.int32))
-    if not per_bucket:
+        block_rank = np.argsort(rng.permutation(-(-n // block)))[np.arange(n) // block]
+        shuffled.append(s[np.lexsort((rng.random(n), block_rank))])   # blocks shuffled, then inside each
+        cuts = np.arange(0, n, batch_sizes[b])
+        batch_start.append(base + cuts)
+        batch_len.append(np.diff(np.append(cuts, n)))
+        batch_bucket.append(np.full(len(cuts), b, dtype=np.int32))
+        base += n
+    if not shuffled:
         raise ValueError("the epoch plan has 0 micro-batches: the manifests select no samples")
-    labels = np.concatenate(bucket_batches)
+    flat = np.concatenate(shuffled)
+    start, length, labels = map(np.concatenate, (batch_start, batch_len, batch_bucket))
+    # Random merge of the buckets' batch sequences that keeps each bucket's own order: shuffle
+    # the labels; the k-th occurrence of bucket b takes bucket b's k-th batch.
     labels = labels[_rng(seed, epoch, 3).permutation(len(labels))]
-    # k-th occurrence of bucket b in `labels` takes bucket b's k-th batch
-    pieces = {b: (s, cuts) for b, s, cuts in per_bucket}
-    seen = dict.fromkeys(pieces, 0)
-    order_parts, lengths = [], []
-    for b in labels.tolist():
-        s, cuts = pieces[b]
-        k = seen[b]
-        seen[b] = k + 1
-        part = s[cuts[k]:cuts[k + 1]] if k + 1 < len(cuts) else s[cuts[k]:]
-        order_parts.append(part)
-        lengths.append(len(part))
-    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return Plan(stage_fingerprint(list(sources), sizes, block), np.concatenate(order_parts), starts, labels, names)
+    take = np.empty(len(labels), dtype=np.int64)
+    take[np.argsort(labels, kind="stable")] = np.arange(len(labels))
+    start, length = start[take], length[take]
+    starts = np.concatenate([[0], np.cumsum(length)]).astype(np.int64)
+    order = flat[np.repeat(start - starts[:-1], length) + np.arange(starts[-1])]
+    return Plan(stage_fingerprint(list(sources), sizes, block), order, starts, labels, names)

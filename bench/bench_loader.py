@@ -1,0 +1,145 @@
+"""make bench (loader part): throughput over latent shards vs raw reads, plan/resume cost at 1.3M.
+
+1. Throughput: LatentLoader samples/s and MB/s (ranged reads, safetensors decode, posterior
+   sampling, collate), with 0 and 2 workers, vs ``cat shards > /dev/null`` and a plain
+   ``tarfile`` loop over the same bytes, in the same run (page-cached for every contender).
+2. Plan construction and resume for a 1.3M-sample manifest at the start and deep in the epoch
+   (the goal: about a second, independent of position), and the peak RSS of a process doing it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+OUT = Path(os.environ.get("BENCH_OUT", "bench-out"))
+N = int(os.environ.get("BENCH_LOADER_SAMPLES", 3000))
+ROWS = int(os.environ.get("BENCH_ROWS", 1_300_000))
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_shards(root: Path) -> tuple[Path, int]:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from reelcache.catalog.latents import LATENT_EXT, encode
+    from reelcache.catalog.shards import ShardWriter
+
+    root.mkdir(parents=True, exist_ok=True)
+    w = ShardWriter(root / "latents", "000000", 256 << 20, fsync=False)
+    (root / "latents").mkdir(exist_ok=True)
+    rows, rng = [], np.random.default_rng(0)
+    buckets = ["240p/17/0.56", "240p/34/0.56", "360p/17/0.56"]
+    for i in range(N):
+        b = buckets[i % 3]
+        t = 5 if "/17/" in b else 9
+        x = {"mean": torch.randn(4, t, 30, 53).bfloat16(), "logvar": torch.randn(4, t, 30, 53).bfloat16(),
+             "text": torch.randn(int(rng.integers(20, 120)), 1024).bfloat16()}
+        shard, off = w.write_sample(f"{i:020x}", [(LATENT_EXT, encode(x), None)])
+        rows.append({"clip_id": f"{i:020x}", "bucket": b, "shard": f"latents/{shard}", "shard_offset": off[LATENT_EXT]})
+    w.close()
+    pq.write_table(pa.Table.from_pylist(rows), root / "manifest.parquet")
+    return root / "manifest.parquet", sum(p.stat().st_size for p in (root / "latents").glob("*.tar"))
+
+
+def throughput(results: dict) -> None:
+    from reelcache.train.loader import LatentLoader
+    from reelcache.train.plan import BucketBatchSizes
+
+    root = OUT / "loader-root"
+    shutil.rmtree(root, ignore_errors=True)
+    manifest, total = write_shards(root)
+    tars = sorted(str(p) for p in (root / "latents").glob("*.tar"))
+    sizes = BucketBatchSizes.from_config({"240p": {17: 8, 34: 4}, "360p": {17: 4}})
+
+    def cat():
+        subprocess.run(["cat", *tars], stdout=subprocess.DEVNULL, check=True)
+
+    def tar_loop():
+        for t in tars:
+            with tarfile.open(t) as tf:
+                for m in tf:
+                    tf.extractfile(m).read()
+
+    def loader(workers):
+        n = 0
+        for b in LatentLoader([manifest], sizes, root=root, seed=0, workers=workers, prefetch=4):
+            n += len(b["clip_id"])
+        assert n == N
+
+    rates = {}
+    for name, fn in [("cat > /dev/null", cat), ("tarfile loop", tar_loop),
+                     ("LatentLoader, 0 workers", lambda: loader(0)), ("LatentLoader, 2 workers", lambda: loader(2))]:
+        fn()                                   # warm the page cache and the plan cache
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        rates[name] = {"MBps": total / 1e6 / dt, "samples_per_s": N / dt}
+    results["throughput"] = {"samples": N, "bytes": total, "rates": rates}
+    print(f"\n== loader throughput ({N} samples, {total / 1e6:.0f} MB of latent shards, page-cached)")
+    base = rates["tarfile loop"]["MBps"]
+    for k, v in rates.items():
+        print(f"  {k:26s} {v['MBps']:8.0f} MB/s {v['samples_per_s']:9.0f} samples/s   "
+              f"vs tarfile loop {v['MBps'] / base:5.2f}x   vs cat {v['MBps'] / rates['cat > /dev/null']['MBps']:5.2f}x")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+PLAN_CHILD = r"""
+import json, sys, time
+import numpy as np
+t0 = time.perf_counter()
+from reelcache.train.plan import BucketBatchSizes, Source, epoch_plan
+n, consumed_frac = int(sys.argv[1]), float(sys.argv[2])
+rng = np.random.default_rng(0)
+buckets = np.array([f"{r}/{t}/0.56" for r in ("240p", "360p", "480p", "720p") for t in (17, 34, 51)], dtype=object)
+src = Source("f" * 64, np.array([f"{i:020x}" for i in range(n)], dtype=object), buckets[rng.integers(0, 12, n)],
+             np.array([f"latents/{i // 2000:06d}-00.tar" for i in range(n)], dtype=object),
+             rng.integers(0, 1 << 30, n).astype(np.int64))
+sizes = BucketBatchSizes.from_config({r: {17: 8, 34: 4, 51: 2} for r in ("240p", "360p", "480p", "720p")})
+t1 = time.perf_counter()
+plan = epoch_plan([src], sizes, seed=42, epoch=3)
+consumed = int(plan.num_batches * consumed_frac)
+sched = plan.rank_batches(consumed, rank=5, world=192)
+first = plan.batch(sched[0][0])
+t2 = time.perf_counter()
+print(json.dumps({"build_inputs_s": t1 - t0, "plan_and_resume_s": t2 - t1, "micro_batches": plan.num_batches,
+                  "consumed": consumed, "steps_left": len(sched)}))
+"""
+
+
+def plan_cost(results: dict) -> None:
+    out = {}
+    for frac in (0.0, 0.9):
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", PLAN_CHILD, str(ROWS), str(frac)], stdout=subprocess.PIPE)
+        _, status, ru = os.wait4(proc.pid, 0)
+        assert status == 0
+        r = json.loads(proc.stdout.read())
+        r["peak_rss_MB"] = ru.ru_maxrss // 1024
+        out[f"position {frac:.0%}"] = r
+    results["plan"] = {"rows": ROWS, **out}
+    print(f"\n== plan + resume, {ROWS:,} samples, rank 5 of 192")
+    for k, r in out.items():
+        print(f"  {k:13s} plan+resume {r['plan_and_resume_s']:6.2f} s  ({r['micro_batches']} micro-batches, "
+              f"{r['steps_left']} steps left)   peak RSS {r['peak_rss_MB']} MB (incl. building the test manifest)")
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    results = {}
+    throughput(results)
+    plan_cost(results)
+    (OUT / "loader-results.json").write_text(json.dumps(results, indent=2))
+    print(f"\nresults: {OUT / 'loader-results.json'}")
+
+
+if __name__ == "__main__":
+    main()
