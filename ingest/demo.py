@@ -96,15 +96,7 @@ def write_clip(path: Path, spec: ClipSpec) -> int:
         for p in vs.encode():
             out.mux(p)
         if aus is not None:
-            samples = int(16000 * spec.seconds)
-            t = np.arange(samples) / 16000
-            wave = (0.2 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)[None, :]
-            af = av.AudioFrame.from_ndarray(wave, format="fltp", layout="mono")
-            af.sample_rate = 16000
-            for p in aus.encode(af):
-                out.mux(p)
-            for p in aus.encode():
-                out.mux(p)
+            _mux_tone(out, aus, spec.seconds)
     finally:
         out.close()
     return n
@@ -181,19 +173,26 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
     return csv_path
 
 
-def _write_audio_only(path: Path) -> None:
+def _mux_tone(out, stream, seconds: float, rate: int = 16000) -> None:
+    """A 440 Hz tone into an AAC stream of `out`."""
     import av
     import numpy as np
 
+    t = np.arange(int(rate * seconds)) / rate
+    frame = av.AudioFrame.from_ndarray((0.2 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)[None, :],
+                                       format="fltp", layout="mono")
+    frame.sample_rate = rate
+    for p in stream.encode(frame):
+        out.mux(p)
+    for p in stream.encode():
+        out.mux(p)
+
+
+def _write_audio_only(path: Path) -> None:
+    import av
+
     out = av.open(str(path), "w")
     try:
-        st = out.add_stream("aac", rate=16000)
-        wave = (0.1 * np.sin(np.arange(32000) / 10)).astype(np.float32)[None, :]
-        frame = av.AudioFrame.from_ndarray(wave, format="fltp", layout="mono")
-        frame.sample_rate = 16000
-        for p in st.encode(frame):
-            out.mux(p)
-        for p in st.encode():
-            out.mux(p)
+        _mux_tone(out, out.add_stream("aac", rate=16000), 2.0)
     finally:
         out.close()
