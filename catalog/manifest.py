@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
 from reelcache import UserError
 from reelcache.catalog.db import open_catalog
+from reelcache.catalog.shards import atomic_path
 
 MANIFEST_COLUMNS = ["clip_id", "source", "shard", "shard_offset", "ext", "file_size", "num_frames", "fps",
                     "duration", "width", "height", "aspect_ratio", "resolution", "noun_count", "level",
@@ -55,9 +55,8 @@ def make_manifest(root, name: str, where: str = "true") -> Path:
         mdir.mkdir(parents=True, exist_ok=True)
         path = mdir / f"{name}-{fp[:16]}.parquet"
         if not path.exists():
-            tmp = mdir / f".{path.name}.tmp{os.getpid()}"
-            pq.write_table(table, tmp, compression="zstd")
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                pq.write_table(table, tmp, compression="zstd")
         info = {"name": name, "fingerprint": fp, "where": where, "num_clips": table.num_rows,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "path": path.name}
         path.with_suffix(".json").write_text(json.dumps(info, indent=2))

@@ -7,11 +7,11 @@ Exports write what other trainers read. ``opensora``: the CSV Open-Sora's traine
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from reelcache import UserError
 from reelcache.catalog.db import open_catalog
+from reelcache.catalog.shards import atomic_path
 
 OPENSORA_COLUMNS = ["path", "text", "num_frames", "height", "width", "aspect_ratio", "resolution", "fps",
                     "file_size"]
@@ -28,14 +28,13 @@ def copy_to(con, query: str, out: str) -> int:
     if ext not in WRITERS:
         raise UserError(f"--out {out}: use a .csv, .json or .parquet file name")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{out}.tmp{os.getpid()}{ext}"
     import duckdb
 
-    try:
-        con.execute(f"COPY ({query}) TO '{tmp}' {WRITERS[ext]}")
-    except duckdb.Error as e:
-        raise _sql_error(e, query) from e
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:
+        try:
+            con.execute(f"COPY ({query}) TO '{tmp}' {WRITERS[ext]}")
+        except duckdb.Error as e:
+            raise _sql_error(e, query) from e
     return con.execute(f"SELECT count(*) FROM ({query})").fetchall()[0][0]
 
 
@@ -71,7 +70,7 @@ def print_table(columns, rows, limit: int) -> None:
     for r in shown:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
     if len(rows) > limit:
-        print(f"... (more rows; use --limit or --out)")
+        print("... (more rows; use --limit or --out)")
 
 
 def export(root, fmt: str, where: str, out: str) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import tarfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 BLOCK = 512
@@ -144,6 +145,26 @@ class ShardWriter:
             os.close(self.fd)
             self.fd = None
             self._tmp().unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_path(path):
+    """Yield a temporary name beside `path`; once the body wrote it, fsync and rename it into place.
+
+    Readers see the old file or the complete new one, never a partial one; a failure leaves nothing.
+    """
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def clear_unit(directory: Path, stem: str) -> int:

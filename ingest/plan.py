@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.catalog.shards import atomic_path
 from reelcache.ingest.filters import Thresholds
 from reelcache.progress import say
 
@@ -115,14 +115,12 @@ def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[st
     if replace and src.exists():
         shutil.rmtree(src)
     pdir.mkdir(parents=True, exist_ok=True)
-    tmp = pdir / f".input.parquet.tmp{os.getpid()}"
-    pq.write_table(table, tmp, row_group_size=cfg.rows_per_unit, compression="zstd")
-    os.replace(tmp, pdir / "input.parquet")
+    with atomic_path(pdir / "input.parquet") as tmp:
+        pq.write_table(table, tmp, row_group_size=cfg.rows_per_unit, compression="zstd")
     doc = {"plan_version": PLAN_VERSION, "fingerprint": fp, "num_rows": table.num_rows,
            "num_units": num_units, "config": dataclasses.asdict(cfg)}
-    tmp = pdir / f".plan.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(doc, indent=2))
-    os.replace(tmp, old)
+    with atomic_path(old) as tmp:
+        tmp.write_text(json.dumps(doc, indent=2))
     errs = sum(1 for e in table.column("row_error").to_pylist() if e)
     dups = table.num_rows - table.column("duplicate_of").null_count
     say(f"planned {cfg.source!r}: {table.num_rows} rows in {num_units} units of {cfg.rows_per_unit} "

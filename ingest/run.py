@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.catalog.shards import ShardWriter, ShortRead, clear_unit
+from reelcache.catalog.shards import ShardWriter, ShortRead, atomic_path, clear_unit
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason, Rejected, first_reject
 from reelcache.ingest.isolate import Failed, isolated_map
 from reelcache.ingest.plan import load_plan, source_dir
@@ -32,6 +31,10 @@ from reelcache.progress import bar, say
 # Metadata columns that are not copied into the sample's .json inside the shard.
 _NOT_IN_JSON = {"shard", "shard_offset", "status", "reject_reason", "reject_detail", "unit",
                 "row_error", "duplicate_of", "level", "noun_pct", "noun_count", "noun_tagger"}
+
+
+# How an isolated probe that returned no result is recorded.
+FAILED_REASON = {"timeout": Reason.timeout, "crashed": Reason.crashed}
 
 
 def parse_unit(unit: str) -> tuple[str, int]:
@@ -100,8 +103,7 @@ def run_unit(root: str, unit: str) -> dict:
                 if isinstance(res, Rejected):
                     _reject(r, res.reason, res.detail)
                 elif isinstance(res, Failed):
-                    _reject(r, Reason.timeout if res.reason == "timeout" else Reason.crashed
-                            if res.reason == "crashed" else Reason.undecodable, res.detail)
+                    _reject(r, FAILED_REASON.get(res.reason, Reason.undecodable), res.detail)
                 elif isinstance(res, BaseException):
                     _reject(r, Reason.undecodable, f"{type(res).__name__}: {res}")
                 else:
@@ -125,9 +127,8 @@ def run_unit(root: str, unit: str) -> dict:
     for r in rows:
         r.pop("row_error", None), r.pop("duplicate_of", None)
     table = clips_table(rows)
-    tmp = sdir / f".{stem}.parquet.tmp{os.getpid()}"
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, sidecar)   # last: the unit is now visible as finished
+    with atomic_path(sidecar) as tmp:     # last: the unit is now visible as finished
+        pq.write_table(table, tmp, compression="zstd")
 
     dt = time.monotonic() - t0
     reasons = Counter(r["reject_reason"] for r in rows if r["status"] != "ok")

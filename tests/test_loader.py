@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import warnings
 from collections import Counter
 from pathlib import Path
 

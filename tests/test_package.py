@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,8 +12,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_contains_only_the_reelcache_namespace(tmp_path):
+    # Build from a copy of the tracked files: setuptools never prunes a stale build/ folder.
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, check=True, capture_output=True, text=True).stdout.split()
+    src = tmp_path / "src"
+    for f in files:
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / f, src / f)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(REPO)], check=True, capture_output=True)
+                    "-w", str(tmp_path), str(src)], check=True, capture_output=True)
     wheel, = tmp_path.glob("reelcache-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}

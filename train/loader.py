@@ -275,13 +275,14 @@ class ConsumedLog:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        from reelcache.catalog.shards import atomic_path
+
         cols = list(zip(*self.rows))
         t = pa.table({"generation": pa.array([self.generation] * len(cols[0]), pa.int32()),
                       "epoch": pa.array(cols[0], pa.int32()), "step": pa.array(cols[1], pa.int64()),
                       "rank": pa.array(cols[2], pa.int32()), "clip_id": pa.array(cols[3], pa.string()),
                       "bucket": pa.array(cols[4], pa.string()), "pad": pa.array(cols[5], pa.bool_())})
         name = f"rank{self.rank:05d}-g{self.generation:03d}-e{cols[0][0]:04d}-s{cols[1][0]:09d}.parquet"
-        tmp = self.dir / f".{name}.tmp{os.getpid()}"
-        pq.write_table(t, tmp)
-        os.replace(tmp, self.dir / name)
+        with atomic_path(self.dir / name) as tmp:
+            pq.write_table(t, tmp)
         self.rows = []
