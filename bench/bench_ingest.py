@@ -71,7 +71,7 @@ def clips() -> list[str]:
 def bench_probe(files: list[str]) -> None:
     import av
 
-    from reelcache.ingest.isolate import isolated_map
+    from reelcache.isolate import isolated_map
     from reelcache.ingest.probe import preload, probe
 
     def ours():

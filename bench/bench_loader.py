@@ -52,13 +52,13 @@ def write_shards(root: Path) -> tuple[Path, int]:
 
 def throughput(results: dict) -> None:
     from reelcache.train.loader import LatentLoader
-    from reelcache.train.plan import BucketBatchSizes
+    from reelcache.catalog.buckets import BucketConfig
 
     root = OUT / "loader-root"
     shutil.rmtree(root, ignore_errors=True)
     manifest, total = write_shards(root)
     tars = sorted(str(p) for p in (root / "latents").glob("*.tar"))
-    sizes = BucketBatchSizes.from_config({"240p": {17: 8, 34: 4}, "360p": {17: 4}})
+    sizes = BucketConfig.from_dict({"240p": {17: 8, 34: 4}, "360p": {17: 4}})
 
     def cat():
         subprocess.run(["cat", *tars], stdout=subprocess.DEVNULL, check=True)
@@ -96,14 +96,15 @@ PLAN_CHILD = r"""
 import json, sys, time
 import numpy as np
 t0 = time.perf_counter()
-from reelcache.train.plan import BucketBatchSizes, Source, epoch_plan
+from reelcache.catalog.buckets import BucketConfig
+from reelcache.train.plan import Source, epoch_plan
 n, consumed_frac = int(sys.argv[1]), float(sys.argv[2])
 rng = np.random.default_rng(0)
 buckets = np.array([f"{r}/{t}/0.56" for r in ("240p", "360p", "480p", "720p") for t in (17, 34, 51)], dtype=object)
 src = Source("f" * 64, np.array([f"{i:020x}" for i in range(n)], dtype=object), buckets[rng.integers(0, 12, n)],
              np.array([f"latents/{i // 2000:06d}-00.tar" for i in range(n)], dtype=object),
              rng.integers(0, 1 << 30, n).astype(np.int64))
-sizes = BucketBatchSizes.from_config({r: {17: 8, 34: 4, 51: 2} for r in ("240p", "360p", "480p", "720p")})
+sizes = BucketConfig.from_dict({r: {17: 8, 34: 4, 51: 2} for r in ("240p", "360p", "480p", "720p")})
 t1 = time.perf_counter()
 plan = epoch_plan([src], sizes, seed=42, epoch=3)
 consumed = int(plan.num_batches * consumed_frac)

@@ -23,7 +23,7 @@ from pathlib import Path
 from reelcache import UserError
 from reelcache.catalog.shards import ShardWriter, ShortRead, atomic_path, clear_unit
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason, Rejected, first_reject
-from reelcache.ingest.isolate import Failed, isolated_map
+from reelcache.isolate import Failed, isolated_map
 from reelcache.ingest.plan import load_plan, source_dir
 from reelcache.ingest.probe import preload, probe
 from reelcache.progress import bar, say

@@ -111,7 +111,7 @@ def _catalog_export(a):
 
 
 def _loader_simulate(a):
-    from reelcache.train.plan import BucketBatchSizes
+    from reelcache.catalog.buckets import BucketConfig
     from reelcache.train.simulate import simulate
 
     given = [w for _, w in a.manifests if w is not None]
@@ -120,7 +120,7 @@ def _loader_simulate(a):
     rest = (1 - sum(given)) / max(1, sum(1 for _, w in a.manifests if w is None))
     manifests = [(m, w if w is not None else rest) for m, w in a.manifests]
     try:
-        simulate(manifests, BucketBatchSizes.from_toml(a.buckets), root=a.root, world_size=a.world_size,
+        simulate(manifests, BucketConfig.from_toml(a.buckets), root=a.root, world_size=a.world_size,
                  workers=a.workers, seed=a.seed, epochs=a.epochs, out=a.out, save_at=a.save_at,
                  resume_world_size=a.resume_world_size)
     except ValueError as e:

@@ -6,7 +6,7 @@ import os
 import signal
 import time
 
-from reelcache.ingest.isolate import Failed, isolated_map
+from reelcache.isolate import Failed, isolated_map
 
 
 def work(x):

@@ -19,10 +19,10 @@ import torch
 
 from latent_data import write_latents
 from reelcache.train.loader import LatentLoader, read_sample
-from reelcache.train.plan import BucketBatchSizes
+from reelcache.catalog.buckets import BucketConfig
 
 REPO = Path(__file__).resolve().parents[1]
-SIZES = BucketBatchSizes.from_toml(REPO / "configs/buckets/tiny.toml")
+SIZES = BucketConfig.from_toml(REPO / "configs/buckets/tiny.toml")
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +204,8 @@ def test_sigkill_mid_epoch_then_resume_continues_exactly(data, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import json, os, sys
         from reelcache.train.loader import LatentLoader
-        from reelcache.train.plan import BucketBatchSizes
-        sizes = BucketBatchSizes.from_toml({str(REPO / 'configs/buckets/tiny.toml')!r})
+        from reelcache.catalog.buckets import BucketConfig
+        sizes = BucketConfig.from_toml({str(REPO / 'configs/buckets/tiny.toml')!r})
         ld = LatentLoader([{str(manifest)!r}], sizes, root={str(root)!r}, seed=9, workers=2)
         state = {str(tmp_path / 'state.json')!r}
         if os.path.exists(state):

@@ -1,6 +1,6 @@
 """The streaming loader: bucketed micro-batches from latent shards, with exact and elastic resume.
 
-    loader = LatentLoader([manifest], BucketBatchSizes.from_toml(cfg), root=ROOT,
+    loader = LatentLoader([manifest], BucketConfig.from_toml(cfg), root=ROOT,
                           rank=r, world_size=R, seed=42, workers=4)
     while loader.epoch < epochs:
         for batch in loader:            # the rest of the current epoch
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from reelcache.train.plan import PLAN_VERSION, BucketBatchSizes, Plan, Source, epoch_plan, stage_fingerprint
+from reelcache.catalog.buckets import BucketConfig
+from reelcache.train.plan import PLAN_VERSION, Plan, Source, epoch_plan, stage_fingerprint
 
 
 def resolve_manifest(root, name_or_path) -> Path:
@@ -71,7 +72,7 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5) -> Source:
 
 
 class LatentLoader:
-    def __init__(self, manifests, buckets: BucketBatchSizes, *, root=None, rank: int = 0, world_size: int = 1,
+    def __init__(self, manifests, buckets: BucketConfig, *, root=None, rank: int = 0, world_size: int = 1,
                  seed: int = 0, workers: int = 0, prefetch: int = 2, block: int = 64, read: bool = True,
                  consumed_log=None, log_every: int = 100, pin_memory: bool | None = None):
         """manifests: paths or names (ROOT/manifests/NAME-*.parquet), or (path, weight) pairs."""

@@ -1,6 +1,6 @@
 """The epoch plan: which samples form which micro-batch, in which order. A pure function.
 
-    plan = epoch_plan(sources, batch_size_of, seed, epoch)
+    plan = epoch_plan(sources, bucket_config, seed, epoch)
 
 depends only on the manifests' content (their fingerprints), their mixing weights, the bucket
 batch sizes, the seed and the epoch: never on the number of ranks or workers. It is built
@@ -34,53 +34,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from reelcache.catalog.buckets import BucketConfig
+
 PLAN_VERSION = 1
-RESOLUTIONS = {"144p": 36_864, "240p": 102_240, "360p": 230_400, "480p": 409_920, "720p": 921_600,
-               "1080p": 2_073_600, "256": 65_536, "512": 262_144, "1024": 1_048_576, "2048": 4_194_304}
-
-
-@dataclass(frozen=True)
-class BucketBatchSizes:
-    """Per-GPU micro-batch size of each bucket, from an Open-Sora style config.
-
-    Buckets are named ``<resolution>/<num_frames>[/<aspect ratio>]`` (e.g. ``240p/51/0.56``);
-    the config maps resolution -> {num_frames: (keep probability, batch size)}, the shape of
-    Open-Sora 1.2's bucket_config. Aspect ratio does not change the batch size.
-    """
-
-    table: tuple = ()          # ((resolution, num_frames, batch_size), ...)
-    default: int | None = None
-
-    @classmethod
-    def from_config(cls, config: dict, default: int | None = None) -> "BucketBatchSizes":
-        rows = []
-        for res, frames in config.items():
-            for t, spec in frames.items():
-                batch = spec[1] if isinstance(spec, (list, tuple)) else spec
-                if batch and int(batch) > 0:
-                    rows.append((str(res), int(t), int(batch)))
-        return cls(tuple(sorted(rows)), default)
-
-    @classmethod
-    def from_toml(cls, path) -> "BucketBatchSizes":
-        import tomllib
-
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-        return cls.from_config(doc.get("buckets", doc), doc.get("default_batch_size"))
-
-    def __call__(self, bucket: str) -> int:
-        parts = bucket.split("/")
-        for res, t, b in self.table:
-            if len(parts) >= 2 and parts[0] == res and parts[1] == str(t):
-                return b
-        if self.default:
-            return self.default
-        raise ValueError(f"bucket {bucket!r} has no batch size in the bucket config "
-                         f"(resolutions {sorted({r for r, _, _ in self.table})}) and no default_batch_size")
-
-    def key(self) -> str:
-        return repr((self.table, self.default))
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,7 +91,7 @@ class Plan:
         return out
 
 
-def stage_fingerprint(sources: list[Source], sizes: BucketBatchSizes, block: int) -> str:
+def stage_fingerprint(sources: list[Source], sizes: BucketConfig, block: int) -> str:
     h = hashlib.sha256(f"plan{PLAN_VERSION}|{sizes.key()}|{block}".encode())
     for s in sources:
         h.update(f"|{s.fingerprint}:{s.weight!r}".encode())
@@ -184,17 +140,17 @@ def _storage_order(sources: tuple[Source, ...]):
     return names, codes, rank
 
 
-def epoch_plan(sources: list[Source], sizes: BucketBatchSizes, seed: int, epoch: int, block: int = 64) -> Plan:
+def epoch_plan(sources: list[Source], sizes: BucketConfig, seed: int, epoch: int, block: int = 64) -> Plan:
     return _cached_plan(tuple(sources), sizes, int(seed), int(epoch), int(block))
 
 
 @lru_cache(maxsize=2)
-def _cached_plan(sources: tuple[Source, ...], sizes: BucketBatchSizes, seed: int, epoch: int, block: int) -> Plan:
+def _cached_plan(sources: tuple[Source, ...], sizes: BucketConfig, seed: int, epoch: int, block: int) -> Plan:
     names, codes, rank = _storage_order(sources)
     sel = _select(list(sources), seed, epoch)
     sel = sel[np.lexsort((sel, rank[sel]))]            # storage order (bucket-major), upsampled copies adjacent
     sel_codes = codes[sel]
-    batch_sizes = np.array([sizes(b) for b in names], dtype=np.int64)
+    batch_sizes = np.array([sizes.batch_size(b) for b in names], dtype=np.int64)
     bounds = np.searchsorted(sel_codes, np.arange(len(names) + 1))
     shuffled, batch_start, batch_len, batch_bucket = [], [], [], []
     base = 0

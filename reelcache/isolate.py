@@ -1,4 +1,4 @@
-"""Run a function over many items in child processes that can be killed.
+"""Run a function over many items in child processes that can be killed (ingest probes, cache decodes).
 
 A corrupt or hostile video can hang FFmpeg (a stalled network mount, a decoder stuck in a
 loop) or crash it outright. ``isolated_map`` runs ``fn(item)`` in long-lived worker processes

@@ -1,0 +1,126 @@
+"""Open-Sora 1.2 buckets: which (resolution, frame count, aspect ratio) each clip trains at.
+
+A bucket config (``configs/buckets/*.toml``) maps resolution -> {num_frames: [keep probability,
+per-GPU batch size]}, the shape of Open-Sora 1.2's ``bucket_config``. Resolutions are pixel
+budgets (240p = 102,240 = 240 x 426); each has a table of aspect ratios (H/W keys such as
+"0.56" for 9:16, whose size at 240p is (240, 426)).
+
+Assignment, for a clip of H x W pixels and N frames, trying resolutions from the largest budget
+down:
+
+1. the resolution is eligible when H*W >= 0.8 x its budget;
+2. the frame count is the largest T in that resolution's table with N > T x frame_interval
+   (T = 1, the image bucket, only for single-frame clips);
+3. the keep probability p accepts the clip, or demotes it to the next resolution. The draw is a
+   hash of (seed, clip id, resolution, T): assignment is a pure function of (seed, clip id,
+   config), reproducible on any node in any order;
+4. the aspect ratio is the nearest key of the table: |H/W - key| smallest.
+
+A clip that fits nowhere gets no bucket and a reason (too_small, too_short, not_kept); the
+cache records it instead of losing it. Both the cache (assignment) and the loader (batch sizes)
+read the same config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+# Pixel budgets (DATASETS.md): the 16:9 (or square) size of each resolution.
+RESOLUTIONS = {"144p": 36_864, "240p": 102_240, "360p": 230_400, "480p": 409_920, "720p": 921_600,
+               "1080p": 2_073_600, "256": 65_536, "512": 262_144, "1024": 1_048_576, "2048": 4_194_304}
+# Aspect-ratio keys (H/W, rounded to 2 decimals) and the exact ratio each stands for.
+ASPECT_RATIOS = {"0.38": 3 / 8, "0.43": 3 / 7, "0.48": 0.48, "0.50": 1 / 2, "0.53": 0.53, "0.54": 0.54,
+                 "0.56": 9 / 16, "0.62": 5 / 8, "0.67": 2 / 3, "0.75": 3 / 4, "1.00": 1.0, "1.33": 4 / 3,
+                 "1.50": 3 / 2, "1.78": 16 / 9, "1.89": 1.89, "2.00": 2.0, "2.08": 2.08}
+
+
+def bucket_hw(resolution: str, ar_key: str) -> tuple[int, int]:
+    """(H, W) of an aspect-ratio key at a resolution: H*W ~ budget, H/W ~ ratio."""
+    budget, ar = RESOLUTIONS[resolution], ASPECT_RATIOS[ar_key]
+    return round(math.sqrt(budget * ar)), round(math.sqrt(budget / ar))
+
+
+def nearest_ratio(height: int, width: int) -> str:
+    ar = height / width
+    return min(ASPECT_RATIOS, key=lambda k: (abs(float(k) - ar), k))
+
+
+def _uniform(seed: int, clip_id: str, resolution: str, frames: int) -> float:
+    h = hashlib.blake2b(f"{seed}|{clip_id}|{resolution}|{frames}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") / 2 ** 64
+
+
+@dataclass(frozen=True)
+class Assignment:
+    bucket: str | None          # "<resolution>/<T>/<ar key>", None when the clip fits no bucket
+    resolution: str | None = None
+    num_frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    reason: str | None = None   # too_small | too_short | not_kept, when bucket is None
+
+
+@dataclass(frozen=True)
+class BucketConfig:
+    table: tuple = ()           # ((resolution, num_frames, keep probability, batch size), ...)
+    frame_interval: int = 1
+    default_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, buckets: dict, frame_interval: int = 1, default_batch_size: int | None = None):
+        rows = []
+        for res, frames in buckets.items():
+            if str(res) not in RESOLUTIONS:
+                raise ValueError(f"unknown resolution {res!r}; known: {', '.join(RESOLUTIONS)}")
+            for t, spec in frames.items():
+                keep, batch = (spec if isinstance(spec, (list, tuple)) else (1.0, spec))
+                keep = keep[0] if isinstance(keep, (list, tuple)) else keep
+                if batch and int(batch) > 0:
+                    rows.append((str(res), int(t), float(keep), int(batch)))
+        if not rows:
+            raise ValueError("the bucket config has no (resolution, num_frames) with a batch size > 0")
+        return cls(tuple(sorted(rows)), int(frame_interval), default_batch_size)
+
+    @classmethod
+    def from_toml(cls, path) -> "BucketConfig":
+        import tomllib
+
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+        return cls.from_dict(doc["buckets"], doc.get("frame_interval", 1), doc.get("default_batch_size"))
+
+    def key(self) -> str:
+        return repr((self.table, self.frame_interval, self.default_batch_size))
+
+    def batch_size(self, bucket: str) -> int:
+        parts = bucket.split("/")
+        for res, t, _, b in self.table:
+            if len(parts) >= 2 and parts[0] == res and parts[1] == str(t):
+                return b
+        if self.default_batch_size:
+            return self.default_batch_size
+        raise ValueError(f"bucket {bucket!r} has no batch size in the bucket config "
+                         f"(resolutions {sorted({r for r, *_ in self.table})}) and no default_batch_size")
+
+    def assign(self, clip_id: str, height: int, width: int, num_frames: int, seed: int = 0) -> Assignment:
+        by_res: dict[str, list] = {}
+        for res, t, keep, _ in self.table:
+            by_res.setdefault(res, []).append((t, keep))
+        sized = fitted = False
+        for res in sorted(by_res, key=lambda r: -RESOLUTIONS[r]):
+            if height * width < 0.8 * RESOLUTIONS[res]:
+                continue
+            sized = True
+            fits = [(t, keep) for t, keep in by_res[res]
+                    if (t == 1 and num_frames == 1) or (t > 1 and num_frames > t * self.frame_interval)]
+            if not fits:
+                continue
+            fitted = True
+            t, keep = max(fits)
+            if keep >= 1.0 or _uniform(seed, clip_id, res, t) < keep:
+                ar = nearest_ratio(height, width)
+                h, w = bucket_hw(res, ar)
+                return Assignment(f"{res}/{t}/{ar}", res, t, h, w)
+        return Assignment(None, reason="not_kept" if fitted else "too_short" if sized else "too_small")
