@@ -1,0 +1,241 @@
+"""Encoders behind one interface, and their identity.
+
+Video encoders (``kind``): the diffusers video VAEs through their own classes,
+``wan`` (AutoencoderKLWan), ``cogvideox``, ``hunyuan``, ``ltx``; and ``sd-per-frame``, an image
+``AutoencoderKL`` applied frame by frame (the spatial stage of Open-Sora 1.2's VAE, ×0.18215).
+Text encoder: ``t5`` (``T5EncoderModel``, T5-v1.1-XXL in Open-Sora 1.2, 300 tokens). Weights
+always come from a local directory (``path``, loaded with ``HF_HUB_OFFLINE=1`` semantics); every
+kind also has a ``tiny = true`` configuration with seeded random weights for tests and the demo.
+
+Video VAEs return their posterior's mean and log-variance, normalized the way the diffusion
+model consumes latents ((z - shift) x scale per channel, applied to the mean, with log(scale^2)
+added to the log-variance), so sampling at load time gives training-ready latents.
+
+Identity (``identity()``): class, config, dtype, a hash of the weights (the weight files for
+``path``, the parameters for tiny models) and library versions. ``cache.json`` stores it; a cache
+is reused only when it matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reelcache import UserError
+
+TINY_VIDEO = {
+    "wan": ("AutoencoderKLWan", dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                                     temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)),
+    "cogvideox": ("AutoencoderKLCogVideoX", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
+                                                 down_block_types=("CogVideoXDownBlock3D",) * 2, norm_num_groups=4,
+                                                 up_block_types=("CogVideoXUpBlock3D",) * 2)),
+    "hunyuan": ("AutoencoderKLHunyuanVideo", dict(block_out_channels=(16, 32, 32), latent_channels=4, layers_per_block=1,
+                                                  down_block_types=("HunyuanVideoDownBlock3D",) * 3, norm_num_groups=4,
+                                                  up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+                                                  spatial_compression_ratio=4, temporal_compression_ratio=4)),
+    "ltx": ("AutoencoderKLLTXVideo", dict(block_out_channels=(16, 32), decoder_block_out_channels=(16, 32),
+                                          down_block_types=("LTXVideoDownBlock3D",) * 2, layers_per_block=(1, 1, 1),
+                                          decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, False),
+                                          decoder_spatio_temporal_scaling=(True, False), upsample_residual=(False, False),
+                                          decoder_inject_noise=(False, False, False), upsample_factor=(1, 1),
+                                          latent_channels=4, patch_size=1, patch_size_t=1)),
+    "sd-per-frame": ("AutoencoderKL", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
+                                           down_block_types=("DownEncoderBlock2D",) * 2, norm_num_groups=4,
+                                           up_block_types=("UpDecoderBlock2D",) * 2, scaling_factor=0.18215)),
+}
+# Temporal compression of the real models: a clip's frame count must be 1 + a multiple of it.
+TEMPORAL_RATIO = {"wan": 4, "cogvideox": 4, "hunyuan": 4, "ltx": 8, "sd-per-frame": 1}
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    return {m: version(m) for m in ("torch", "diffusers", "transformers")}
+
+
+def _dtype(name: str):
+    import torch
+
+    try:
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+    except KeyError:
+        raise UserError(f"dtype {name!r}: use bfloat16, float16 or float32") from None
+
+
+def files_hash(path: Path) -> str:
+    """sha256 over a model folder's weight and config files, cached beside them by (size, mtime)."""
+    files = sorted(p for p in Path(path).rglob("*") if p.is_file() and p.suffix in
+                   (".safetensors", ".bin", ".json", ".model", ".txt") and not p.name.startswith(".reelcache"))
+    if not files:
+        raise UserError(f"{path} holds no weights (*.safetensors, *.bin)")
+    stamp = json.dumps([(str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
+    cache = Path(path) / ".reelcache-sha256.json"
+    try:
+        doc = json.loads(cache.read_text())
+        if doc["stamp"] == stamp:
+            return doc["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    h = hashlib.sha256()
+    for p in files:
+        h.update(str(p.relative_to(path)).encode())
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    try:
+        cache.write_text(json.dumps({"stamp": stamp, "sha256": h.hexdigest()}))
+    except OSError:
+        pass        # read-only weights folder: hash again next time
+    return h.hexdigest()
+
+
+def params_hash(model) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class EncoderSpec:
+    kind: str
+    path: str | None = None
+    tiny: bool = False
+    dtype: str = "bfloat16"
+    seed: int = 0                   # tiny models: weights are randomly initialized from this seed
+    max_tokens: int = 300           # text encoders
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.tiny and not self.path:
+            raise UserError(f"encoder {self.kind!r}: give `path` (a local weights folder) or `tiny = true`")
+
+
+class VideoEncoder:
+    def __init__(self, spec: EncoderSpec, device: str = "cpu"):
+        import torch
+
+        import diffusers
+
+        if spec.kind not in TINY_VIDEO:
+            raise UserError(f"unknown video encoder {spec.kind!r}; choose one of {', '.join(TINY_VIDEO)}")
+        self.spec, self.device, self.dtype = spec, device, _dtype(spec.dtype)
+        cls_name, tiny_cfg = TINY_VIDEO[spec.kind]
+        cls = getattr(diffusers, cls_name)
+        if spec.tiny:
+            torch.manual_seed(spec.seed)
+            self.model = cls(**tiny_cfg)
+        else:
+            self.model = cls.from_pretrained(spec.path, torch_dtype=self.dtype, local_files_only=True)
+        self.model = self.model.to(device=device) if spec.tiny and spec.dtype == "float32" else \
+            self.model.to(device=device, dtype=self.dtype)
+        self.model.eval()
+        self.per_frame = spec.kind == "sd-per-frame"
+        cfg = self.model.config
+        shift = list(getattr(cfg, "latents_mean", None) or [getattr(cfg, "shift_factor", None) or 0.0])
+        std = getattr(cfg, "latents_std", None)
+        scale = [1.0 / s for s in std] if std else [float(getattr(cfg, "scaling_factor", 1.0) or 1.0)]
+        self.shift, self.scale = shift, scale
+        self.temporal_ratio = 2 if spec.tiny and spec.kind != "hunyuan" and not self.per_frame else \
+            TEMPORAL_RATIO[spec.kind]
+
+    def check_frames(self, t: int) -> None:
+        if t > 1 and (t - 1) % self.temporal_ratio:
+            raise UserError(f"{self.spec.kind} encodes 1 + a multiple of {self.temporal_ratio} frames; "
+                            f"bucket frame count {t} is not (use e.g. {1 + self.temporal_ratio * ((t - 1) // self.temporal_ratio)})")
+
+    def identity(self) -> dict:
+        return {"kind": self.spec.kind, "class": type(self.model).__name__, "config": _jsonable(self.model.config),
+                "dtype": self.spec.dtype, "weights_sha256": files_hash(Path(self.spec.path)) if self.spec.path
+                else params_hash(self.model), "normalize": {"shift": self.shift, "scale": self.scale},
+                "versions": _versions()}
+
+    def encode(self, frames) -> dict:
+        """uint8 [B, T, H, W, 3] -> {'mean', 'logvar'}: [B, C, t, h, w], normalized, on CPU in bf16."""
+        import torch
+
+        x = torch.as_tensor(frames).to(self.device, non_blocking=True)
+        x = x.permute(0, 4, 1, 2, 3).to(self.dtype).div_(127.5).sub_(1.0)          # [B, 3, T, H, W] in [-1, 1]
+        with torch.inference_mode():
+            if self.per_frame:
+                b, c, t, h, w = x.shape
+                dist = self.model.encode(x.transpose(1, 2).reshape(b * t, c, h, w)).latent_dist
+                mean = dist.mean.reshape(b, t, *dist.mean.shape[1:]).transpose(1, 2)
+                logvar = dist.logvar.reshape(b, t, *dist.logvar.shape[1:]).transpose(1, 2)
+            else:
+                dist = self.model.encode(x).latent_dist
+                mean, logvar = dist.mean, dist.logvar
+            shape = (1, -1, 1, 1, 1)
+            shift = torch.tensor(self.shift, device=mean.device, dtype=torch.float32).view(shape)
+            scale = torch.tensor(self.scale, device=mean.device, dtype=torch.float32).view(shape)
+            mean = (mean.float() - shift) * scale
+            logvar = logvar.float() + 2 * torch.log(scale)
+        return {"mean": mean.to(torch.bfloat16).cpu(), "logvar": logvar.to(torch.bfloat16).cpu()}
+
+
+class TextEncoder:
+    def __init__(self, spec: EncoderSpec, device: str = "cpu"):
+        import torch
+        from transformers import AutoTokenizer, T5Config, T5EncoderModel
+
+        if spec.kind != "t5":
+            raise UserError(f"unknown text encoder {spec.kind!r}; choose t5")
+        self.spec, self.device, self.dtype = spec, device, _dtype(spec.dtype)
+        if spec.tiny:
+            self.tokenizer = tiny_tokenizer()
+            torch.manual_seed(spec.seed)
+            self.model = T5EncoderModel(T5Config(vocab_size=len(self.tokenizer), d_model=32, d_kv=8, d_ff=64,
+                                                 num_layers=2, num_heads=4, pad_token_id=0))
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
+            self.model = T5EncoderModel.from_pretrained(spec.path, torch_dtype=self.dtype, local_files_only=True)
+        self.model = self.model.to(device=device, dtype=self.dtype).eval()
+
+    def identity(self) -> dict:
+        vocab = hashlib.sha256(json.dumps(sorted(self.tokenizer.get_vocab().items())).encode()).hexdigest()
+        return {"kind": "t5", "class": type(self.model).__name__, "config": _jsonable(self.model.config),
+                "dtype": self.spec.dtype, "max_tokens": self.spec.max_tokens, "tokenizer_sha256": vocab,
+                "weights_sha256": files_hash(Path(self.spec.path)) if self.spec.path else params_hash(self.model),
+                "versions": _versions()}
+
+    def encode(self, texts: list[str]) -> list:
+        """Embeddings trimmed to each caption's real tokens: [L_i, D] bf16 on CPU."""
+        import torch
+
+        tok = self.tokenizer(texts, max_length=self.spec.max_tokens, padding=True, truncation=True,
+                             return_tensors="pt")
+        with torch.inference_mode():
+            h = self.model(input_ids=tok.input_ids.to(self.device),
+                           attention_mask=tok.attention_mask.to(self.device)).last_hidden_state
+        lens = tok.attention_mask.sum(1).tolist()
+        return [h[i, :n].to(torch.bfloat16).cpu() for i, n in enumerate(lens)]
+
+
+def tiny_tokenizer():
+    """A real tokenizer trained on a few captions with `tokenizers` (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from reelcache.ingest.demo import ADJ, PLACES, SUBJECTS, THINGS, VERBS
+
+    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    corpus = [" ".join(words) for words in (ADJ, PLACES, SUBJECTS, THINGS, VERBS)] + ["A the a and with in of ."]
+    tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=400, special_tokens=["<pad>", "<unk>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>")
+
+
+def _jsonable(config) -> dict:
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return json.loads(json.dumps(d, default=str, sort_keys=True))
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "0") != "" else "cpu"
+
