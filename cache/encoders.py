@@ -11,8 +11,9 @@ Video VAEs return their posterior's mean and log-variance, normalized the way th
 model consumes latents ((z - shift) x scale per channel, applied to the mean, with log(scale^2)
 added to the log-variance), so sampling at load time gives training-ready latents.
 
-Identity (``identity()``): class, config, dtype, a hash of the weights (the weight files for
-``path``, the parameters for tiny models) and library versions. ``cache.json`` stores it; a cache
+Identity (``spec_identity``): kind, config, dtype, a hash of the weight files (or the seed of a
+tiny model's random init) and library versions, computed without loading the model, so ``plan``
+on a CPU head node and ``run`` on each GPU agree on it. ``cache.json`` stores it; a cache
 is reused only when it matches.
 """
 
@@ -41,13 +42,15 @@ TINY_VIDEO = {
                                           decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, False),
                                           decoder_spatio_temporal_scaling=(True, False), upsample_residual=(False, False),
                                           decoder_inject_noise=(False, False, False), upsample_factor=(1, 1),
-                                          latent_channels=4, patch_size=1, patch_size_t=1)),
+                                          latent_channels=4, patch_size=4, patch_size_t=1)),
     "sd-per-frame": ("AutoencoderKL", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
                                            down_block_types=("DownEncoderBlock2D",) * 2, norm_num_groups=4,
                                            up_block_types=("UpDecoderBlock2D",) * 2, scaling_factor=0.18215)),
 }
 # Temporal compression of the real models: a clip's frame count must be 1 + a multiple of it.
 TEMPORAL_RATIO = {"wan": 4, "cogvideox": 4, "hunyuan": 4, "ltx": 8, "sd-per-frame": 1}
+# Height and width must be multiples of this (spatial compression x patch size), real and tiny.
+SPATIAL_MULTIPLE = {"wan": (8, 4), "cogvideox": (8, 2), "hunyuan": (8, 4), "ltx": (32, 8), "sd-per-frame": (8, 2)}
 
 
 def _versions() -> dict:
@@ -92,12 +95,31 @@ def files_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def params_hash(model) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
-    return h.hexdigest()
+def spec_identity(spec: "EncoderSpec") -> dict:
+    """What makes an encoder's outputs what they are, computed without loading the model."""
+    if spec.tiny:
+        config = TINY_VIDEO[spec.kind][1] if spec.kind in TINY_VIDEO else {"t5": "tiny", "tokenizer": "tiny"}
+        weights = f"seeded-random:{spec.seed}"
+    else:
+        cfg = Path(spec.path) / "config.json"
+        config = json.loads(cfg.read_text()) if cfg.exists() else {}
+        weights = files_hash(Path(spec.path))
+    ident = {"kind": spec.kind, "tiny": spec.tiny, "config": _jsonable(config), "dtype": spec.dtype,
+             "weights_sha256": weights, "versions": _versions()}
+    if spec.kind == "t5":
+        ident["max_tokens"] = spec.max_tokens
+    return ident
+
+
+def spatial_multiple(spec: "EncoderSpec") -> int:
+    """Crops are rounded down to this: e.g. the 240p 9:16 bucket (240, 426) is encoded as 240 x 424."""
+    return SPATIAL_MULTIPLE[spec.kind][1 if spec.tiny else 0]
+
+
+def temporal_ratio(spec: "EncoderSpec") -> int:
+    if spec.tiny and spec.kind not in ("hunyuan", "sd-per-frame"):
+        return 2
+    return TEMPORAL_RATIO.get(spec.kind, 1)
 
 
 @dataclass
@@ -140,19 +162,9 @@ class VideoEncoder:
         std = getattr(cfg, "latents_std", None)
         scale = [1.0 / s for s in std] if std else [float(getattr(cfg, "scaling_factor", 1.0) or 1.0)]
         self.shift, self.scale = shift, scale
-        self.temporal_ratio = 2 if spec.tiny and spec.kind != "hunyuan" and not self.per_frame else \
-            TEMPORAL_RATIO[spec.kind]
-
-    def check_frames(self, t: int) -> None:
-        if t > 1 and (t - 1) % self.temporal_ratio:
-            raise UserError(f"{self.spec.kind} encodes 1 + a multiple of {self.temporal_ratio} frames; "
-                            f"bucket frame count {t} is not (use e.g. {1 + self.temporal_ratio * ((t - 1) // self.temporal_ratio)})")
 
     def identity(self) -> dict:
-        return {"kind": self.spec.kind, "class": type(self.model).__name__, "config": _jsonable(self.model.config),
-                "dtype": self.spec.dtype, "weights_sha256": files_hash(Path(self.spec.path)) if self.spec.path
-                else params_hash(self.model), "normalize": {"shift": self.shift, "scale": self.scale},
-                "versions": _versions()}
+        return spec_identity(self.spec)
 
     def encode(self, frames) -> dict:
         """uint8 [B, T, H, W, 3] -> {'mean', 'logvar'}: [B, C, t, h, w], normalized, on CPU in bf16."""
@@ -196,11 +208,7 @@ class TextEncoder:
         self.model = self.model.to(device=device, dtype=self.dtype).eval()
 
     def identity(self) -> dict:
-        vocab = hashlib.sha256(json.dumps(sorted(self.tokenizer.get_vocab().items())).encode()).hexdigest()
-        return {"kind": "t5", "class": type(self.model).__name__, "config": _jsonable(self.model.config),
-                "dtype": self.spec.dtype, "max_tokens": self.spec.max_tokens, "tokenizer_sha256": vocab,
-                "weights_sha256": files_hash(Path(self.spec.path)) if self.spec.path else params_hash(self.model),
-                "versions": _versions()}
+        return spec_identity(self.spec)
 
     def encode(self, texts: list[str]) -> list:
         """Embeddings trimmed to each caption's real tokens: [L_i, D] bf16 on CPU."""

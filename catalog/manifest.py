@@ -21,7 +21,17 @@ from reelcache.catalog.shards import atomic_path
 
 MANIFEST_COLUMNS = ["clip_id", "source", "shard", "shard_offset", "ext", "file_size", "num_frames", "fps",
                     "duration", "width", "height", "aspect_ratio", "resolution", "noun_count", "level",
-                    "noun_pct"]
+                    "noun_pct", "text"]
+# With --cache: the loader's columns (latent shard and offset, bucket) first, the raw ones renamed.
+LATENT_QUERY = """
+SELECT c.clip_id, l.bucket, l.shard, l.shard_offset, l.num_frames AS latent_frames, l.height AS latent_height,
+       l.width AS latent_width, l.shape, l.text_len, c.source, c.shard AS raw_shard,
+       c.shard_offset AS raw_shard_offset, c.num_frames, c.fps, c.width, c.height, c.noun_count, c.level,
+       c.noun_pct, c.text
+FROM (SELECT * FROM clips WHERE status = 'ok' AND ({where})) c
+JOIN latents l ON l.clip_id = c.clip_id AND l.cache = $cache AND l.status = 'ok'
+ORDER BY c.clip_id
+"""
 
 
 def fingerprint(table) -> str:
@@ -33,7 +43,8 @@ def fingerprint(table) -> str:
     return hashlib.sha256(sink.getvalue()).hexdigest()
 
 
-def make_manifest(root, name: str, where: str = "true") -> Path:
+def make_manifest(root, name: str, where: str = "true", cache: str | None = None) -> Path:
+    """Freeze ok clips matching `where`; with `cache`, only those it encoded, with their latents."""
     import duckdb
     import pyarrow.parquet as pq
 
@@ -46,10 +57,21 @@ def make_manifest(root, name: str, where: str = "true") -> Path:
                  "ORDER BY clip_id")
         try:
             table = con.sql(query).to_arrow_table()
+            selected = table.num_rows
+            if cache is not None and selected:
+                table = con.sql(LATENT_QUERY.format(where=where), params={"cache": cache}).to_arrow_table()
         except duckdb.Error as e:
             raise UserError(f"--where {where!r} failed: {str(e).splitlines()[0]}") from e
-        if table.num_rows == 0:
+        if selected == 0:
             raise UserError(f"no ok clips match --where {where!r}: no manifest written")
+        if table.num_rows == 0:
+            raise UserError(f"none of the {selected} clips matching --where has latents in cache {cache!r}: "
+                            "run `reelcache cache run` on its units and `catalog merge` first")
+        if table.num_rows < 0.5 * selected:
+            from reelcache.progress import say
+
+            say(f"warning: only {table.num_rows} of {selected} selected clips have latents in cache {cache!r} "
+                f"({100 * table.num_rows / selected:.1f}%)")
         fp = fingerprint(table)
         mdir = root / "manifests"
         mdir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +79,7 @@ def make_manifest(root, name: str, where: str = "true") -> Path:
         if not path.exists():
             with atomic_path(path) as tmp:
                 pq.write_table(table, tmp, compression="zstd")
-        info = {"name": name, "fingerprint": fp, "where": where, "num_clips": table.num_rows,
+        info = {"name": name, "fingerprint": fp, "where": where, "cache": cache, "num_clips": table.num_rows,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "path": path.name}
         path.with_suffix(".json").write_text(json.dumps(info, indent=2))
         con.execute("INSERT INTO manifests VALUES (?, ?, ?, ?, ?, now()) ON CONFLICT DO NOTHING",
@@ -68,6 +90,18 @@ def make_manifest(root, name: str, where: str = "true") -> Path:
 
     say(f"manifest {name!r}: {table.num_rows} clips, fingerprint {fp[:16]}")
     return path
+
+
+def resolve_manifest(root, name_or_path) -> Path:
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    found = sorted(Path(root or ".").joinpath("manifests").glob(f"{name_or_path}-*.parquet"),
+                   key=lambda q: q.stat().st_mtime)
+    if not found:
+        raise ValueError(f"no manifest {name_or_path!r}: not a file, and nothing matches "
+                         f"{Path(root or '.') / 'manifests' / (str(name_or_path) + '-*.parquet')}")
+    return found[-1]
 
 
 def read_manifest(path) -> tuple[object, str]:

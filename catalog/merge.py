@@ -1,6 +1,8 @@
 """``catalog merge``: load finished units' sidecars into the catalog, idempotently.
 
-A unit is finished when its sidecar parquet exists (ingest renames it into place last). Merge
+Two stages write sidecars: ingest (``raw/<source>/NNNNNN.parquet`` -> table ``clips``) and cache
+(``latents/<cache>/NNNNNN.parquet`` -> table ``latents``); both go through the same code.
+A unit is finished when its sidecar parquet exists (units rename it into place last). Merge
 compares every sidecar's signature (size and mtime) with the `units` table: new sidecars are
 inserted, changed ones (a unit that was deleted and re-run) replace their old rows, unchanged
 ones are skipped, so merging twice changes nothing and merging after more units adds only those.
@@ -24,55 +26,68 @@ def _signature(p: Path) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}"
 
 
-def find_sidecars(root: Path) -> dict[str, Path]:
-    """unit name -> sidecar path, for every finished ingest unit under ROOT/raw."""
-    out = {}
-    for p in sorted((root / "raw").glob("*/[0-9]*.parquet")):
-        out[f"{p.parent.name}/{p.stem}"] = p
-    return out
+# stage -> (folder under ROOT holding <name>/NNNNNN.parquet sidecars, catalog table)
+STAGES = {"ingest": ("raw", "clips"), "cache": ("latents", "latents")}
 
 
-def orphan_shards(root: Path, units: dict[str, Path]) -> list[Path]:
+def find_sidecars(root: Path, stage: str = "ingest") -> dict[str, Path]:
+    """unit name -> sidecar path, for every finished unit of a stage."""
+    folder = STAGES[stage][0]
+    return {f"{p.parent.name}/{p.stem}": p for p in sorted((root / folder).glob("*/[0-9]*.parquet"))}
+
+
+def orphan_shards(root: Path, units: dict[str, Path], stage: str = "ingest") -> list[Path]:
     """Shards with no sidecar: left by a killed unit, deleted when that unit re-runs."""
     done = {(p.parent.name, p.stem) for p in units.values()}
-    return [t for t in sorted((root / "raw").glob("*/[0-9]*-*.tar"))
+    return [t for t in sorted((root / STAGES[stage][0]).glob("*/[0-9]*-*.tar"))
             if (t.parent.name, t.name.split("-")[0]) not in done]
+
+
+def _merge_stage(con, root: Path, stage: str, pbar) -> tuple[int, list[str], list[Path]]:
+    """Load one stage's new or changed sidecars; returns (units merged, vanished units, orphan shards)."""
+    import pyarrow as pa
+
+    table = STAGES[stage][1]
+    sidecars = find_sidecars(root, stage)
+    known = dict(con.execute("SELECT unit, signature FROM units WHERE stage = ?", [stage]).fetchall())
+    items = sorted((u, p) for u, p in sidecars.items() if known.get(u) != _signature(p))
+    vanished = sorted(set(known) - set(sidecars))
+    if items:
+        rerun = [u for u, _ in items if u in known]           # re-run units replace their rows
+        if rerun:
+            con.execute(f"DELETE FROM {table} WHERE unit IN (SELECT unnest(?))", [rerun])
+            con.execute("DELETE FROM units WHERE stage = ? AND unit IN (SELECT unnest(?))", [stage, rerun])
+        batch = 512  # sidecars per INSERT: few statements (fast), bounded file lists, visible progress
+        for i in range(0, len(items), batch):
+            chunk = items[i:i + batch]
+            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet(?, union_by_name = true)",
+                        [[str(p) for _, p in chunk]])
+            pbar.update(len(chunk))
+        con.register("_merged", pa.table({
+            "unit": [u for u, _ in items], "sidecar": [str(p.relative_to(root)) for _, p in items],
+            "signature": [_signature(p) for _, p in items]}))
+        con.execute(f"""
+            INSERT INTO units
+            SELECT ?, m.unit, split_part(m.unit, '/', 1), m.sidecar, m.signature,
+                   count(c.unit), count(c.unit) FILTER (c.status = 'ok'), now()
+            FROM _merged m LEFT JOIN {table} c ON c.unit = m.unit GROUP BY ALL""", [stage])
+        con.unregister("_merged")
+    return len(items), vanished, orphan_shards(root, sidecars, stage)
 
 
 def merge(root: str | Path) -> dict:
     root = Path(root)
     t0 = time.monotonic()
-    sidecars = find_sidecars(root)
+    todo = sum(len(find_sidecars(root, s)) for s in STAGES)
     con = open_catalog(root, write=True)
+    merged, vanished, orphans = {}, [], []
     try:
-        known = dict(con.execute("SELECT unit, signature FROM units").fetchall())
-        todo = {u: p for u, p in sidecars.items() if known.get(u) != _signature(p)}
-        vanished = sorted(set(known) - set(sidecars))
         con.execute("BEGIN TRANSACTION")
-        if todo:
-            import pyarrow as pa
-
-            batch = 512  # sidecars per INSERT: few statements (fast), bounded file lists, visible progress
-            items = sorted(todo.items())
-            rerun = [u for u, _ in items if u in known]       # re-run units replace their rows
-            if rerun:
-                con.execute("DELETE FROM clips WHERE unit IN (SELECT unnest(?))", [rerun])
-                con.execute("DELETE FROM units WHERE unit IN (SELECT unnest(?))", [rerun])
-            with bar(len(items), "merging units", "unit") as pbar:
-                for i in range(0, len(items), batch):
-                    chunk = items[i:i + batch]
-                    con.execute("INSERT INTO clips BY NAME SELECT * FROM read_parquet(?, union_by_name = true)",
-                                [[str(p) for _, p in chunk]])
-                    pbar.update(len(chunk))
-            con.register("_merged", pa.table({
-                "unit": [u for u, _ in items], "sidecar": [str(p.relative_to(root)) for _, p in items],
-                "signature": [_signature(p) for _, p in items]}))
-            con.execute("""
-                INSERT INTO units
-                SELECT m.unit, split_part(m.unit, '/', 1), m.sidecar, m.signature,
-                       count(c.unit), count(c.unit) FILTER (c.status = 'ok'), now()
-                FROM _merged m LEFT JOIN clips c ON c.unit = m.unit GROUP BY ALL""")
-            con.unregister("_merged")
+        with bar(todo, "merging units", "unit") as pbar:
+            for stage in STAGES:
+                n, gone, orph = _merge_stage(con, root, stage, pbar)
+                merged[stage], vanished, orphans = n, vanished + gone, orphans + orph
+        if merged["ingest"]:
             dup = con.execute("SELECT clip_id, count(*) FROM clips GROUP BY 1 HAVING count(*) > 1 LIMIT 3").fetchall()
             if dup:
                 raise UserError(f"clip ids appear twice in the catalog, e.g. {dup}: two sources share a --name? "
@@ -80,6 +95,7 @@ def merge(root: str | Path) -> dict:
             recompute_levels(con)
         con.execute("COMMIT")
         rows, ok = con.execute("SELECT count(*), count(*) FILTER (status = 'ok') FROM clips").fetchall()[0]
+        lat, lat_ok = con.execute("SELECT count(*), count(*) FILTER (status = 'ok') FROM latents").fetchall()[0]
     except BaseException:
         try:
             con.execute("ROLLBACK")
@@ -88,15 +104,14 @@ def merge(root: str | Path) -> dict:
         raise
     finally:
         con.close()
-    orphans = orphan_shards(root, sidecars)
     dt = time.monotonic() - t0
-    say(f"merged {len(todo)} new or changed unit(s) of {len(sidecars)} in {dt:.1f} s; "
-        f"catalog: {rows} clips, {ok} ok, {rows - ok} rejected")
+    say(f"merged {sum(merged.values())} new or changed unit(s) in {dt:.1f} s; catalog: {rows} clips, {ok} ok, "
+        f"{rows - ok} rejected" + (f"; latents: {lat_ok} ok, {lat - lat_ok} rejected" if lat else ""))
     if vanished:
         say(f"warning: {len(vanished)} merged unit(s) have no sidecar any more (e.g. {vanished[0]}); "
             "their rows stay in the catalog")
     if orphans:
         say(f"warning: {len(orphans)} shard(s) without a sidecar (unfinished units), e.g. {orphans[0]}: "
             "re-run those units")
-    return {"merged": len(todo), "units": len(sidecars), "clips": rows, "ok": ok,
+    return {"merged": merged["ingest"], "merged_by_stage": merged, "clips": rows, "ok": ok, "latents": lat,
             "orphans": [str(p) for p in orphans], "seconds": dt}

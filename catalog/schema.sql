@@ -85,15 +85,17 @@ CREATE TABLE IF NOT EXISTS clips (
     caption_column      VARCHAR
 );
 
--- One row per merged ingest unit: what merge has seen, so merging again is a no-op.
+-- One row per merged unit of a stage: what merge has seen, so merging again is a no-op.
 CREATE TABLE IF NOT EXISTS units (
-    unit       VARCHAR PRIMARY KEY,
-    source     VARCHAR NOT NULL,
+    stage      VARCHAR NOT NULL,       -- 'ingest' | 'cache'
+    unit       VARCHAR NOT NULL,       -- e.g. 'openvid/000012', 'tiny/000003'
+    source     VARCHAR NOT NULL,       -- source name (ingest) or cache name (cache)
     sidecar    VARCHAR NOT NULL,       -- relative to ROOT
     signature  VARCHAR NOT NULL,       -- size:mtime_ns of the sidecar when merged
     num_rows   BIGINT NOT NULL,
     num_ok     BIGINT NOT NULL,
-    merged_at  TIMESTAMP NOT NULL
+    merged_at  TIMESTAMP NOT NULL,
+    PRIMARY KEY (stage, unit)
 );
 
 -- Raw shards, derived from clips (never stored twice).
@@ -101,14 +103,23 @@ CREATE VIEW IF NOT EXISTS shards AS
     SELECT shard, source, unit, count(*) AS num_clips, sum(file_size) AS video_bytes
     FROM clips WHERE shard IS NOT NULL GROUP BY ALL;
 
--- Latent shards written by the cache stage (filled by merge once `cache` lands).
+-- One row per (clip, cache) the cache stage planned: encoded, or rejected with a reason.
 CREATE TABLE IF NOT EXISTS latents (
-    clip_id  VARCHAR NOT NULL,
-    cache    VARCHAR NOT NULL,
-    bucket   VARCHAR,
-    shape    INTEGER[],
-    shard    VARCHAR,
-    shard_offset BIGINT
+    clip_id       VARCHAR NOT NULL,
+    cache         VARCHAR NOT NULL,    -- cache name; ROOT/latents/<cache>/cache.json is its identity
+    unit          VARCHAR NOT NULL,
+    status        VARCHAR NOT NULL,    -- 'ok' | 'rejected'
+    reject_reason VARCHAR,             -- no_bucket:<too_small|too_short|not_kept> | undecodable | timeout | crashed | invalid_latent
+    reject_detail VARCHAR,
+    bucket        VARCHAR,             -- '<resolution>/<num_frames>/<aspect ratio>'
+    num_frames    INTEGER,             -- frames encoded (the bucket's T)
+    height        INTEGER,             -- pixels encoded
+    width         INTEGER,
+    window_start  BIGINT,              -- first source frame of the encoded window
+    shape         INTEGER[],           -- latent shape [C, t, h, w]
+    text_len      INTEGER,             -- caption tokens kept
+    shard         VARCHAR,             -- latent shard, relative to ROOT
+    shard_offset  BIGINT               -- byte offset of the sample's .safetensors data
 );
 
 -- Frozen selections: the parquet at `path` is named by its content fingerprint.

@@ -100,7 +100,7 @@ def _catalog_stats(a):
 def _catalog_manifest(a):
     from reelcache.catalog.manifest import make_manifest
 
-    path = make_manifest(a.root, a.name, a.where)
+    path = make_manifest(a.root, a.name, a.where, cache=a.cache)
     print(path)
 
 
@@ -108,6 +108,20 @@ def _catalog_export(a):
     from reelcache.catalog.query import export
 
     export(a.root, a.format, a.where, a.out)
+
+
+def _cache_plan(a):
+    from reelcache.cache.plan import CacheConfig, make_plan
+
+    units = make_plan(a.root, CacheConfig.from_toml(a.config))
+    sys.stdout.write("".join(u + "\n" for u in units))
+
+
+def _cache_run(a):
+    from reelcache.cache.run import run_unit
+
+    for unit in a.units:
+        run_unit(a.root, unit, device=a.device)
 
 
 def _loader_simulate(a):
@@ -213,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     mf.add_argument("--root", required=True)
     mf.add_argument("--name", required=True)
     mf.add_argument("--where", default="true", help="SQL condition on clips (status='ok' is implied)")
+    mf.add_argument("--cache", help="keep clips this cache encoded and add their latent shard/offset/bucket: "
+                                    "the manifest the training loader reads")
     mf.set_defaults(fn=_catalog_manifest)
     ex = icat.add_parser("export", help="write the selection as a table another trainer reads")
     ex.add_argument("--root", required=True)
@@ -220,6 +236,25 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--where", default="true", help="SQL condition on clips (status='ok' is implied)")
     ex.add_argument("--out", required=True)
     ex.set_defaults(fn=_catalog_export)
+
+    ca = top.add_parser("cache", help="VAE and text latents, precomputed once per stage across GPU nodes")
+    ica = ca.add_subparsers(dest="cmd", required=True)
+    cp = ica.add_parser("plan", help="assign buckets, fix the cache identity, print units", formatter_class=fmt,
+                        epilog="""examples:
+  reelcache cache plan --root /data/rc --config configs/cache/wan-stage1.toml > units.txt
+  parallel --sshloginfile gpu-nodes.txt -j 8 --joblog cache.log \\
+      CUDA_VISIBLE_DEVICES='$(({%}-1))' reelcache cache run --root /data/rc {} :::: units.txt
+  reelcache catalog merge --root /data/rc
+  reelcache catalog sql --root /data/rc "SELECT cache, bucket, count(*) FROM latents GROUP BY ALL"
+""")
+    cp.add_argument("--root", required=True)
+    cp.add_argument("--config", required=True, help="cache config TOML, e.g. configs/cache/tiny.toml")
+    cp.set_defaults(fn=_cache_plan)
+    cr = ica.add_parser("run", help="decode and encode one or more units printed by `cache plan`")
+    cr.add_argument("--root", required=True)
+    cr.add_argument("units", nargs="+", metavar="UNIT", help="e.g. wan-stage1/000012")
+    cr.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
+    cr.set_defaults(fn=_cache_run)
 
     ld = top.add_parser("loader", help="the streaming loader: simulate a stage's data order without GPUs")
     ild = ld.add_subparsers(dest="cmd", required=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-BUCKETS = {"144p/17/0.56": (5, 4, 6), "144p/34/0.56": (9, 4, 6), "240p/17/1.00": (5, 6, 6),
-           "240p/34/0.56": (9, 6, 8)}
+BUCKETS = {"144p/17/0.56": (5, 4, 6), "144p/33/0.56": (9, 4, 6), "240p/17/1.00": (5, 6, 6),
+           "240p/33/0.56": (9, 6, 8)}
 
 
 def write_latents(root: Path, n: int, name: str = "test", seed: int = 0, shard_bytes: int = 48_000,

@@ -138,7 +138,7 @@ def test_changed_manifest_is_refused_unless_data_is_reset(data, tmp_path):
 
 
 def test_small_or_lost_data_is_loud(tmp_path):
-    manifest = write_latents(tmp_path, 5, buckets=["144p/17/0.56", "240p/34/0.56"])
+    manifest = write_latents(tmp_path, 5, buckets=["144p/17/0.56", "240p/33/0.56"])
     t = pq.read_table(manifest)
     with pytest.warns(UserWarning, match="fewer than its batch size"):
         LatentLoader([manifest], SIZES, root=tmp_path, read=False, world_size=1)

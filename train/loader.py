@@ -29,19 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from reelcache.catalog.buckets import BucketConfig
+from reelcache.catalog.manifest import resolve_manifest
 from reelcache.train.plan import PLAN_VERSION, Plan, Source, epoch_plan, stage_fingerprint
-
-
-def resolve_manifest(root, name_or_path) -> Path:
-    p = Path(name_or_path)
-    if p.exists():
-        return p
-    found = sorted(Path(root or ".").joinpath("manifests").glob(f"{name_or_path}-*.parquet"),
-                   key=lambda q: q.stat().st_mtime)
-    if not found:
-        raise ValueError(f"no manifest {name_or_path!r}: not a file, and nothing matches "
-                         f"{Path(root or '.') / 'manifests' / (str(name_or_path) + '-*.parquet')}")
-    return found[-1]
 
 
 def load_source(path, weight: float = 1.0, min_kept: float = 0.5) -> Source:

@@ -1,0 +1,183 @@
+"""``cache plan``: assign buckets, freeze the work, fix the cache's identity, print units.
+
+Reads a cache config (``configs/cache/*.toml``) and the catalog manifest it names; assigns every
+clip a bucket (catalog/buckets.py: a pure function of seed, clip id and bucket config) and a
+temporal window (from seed and clip id); writes ``ROOT/latents/<name>/_plan/input.parquet`` (one
+row group per unit, clips that fit no bucket included, to be recorded as rejects) and
+``cache.json``: the encoders' identity (kind, config, dtype, weights hash, versions) and every
+preprocessing parameter. A cache.json that exists and differs is an error naming the difference:
+a cache is never silently mixed from two encoders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reelcache import UserError
+from reelcache.cache.encoders import EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
+from reelcache.catalog.buckets import BucketConfig
+from reelcache.catalog.shards import atomic_path
+from reelcache.progress import say
+
+CACHE_VERSION = 1
+
+
+@dataclass
+class CacheConfig:
+    name: str                          # the cache: ROOT/latents/<name>
+    manifest: str                      # catalog manifest name (ROOT/manifests/<name>-*.parquet) or path
+    buckets: str                       # bucket config TOML
+    video_encoder: EncoderSpec
+    text_encoder: EncoderSpec
+    seed: int = 0                      # bucket keep-probability draws and temporal windows
+    clips_per_unit: int = 256          # one unit = one GPU job
+    batch_size: int = 8                # clips per VAE call (same bucket)
+    text_batch_size: int = 64          # captions per text-encoder call
+    workers: int = 4                   # decode processes per unit, overlapping decode with encode
+    decode_timeout: float = 120.0      # seconds per clip
+    worker_memory_mb: int | None = None
+    shard_mb: float = 1000.0
+    store: str = "posterior"           # posterior: mean + logvar (sampled at load); sample: one draw
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_toml(cls, path) -> "CacheConfig":
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+        try:
+            doc["video_encoder"] = EncoderSpec(**doc["video_encoder"])
+            doc["text_encoder"] = EncoderSpec(**doc["text_encoder"])
+            cfg = cls(**doc)
+        except (KeyError, TypeError) as e:
+            raise UserError(f"{path}: {e}") from e
+        base = Path(path).resolve().parent
+        for attr in ("buckets",):
+            p = Path(getattr(cfg, attr))
+            if not p.is_absolute() and not p.exists() and (base / p).exists():
+                setattr(cfg, attr, str(base / p))
+        if cfg.store not in ("posterior", "sample"):
+            raise UserError(f"{path}: store must be 'posterior' or 'sample'")
+        return cfg
+
+
+def cache_dir(root, name: str) -> Path:
+    return Path(root) / "latents" / name
+
+
+def identity(cfg: CacheConfig, buckets: BucketConfig, manifest_fp: str) -> dict:
+    return {"cache_version": CACHE_VERSION, "name": cfg.name,
+            "video_encoder": spec_identity(cfg.video_encoder), "text_encoder": spec_identity(cfg.text_encoder),
+            "buckets": {"table": [list(r) for r in buckets.table], "frame_interval": buckets.frame_interval},
+            "seed": cfg.seed, "store": cfg.store, "manifest_fingerprint": manifest_fp,
+            "spatial_multiple": spatial_multiple(cfg.video_encoder),
+            "preprocess": {"decode": "pyav", "resize": "swscale area, cover", "crop": "centre",
+                           "window": "blake2b(seed, clip_id)", "range": [-1, 1], "latent_dtype": "bfloat16",
+                           "text": "trimmed to real tokens, bfloat16"}}
+
+
+def diff(a, b, prefix="") -> list[str]:
+    """Human-readable differences between two identity documents."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [f"{prefix.rstrip('.')}: {json.dumps(a)[:80]} != {json.dumps(b)[:80]}"]
+
+
+def load_cache(root, name: str):
+    cdir = cache_dir(root, name)
+    try:
+        plan = json.loads((cdir / "_plan" / "plan.json").read_text())
+        ident = json.loads((cdir / "cache.json").read_text())
+    except FileNotFoundError:
+        raise UserError(f"no cache {name!r} under {root}: run `reelcache cache plan` first") from None
+    return plan, ident
+
+
+def make_plan(root, cfg: CacheConfig) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from reelcache.cache.decode import window_start
+    from reelcache.catalog.manifest import read_manifest, resolve_manifest
+
+    buckets = BucketConfig.from_toml(cfg.buckets)
+    ratio = temporal_ratio(cfg.video_encoder)
+    bad = sorted({t for _, t, _, _ in buckets.table if t > 1 and (t - 1) % ratio})
+    if bad:
+        raise UserError(f"{cfg.video_encoder.kind} encodes 1 + a multiple of {ratio} frames; bucket frame counts "
+                        f"{bad} in {cfg.buckets} are not (e.g. {[1 + ratio * ((t - 1) // ratio) for t in bad]})")
+    mpath = resolve_manifest(root, cfg.manifest)
+    table, fp = read_manifest(mpath)
+    need = {"clip_id", "shard", "shard_offset", "file_size", "num_frames", "width", "height", "text"}
+    if missing := need - set(table.column_names):
+        raise UserError(f"{mpath} lacks {sorted(missing)}: make it with `reelcache catalog manifest`")
+    ident = identity(cfg, buckets, fp)
+    cdir = cache_dir(root, cfg.name)
+    if (cdir / "cache.json").exists():
+        old = json.loads((cdir / "cache.json").read_text())
+        if d := diff(old, ident):
+            raise UserError(f"cache {cfg.name!r} exists with another identity; refusing to mix latents. "
+                            f"Differences (existing != new):\n  " + "\n  ".join(d[:12]) +
+                            "\nUse a new cache name, or delete the cache folder to rebuild it.")
+    mult = spatial_multiple(cfg.video_encoder)
+    rows = []
+    for r in table.to_pylist():
+        a = buckets.assign(r["clip_id"], r["height"], r["width"], r["num_frames"], cfg.seed)
+        span = (a.num_frames - 1) * buckets.frame_interval + 1 if a.bucket else 0
+        rows.append({"clip_id": r["clip_id"], "raw_shard": r["shard"], "raw_offset": r["shard_offset"],
+                     "file_size": r["file_size"], "fps": r.get("fps"), "text": r["text"], "bucket": a.bucket,
+                     "num_frames": a.num_frames, "height": a.height and a.height - a.height % mult,
+                     "width": a.width and a.width - a.width % mult,
+                     "window_start": window_start(r["clip_id"], cfg.seed, r["num_frames"], span) if a.bucket else None,
+                     "no_bucket": a.reason})
+    cdir.mkdir(parents=True, exist_ok=True)
+    (cdir / "_plan").mkdir(exist_ok=True)
+    with atomic_path(cdir / "_plan" / "input.parquet") as tmp:
+        pq.write_table(pa.Table.from_pylist(rows), tmp, row_group_size=cfg.clips_per_unit)
+    num_units = -(-len(rows) // cfg.clips_per_unit)
+    doc = {"config": dataclasses.asdict(cfg), "num_units": num_units, "num_clips": len(rows), "manifest": str(mpath)}
+    with atomic_path(cdir / "_plan" / "plan.json") as tmp:
+        tmp.write_text(json.dumps(doc, indent=2, default=str))
+    if not (cdir / "cache.json").exists():
+        with atomic_path(cdir / "cache.json") as tmp:
+            tmp.write_text(json.dumps(ident, indent=2))
+    _report(rows, cdir, buckets.frame_interval)
+    return [f"{cfg.name}/{i:06d}" for i in range(num_units)]
+
+
+def _report(rows: list[dict], cdir: Path, interval: int) -> None:
+    by_bucket = Counter(r["bucket"] for r in rows if r["bucket"])
+    lost = Counter(r["no_bucket"] for r in rows if not r["bucket"])
+    frames = sum(r["num_frames"] for r in rows if r["bucket"])
+    pixels = sum(r["num_frames"] * r["height"] * r["width"] for r in rows if r["bucket"])
+    say(f"cache plan: {len(rows)} clips, {sum(by_bucket.values())} in {len(by_bucket)} buckets, "
+        f"{sum(lost.values())} fit no bucket" + (f" ({', '.join(f'{k} {v}' for k, v in lost.items())})" if lost else ""))
+    for b, n in sorted(by_bucket.items()):
+        say(f"  {b:18s} {n:8d} clips")
+    say(f"  {frames:,} frames, {pixels / 1e9:.2f} Gpixels to encode")
+    say(projection(cdir, sum(by_bucket.values())))
+
+
+def projection(cdir: Path, clips: int) -> str:
+    """GPU-hours for the whole cache from the rate finished units measured, if any."""
+    import pyarrow.parquet as pq
+
+    done = sorted(cdir.glob("[0-9]*.parquet"))
+    secs = n = 0
+    for p in done:
+        meta = pq.read_schema(p).metadata or {}
+        if b"encode_seconds" in meta:
+            secs += float(meta[b"encode_seconds"])
+            n += int(meta[b"encoded_clips"])
+    if not n:
+        return "  projection: run a unit to measure clips/s per GPU"
+    rate = n / secs
+    return (f"  projection: {rate:.2f} clips/s per GPU measured over {len(done)} unit(s) -> "
+            f"{clips / rate / 3600:.1f} GPU-hours for {clips} clips")
