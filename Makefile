@@ -18,7 +18,10 @@ VIDEOS ?=
 NAME ?= $(SOURCE)
 ARGS ?=
 
-.PHONY: install demo ingest test bench clean
+# make cache ROOT=/data/rc CONFIG=configs/cache/wan-stage1.toml [JOBS=<GPUs>]
+CONFIG ?=
+
+.PHONY: install demo ingest cache test bench clean
 
 install: $(STAMP)
 
@@ -31,6 +34,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
 	$(BIN)/pip install -q psutil einops peft accelerate bitsandbytes
+	$(BIN)/pip install -q diffusers
 	touch $@
 
 demo: install
@@ -42,7 +46,15 @@ demo: install
 	    --where "height >= 240 AND level <= 3 AND noun_pct < 99.99"
 	$(BIN)/reelcache catalog export --root $(DEMO_ROOT) --format opensora --where "level <= 3" \
 	    --out $(DEMO_ROOT)/exports/demo-stage1-opensora.csv
-	@echo "demo done: catalog $(DEMO_ROOT)/catalog.duckdb, plots $(DEMO_ROOT)/stats/catalog.png"
+	$(MAKE) --no-print-directory cache ROOT=$(DEMO_ROOT) CONFIG=configs/cache/tiny.toml
+	$(BIN)/reelcache catalog sql --root $(DEMO_ROOT) \
+	    "SELECT cache, bucket, status, count(*) AS clips, any_value(shape) AS latent_shape FROM latents GROUP BY ALL ORDER BY 2"
+	$(BIN)/reelcache catalog manifest --root $(DEMO_ROOT) --name demo-stage1-tiny --cache tiny \
+	    --where "height >= 240 AND level <= 3 AND noun_pct < 99.99"
+	$(BIN)/reelcache loader simulate --root $(DEMO_ROOT) --manifest demo-stage1-tiny --buckets configs/buckets/demo.toml \
+	    --world-size 4 --workers 2 --seed 42 --epochs 2 --save-at 5 --resume-world-size 3 \
+	    --out $(DEMO_ROOT)/runs/demo/simulated-consumed.parquet
+	@echo "demo done: catalog $(DEMO_ROOT)/catalog.duckdb, plots $(DEMO_ROOT)/stats/catalog.png, latents $(DEMO_ROOT)/latents/tiny"
 
 ingest: install
 	@[ -n "$(ROOT)" ] && [ -n "$(SOURCE)" ] && [ -n "$(VIDEOS)" ] || \
@@ -52,6 +64,13 @@ ingest: install
 	    $(if $(META),--meta $(META)) --videos $(VIDEOS) $(ARGS) > $(ROOT)/units-$(NAME).txt
 	parallel --will-cite --bar -j $(JOBS) --joblog $(ROOT)/ingest-$(NAME).joblog \
 	    $(BIN)/reelcache ingest run --root $(ROOT) {} :::: $(ROOT)/units-$(NAME).txt
+	$(BIN)/reelcache catalog merge --root $(ROOT)
+
+cache: install
+	@[ -n "$(ROOT)" ] && [ -n "$(CONFIG)" ] || { echo "usage: make cache ROOT=... CONFIG=configs/cache/....toml [JOBS=]"; exit 2; }
+	$(BIN)/reelcache cache plan --root $(ROOT) --config $(CONFIG) > $(ROOT)/units-cache-$(notdir $(basename $(CONFIG))).txt
+	parallel --will-cite --bar -j $(JOBS) --joblog $(ROOT)/cache-$(notdir $(basename $(CONFIG))).joblog \
+	    $(BIN)/reelcache cache run --root $(ROOT) {} :::: $(ROOT)/units-cache-$(notdir $(basename $(CONFIG))).txt
 	$(BIN)/reelcache catalog merge --root $(ROOT)
 
 test: install

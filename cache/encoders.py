@@ -224,16 +224,27 @@ class TextEncoder:
 
 
 def tiny_tokenizer():
-    """A real tokenizer trained on a few captions with `tokenizers` (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    """A real `tokenizers` word-level tokenizer over the demo captions' vocabulary (no download).
+
+    The vocabulary is built explicitly in sorted order rather than trained: trainers break ties
+    in an unspecified order, and a tokenizer that differs between processes would break the
+    cache's bit-exact reproducibility.
+    """
+    import re
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from reelcache.ingest.demo import ADJ, PLACES, SUBJECTS, THINGS, VERBS
+    from reelcache.ingest.demo import ADJ, CAMERA, PLACES, SUBJECTS, THINGS, VERBS
 
-    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+    text = " ".join(ADJ + PLACES + SUBJECTS + THINGS + VERBS + CAMERA) + " a an the and with in of while next to " \
+        "watches shows camera background . , ' !"
+    words = sorted({w.lower() for w in re.findall(r"\w+|[^\w\s]", text)})
+    vocab = {tok: i for i, tok in enumerate(["<pad>", "</s>", "<unk>"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = __import__("tokenizers").normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    corpus = [" ".join(words) for words in (ADJ, PLACES, SUBJECTS, THINGS, VERBS)] + ["A the a and with in of ."]
-    tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=400, special_tokens=["<pad>", "<unk>", "</s>"]))
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>")
 
 

@@ -292,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    warnings.formatwarning = lambda msg, category, *a, **k: f"warning: {msg}\n"
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)

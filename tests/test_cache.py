@@ -1,0 +1,248 @@
+"""The latent cache: bucket assignment, windowed decode, tiny encoders end to end, identity,
+SIGKILL, corrupt clips, GNU parallel."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import sql
+from reelcache import UserError
+from reelcache.catalog.buckets import BucketConfig, bucket_hw
+from reelcache.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- buckets -------------------------------------------------------------------------------
+CFG = BucketConfig.from_dict({"720p": {51: [1.0, 2]}, "240p": {51: [1.0, 8], 102: [1.0, 4]}, "144p": {1: [1.0, 64]}})
+
+
+@pytest.mark.parametrize("h,w,frames,bucket,hw", [
+    (720, 1280, 120, "720p/51/0.56", (720, 1280)),      # eligible at 720p, 120 > 51
+    (360, 640, 110, "240p/102/0.56", (240, 426)),       # 230,400 < 0.8 x 921,600: falls to 240p; 110 > 102
+    (1280, 720, 60, "720p/51/1.78", (1280, 720)),       # portrait: H/W = 1.78
+    (286, 286, 52, "240p/51/1.00", (320, 320)),         # 81,796 >= 0.8 x 102,240 = 81,792: eligible
+    (285, 286, 52, None, None),                         # 81,510 < 81,792: too small for 240p; 144p is images only
+    (144, 256, 1, "144p/1/0.56", (144, 256)),           # a single frame goes to the image bucket
+])
+def test_bucket_assignment_hand_computed(h, w, frames, bucket, hw):
+    a = CFG.assign("clip", h, w, frames)
+    assert a.bucket == bucket and (hw is None or (a.height, a.width) == hw)
+    if bucket is None:
+        assert a.reason == "too_short"        # eligible at 144p by size, but only single frames go there
+
+
+def test_bucket_reasons_interval_and_tables():
+    assert CFG.assign("c", 100, 100, 500).reason == "too_small"
+    slow = BucketConfig.from_dict({"240p": {51: [1.0, 8]}}, frame_interval=2)
+    assert slow.assign("c", 240, 426, 102).reason == "too_short" and slow.assign("c", 240, 426, 103).bucket
+    assert bucket_hw("240p", "0.56") == (240, 426) and bucket_hw("720p", "0.56") == (720, 1280)
+    assert CFG.batch_size("240p/102/0.56") == 4
+
+
+def test_keep_probability_is_deterministic_and_demotes():
+    cfg = BucketConfig.from_dict({"720p": {51: [0.3, 2]}, "240p": {51: [1.0, 8]}})
+    ids = [f"clip{i}" for i in range(4000)]
+    a = [cfg.assign(c, 720, 1280, 60, seed=1).bucket for c in ids]
+    assert a == [cfg.assign(c, 720, 1280, 60, seed=1).bucket for c in ids]          # pure function
+    top = sum(b.startswith("720p") for b in a) / len(a)
+    assert 0.27 < top < 0.33 and all(b.startswith(("720p", "240p")) for b in a)     # the rest demoted
+    assert a != [cfg.assign(c, 720, 1280, 60, seed=2).bucket for c in ids]
+
+
+# -- decode --------------------------------------------------------------------------------
+def test_decoded_window_equals_frames_of_a_full_decode(tmp_path):
+    import av
+
+    from reelcache.cache.decode import FileSlice, decode_window
+    from reelcache.ingest.demo import ClipSpec, write_clip
+
+    path = tmp_path / "c.mp4"
+    write_clip(path, ClipSpec("c.mp4", 640, 360, Fraction(30), 4.0))
+    got = decode_window(str(path), frames=9, interval=3, height=144, width=240, start=70)
+    with av.open(str(path)) as c:
+        full = [f for f in c.decode(video=0)]
+    ref = []
+    for f in full[70:70 + 27:3]:
+        rgb = f.reformat(width=256, height=144, format="rgb24", interpolation="AREA").to_ndarray()
+        ref.append(rgb[:, 8:248])
+    assert got.dtype == np.uint8 and np.array_equal(got, np.stack(ref))
+    # the same bytes read in place from inside a tar give the same frames
+    tar = tmp_path / "s.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(path, "k.mp4")
+    with tarfile.open(tar) as t:
+        m = t.getmember("k.mp4")
+    inside = decode_window(FileSlice(str(tar), m.offset_data, m.size), frames=9, interval=3, height=144,
+                           width=240, start=70)
+    assert np.array_equal(inside, got)
+    with pytest.raises(ValueError, match="clip ended"):
+        decode_window(str(path), frames=9, interval=3, height=144, width=240, start=110)
+
+
+# -- the cache end to end ------------------------------------------------------------------
+def write_config(tmp_path, manifest, **over) -> Path:
+    vals = {"name": "t", "kind": "ltx", "seed": 0, "clips_per_unit": 6, "text_kind": "t5"} | over
+    p = tmp_path / f"cache-{vals['name']}-{vals['kind']}-{vals['seed']}.toml"
+    p.write_text(f"""
+name = "{vals['name']}"
+manifest = "{manifest}"
+buckets = "{REPO / 'configs/buckets/demo.toml'}"
+clips_per_unit = {vals['clips_per_unit']}
+batch_size = 2
+workers = 1
+decode_timeout = 60
+[video_encoder]
+kind = "{vals['kind']}"
+tiny = true
+dtype = "float32"
+seed = {vals['seed']}
+[text_encoder]
+kind = "{vals['text_kind']}"
+tiny = true
+dtype = "float32"
+""")
+    return p
+
+
+@pytest.fixture()
+def cache_root(fresh_root):
+    from reelcache.catalog.manifest import make_manifest
+
+    make_manifest(fresh_root, "m", "true")
+    return fresh_root
+
+
+def plan(root, config) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config",
+                          str(config)], check=True, capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
+    import torch
+
+    from reelcache.cache.decode import FileSlice, decode_window
+    from reelcache.cache.encoders import EncoderSpec, TextEncoder, VideoEncoder
+    from reelcache.train.loader import read_sample
+
+    cfg = write_config(tmp_path, "m")
+    units = plan(cache_root, cfg)
+    assert len(units) >= 2
+    assert main(["cache", "run", "--root", str(cache_root), *units]) == 0
+    assert main(["catalog", "merge", "--root", str(cache_root)]) == 0
+    (n_ok,), = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
+    rows = sql(cache_root, "SELECT l.clip_id, l.status, l.bucket, l.shape, l.shard, l.shard_offset, l.num_frames, "
+                           "l.height, l.width, l.window_start, c.shard, c.shard_offset, c.file_size, c.text "
+                           "FROM latents l JOIN clips c USING (clip_id) ORDER BY 1")
+    assert len(rows) == n_ok and all(r[1] == "ok" for r in rows)
+    video = VideoEncoder(EncoderSpec("ltx", tiny=True, dtype="float32"))
+    text = TextEncoder(EncoderSpec("t5", tiny=True, dtype="float32"))
+    clip, _, bucket, shape, shard, off, t, h, w, start, raw, raw_off, size, caption = rows[0]
+    frames = decode_window(FileSlice(str(cache_root / raw), raw_off, size), frames=t, interval=1, height=h,
+                           width=w, start=start)
+    want = video.encode(frames[None])
+    got = read_sample(str(cache_root / shard), off)
+    assert torch.equal(got["mean"], want["mean"][0]) and torch.equal(got["logvar"], want["logvar"][0])
+    assert torch.equal(got["text"], text.encode([caption])[0]) and list(got["mean"].shape) == shape
+    assert got["mean"].dtype == torch.bfloat16 and bucket.startswith("144p/")
+    # the loader reads the cache through a --cache manifest
+    assert main(["catalog", "manifest", "--root", str(cache_root), "--name", "lat", "--cache", "t"]) == 0
+    from reelcache.catalog.buckets import BucketConfig
+    from reelcache.train.loader import LatentLoader
+
+    batches = list(LatentLoader(["lat"], BucketConfig.from_toml(REPO / "configs/buckets/demo.toml"), root=cache_root))
+    assert sorted(c for b in batches for c in b["clip_id"]) == [r[0] for r in rows]
+
+
+def test_identity_mismatch_is_refused_with_the_difference(cache_root, tmp_path, capsys):
+    plan(cache_root, write_config(tmp_path, "m"))
+    assert main(["cache", "plan", "--root", str(cache_root), "--config",
+                 str(write_config(tmp_path, "m", seed=1))]) == 2
+    err = capsys.readouterr().err
+    assert "another identity" in err and "video_encoder.weights_sha256" in err
+    assert main(["cache", "plan", "--root", str(cache_root), "--config",
+                 str(write_config(tmp_path, "m", kind="cogvideox"))]) == 2
+
+
+def test_clips_without_bucket_and_corrupt_clips_are_recorded(cache_root, tmp_path):
+    (clip, shard, off, size), = sql(cache_root, "SELECT clip_id, shard, shard_offset, file_size FROM clips "
+                                                "WHERE status = 'ok' ORDER BY clip_id LIMIT 1")
+    with open(cache_root / shard, "r+b") as f:          # scribble over the clip's bytes inside the raw shard
+        f.seek(off)
+        f.write(os.urandom(size))
+    cfg = write_config(tmp_path, "m", clips_per_unit=100)
+    subprocess.run([sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(cache_root), "--config",
+                    str(cfg)], check=True, capture_output=True)
+    assert main(["cache", "run", "--root", str(cache_root), "t/000000"]) == 0
+    assert main(["catalog", "merge", "--root", str(cache_root)]) == 0
+    got = dict(sql(cache_root, "SELECT clip_id, reject_reason FROM latents WHERE status = 'rejected'"))
+    assert got[clip] == "undecodable"
+    (n,), = sql(cache_root, "SELECT count(*) FROM latents")
+    (m,), = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
+    assert n == m                                       # every planned clip has a row
+
+
+def test_no_bucket_is_a_recorded_reason(cache_root, tmp_path):
+    cfg = write_config(tmp_path, "m", clips_per_unit=100)
+    cfg.write_text(cfg.read_text().replace(str(REPO / "configs/buckets/demo.toml"), str(tmp_path / "b.toml")))
+    (tmp_path / "b.toml").write_text("[buckets.720p]\n17 = [1.0, 2]\n")
+    plan(cache_root, cfg)
+    assert main(["cache", "run", "--root", str(cache_root), "t/000000"]) == 0
+    assert main(["catalog", "merge", "--root", str(cache_root)]) == 0
+    reasons = dict(sql(cache_root, "SELECT reject_reason, count(*) FROM latents GROUP BY 1"))
+    assert set(reasons) <= {"no_bucket:too_small", None} and reasons["no_bucket:too_small"] > 0
+
+
+def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path):
+    cfg = write_config(tmp_path, "m", clips_per_unit=100)
+    unit, = plan(cache_root, cfg)
+    cdir = cache_root / "latents" / "t"
+    proc = subprocess.Popen([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not any(cdir.glob(".000000-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)                                     # some samples are in the temporary shard
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (cdir / "000000.parquet").exists()
+    assert main(["cache", "run", "--root", str(cache_root), unit]) == 0
+    killed = {p.name: p.read_bytes() for p in cdir.glob("*.tar")}
+    import pyarrow.parquet as pq
+
+    side = pq.read_table(cdir / "000000.parquet").to_pylist()
+    shutil.rmtree(cdir)
+    plan(cache_root, cfg)
+    assert main(["cache", "run", "--root", str(cache_root), unit]) == 0
+    assert {p.name: p.read_bytes() for p in cdir.glob("*.tar")}.keys() == killed.keys()
+    for name, data in killed.items():
+        clean = (cdir / name).read_bytes()
+        assert [(m.name, m.size) for m in tarfile.open(fileobj=__import__("io").BytesIO(clean))] == \
+               [(m.name, m.size) for m in tarfile.open(fileobj=__import__("io").BytesIO(data))]
+    assert pq.read_table(cdir / "000000.parquet").to_pylist() == side
+    assert not list(cdir.glob(".*tmp*"))
+
+
+def test_gnu_parallel_two_slots(cache_root, tmp_path):
+    if not shutil.which("parallel"):
+        pytest.skip("GNU parallel is not installed")
+    units = plan(cache_root, write_config(tmp_path, "m"))
+    (tmp_path / "u.txt").write_text("\n".join(units) + "\n")
+    subprocess.run(["parallel", "--will-cite", "-j", "2", sys.executable, "-m", "reelcache", "cache", "run",
+                    "--root", str(cache_root), "{}", "::::", str(tmp_path / "u.txt")], check=True, capture_output=True)
+    assert main(["catalog", "merge", "--root", str(cache_root)]) == 0
+    (n,), = sql(cache_root, "SELECT count(*) FROM latents WHERE status = 'ok'")
+    (m,), = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
+    assert n == m
