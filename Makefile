@@ -79,6 +79,7 @@ test: install
 bench: install
 	$(BIN)/python bench/bench_ingest.py
 	$(BIN)/python bench/bench_loader.py
+	$(BIN)/python bench/bench_cache.py
 
 clean:
 	rm -rf $(DEMO_ROOT) bench-out .pytest_cache

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from conftest import sql
-from reelcache import UserError
 from reelcache.catalog.buckets import BucketConfig, bucket_hw
 from reelcache.cli import main
 
