@@ -127,6 +127,12 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
                             f"Differences (existing != new):\n  " + "\n  ".join(d[:12]) +
                             "\nUse a new cache name, or delete the cache folder to rebuild it.")
     mult = spatial_multiple(cfg.video_encoder)
+    old_plan = cdir / "_plan" / "plan.json"
+    if old_plan.exists() and any(cdir.glob("[0-9]*.parquet")):
+        prev = json.loads(old_plan.read_text())["config"]
+        if d := diff(prev, json.loads(json.dumps(dataclasses.asdict(cfg), default=str))):
+            raise UserError(f"cache {cfg.name!r} has finished units planned with another configuration "
+                            "(unit boundaries would move):\n  " + "\n  ".join(d[:12]))
     rows = []
     for r in table.to_pylist():
         a = buckets.assign(r["clip_id"], r["height"], r["width"], r["num_frames"], cfg.seed)

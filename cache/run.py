@@ -103,9 +103,10 @@ def run_unit(root: str, unit: str, device: str | None = None) -> dict:
         stats["encode_s"] += time.monotonic() - t
         for k, (job, frames) in enumerate(batch):
             tensors = {key: v[k].clone() for key, v in latents.items()}
-            if cfg.store == "sample":
+            if cfg.store == "sample":          # one frozen draw, seeded by (seed, clip id): reruns agree
+                g = torch.Generator().manual_seed(int.from_bytes(job["clip_id"].encode()[:8], "big") ^ cfg.seed)
                 tensors = {"sample": (tensors["mean"].float() + torch.exp(0.5 * tensors["logvar"].float())
-                                      * torch.randn(tensors["mean"].shape)).bfloat16()}
+                                      * torch.randn(tensors["mean"].shape, generator=g)).bfloat16()}
             tensors["text"] = captions[job["text"] or ""]
             if not all(torch.isfinite(v.float()).all() for v in tensors.values()):
                 reject(job["clip_id"], "invalid_latent", "non-finite values in the encoder output")
