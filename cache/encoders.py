@@ -1,8 +1,9 @@
 """Encoders behind one interface, and their identity.
 
-Video encoders (``kind``): the diffusers video VAEs through their own classes,
-``wan`` (AutoencoderKLWan), ``cogvideox``, ``hunyuan``, ``ltx``; and ``sd-per-frame``, an image
-``AutoencoderKL`` applied frame by frame (the spatial stage of Open-Sora 1.2's VAE, ×0.18215).
+Video encoders (``kind``): ``opensora-v1.2`` (cache/opensora_vae.py: the per-frame SDXL VAE and
+the causal temporal VAE over 17-frame chunks, loading the public checkpoint), the diffusers
+video VAEs through their own classes, ``wan`` (AutoencoderKLWan), ``cogvideox``, ``hunyuan``,
+``ltx``; and ``sd-per-frame``, an image ``AutoencoderKL`` applied frame by frame.
 Text encoder: ``t5`` (``T5EncoderModel``, T5-v1.1-XXL in Open-Sora 1.2, 300 tokens). Weights
 always come from a local directory (``path``, loaded with ``HF_HUB_OFFLINE=1`` semantics); every
 kind also has a ``tiny = true`` configuration with seeded random weights for tests and the demo.
@@ -43,14 +44,16 @@ TINY_VIDEO = {
                                           decoder_spatio_temporal_scaling=(True, False), upsample_residual=(False, False),
                                           decoder_inject_noise=(False, False, False), upsample_factor=(1, 1),
                                           latent_channels=4, patch_size=4, patch_size_t=1)),
+    "opensora-v1.2": ("OpenSoraVAE", {"layout": "hpcai-tech/OpenSora-VAE-v1.2 encoder", "tiny": True}),
     "sd-per-frame": ("AutoencoderKL", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
                                            down_block_types=("DownEncoderBlock2D",) * 2, norm_num_groups=4,
                                            up_block_types=("UpDecoderBlock2D",) * 2, scaling_factor=0.18215)),
 }
 # Temporal compression of the real models: a clip's frame count must be 1 + a multiple of it.
-TEMPORAL_RATIO = {"wan": 4, "cogvideox": 4, "hunyuan": 4, "ltx": 8, "sd-per-frame": 1}
+TEMPORAL_RATIO = {"wan": 4, "cogvideox": 4, "hunyuan": 4, "ltx": 8, "sd-per-frame": 1, "opensora-v1.2": 1}
 # Height and width must be multiples of this (spatial compression x patch size), real and tiny.
-SPATIAL_MULTIPLE = {"wan": (8, 4), "cogvideox": (8, 2), "hunyuan": (8, 4), "ltx": (32, 8), "sd-per-frame": (8, 2)}
+SPATIAL_MULTIPLE = {"wan": (8, 4), "cogvideox": (8, 2), "hunyuan": (8, 4), "ltx": (32, 8), "sd-per-frame": (8, 2),
+                    "opensora-v1.2": (8, 2)}
 
 
 def _versions() -> dict:
@@ -102,7 +105,7 @@ def spec_identity(spec: "EncoderSpec") -> dict:
         weights = f"seeded-random:{spec.seed}"
     else:
         cfg = Path(spec.path) / "config.json"
-        config = json.loads(cfg.read_text()) if cfg.exists() else {}
+        config = json.loads(cfg.read_text()) if cfg.exists() else TINY_VIDEO.get(spec.kind, ("", {}))[0]
         weights = files_hash(Path(spec.path))
     ident = {"kind": spec.kind, "tiny": spec.tiny, "config": _jsonable(config), "dtype": spec.dtype,
              "weights_sha256": weights, "versions": _versions()}
@@ -147,20 +150,28 @@ class VideoEncoder:
             raise UserError(f"unknown video encoder {spec.kind!r}; choose one of {', '.join(TINY_VIDEO)}")
         self.spec, self.device, self.dtype = spec, device, _dtype(spec.dtype)
         cls_name, tiny_cfg = TINY_VIDEO[spec.kind]
-        cls = getattr(diffusers, cls_name)
-        if spec.tiny:
+        if spec.kind == "opensora-v1.2":
+            from reelcache.cache.opensora_vae import OpenSoraVAE
+
             torch.manual_seed(spec.seed)
-            self.model = cls(**tiny_cfg)
+            self.model = OpenSoraVAE(tiny=True) if spec.tiny else OpenSoraVAE.from_checkpoint(spec.path)
+        elif spec.tiny:
+            torch.manual_seed(spec.seed)
+            self.model = getattr(diffusers, cls_name)(**tiny_cfg)
         else:
-            self.model = cls.from_pretrained(spec.path, torch_dtype=self.dtype, local_files_only=True)
+            self.model = getattr(diffusers, cls_name).from_pretrained(spec.path, torch_dtype=self.dtype,
+                                                                       local_files_only=True)
         self.model = self.model.to(device=device) if spec.tiny and spec.dtype == "float32" else \
             self.model.to(device=device, dtype=self.dtype)
         self.model.eval()
         self.per_frame = spec.kind == "sd-per-frame"
-        cfg = self.model.config
+        self.opensora = spec.kind == "opensora-v1.2"      # normalizes inside its own encode
+        cfg = getattr(self.model, "config", {})
         shift = list(getattr(cfg, "latents_mean", None) or [getattr(cfg, "shift_factor", None) or 0.0])
         std = getattr(cfg, "latents_std", None)
         scale = [1.0 / s for s in std] if std else [float(getattr(cfg, "scaling_factor", 1.0) or 1.0)]
+        if self.opensora:
+            shift, scale = [0.0], [1.0]
         self.shift, self.scale = shift, scale
 
     def identity(self) -> dict:
@@ -173,7 +184,9 @@ class VideoEncoder:
         x = torch.as_tensor(frames).to(self.device, non_blocking=True)
         x = x.permute(0, 4, 1, 2, 3).to(self.dtype).div_(127.5).sub_(1.0)          # [B, 3, T, H, W] in [-1, 1]
         with torch.inference_mode():
-            if self.per_frame:
+            if self.opensora:
+                mean, logvar = self.model.encode(x)
+            elif self.per_frame:
                 b, c, t, h, w = x.shape
                 dist = self.model.encode(x.transpose(1, 2).reshape(b * t, c, h, w)).latent_dist
                 mean = dist.mean.reshape(b, t, *dist.mean.shape[1:]).transpose(1, 2)

@@ -245,3 +245,33 @@ def test_gnu_parallel_two_slots(cache_root, tmp_path):
     (n,), = sql(cache_root, "SELECT count(*) FROM latents WHERE status = 'ok'")
     (m,), = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
     assert n == m
+
+
+def test_opensora_vae_loads_the_public_key_layout_and_chunks_17_frames(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.cache.opensora_vae import OpenSoraVAE, latent_frames
+
+    assert [latent_frames(t) for t in (17, 51, 102, 204)] == [5, 15, 30, 60]       # DATASETS.md
+    torch.manual_seed(3)
+    model = OpenSoraVAE(tiny=True).eval()
+    state = {f"spatial_vae.module.{k}": v for k, v in model.spatial.state_dict().items()}
+    state |= {f"temporal_vae.{k}": v for k, v in model.temporal.state_dict().items()}
+    state["temporal_vae.decoder.conv_out.conv.weight"] = torch.zeros(4, 8, 3, 3, 3)    # decoder keys are skipped
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    from reelcache.cache import opensora_vae
+
+    real = (opensora_vae.SDXL_VAE, opensora_vae.TEMPORAL)
+    opensora_vae.SDXL_VAE, opensora_vae.TEMPORAL = opensora_vae.TINY_SPATIAL, opensora_vae.TINY_TEMPORAL
+    try:
+        loaded = OpenSoraVAE.from_checkpoint(tmp_path).eval()
+    finally:
+        opensora_vae.SDXL_VAE, opensora_vae.TEMPORAL = real
+    x = torch.rand(1, 3, 51, 32, 48) * 2 - 1
+    a, b = model.encode(x), loaded.encode(x)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].shape == (1, 4, 15, 16, 24)
+    enc = VideoEncoder(EncoderSpec("opensora-v1.2", tiny=True, dtype="float32"))
+    out = enc.encode(np.random.default_rng(0).integers(0, 255, (2, 17, 32, 48, 3), dtype=np.uint8))
+    assert out["mean"].shape == (2, 4, 5, 16, 24) and out["mean"].dtype == torch.bfloat16
