@@ -248,7 +248,7 @@ def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from reelcache.ingest.demo import ADJ, CAMERA, PLACES, SUBJECTS, THINGS, VERBS
+    from reelcache.words import ADJ, CAMERA, PLACES, SUBJECTS, THINGS, VERBS
 
     text = " ".join(ADJ + PLACES + SUBJECTS + THINGS + VERBS + CAMERA) + " a an the and with in of while next to " \
         "watches shows camera background . , ' !"

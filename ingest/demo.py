@@ -21,21 +21,13 @@ from fractions import Fraction
 from pathlib import Path
 
 from reelcache.ingest.sources import OPENVID_COLUMNS
+from reelcache.words import ADJ, CAMERA, PLACES, SUBJECTS, THINGS, VERBS
 
 SIZES = [((426, 240), 30), ((640, 360), 25), ((854, 480), 15), ((1280, 720), 8),
          ((240, 426), 8), ((360, 640), 8), ((480, 480), 6)]
 RATES = [Fraction(24000, 1001), Fraction(24), Fraction(25), Fraction(30000, 1001), Fraction(30),
          Fraction(50), Fraction(60)]
 CONTAINERS = [(".mp4", 70), (".mkv", 12), (".mov", 10), (".avi", 8)]
-SUBJECTS = ["dog", "cat", "woman", "man", "child", "car", "bird", "horse", "robot", "chef", "dancer",
-            "boat", "train", "cyclist", "musician", "fox", "elephant", "drone", "skater", "farmer"]
-PLACES = ["beach", "forest", "city street", "kitchen", "mountain", "desert", "lake", "stadium",
-          "market", "library", "garden", "harbor", "snowfield", "subway station", "rooftop"]
-THINGS = ["umbrella", "lantern", "bicycle", "guitar", "kite", "bench", "tree", "bridge", "flag",
-          "table", "window", "cloud", "wave", "rock", "fountain", "tower", "basket", "hat", "map", "clock"]
-ADJ = ["golden", "misty", "busy", "quiet", "colorful", "snowy", "sunny", "dark", "ancient", "bright"]
-VERBS = ["walks through", "runs across", "rests in", "explores", "dances in", "waits at", "crosses"]
-CAMERA = ["static", "pan_left", "pan_right", "zoom_in", "zoom_out", "tilt_up"]
 
 
 def caption(rng: random.Random) -> str:

@@ -41,3 +41,15 @@ def test_cli_starts_without_heavy_imports(tmp_path):
             "print([m for m in ('torch','duckdb','av','pyarrow','matplotlib') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_stages_import_only_catalog_and_the_root():
+    """DESIGN.md: ingest, cache and train depend on catalog and reelcache/, never on each other."""
+    import re
+
+    stages = ("ingest", "cache", "train", "catalog")
+    for stage in stages:
+        for path in (REPO / stage).glob("*.py"):
+            for other in re.findall(r"reelcache\.(\w+)", path.read_text()):
+                if other in stages and other != stage:
+                    assert other == "catalog" and stage != "catalog", f"{path.relative_to(REPO)} imports reelcache.{other}"
