@@ -20,7 +20,7 @@ from pathlib import Path
 from reelcache import UserError
 from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, projection
 from reelcache.catalog.buckets import BucketConfig
-from reelcache.catalog.shards import ShardWriter, atomic_path, clear_unit
+from reelcache.catalog.shards import ShardWriter, atomic_path, begin_unit, parse_unit, unit_rows
 from reelcache.isolate import Failed, isolated_map
 from reelcache.progress import bar, say
 
@@ -50,10 +50,9 @@ def run_unit(root: str, unit: str, device: str | None = None) -> dict:
     from reelcache.cache.encoders import TextEncoder, VideoEncoder, default_device
     from reelcache.catalog.latents import LATENT_EXT, encode
 
-    name, _, idx = unit.strip().rpartition("/")
+    name, index = parse_unit(unit)
     plan, ident = load_cache(root, name)
     cfg = _config(plan["config"])
-    index = int(idx)
     if not 0 <= index < plan["num_units"]:
         raise UserError(f"{unit}: cache {name!r} has units 0..{plan['num_units'] - 1}")
     buckets = BucketConfig.from_toml(cfg.buckets)
@@ -62,13 +61,12 @@ def run_unit(root: str, unit: str, device: str | None = None) -> dict:
                         + "\n  ".join(d[:12]))
     cdir = cache_dir(root, name)
     stem = f"{index:06d}"
-    sidecar = cdir / f"{stem}.parquet"
-    if sidecar.exists():
+    sidecar = begin_unit(cdir, index)
+    if sidecar is None:
         say(f"{unit}: already done, skipped")
         return {"unit": unit, "skipped": True}
-    clear_unit(cdir, stem)
     t0 = time.monotonic()
-    rows = pq.ParquetFile(cdir / "_plan" / "input.parquet").read_row_group(index).to_pylist()
+    rows = unit_rows(cdir, index)
     out = {}
     for r in rows:
         out[r["clip_id"]] = {"clip_id": r["clip_id"], "cache": name, "unit": unit, "status": "rejected",

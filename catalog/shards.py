@@ -167,6 +167,35 @@ def atomic_path(path):
         tmp.unlink(missing_ok=True)
 
 
+def parse_unit(unit: str) -> tuple[str, int]:
+    """'<name>/<NNNNNN>' (as `plan` prints it) -> (name, index)."""
+    from reelcache import UserError
+
+    try:
+        name, idx = unit.strip().rsplit("/", 1)
+        return name, int(idx)
+    except ValueError:
+        raise UserError(f"{unit!r} is not a unit: expected '<name>/<NNNNNN>' as printed by `plan`") from None
+
+
+def begin_unit(directory: Path, index: int) -> Path | None:
+    """The unit protocol shared by every stage: None when the unit finished (its sidecar exists),
+    else the sidecar path to write last, after removing whatever a killed run left behind."""
+    stem = f"{index:06d}"
+    sidecar = Path(directory) / f"{stem}.parquet"
+    if sidecar.exists():
+        return None
+    clear_unit(Path(directory), stem)
+    return sidecar
+
+
+def unit_rows(directory: Path, index: int) -> list[dict]:
+    """The unit's slice of the frozen plan: row group `index` of `_plan/input.parquet`."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(Path(directory) / "_plan" / "input.parquet").read_row_group(index).to_pylist()
+
+
 def clear_unit(directory: Path, stem: str) -> int:
     """Remove what a killed run of this unit may have left: temporaries and unclaimed shards."""
     n = 0

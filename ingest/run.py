@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.catalog.shards import ShardWriter, ShortRead, atomic_path, clear_unit
+from reelcache.catalog.shards import ShardWriter, ShortRead, atomic_path, begin_unit, parse_unit, unit_rows
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason, Rejected, first_reject
 from reelcache.isolate import Failed, isolated_map
 from reelcache.ingest.plan import load_plan, source_dir
@@ -35,14 +35,6 @@ _NOT_IN_JSON = {"shard", "shard_offset", "status", "reject_reason", "reject_deta
 
 # How an isolated probe that returned no result is recorded.
 FAILED_REASON = {"timeout": Reason.timeout, "crashed": Reason.crashed}
-
-
-def parse_unit(unit: str) -> tuple[str, int]:
-    try:
-        source, idx = unit.strip().rsplit("/", 1)
-        return source, int(idx)
-    except ValueError:
-        raise UserError(f"{unit!r} is not a unit: expected '<source>/<NNNNNN>' as printed by `ingest plan`") from None
 
 
 def mismatch(stated: dict, p: dict) -> str | None:
@@ -74,15 +66,12 @@ def run_unit(root: str, unit: str) -> dict:
         raise UserError(f"{unit}: the plan for {source!r} has units 0..{plan['num_units'] - 1}")
     sdir = source_dir(root, source)
     stem = f"{index:06d}"
-    sidecar = sdir / f"{stem}.parquet"
-    if sidecar.exists():
-        say(f"{unit}: already done ({sidecar.name} exists), skipped")
+    sidecar = begin_unit(sdir, index)
+    if sidecar is None:
+        say(f"{unit}: already done, skipped")
         return {"unit": unit, "skipped": True}
-    clear_unit(sdir, stem)
     t0 = time.monotonic()
-
-    pf = pq.ParquetFile(Path(root) / "raw" / source / "_plan" / "input.parquet")
-    rows = pf.read_row_group(index).to_pylist()
+    rows = unit_rows(sdir, index)
     for r in rows:
         r.update(source=source, unit=unit, status="ok")
         if hit := first_reject(ROW_FILTERS, r, cfg.thresholds):
