@@ -275,3 +275,17 @@ def test_opensora_vae_loads_the_public_key_layout_and_chunks_17_frames(tmp_path)
     enc = VideoEncoder(EncoderSpec("opensora-v1.2", tiny=True, dtype="float32"))
     out = enc.encode(np.random.default_rng(0).integers(0, 255, (2, 17, 32, 48, 3), dtype=np.uint8))
     assert out["mean"].shape == (2, 4, 5, 16, 24) and out["mean"].dtype == torch.bfloat16
+
+
+def test_rotated_clips_decode_upright_like_ffmpeg_autorotate(tmp_path):
+    from reelcache.cache.decode import decode_window
+    from reelcache.ingest.demo import ClipSpec, write_clip
+
+    if not shutil.which("ffmpeg"):
+        pytest.skip("ffmpeg is not installed")
+    p = tmp_path / "rot.mp4"
+    write_clip(p, ClipSpec("rot.mp4", 128, 64, Fraction(25), 1.0, rotation=90, crf=0))
+    ours = decode_window(str(p), frames=1, interval=1, height=128, width=64)[0]
+    raw = subprocess.run(["ffmpeg", "-v", "error", "-i", str(p), "-frames:v", "1", "-f", "rawvideo", "-pix_fmt",
+                          "rgb24", "-"], check=True, capture_output=True).stdout
+    assert np.array_equal(ours, np.frombuffer(raw, np.uint8).reshape(128, 64, 3))
