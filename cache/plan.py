@@ -55,11 +55,9 @@ class CacheConfig:
             cfg = cls(**doc)
         except (KeyError, TypeError) as e:
             raise UserError(f"{path}: {e}") from e
-        base = Path(path).resolve().parent
-        for attr in ("buckets",):
-            p = Path(getattr(cfg, attr))
-            if not p.is_absolute() and not p.exists() and (base / p).exists():
-                setattr(cfg, attr, str(base / p))
+        buckets = Path(cfg.buckets)        # relative to the working directory, else to the config file
+        if not buckets.is_absolute() and not buckets.exists() and (Path(path).resolve().parent / buckets).exists():
+            cfg.buckets = str(Path(path).resolve().parent / buckets)
         if cfg.store not in ("posterior", "sample"):
             raise UserError(f"{path}: store must be 'posterior' or 'sample'")
         return cfg

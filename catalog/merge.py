@@ -43,12 +43,11 @@ def orphan_shards(root: Path, units: dict[str, Path], stage: str = "ingest") -> 
             if (t.parent.name, t.name.split("-")[0]) not in done]
 
 
-def _merge_stage(con, root: Path, stage: str, pbar) -> tuple[int, list[str], list[Path]]:
+def _merge_stage(con, root: Path, stage: str, sidecars: dict[str, Path], pbar) -> tuple[int, list[str], list[Path]]:
     """Load one stage's new or changed sidecars; returns (units merged, vanished units, orphan shards)."""
     import pyarrow as pa
 
     table = STAGES[stage][1]
-    sidecars = find_sidecars(root, stage)
     known = dict(con.execute("SELECT unit, signature FROM units WHERE stage = ?", [stage]).fetchall())
     items = sorted((u, p) for u, p in sidecars.items() if known.get(u) != _signature(p))
     vanished = sorted(set(known) - set(sidecars))
@@ -78,14 +77,14 @@ def _merge_stage(con, root: Path, stage: str, pbar) -> tuple[int, list[str], lis
 def merge(root: str | Path) -> dict:
     root = Path(root)
     t0 = time.monotonic()
-    todo = sum(len(find_sidecars(root, s)) for s in STAGES)
+    sidecars = {stage: find_sidecars(root, stage) for stage in STAGES}
     con = open_catalog(root, write=True)
     merged, vanished, orphans = {}, [], []
     try:
         con.execute("BEGIN TRANSACTION")
-        with bar(todo, "merging units", "unit") as pbar:
+        with bar(sum(map(len, sidecars.values())), "merging units", "unit") as pbar:
             for stage in STAGES:
-                n, gone, orph = _merge_stage(con, root, stage, pbar)
+                n, gone, orph = _merge_stage(con, root, stage, sidecars[stage], pbar)
                 merged[stage], vanished, orphans = n, vanished + gone, orphans + orph
         if merged["ingest"]:
             dup = con.execute("SELECT clip_id, count(*) FROM clips GROUP BY 1 HAVING count(*) > 1 LIMIT 3").fetchall()

@@ -14,7 +14,6 @@ The trade-off: one pipe round trip per item (~50 µs), negligible next to openin
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import resource
 import time
 import traceback
@@ -160,9 +159,3 @@ def _death(proc) -> str:
             return f"worker killed by signal {-code}"
     return f"worker exited with status {code}"
 
-
-def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
