@@ -21,6 +21,8 @@ noise is fresh each epoch, identical after a resume, and different across ranks 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import tarfile
 import warnings
@@ -45,7 +47,7 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5) -> Source:
     missing = [c for c in MANIFEST_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"{path} is not a loader manifest: missing {missing} (needs {list(MANIFEST_COLUMNS)})")
-    table = table.select(list(MANIFEST_COLUMNS))
+    table = table.select(list(MANIFEST_COLUMNS) + (["fps"] if "fps" in table.column_names else []))
     total = table.num_rows
     table = table.filter(pc.and_(pc.is_valid(table["bucket"]), pc.is_valid(table["shard"])))
     table = table.sort_by("clip_id")
@@ -54,10 +56,23 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5) -> Source:
     if table.num_rows < min_kept * total:
         warnings.warn(f"{path}: only {table.num_rows} of {total} clips have latents "
                       f"({100 * table.num_rows / total:.1f}%); the rest are skipped", stacklevel=2)
+    # fps is what the model conditions on, not what selects samples: it stays out of the fingerprint.
+    fps = (table["fps"].to_numpy(zero_copy_only=False).astype(np.float64) if "fps" in table.column_names
+           else np.full(table.num_rows, np.nan))
+    table = table.select(list(MANIFEST_COLUMNS))
     return Source(fingerprint(table), np.asarray(table["clip_id"].to_pylist(), dtype=object),
                   np.asarray(table["bucket"].to_pylist(), dtype=object),
                   np.asarray(table["shard"].to_pylist(), dtype=object),
-                  table["shard_offset"].to_numpy().astype(np.int64), float(weight))
+                  table["shard_offset"].to_numpy().astype(np.int64), float(weight), fps)
+
+
+def weight_schedule(weight) -> list[float]:
+    """A mixing weight as a per-epoch list: a number holds for every epoch; a list gives epoch 0, 1, ...
+    and its last value holds after it (a ramp from one difficulty level to the next)."""
+    ws = [float(w) for w in weight] if isinstance(weight, (list, tuple)) else [float(weight)]
+    if not ws or any(w < 0 for w in ws):
+        raise ValueError(f"mixing weight {weight!r}: give a number >= 0 or a non-empty list of them")
+    return ws
 
 
 class LatentLoader:
@@ -69,22 +84,33 @@ class LatentLoader:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
         pairs = [m if isinstance(m, tuple) else (m, 1.0) for m in manifests]
         self.root = Path(root) if root else None
-        self.sources = [load_source(resolve_manifest(root, m), w) for m, w in pairs]
+        self.schedules = [weight_schedule(w) for _, w in pairs]
+        self.sources = [load_source(resolve_manifest(root, m), ws[0]) for (m, _), ws in zip(pairs, self.schedules)]
         self.buckets, self.block = buckets, block
         self.rank, self.world_size, self.seed = rank, world_size, int(seed)
         self.workers, self.prefetch, self.read, self.pin_memory = workers, prefetch, read, pin_memory
         self.fingerprint = stage_fingerprint(self.sources, buckets, block)
+        if any(len(ws) > 1 for ws in self.schedules):      # a weight ramp is part of what a position means
+            self.fingerprint = hashlib.sha256(f"{self.fingerprint}|weights:{self.schedules!r}".encode()).hexdigest()
         self.epoch = self.consumed = self.step = 0
         self.generation = 0        # resumes so far: the consumed log keeps the newest per step
         self.clip_id = np.concatenate([s.clip_id for s in self.sources])
         self.shard = np.concatenate([s.shard for s in self.sources])
         self.offset = np.concatenate([s.offset for s in self.sources])
+        self.fps = np.concatenate([s.fps if s.fps is not None else np.full(len(s), np.nan) for s in self.sources])
         self.log = ConsumedLog(consumed_log, rank, log_every) if consumed_log else None
         self._check(self.plan())
 
     # -- plan and position ------------------------------------------------------------------
     def plan(self, epoch: int | None = None) -> Plan:
-        return epoch_plan(self.sources, self.buckets, self.seed, self.epoch if epoch is None else epoch, self.block)
+        epoch = self.epoch if epoch is None else epoch
+        return epoch_plan(self.epoch_sources(epoch), self.buckets, self.seed, epoch, self.block)
+
+    def epoch_sources(self, epoch: int) -> list[Source]:
+        """The sources with the mixing weights of `epoch` (the schedule's last value holds after it)."""
+        if all(len(ws) == 1 for ws in self.schedules):
+            return self.sources
+        return [dataclasses.replace(s, weight=ws[min(epoch, len(ws) - 1)]) for s, ws in zip(self.sources, self.schedules)]
 
     def _check(self, plan: Plan) -> None:
         if plan.num_batches < self.world_size:
@@ -152,7 +178,7 @@ class _BatchMaker:
     def __init__(self, loader: LatentLoader, plan: Plan, sched):
         self.sched, self.plan = sched, plan
         self.epoch, self.seed, self.read, self.root = loader.epoch, loader.seed, loader.read, loader.root
-        self.clip_id, self.shard, self.offset = loader.clip_id, loader.shard, loader.offset
+        self.clip_id, self.shard, self.offset, self.fps = loader.clip_id, loader.shard, loader.offset, loader.fps
         self.workers, self.prefetch, self.pin_memory = loader.workers, loader.prefetch, loader.pin_memory
 
     def __iter__(self, worker: int = 0, nworkers: int = 1):
@@ -179,9 +205,12 @@ class _BatchMaker:
         batch = {"epoch": self.epoch, "step": step, "index": index, "bucket": self.plan.buckets[self.plan.bucket[index]],
                  "clip_id": [self.clip_id[i] for i in idx], "weight": 0.0 if pad else 1.0}
         if self.read:
+            import torch
+
             pos = self.plan.starts[index] + np.arange(len(idx))     # positions in the epoch: noise seeds
             batch.update(collate([read_sample(self._path(self.shard[i]), int(self.offset[i])) for i in idx],
                                  self.seed, self.epoch, pos))
+            batch["fps"] = torch.from_numpy(self.fps[idx])      # NaN where the manifest has no fps
         return batch
 
     def _path(self, shard: str) -> str:

@@ -52,6 +52,7 @@ class Source:
     shard: np.ndarray          # object array of str
     offset: np.ndarray         # int64
     weight: float = 1.0
+    fps: np.ndarray | None = None   # float64 frame rate of each clip (the model's fps input), if the manifest has it
 
     def __len__(self):
         return len(self.clip_id)
