@@ -259,16 +259,12 @@ def test_opensora_vae_loads_the_public_key_layout_and_chunks_17_frames(tmp_path)
     model = OpenSoraVAE(tiny=True).eval()
     state = {f"spatial_vae.module.{k}": v for k, v in model.spatial.state_dict().items()}
     state |= {f"temporal_vae.{k}": v for k, v in model.temporal.state_dict().items()}
-    state["temporal_vae.decoder.conv_out.conv.weight"] = torch.zeros(4, 8, 3, 3, 3)    # decoder keys are skipped
+    state |= {"scale": model.scale.clone(), "shift": model.shift.clone()}       # the published buffers
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     from reelcache.cache import opensora_vae
 
-    real = (opensora_vae.SDXL_VAE, opensora_vae.TEMPORAL)
-    opensora_vae.SDXL_VAE, opensora_vae.TEMPORAL = opensora_vae.TINY_SPATIAL, opensora_vae.TINY_TEMPORAL
-    try:
-        loaded = OpenSoraVAE.from_checkpoint(tmp_path).eval()
-    finally:
-        opensora_vae.SDXL_VAE, opensora_vae.TEMPORAL = real
+    loaded = OpenSoraVAE.from_checkpoint(tmp_path, spatial=opensora_vae.TINY_SPATIAL,
+                                         temporal=opensora_vae.TINY_TEMPORAL).eval()
     x = torch.rand(1, 3, 51, 32, 48) * 2 - 1
     a, b = model.encode(x), loaded.encode(x)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].shape == (1, 4, 15, 16, 24)
