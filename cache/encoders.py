@@ -8,9 +8,11 @@ Text encoder: ``t5`` (``T5EncoderModel``, T5-v1.1-XXL in Open-Sora 1.2, 300 toke
 always come from a local directory (``path``, loaded with ``HF_HUB_OFFLINE=1`` semantics); every
 kind also has a ``tiny = true`` configuration with seeded random weights for tests and the demo.
 
-Video VAEs return their posterior's mean and log-variance, normalized the way the diffusion
-model consumes latents ((z - shift) x scale per channel, applied to the mean, with log(scale^2)
-added to the log-variance), so sampling at load time gives training-ready latents.
+Video VAEs return their posterior's mean and log-variance, normalized exactly as the model's
+own diffusers pipeline normalizes latents before its transformer (``normalization``: each kind's
+rule, with the pipeline file it comes from): z' = (z - shift) x scale per channel, applied to the
+mean, with log(scale^2) added to the log-variance, so a sample drawn at load time is a sample of
+the normalized posterior and is training-ready.
 
 Identity (``spec_identity``): kind, config, dtype, a hash of the weight files (or the seed of a
 tiny model's random init) and library versions, computed without loading the model, so ``plan``
@@ -29,8 +31,10 @@ from pathlib import Path
 from reelcache import UserError
 
 TINY_VIDEO = {
+    # Tiny models carry latent statistics that are not 0/1, so a normalization that is skipped shows.
     "wan": ("AutoencoderKLWan", dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
-                                     temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)),
+                                     temperal_downsample=[False, True], latents_mean=[0.3, -0.2, 0.1, -0.4],
+                                     latents_std=[1.5, 0.7, 2.0, 0.9])),
     "cogvideox": ("AutoencoderKLCogVideoX", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
                                                  down_block_types=("CogVideoXDownBlock3D",) * 2, norm_num_groups=4,
                                                  up_block_types=("CogVideoXUpBlock3D",) * 2)),
@@ -43,12 +47,15 @@ TINY_VIDEO = {
                                           decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, False),
                                           decoder_spatio_temporal_scaling=(True, False), upsample_residual=(False, False),
                                           decoder_inject_noise=(False, False, False), upsample_factor=(1, 1),
-                                          latent_channels=4, patch_size=4, patch_size_t=1)),
+                                          latent_channels=4, patch_size=4, patch_size_t=1, scaling_factor=1.3)),
     "opensora-v1.2": ("OpenSoraVAE", {"layout": "hpcai-tech/OpenSora-VAE-v1.2 encoder", "tiny": True}),
     "sd-per-frame": ("AutoencoderKL", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
                                            down_block_types=("DownEncoderBlock2D",) * 2, norm_num_groups=4,
-                                           up_block_types=("UpDecoderBlock2D",) * 2, scaling_factor=0.18215)),
+                                           up_block_types=("UpDecoderBlock2D",) * 2, scaling_factor=0.18215,
+                                           shift_factor=0.0609)),
 }
+# LTX keeps its statistics as buffers of the VAE, not in its config: tiny values set after init.
+TINY_LTX_STATS = {"latents_mean": [0.25, -0.5, 0.0, 0.75], "latents_std": [0.5, 1.25, 2.0, 0.8]}
 # Temporal compression of the real models: a clip's frame count must be 1 + a multiple of it.
 TEMPORAL_RATIO = {"wan": 4, "cogvideox": 4, "hunyuan": 4, "ltx": 8, "sd-per-frame": 1, "opensora-v1.2": 1}
 # Height and width must be multiples of this (spatial compression x patch size), real and tiny.
@@ -73,8 +80,11 @@ def _dtype(name: str):
 
 def files_hash(path: Path) -> str:
     """sha256 over a model folder's weight and config files, cached beside them by (size, mtime)."""
-    files = sorted(p for p in Path(path).rglob("*") if p.is_file() and p.suffix in
-                   (".safetensors", ".bin", ".json", ".model", ".txt") and not p.name.startswith(".reelcache"))
+    if Path(path).is_file():           # a single checkpoint file (the Open-Sora VAE's model.safetensors)
+        files, path = [Path(path)], Path(path).parent
+    else:
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file() and p.suffix in
+                       (".safetensors", ".bin", ".json", ".model", ".txt") and not p.name.startswith(".reelcache"))
     if not files:
         raise UserError(f"{path} holds no weights (*.safetensors, *.bin)")
     stamp = json.dumps([(str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
@@ -111,6 +121,8 @@ def spec_identity(spec: "EncoderSpec") -> dict:
              "weights_sha256": weights, "versions": _versions()}
     if spec.kind == "t5":
         ident["max_tokens"] = spec.max_tokens
+    if spec.extra:
+        ident["extra"] = _jsonable(spec.extra)
     return ident
 
 
@@ -133,7 +145,7 @@ class EncoderSpec:
     dtype: str = "bfloat16"
     seed: int = 0                   # tiny models: weights are randomly initialized from this seed
     max_tokens: int = 300           # text encoders
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)      # opensora-v1.2: {spatial, temporal} sizes other than the published
 
     def __post_init__(self):
         if not self.tiny and not self.path:
@@ -154,10 +166,14 @@ class VideoEncoder:
             from reelcache.cache.opensora_vae import OpenSoraVAE
 
             torch.manual_seed(spec.seed)
-            self.model = OpenSoraVAE(tiny=True) if spec.tiny else OpenSoraVAE.from_checkpoint(spec.path)
+            self.model = OpenSoraVAE(tiny=True) if spec.tiny else OpenSoraVAE.from_checkpoint(
+                spec.path, spatial=spec.extra.get("spatial"), temporal=spec.extra.get("temporal"))
         elif spec.tiny:
             torch.manual_seed(spec.seed)
             self.model = getattr(diffusers, cls_name)(**tiny_cfg)
+            if spec.kind == "ltx":
+                for name, values in TINY_LTX_STATS.items():
+                    getattr(self.model, name).copy_(torch.tensor(values))
         else:
             self.model = getattr(diffusers, cls_name).from_pretrained(spec.path, torch_dtype=self.dtype,
                                                                        local_files_only=True)
@@ -166,13 +182,7 @@ class VideoEncoder:
         self.model.eval()
         self.per_frame = spec.kind == "sd-per-frame"
         self.opensora = spec.kind == "opensora-v1.2"      # normalizes inside its own encode
-        cfg = getattr(self.model, "config", {})
-        shift = list(getattr(cfg, "latents_mean", None) or [getattr(cfg, "shift_factor", None) or 0.0])
-        std = getattr(cfg, "latents_std", None)
-        scale = [1.0 / s for s in std] if std else [float(getattr(cfg, "scaling_factor", 1.0) or 1.0)]
-        if self.opensora:
-            shift, scale = [0.0], [1.0]
-        self.shift, self.scale = shift, scale
+        self.shift, self.scale = normalization(spec.kind, self.model)
 
     def identity(self) -> dict:
         return spec_identity(self.spec)
@@ -200,6 +210,37 @@ class VideoEncoder:
             mean = (mean.float() - shift) * scale
             logvar = logvar.float() + 2 * torch.log(scale)
         return {"mean": mean.to(torch.bfloat16).cpu(), "logvar": logvar.to(torch.bfloat16).cpu()}
+
+
+def normalization(kind: str, model) -> tuple[list[float], list[float]]:
+    """Per-channel (shift, scale) such that (z - shift) x scale is what the kind's diffusers
+    pipeline feeds its transformer (the inverse of what it does to latents before ``vae.decode``).
+    Files are under diffusers/pipelines/ (diffusers 0.42)."""
+    cfg = getattr(model, "config", None)
+    if kind == "opensora-v1.2":          # OpenSoraVAE.encode normalizes itself: (z - shift) / scale
+        return [0.0], [1.0]
+    if kind == "wan":
+        # wan/pipeline_wan_i2v.py prepare_latents: (z - latents_mean) * (1 / latents_std), config values;
+        # wan/pipeline_wan.py decodes latents / (1 / latents_std) + latents_mean.
+        return list(cfg.latents_mean), [1.0 / s for s in cfg.latents_std]
+    if kind == "ltx":
+        # ltx/pipeline_ltx.py _normalize_latents: (z - latents_mean) * scaling_factor / latents_std with
+        # vae.latents_mean / vae.latents_std BUFFERS (loaded with the weights) and config.scaling_factor,
+        # the inverse of the _denormalize_latents call before vae.decode.
+        sf = float(cfg.scaling_factor)
+        return model.latents_mean.float().tolist(), [sf / s for s in model.latents_std.float().tolist()]
+    if kind in ("hunyuan", "cogvideox"):
+        # hunyuan_video/pipeline_hunyuan_video_image2video.py: z * scaling_factor (decode: / scaling_factor);
+        # cogvideo/pipeline_cogvideox_video2video.py: scaling_factor * z. Their latents_mean/std are unused.
+        return [0.0], [float(cfg.scaling_factor)]
+    if kind == "sd-per-frame":
+        if getattr(cfg, "latents_mean", None) is not None and getattr(cfg, "latents_std", None) is not None:
+            # stable_diffusion_xl/pipeline_stable_diffusion_xl_img2img.py: (z - mean) * scaling_factor / std
+            return list(cfg.latents_mean), [float(cfg.scaling_factor) / s for s in cfg.latents_std]
+        # stable_diffusion_3/pipeline_stable_diffusion_3_img2img.py: (z - shift_factor) * scaling_factor;
+        # stable_diffusion/pipeline_stable_diffusion_img2img.py (no shift_factor): scaling_factor * z.
+        return [float(getattr(cfg, "shift_factor", None) or 0.0)], [float(cfg.scaling_factor)]
+    raise UserError(f"no latent normalization rule for {kind!r}")
 
 
 class TextEncoder:

@@ -1,0 +1,172 @@
+"""Cached latents are each pipeline's normalized posterior, for EVERY encoder kind.
+
+Each video VAE is a real diffusers model with tiny sizes and latent statistics that are not 0/1,
+saved to a folder and loaded the way a real run loads weights (``path``). The reference is the
+diffusers model's OWN ``encode(x).latent_dist`` (loaded independently from the same folder) with
+the normalization written out here as the kind's diffusers pipeline applies it before its
+transformer; the log-variance transforms as logvar + 2 log(scale). T5 is compared with
+transformers' ``T5EncoderModel`` run on each caption alone (no padding), the Open-Sora VAE with
+its own stages (pinned to Open-Sora's outputs in test_opensora_vae.py) and the published constants.
+Stored values are bf16: the tolerance is bf16 rounding (2^-8 relative), while a skipped or
+wrong normalization moves values by 10-300%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+BF16 = dict(rtol=2 ** -8, atol=1e-6)
+FIX = Path(os.environ.get("OPENSORA12_FIXTURES", Path(__file__).resolve().parents[2] / "shared/fixtures/opensora12"))
+
+
+def frames(t=5, h=32, w=32, b=2, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (b, t, h, w, 3), dtype=np.uint8)
+
+
+def as_input(f):
+    return torch.from_numpy(f).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+
+
+def per_channel(values):
+    return torch.tensor(values, dtype=torch.float32).view(1, -1, 1, 1, 1)
+
+
+# kind -> (diffusers class, tiny config with non-trivial statistics, buffers to set, normalization rule)
+CASES = {
+    # wan/pipeline_wan_i2v.py: (z - latents_mean) * (1 / latents_std)
+    "wan": ("AutoencoderKLWan", dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                                     temperal_downsample=[False, True], latents_mean=[0.5, -0.3, 0.2, 1.1],
+                                     latents_std=[2.0, 0.6, 1.7, 0.4]), {},
+            lambda m, c, mean: ((mean - per_channel(c.latents_mean)) / per_channel(c.latents_std),
+                                1 / per_channel(c.latents_std))),
+    # ltx/pipeline_ltx.py: (z - vae.latents_mean) * scaling_factor / vae.latents_std, buffers not config
+    "ltx": ("AutoencoderKLLTXVideo", dict(block_out_channels=(16, 32), decoder_block_out_channels=(16, 32),
+                                          down_block_types=("LTXVideoDownBlock3D",) * 2, layers_per_block=(1, 1, 1),
+                                          decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, False),
+                                          decoder_spatio_temporal_scaling=(True, False), upsample_residual=(False, False),
+                                          decoder_inject_noise=(False, False, False), upsample_factor=(1, 1),
+                                          latent_channels=4, patch_size=4, patch_size_t=1, scaling_factor=0.8),
+            {"latents_mean": [0.4, -0.6, 0.1, 0.9], "latents_std": [0.3, 1.9, 1.2, 0.7]},
+            lambda m, c, mean: ((mean - m.latents_mean.view(1, -1, 1, 1, 1)) * c.scaling_factor
+                                / m.latents_std.view(1, -1, 1, 1, 1),
+                                c.scaling_factor / m.latents_std.view(1, -1, 1, 1, 1))),
+    # hunyuan_video/pipeline_hunyuan_video_image2video.py: z * scaling_factor
+    "hunyuan": ("AutoencoderKLHunyuanVideo", dict(block_out_channels=(16, 32, 32), latent_channels=4, layers_per_block=1,
+                                                  down_block_types=("HunyuanVideoDownBlock3D",) * 3, norm_num_groups=4,
+                                                  up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+                                                  spatial_compression_ratio=4, temporal_compression_ratio=4,
+                                                  scaling_factor=0.476986), {},
+                lambda m, c, mean: (mean * c.scaling_factor, torch.tensor(c.scaling_factor))),
+    # cogvideo/pipeline_cogvideox_video2video.py: scaling_factor * z (its config's latents_mean/std unused)
+    "cogvideox": ("AutoencoderKLCogVideoX", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
+                                                 down_block_types=("CogVideoXDownBlock3D",) * 2, norm_num_groups=4,
+                                                 up_block_types=("CogVideoXUpBlock3D",) * 2, scaling_factor=0.7), {},
+                  lambda m, c, mean: (mean * c.scaling_factor, torch.tensor(c.scaling_factor))),
+    # stable_diffusion_3/pipeline_stable_diffusion_3_img2img.py: (z - shift_factor) * scaling_factor
+    "sd-per-frame": ("AutoencoderKL", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
+                                           down_block_types=("DownEncoderBlock2D",) * 2, norm_num_groups=4,
+                                           up_block_types=("UpDecoderBlock2D",) * 2, scaling_factor=1.5305,
+                                           shift_factor=0.0609), {},
+                     lambda m, c, mean: ((mean - c.shift_factor) * c.scaling_factor, torch.tensor(c.scaling_factor))),
+    # stable_diffusion_xl/pipeline_stable_diffusion_xl_img2img.py: (z - latents_mean) * scaling_factor / latents_std
+    "sd-per-frame-sdxl-stats": ("AutoencoderKL", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
+                                                      down_block_types=("DownEncoderBlock2D",) * 2, norm_num_groups=4,
+                                                      up_block_types=("UpDecoderBlock2D",) * 2, scaling_factor=0.5,
+                                                      latents_mean=[0.2, -0.1, 0.3, -0.7],
+                                                      latents_std=[1.4, 0.5, 0.9, 2.2]), {},
+                                lambda m, c, mean: ((mean - per_channel(c.latents_mean)) * c.scaling_factor
+                                                    / per_channel(c.latents_std),
+                                                    c.scaling_factor / per_channel(c.latents_std))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_video_latents_are_the_pipelines_normalized_posterior(case, tmp_path):
+    import diffusers
+
+    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+
+    cls_name, config, buffers, rule = CASES[case]
+    kind = "sd-per-frame" if case.startswith("sd-per-frame") else case
+    torch.manual_seed(0)
+    model = getattr(diffusers, cls_name)(**config)
+    for name, values in buffers.items():
+        getattr(model, name).copy_(torch.tensor(values))
+    model.save_pretrained(tmp_path / "vae")
+
+    enc = VideoEncoder(EncoderSpec(kind, path=str(tmp_path / "vae"), dtype="float32"))
+    f = frames()
+    got = enc.encode(f)
+
+    ref = getattr(diffusers, cls_name).from_pretrained(tmp_path / "vae").eval()
+    x = as_input(f)
+    with torch.no_grad():
+        if kind == "sd-per-frame":       # the image VAE sees every frame on its own
+            b, c, t, h, w = x.shape
+            dist = ref.encode(x.transpose(1, 2).reshape(b * t, c, h, w)).latent_dist
+            mean, logvar = (v.reshape(b, t, *v.shape[1:]).transpose(1, 2) for v in (dist.mean, dist.logvar))
+        else:
+            dist = ref.encode(x).latent_dist
+            mean, logvar = dist.mean, dist.logvar
+    want_mean, scale = rule(ref, ref.config, mean)
+    want_logvar = logvar + 2 * torch.log(scale)
+    assert got["mean"].dtype == torch.bfloat16 and got["mean"].shape == want_mean.shape
+    torch.testing.assert_close(got["mean"].float(), want_mean, **BF16)
+    torch.testing.assert_close(got["logvar"].float(), want_logvar.expand_as(logvar), **BF16)
+    # the statistics matter here: without them the stored values would be far off
+    assert (want_mean - mean).abs().max() > 0.05
+
+
+def test_tiny_configs_normalize_with_nontrivial_statistics():
+    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+
+    for kind in ("wan", "ltx", "hunyuan", "cogvideox", "sd-per-frame"):
+        enc = VideoEncoder(EncoderSpec(kind, tiny=True, dtype="float32"))
+        assert any(s != 0 for s in enc.shift) or any(abs(s - 1) > 1e-3 for s in enc.scale), kind
+
+
+def test_t5_stores_each_captions_own_hidden_states(tmp_path):
+    from transformers import T5Config, T5EncoderModel
+
+    from reelcache.cache.encoders import EncoderSpec, TextEncoder, tiny_tokenizer
+
+    torch.manual_seed(0)
+    tok = tiny_tokenizer()
+    T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                            pad_token_id=0)).save_pretrained(tmp_path / "t5")
+    tok.save_pretrained(tmp_path / "t5")
+    captions = ["a dog", "a red car drives through the city at night while the camera pans", "a dog"]
+    got = TextEncoder(EncoderSpec("t5", path=str(tmp_path / "t5"), dtype="float32")).encode(captions)
+    ref = T5EncoderModel.from_pretrained(tmp_path / "t5").eval()
+    for caption, g in zip(captions, got):
+        ids = tok([caption], return_tensors="pt").input_ids            # alone: every token is real
+        with torch.no_grad():
+            want = ref(input_ids=ids).last_hidden_state[0]
+        assert g.dtype == torch.bfloat16 and g.shape == want.shape
+        torch.testing.assert_close(g.float(), want, **BF16)
+    assert len(got[0]) < len(got[1])
+
+
+@pytest.mark.skipif(not (FIX / "vae_tiny.safetensors").exists(), reason=f"no fixtures in {FIX}")
+def test_opensora_encoder_stores_the_published_normalization():
+    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+
+    cfg = json.loads((FIX / "vae_config.json").read_text())
+    spatial = {k: v for k, v in cfg["spatial_autoencoderkl_config"].items() if not k.startswith("_")}
+    temporal = dict(filters=4, num_res_blocks=2, multipliers=[1, 2, 2, 4], temporal_down=[False, True, True], groups=2)
+    enc = VideoEncoder(EncoderSpec("opensora-v1.2", path=str(FIX / "vae_tiny.safetensors"), dtype="float32",
+                                   extra={"spatial": spatial, "temporal": temporal}))
+    f = frames(t=18)
+    got = enc.encode(f)
+    with torch.no_grad():
+        stages = enc.model.encode_stages(as_input(f))       # pinned to Open-Sora's outputs elsewhere
+    shift, scale = per_channel([-0.10, 0.34, 0.27, 0.98]), per_channel([3.85, 2.32, 2.33, 3.06])
+    assert got["mean"].shape == (2, 4, 6, 4, 4)
+    torch.testing.assert_close(got["mean"].float(), (stages["temporal_mean"] - shift) / scale, **BF16)
+    torch.testing.assert_close(got["logvar"].float(), stages["temporal_logvar"] - 2 * torch.log(scale), **BF16)
