@@ -11,17 +11,49 @@ Video bytes go from the source file to the tar with ``os.sendfile`` (falling bac
 ``copy_file_range``, then read/write): the kernel copies, nothing passes through Python buffers, which is
 what keeps shard writing at the speed of ``cat``. If a file shrinks while being copied, the
 shard is cut back to before that sample and the caller records a reject.
+
+Errors are a policy, kept here for every stage: a failure *reading a source* (``SourceError``) is
+that sample's problem and the caller records a reject; a failure *writing our own output* (disk
+full, quota, file-size limit, I/O error on a shard, sidecar, plan or manifest) is ``OutputError``:
+the unit fails loudly, writes no sidecar, removes its shards, and its re-run after space is freed
+gives the clean result. A full disk must never turn good clips into rejects.
+
+The unit protocol (``begin_unit`` ... sidecar via ``atomic_path`` ... ``end_unit``) also takes the
+unit's lease (catalog/lease.py), so two runs of one unit never delete each other's files.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tarfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from reelcache import UserError
+from reelcache.catalog import lease as leases
+
 BLOCK = 512
+
+# Errors that can only come from the side being written.
+OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+class OutputError(UserError):
+    """Writing our own output failed: the unit fails (no sidecar), nothing is recorded as a reject."""
+
+    def __init__(self, path, err: OSError):
+        code = errno.errorcode.get(err.errno, "") if isinstance(err.errno, int) else ""
+        what = err.strerror or str(err)
+        super().__init__(f"cannot write {path}: {what}" + (f" [errno {err.errno} {code}]" if code else "")
+                         + ". Our own output failed (disk full, quota, file-size limit or I/O error): the unit "
+                           "is not finished and none of its clips was recorded; free space and run it again.")
+        self.path, self.errno = str(path), err.errno
+
+
+class SourceError(OSError):
+    """Reading a source file failed: that sample's problem, recorded as a reject by the caller."""
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -30,23 +62,35 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-class ShortRead(OSError):
+class ShortRead(SourceError):
     """The source file ended before the size it had when it was probed."""
 
 
 def _copy_fd(src: int, dst: int, n: int) -> int:
-    """Copy n bytes in the kernel (sendfile, else copy_file_range, else read/write)."""
+    """Copy n bytes in the kernel (sendfile, else copy_file_range), else by read/write.
+
+    A kernel copy that fails with an error that can only come from the destination is re-raised;
+    any other failure falls back to read/write for the rest, which tells a failed read of the
+    source (SourceError) from a failed write of ours (a plain OSError).
+    """
     done = 0
+    kernel = [os.sendfile, lambda d, s, off, k: os.copy_file_range(s, d, k)]
     while done < n:
-        try:
-            k = os.sendfile(dst, src, None, n - done)
-        except OSError:
+        k = None
+        while kernel and k is None:
             try:
-                k = os.copy_file_range(src, dst, n - done)
-            except OSError:
+                k = kernel[0](dst, src, None, n - done)
+            except OSError as e:
+                if e.errno in OUTPUT_ERRNOS:
+                    raise
+                kernel.pop(0)
+        if k is None:
+            try:
                 buf = os.read(src, min(1 << 20, n - done))
-                _write_all(dst, buf)
-                k = len(buf)
+            except OSError as e:
+                raise SourceError(e.errno, f"reading the source failed: {e.strerror}") from e
+            _write_all(dst, buf)
+            k = len(buf)
         if k == 0:
             break
         done += k
@@ -74,18 +118,24 @@ class ShardWriter:
     def _open_next(self):
         self._close_current()
         self.index += 1
-        self.fd = os.open(self._tmp(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            self.fd = os.open(self._tmp(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise OutputError(self._tmp(), e) from e
         self.pos = 0
 
     def _close_current(self):
         if self.fd is None:
             return
-        _write_all(self.fd, b"\0" * (2 * BLOCK))   # end-of-archive marker
-        if self.fsync:             # durable before it becomes visible under its final name
-            os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = None
-        os.replace(self._tmp(), self.dir / self.name)
+        try:
+            _write_all(self.fd, b"\0" * (2 * BLOCK))   # end-of-archive marker
+            if self.fsync:             # durable before it becomes visible under its final name
+                os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = None
+            os.replace(self._tmp(), self.dir / self.name)
+        except OSError as e:
+            raise OutputError(self._tmp(), e) from e
         self.finished.append(self.dir / self.name)
 
     def _header(self, name: str, size: int) -> bytes:
@@ -109,8 +159,16 @@ class ShardWriter:
             self._open_next()
         start = self.pos
         offsets = {}
-        srcs = [os.open(d, os.O_RDONLY) if not isinstance(d, bytes) else None for _, d, _ in members]
-        try:                                       # files opened above: a missing one fails before any write
+        srcs = []
+        try:                                       # sources opened first: a missing one fails before any write
+            for _, d, _ in members:
+                srcs.append(os.open(d, os.O_RDONLY) if not isinstance(d, bytes) else None)
+        except OSError as e:
+            for fd in srcs:
+                if fd is not None:
+                    os.close(fd)
+            raise SourceError(e.errno, f"cannot open {e.filename}: {e.strerror}") from e
+        try:
             pos = start
             for (ext, data, _), size, src in zip(members, sizes, srcs):
                 head = self._header(f"{key}.{ext}", size)
@@ -122,12 +180,17 @@ class ShardWriter:
                 else:
                     copied = _copy_fd(src, self.fd, size)
                     if copied != size:
-                        raise ShortRead(f"read {copied} of {size} bytes; file changed during ingest")
+                        raise ShortRead(errno.EIO, f"read {copied} of {size} bytes; file changed during ingest")
                 _write_all(self.fd, self._pad(size))
                 pos += size + len(self._pad(size))
-        except BaseException:
-            os.ftruncate(self.fd, start)            # cut the shard back to before this sample
-            os.lseek(self.fd, start, os.SEEK_SET)
+        except BaseException as e:
+            try:
+                os.ftruncate(self.fd, start)            # cut the shard back to before this sample
+                os.lseek(self.fd, start, os.SEEK_SET)
+            except OSError:
+                pass                                    # the unit fails anyway; its shards go with it
+            if isinstance(e, OSError) and not isinstance(e, SourceError):
+                raise OutputError(self._tmp(), e) from e
             raise
         finally:
             for src in srcs:
@@ -141,30 +204,44 @@ class ShardWriter:
         return self.finished
 
     def abort(self):
+        """Give up: remove the shard being written and the finished ones (no sidecar will name them)."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
             self._tmp().unlink(missing_ok=True)
+        for p in self.finished:
+            p.unlink(missing_ok=True)
+        self.finished = []
 
 
 @contextmanager
 def atomic_path(path):
     """Yield a temporary name beside `path`; once the body wrote it, fsync and rename it into place.
 
-    Readers see the old file or the complete new one, never a partial one; a failure leaves nothing.
+    Readers see the old file or the complete new one, never a partial one; a failure leaves nothing,
+    and an OSError while writing is an OutputError naming `path`. When `path` is the sidecar of a
+    unit this process runs, the lease is checked before the rename and released after it.
     """
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
+    lease = _UNITS.get(path)
     try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            yield tmp
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if lease is not None:
+                lease.verify()
+            os.replace(tmp, path)
+        except OSError as e:
+            raise OutputError(path, e) from e
     finally:
         tmp.unlink(missing_ok=True)
+    if lease is not None:
+        end_unit(path)
 
 
 def parse_unit(unit: str) -> tuple[str, int]:
@@ -178,15 +255,54 @@ def parse_unit(unit: str) -> tuple[str, int]:
         raise UserError(f"{unit!r} is not a unit: expected '<name>/<NNNNNN>' as printed by `plan`") from None
 
 
-def begin_unit(directory: Path, index: int) -> Path | None:
+# sidecar path -> lease, for the units this process is running
+_UNITS: dict[Path, "leases.Lease"] = {}
+
+
+def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Path | None:
     """The unit protocol shared by every stage: None when the unit finished (its sidecar exists),
-    else the sidecar path to write last, after removing whatever a killed run left behind."""
+    else the sidecar path to write last (with `atomic_path`), once this process holds the unit's
+    lease and has removed whatever a killed run left behind.
+
+    Another live run holding the lease is a UserError naming it, or with `wait`, waited for. The
+    lease is released when the sidecar is renamed into place, by `end_unit`, or at exit.
+    """
+    import signal
+
+    from reelcache.progress import say
+
+    directory = Path(directory)
     stem = f"{index:06d}"
-    sidecar = Path(directory) / f"{stem}.parquet"
+    sidecar = directory / f"{stem}.parquet"
     if sidecar.exists():
         return None
-    clear_unit(Path(directory), stem)
+    try:                       # a file-size limit (ulimit -f) is then EFBIG, an OutputError, not a core dump
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    except (ValueError, AttributeError):
+        pass                   # not the main thread, or no such signal here
+    unit = f"{directory.name}/{stem}"
+    try:
+        lease = leases.acquire(directory / f"{stem}.lease", wait=wait,
+                               on_wait=lambda h: say(f"{unit}: waiting for the run of {h.describe()}"))
+    except leases.Busy as e:
+        raise UserError(f"{unit} is being run by {e.holder.describe()}; not touching its files. Use --wait to "
+                        f"wait for it. If that run is gone on another host, its lease {e.path} expires "
+                        f"{max(0, leases.TTL_S - e.holder.age_s):.0f} s after its last heartbeat "
+                        "(or delete that file).") from None
+    except OSError as e:
+        raise OutputError(directory / f"{stem}.lease", e) from e
+    if sidecar.exists():       # the run we waited for finished it
+        lease.release()
+        return None
+    _UNITS[sidecar] = lease
+    clear_unit(directory, stem)
     return sidecar
+
+
+def end_unit(sidecar: Path | None) -> None:
+    """Release the unit's lease (idempotent): after its sidecar is in place, or when the run failed."""
+    if sidecar is not None and (lease := _UNITS.pop(Path(sidecar), None)) is not None:
+        lease.release()
 
 
 def unit_rows(directory: Path, index: int) -> list[dict]:

@@ -9,7 +9,11 @@ The steps, in order, for each row of the unit:
 
 Then captions of accepted clips are tagged in one batch (noun_count), and the sidecar parquet,
 one row per input row with the `clips` schema, is written and renamed into place. A unit whose
-sidecar exists is skipped; anything else a killed run left behind is deleted first.
+sidecar exists is skipped; anything else a killed run left behind is deleted first, once the
+unit's lease is held (a second run of the same unit refuses, or waits with ``--wait``).
+
+Reading a source may reject a clip; writing our outputs may not: a failed write of a shard or
+the sidecar (catalog/shards.py: OutputError) fails the unit with no sidecar and no shards left.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from collections import Counter
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.catalog.shards import ShardWriter, ShortRead, atomic_path, begin_unit, parse_unit, unit_rows
+from reelcache.catalog.shards import (ShardWriter, ShortRead, SourceError, atomic_path, begin_unit, end_unit,
+                                      parse_unit, unit_rows)
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason, Rejected, first_reject
 from reelcache.isolate import Failed, isolated_map
 from reelcache.ingest.plan import load_plan, source_dir
@@ -54,22 +59,29 @@ def _reject(row: dict, reason: Reason | str, detail: str) -> None:
     row.update(status="rejected", reject_reason=Reason(reason).value, reject_detail=str(detail)[:2000])
 
 
-def run_unit(root: str, unit: str) -> dict:
-    import pyarrow.parquet as pq
-
-    from reelcache.catalog.db import clips_table
-    from reelcache.catalog.levels import count_nouns, tagger_name
-
+def run_unit(root: str, unit: str, wait: bool = False) -> dict:
     source, index = parse_unit(unit)
     cfg, plan = load_plan(root, source)
     if not 0 <= index < plan["num_units"]:
         raise UserError(f"{unit}: the plan for {source!r} has units 0..{plan['num_units'] - 1}")
     sdir = source_dir(root, source)
-    stem = f"{index:06d}"
-    sidecar = begin_unit(sdir, index)
+    sidecar = begin_unit(sdir, index, wait=wait)
     if sidecar is None:
         say(f"{unit}: already done, skipped")
         return {"unit": unit, "skipped": True}
+    try:
+        return _run(unit, cfg, plan, sdir, index, sidecar)
+    finally:
+        end_unit(sidecar)
+
+
+def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, sidecar: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    from reelcache.catalog.db import clips_table
+    from reelcache.catalog.levels import count_nouns, tagger_name
+
+    source, stem = sdir.name, f"{index:06d}"
     t0 = time.monotonic()
     rows = unit_rows(sdir, index)
     for r in rows:
@@ -116,15 +128,20 @@ def run_unit(root: str, unit: str) -> dict:
     for r in rows:
         r.pop("row_error", None), r.pop("duplicate_of", None)
     table = clips_table(rows)
-    with atomic_path(sidecar) as tmp:     # last: the unit is now visible as finished
-        pq.write_table(table, tmp, compression="zstd")
+    try:
+        with atomic_path(sidecar) as tmp:     # last: the unit is now visible as finished
+            pq.write_table(table, tmp, compression="zstd")
+    except BaseException:
+        writer.abort()                        # its shards are named by no sidecar: remove them
+        raise
 
     dt = time.monotonic() - t0
     reasons = Counter(r["reject_reason"] for r in rows if r["status"] != "ok")
     say(f"{unit}: {len(rows)} rows, {len(ok)} ok, {len(rows) - len(ok)} rejected"
         + (f" ({', '.join(f'{k} {v}' for k, v in reasons.most_common())})" if reasons else "")
         + f"; {len(writer.finished)} shard(s), {nbytes / 1e6:.1f} MB in {dt:.1f} s "
-          f"({len(rows) / dt:.0f} rows/s, {nbytes / 1e6 / dt:.1f} MB/s)")
+          f"({len(rows) / dt:.0f} rows/s, {nbytes / 1e6 / dt:.1f} MB/s); "
+          f"{len(list(sdir.glob('[0-9]*.parquet')))} of {plan['num_units']} units of {sdir.name} done")
     return {"unit": unit, "rows": len(rows), "ok": len(ok), "rejected": dict(reasons),
             "shards": [p.name for p in writer.finished], "bytes": nbytes, "seconds": dt}
 
@@ -140,7 +157,7 @@ def _write(writer: ShardWriter, r: dict, sdir: Path) -> None:
     except ShortRead as e:
         _reject(r, Reason.truncated, str(e))
         return
-    except OSError as e:
+    except SourceError as e:          # a write failure (OutputError) is not the clip's fault: it fails the unit
         _reject(r, Reason.missing_file, f"cannot read for sharding: {e}")
         return
     r.update(shard=f"raw/{sdir.name}/{name}", shard_offset=offsets[ext], ext=ext)

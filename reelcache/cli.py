@@ -76,7 +76,7 @@ def _ingest_run(a):
     from reelcache.ingest.run import run_unit
 
     for unit in a.units:
-        run_unit(a.root, unit)
+        run_unit(a.root, unit, wait=a.wait)
 
 
 def _catalog_merge(a):
@@ -204,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                           epilog=INGEST_RUN_EXAMPLES, formatter_class=fmt)
     rn.add_argument("--root", required=True)
     rn.add_argument("units", nargs="+", metavar="UNIT", help="e.g. openvid/000012")
+    rn.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")
     rn.set_defaults(fn=_ingest_run)
 
     cat = top.add_parser("catalog", help="the DuckDB catalog: merge, query, stats, manifests, export",

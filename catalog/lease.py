@@ -1,0 +1,267 @@
+"""Unit leases: at most one run of a unit at a time, on one node or many sharing a file system.
+
+Two runs of one unit (two GNU parallel jobs, an ssh job retried while the first still runs, a
+human) would otherwise each clear the other's files on start. A run takes the unit's lease first:
+the file ``<stem>.lease`` beside the unit's outputs, created with ``O_CREAT | O_EXCL`` (atomic on
+local file systems and on NFSv3+, unlike ``fcntl`` locks, which some network file systems ignore).
+It names its holder: host name, boot id, pid, the pid's start time, when it started, and a token.
+
+A lease is *stale* (its holder is gone) when:
+
+- same host (equal host name and boot id): the pid is not running, or it is a zombie, or it runs
+  with another start time (the pid was reused);
+- another host, or the same host after a reboot: its heartbeat is older than ``TTL_S``. The
+  holder's daemon thread refreshes the file's mtime every ``HEARTBEAT_S``; the age is measured by
+  the storage's own clock (the mtime of a file just created beside it), so clock skew between
+  nodes does not matter, only how long a holder can be frozen (SIGSTOP, a hung mount).
+
+A stale lease is taken over under a short-lived guard file (``.<stem>.lease.takeover``, itself
+stale after ``GUARD_S``), re-read under the guard, so that two runs finding the same stale lease
+cannot both take it. The trade-off of the age rule: a holder on another node frozen for longer
+than ``TTL_S`` loses its lease; it checks that the lease is still its own (``Lease.verify``)
+before it publishes its sidecar, so the loser fails instead of overwriting the winner.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from reelcache import UserError
+
+TTL_S = 300.0          # another host's lease without a heartbeat for this long is stale
+HEARTBEAT_S = 30.0     # how often a holder refreshes its leases' mtime
+GUARD_S = 30.0         # a takeover guard (or a lease still being written) older than this is stale
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _pid_start(pid: int) -> str | None:
+    """The pid's start time in clock ticks since boot (None: gone, a zombie, or no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()     # the command name may contain spaces
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _pid_alive(pid: int, start: str | None) -> bool:
+    if Path("/proc/self/stat").exists():
+        now = _pid_start(pid)
+        return now is not None and (start is None or now == start)
+    try:                                               # no /proc: existence only
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _storage_now(directory: Path) -> float:
+    """Current time by the clock that stamps files in `directory` (a file server's, on NFS)."""
+    probe = directory / f".lease-clock-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
+@dataclass
+class Holder:
+    host: str
+    boot_id: str
+    pid: int
+    pid_start: str | None
+    started_at: str
+    token: str
+    age_s: float = 0.0          # seconds since its last heartbeat, by the storage clock
+
+    def describe(self) -> str:
+        return (f"host {self.host} pid {self.pid} (started {self.started_at}, "
+                f"heartbeat {self.age_s:.0f} s ago)")
+
+
+def _me() -> dict:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": pid, "pid_start": _pid_start(pid),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def read_holder(path: Path) -> Holder | None:
+    """Who holds the lease at `path` (None: no lease). A lease still being written reads as live."""
+    try:
+        st = path.stat()
+        raw = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw)
+        holder = Holder(**{k: doc[k] for k in ("host", "boot_id", "pid", "pid_start", "started_at", "token")})
+    except (ValueError, TypeError, KeyError):
+        holder = Holder("?", "?", -1, None, "?", "unreadable")
+    holder.age_s = max(0.0, _storage_now(path.parent) - st.st_mtime)
+    return holder
+
+
+def is_stale(holder: Holder) -> bool:
+    if holder.token == "unreadable":
+        return holder.age_s > GUARD_S
+    me = _me()
+    if holder.host == me["host"] and holder.boot_id == me["boot_id"]:
+        return not _pid_alive(holder.pid, holder.pid_start)
+    return holder.age_s > TTL_S
+
+
+class Busy(Exception):
+    """The lease is held by a live run."""
+
+    def __init__(self, path: Path, holder: Holder):
+        super().__init__(f"{path} is held by {holder.describe()}")
+        self.path, self.holder = path, holder
+
+
+class Lease:
+    """A held lease; `release()` removes it (also at interpreter exit)."""
+
+    def __init__(self, path: Path, token: str):
+        self.path, self.token = path, token
+
+    def verify(self) -> None:
+        """Raise LostLease unless the lease file is still ours (checked before publishing results)."""
+        holder = None
+        try:
+            holder = json.loads(self.path.read_text()).get("token")
+        except (OSError, ValueError):
+            pass
+        if holder != self.token:
+            raise LostLease(f"lost the lease {self.path} (its heartbeat stopped for longer than {TTL_S:g} s and "
+                            "another run took over): not publishing this run's results")
+
+    def release(self) -> None:
+        _HELD.pop(self.path, None)
+        try:
+            if json.loads(self.path.read_text()).get("token") == self.token:
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
+
+
+class LostLease(UserError):
+    """Another run took this run's lease over (it was frozen for longer than TTL_S)."""
+
+
+_HELD: dict[Path, Lease] = {}
+_lock = threading.Lock()
+_beat: threading.Thread | None = None
+
+
+def _heartbeat() -> None:
+    while True:
+        time.sleep(HEARTBEAT_S)
+        with _lock:
+            held = list(_HELD.values())
+        for lease in held:
+            try:
+                os.utime(lease.path)        # no times given: stamped by the storage's clock
+            except OSError:
+                pass
+
+
+def _release_all() -> None:
+    for lease in list(_HELD.values()):
+        lease.release()
+
+
+atexit.register(_release_all)
+
+
+def _try_create(path: Path) -> Lease | None:
+    token = secrets.token_hex(8)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return None
+    try:
+        os.write(fd, json.dumps({**_me(), "token": token}).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return Lease(path, token)
+
+
+def _remove_if_stale(path: Path, stale: Holder) -> None:
+    """Remove the lease `stale` was read from, unless someone replaced it meanwhile (under a guard)."""
+    guard = path.parent / f".{path.name}.takeover"
+    try:
+        fd = os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+    except FileExistsError:
+        try:
+            if _storage_now(path.parent) - guard.stat().st_mtime > GUARD_S:
+                guard.unlink(missing_ok=True)        # a takeover that died half-way
+        except FileNotFoundError:
+            pass
+        time.sleep(0.05)
+        return
+    try:
+        now = read_holder(path)
+        if now is not None and now.token == stale.token and is_stale(now):
+            path.unlink(missing_ok=True)
+    finally:
+        guard.unlink(missing_ok=True)
+
+
+def acquire(path: Path, *, wait: bool = False, poll_s: float = 1.0, on_wait=None) -> Lease:
+    """Take the lease at `path`: raise Busy if a live run holds it, or with `wait`, wait until it is free."""
+    global _beat
+    path = Path(path)
+    told = False
+    while True:
+        if path in _HELD:                     # this process already holds it (a unit re-run in-process)
+            return _HELD[path]
+        lease = _try_create(path)
+        if lease is not None:
+            with _lock:
+                _HELD[path] = lease
+                if _beat is None:
+                    _beat = threading.Thread(target=_heartbeat, name="reelcache-lease-heartbeat", daemon=True)
+                    _beat.start()
+            return lease
+        holder = read_holder(path)
+        if holder is None:
+            continue                          # released between our create and our read: try again
+        if is_stale(holder):
+            _remove_if_stale(path, holder)
+            continue
+        if not wait:
+            raise Busy(path, holder)
+        if not told and on_wait is not None:
+            on_wait(holder)
+            told = True
+        time.sleep(poll_s)
+
+
+def live_holders(directory: Path) -> list[tuple[Path, Holder]]:
+    """Leases in `directory` whose holders are alive (e.g. to refuse deleting a source under them)."""
+    out = []
+    for p in sorted(Path(directory).glob("*.lease")):
+        h = read_holder(p)
+        if h is not None and not is_stale(h):
+            out.append((p, h))
+    return out
