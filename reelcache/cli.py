@@ -281,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--resume-world-size", type=int, help="world size to resume on (default: the same)")
     sim.set_defaults(fn=_loader_simulate)
 
+    from reelcache.train import cli as train_cli
+
+    tr = top.add_parser("train", help="train a stage (STDiT3 + rectified flow) on the latent cache",
+                        epilog=train_cli.EXAMPLES, formatter_class=fmt)
+    train_cli.add_arguments(tr)
+    tr.set_defaults(fn=train_cli.run, takes_overrides=True)
+
     demo = top.add_parser("demo", help="the bundled demo dataset")
     idemo = demo.add_subparsers(dest="cmd", required=True)
     g = idemo.add_parser("generate", help="write a small OpenVid-format dataset with some broken files")
@@ -292,19 +299,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_command(fn) -> int:
+    """Run a command: a UserError is a message and exit status 2, never a traceback."""
     import warnings
 
     warnings.formatwarning = lambda msg, category, *a, **k: f"warning: {msg}\n"
-    args = build_parser().parse_args(argv)
     try:
-        args.fn(args)
+        fn()
     except UserError as e:
         print(f"reelcache: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "takes_overrides", False):        # `train` takes --section.key=value overrides
+        return run_command(lambda: args.fn(args, rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return run_command(lambda: args.fn(args))
 
 
 if __name__ == "__main__":

@@ -1,1 +1,1 @@
-"""reelcache.train: streaming loader over latent shards and the ColossalAI trainer (not built yet)."""
+"""reelcache.train: the streaming loader over latent shards and the STDiT3 trainer on ColossalAI."""

@@ -1,0 +1,157 @@
+"""Checkpoints: ``ROOT/runs/<run>/ckpt-<global step, 8 digits>/``, never visible half-written.
+
+    ckpt-00002210/
+      model/       fp32 master weights (trainable) + buffers, safetensors shards + index
+      ema/         fp32 EMA, same layout (absent when run.ema_decay = 0)
+      optimizer/   ColossalAI's sharded optimizer checkpoint (Adam moments; resharded on load)
+      state.json   step, epoch, loader state, lr-schedule step, data fingerprint, guard window,
+                   wandb run id, world size, library versions
+      config.json  the resolved config that trained it
+
+Every rank writes into ``.tmp-ckpt-<step>``; after a barrier, rank 0 renames it to ``ckpt-<step>``.
+A reader that lists ``ckpt-*`` only ever sees complete checkpoints, and a run killed at any moment
+leaves at most a ``.tmp-*`` folder, which the next run deletes. On GPU the large files (model,
+EMA) are copied to host memory and written by a background thread while training goes on; the
+next checkpoint (or the end of the run) waits for it. After each rename, rank 0 prunes: the
+newest ``keep_last`` plus every step that is a multiple of ``keep_every`` survive.
+
+Randomness needs no saved generator state: every draw of a step (timesteps, noise, frame
+masks, caption dropout) is seeded by (run seed, global step, clip id), and the loader's order
+and posterior noise by (seed, epoch, position). So a resume repeats the same draws exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+CKPT_RE = re.compile(r"^ckpt-(\d{8})$")
+
+
+def ckpt_name(step: int) -> str:
+    return f"ckpt-{step:08d}"
+
+
+def list_checkpoints(run_dir) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if CKPT_RE.match(p.name) and (p / "state.json").exists()]
+    return sorted(found, key=lambda p: int(CKPT_RE.match(p.name).group(1)))
+
+
+def resolve(path, root=None, run_dir=None) -> Path:
+    """A checkpoint argument: a path, a path under ROOT, or ``latest`` (the run's newest)."""
+    if str(path) == "latest":
+        found = list_checkpoints(run_dir) if run_dir else []
+        if not found:
+            raise FileNotFoundError(f"--load latest: no complete checkpoint in {run_dir}")
+        return found[-1]
+    p = Path(path)
+    if not p.exists() and root is not None and (Path(root) / p).exists():
+        p = Path(root) / p
+    if not p.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}" + (f" (nor under {root})" if root else ""))
+    return p
+
+
+def read_state(ckpt) -> dict:
+    return json.loads((Path(ckpt) / "state.json").read_text())
+
+
+def _fsync_tree(folder: Path) -> None:
+    for dirpath, _, files in os.walk(folder):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+class Checkpointer:
+    """Writes and prunes a run's checkpoints; one per run and process."""
+
+    def __init__(self, run_dir, par, keep_last: int = 3, keep_every: int = 0):
+        self.run_dir, self.par = Path(run_dir), par
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_saved: Path | None = None
+        if par.rank == 0:
+            for stale in self.run_dir.glob(".tmp-ckpt-*"):      # left by a run killed while saving
+                shutil.rmtree(stale, ignore_errors=True)
+        par.barrier()
+
+    def save(self, step: int, model_state: dict, ema_state: dict | None, optimizer, state: dict,
+             config: dict) -> Path:
+        """Collective: every rank calls it with the same step. Returns the final path."""
+        from reelcache.train.weights import save_sharded
+
+        self.wait()
+        final = self.run_dir / ckpt_name(step)
+        tmp = self.run_dir / f".tmp-{ckpt_name(step)}"
+        if self.par.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.par.barrier()
+        self.par.save_optimizer(optimizer, str(tmp / "optimizer"))
+        self.par.barrier()
+        if self.par.rank != 0:
+            return final
+
+        def write():
+            try:
+                t = time.monotonic()
+                save_sharded(model_state, tmp / "model")
+                if ema_state is not None:
+                    save_sharded(ema_state, tmp / "ema")
+                (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+                (tmp / "state.json").write_text(json.dumps({**state, "write_seconds": time.monotonic() - t},
+                                                           indent=2, default=str))
+                _fsync_tree(tmp)
+                if final.exists():                  # a re-run of the same step (after --reset-data, say)
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                fd = os.open(self.run_dir, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self.prune()
+            except BaseException as e:          # surfaced by wait(): a failed save must stop the run
+                self._error = e
+
+        self.last_saved = final
+        if self.par.device.type == "cuda":
+            self._thread = threading.Thread(target=write, name=f"save-{step}", daemon=False)
+            self._thread.start()
+        else:
+            write()
+            self._raise()
+        return final
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint in {self.run_dir} failed: {e}") from e
+
+    def prune(self) -> None:
+        found = list_checkpoints(self.run_dir)
+        keep = set(found[-self.keep_last:]) if self.keep_last > 0 else set(found)
+        for p in found:
+            step = int(CKPT_RE.match(p.name).group(1))
+            if p not in keep and not (self.keep_every and step % self.keep_every == 0):
+                shutil.rmtree(p, ignore_errors=True)

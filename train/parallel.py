@@ -1,0 +1,180 @@
+"""Parallelism, in one place: process group, ColossalAI booster, optimizer, collectives, EMA shards.
+
+On CUDA the model is boosted with ColossalAI's ``LowLevelZeroPlugin`` (ZeRO stage 2: bf16 working
+weights on every rank, fp32 master weights and Adam moments sharded 1/R per rank, gradients
+reduce-scattered) and optimized by ``HybridAdam`` in AdamW mode. On CPU (tests, the demo) it is
+``TorchDDPPlugin`` over gloo with ``torch.optim.AdamW`` in fp32. The training loop sees only the
+``Parallel`` object: backward, a global gradient norm, step, sums over ranks, and the fp32
+master values that feed the EMA.
+
+EMA sharding follows ZeRO's own layout: every parameter is flattened, zero-padded to a multiple
+of R and cut into R equal chunks; rank r keeps chunk r of the fp32 EMA. Under ZeRO that chunk is
+exactly the master shard the optimizer holds, so the update ema = d*ema + (1-d)*master needs no
+communication. Saving gathers the chunks on rank 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Parallel:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    dtype: torch.dtype            # working dtype of the boosted model
+    plugin_name: str
+    booster: object = None
+
+    @classmethod
+    def setup(cls, plugin: str = "auto", dtype: str = "bf16", grad_clip: float = 0.0) -> "Parallel":
+        """Join the process group that torchrun / ``colossalai run`` describe (or a 1-process one)."""
+        cuda = torch.cuda.is_available() and os.environ.get("REELCACHE_DEVICE", "") != "cpu"
+        name = ("zero2" if cuda else "ddp") if plugin == "auto" else plugin
+        if name == "zero2" and not cuda:
+            raise RuntimeError("run.plugin = zero2 needs CUDA (ColossalAI's ZeRO kernels); use ddp on CPU")
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(k, v)
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port())
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        if not dist.is_initialized():
+            # Collectives that wait longer than this are a hang, not a slow step: fail with a trace.
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+        from colossalai.booster import Booster
+        from colossalai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
+
+        if name == "zero2":
+            prec = "bf16" if dtype == "bf16" else "fp32"
+            plug = LowLevelZeroPlugin(stage=2, precision=prec, initial_scale=2 ** 16, max_norm=grad_clip,
+                                      reduce_bucket_size_in_m=20)
+        else:
+            plug = TorchDDPPlugin()
+        wdtype = torch.bfloat16 if (name == "zero2" and dtype == "bf16") else torch.float32
+        return cls(dist.get_rank(), dist.get_world_size(), local_rank,
+                   torch.device("cuda", local_rank) if cuda else torch.device("cpu"), wdtype, name, Booster(plugin=plug))
+
+    @property
+    def zero(self) -> bool:
+        return self.plugin_name == "zero2"
+
+    def optimizer(self, params, lr: float, weight_decay: float, eps: float, betas) -> torch.optim.Optimizer:
+        if self.zero:
+            from colossalai.nn.optimizer import HybridAdam
+
+            return HybridAdam(params, lr=lr, weight_decay=weight_decay, eps=eps, betas=tuple(betas), adamw_mode=True)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps, betas=tuple(betas))
+
+    def boost(self, model, optimizer):
+        model, optimizer, *_ = self.booster.boost(model, optimizer)
+        return model, optimizer
+
+    def backward(self, loss, optimizer) -> None:
+        self.booster.backward(loss, optimizer)
+
+    def grad_norm(self, model, optimizer, max_norm: float) -> torch.Tensor:
+        """The global L2 gradient norm, before the step; clips to max_norm where the step will not.
+
+        DDP: gradients are already averaged on every rank, so the local norm is global; clipping
+        happens here. ZeRO: each rank holds a shard; the norm is reduced over the data-parallel
+        group and the optimizer clips inside its own step (the plugin's max_norm).
+        """
+        if self.zero:
+            inner = optimizer.optim if hasattr(optimizer, "optim") and not hasattr(optimizer, "pg_to_grad_store") \
+                else optimizer
+            total = 0.0
+            for gid in range(inner.num_param_groups):
+                for store in inner.pg_to_grad_store.values():
+                    grads = store.get_working_grads_by_group_id(gid)
+                    total += inner._compute_grad_norm(dp_pg=store.torch_pg, gradients=grads) ** 2
+            return torch.tensor(total ** 0.5)
+        params = [p for p in model.parameters() if p.grad is not None]
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm).detach().float().cpu()
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])).cpu()
+
+    def sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
+        """Sum over ranks of a small float64 vector (one collective for all of them)."""
+        t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t.cpu()
+
+    def max(self, values) -> torch.Tensor:
+        t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.cpu()
+
+    def gather_objects(self, obj) -> list:
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    # -- EMA shards --------------------------------------------------------------------------
+    def chunk(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a flattened tensor, zero-padded to a multiple of R (ZeRO's layout)."""
+        n = flat.numel()
+        pad = (self.world - n % self.world) % self.world
+        if pad:
+            flat = torch.nn.functional.pad(flat, [0, pad])
+        return flat.view(self.world, -1)[self.rank]
+
+    def master_chunks(self, model, optimizer) -> dict[str, torch.Tensor]:
+        """name -> fp32 master values of this rank's chunk, for every trainable parameter."""
+        inner = model.unwrap()
+        out = {}
+        if self.zero:
+            masters = optimizer.get_working_to_master_map()
+            for name, p in inner.named_parameters():
+                if p.requires_grad:
+                    out[name] = masters[id(p)]
+        else:
+            for name, p in inner.named_parameters():
+                if p.requires_grad:
+                    out[name] = self.chunk(p.detach().reshape(-1)).float()
+        return out
+
+    def gather_full(self, chunks: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+        """Full tensors from every rank's chunks (a collective); on CPU, on every rank."""
+        full = {}
+        for name, c in chunks.items():
+            parts = [torch.empty_like(c) for _ in range(self.world)]
+            if self.world > 1:
+                dist.all_gather(parts, c.contiguous())
+            else:
+                parts = [c]
+            n = shapes[name].numel()
+            full[name] = torch.cat(parts)[:n].view(shapes[name]).cpu()
+        return full
+
+    def save_optimizer(self, optimizer, path: str) -> None:
+        self.booster.save_optimizer(optimizer, path, shard=True, size_per_shard=4096)
+
+    def load_optimizer(self, optimizer, path: str) -> None:
+        self.booster.load_optimizer(optimizer, path)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

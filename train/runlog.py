@@ -1,0 +1,90 @@
+"""What a run reports, on rank 0: a console line, wandb, and per-step metrics as parquet.
+
+The console line and wandb carry the same numbers (loss, lr, grad norm, throughput, MFU, step
+time, data wait). The metrics parquet (``runs/<run>/metrics/*.parquet``) has one row per step
+with the buckets the step trained on, so a loss spike joins to the clips it saw:
+
+    SELECT m.step, m.loss, c.clip_id, c.bucket, k.level, k.text
+    FROM 'runs/stage1/metrics/*.parquet' m
+    JOIN 'runs/stage1/consumed/*.parquet' c USING (epoch, step)
+    JOIN clips k USING (clip_id)
+    WHERE m.step = 1234 AND NOT c.pad
+
+Parts are written at every checkpoint (before its rename) and at the end, each tagged with the
+run's generation (resumes so far): after a resume, steps past the checkpoint are logged again
+and the newest generation of each step is the one that trained, as in the consumed log. wandb
+runs offline by default (``wandb sync runs/<run>/wandb/offline-run-*`` uploads later); the run
+id lives in ``runs/<run>/wandb_id`` and is reused on ``--load``, so a stage is one wandb run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from reelcache.progress import say
+
+
+class RunLog:
+    def __init__(self, run_dir, *, enabled: bool, project: str, mode: str, name: str, config: dict,
+                 run_id: str | None, generation: int, total_steps: int):
+        self.run_dir, self.enabled, self.generation = Path(run_dir), enabled, generation
+        self.rows: list[dict] = []
+        self.total_steps, self.t0, self.first_step = total_steps, time.monotonic(), None
+        self.wandb = None
+        self.run_id = run_id
+        if not enabled:
+            return
+        (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        if mode != "disabled":
+            import wandb
+
+            self.run_id = run_id or wandb.util.generate_id()
+            self.wandb = wandb.init(project=project, name=name, id=self.run_id, resume="allow", mode=mode,
+                                    dir=str(self.run_dir), config=config,
+                                    settings=wandb.Settings(console="off", x_disable_stats=True))
+            self.wandb.define_metric("train/*", step_metric="global_step")
+
+    def log(self, row: dict) -> None:
+        """One step's numbers (step, epoch, loss, ...); printed and sent every call, kept for parquet."""
+        if not self.enabled:
+            return
+        row = {**row, "generation": self.generation}
+        self.rows.append(row)
+        if self.first_step is None:
+            self.first_step, self.t0 = row["step"], time.monotonic()
+        done = row["step"] - self.first_step + 1
+        eta = (time.monotonic() - self.t0) / done * max(0, self.total_steps - row["step"] - 1)
+        mfu = f" | mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
+        skipped = f" | SKIPPED: {row['skipped']}" if row.get("skipped") else ""
+        say(f"step {row['step'] + 1}/{self.total_steps} ep {row['epoch']} | loss {row['loss']:.4f} | "
+            f"lr {row['lr']:.2e} | gnorm {row['grad_norm']:.3f} | {row['samples_per_s']:.1f} samples/s | "
+            f"step {row['step_s']:.2f}s, data {100 * row['data_share']:.0f}%{mfu} | "
+            f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}{skipped}")
+        if self.wandb is not None:
+            data = {f"train/{k}": v for k, v in row.items()
+                    if k not in ("step", "buckets", "skipped") and v is not None}
+            data["train/buckets"] = len(row.get("buckets") or [])
+            data["global_step"] = row["step"]
+            self.wandb.log(data, step=row["step"])
+
+    def flush(self) -> None:
+        """Write the buffered rows as one parquet part (atomic)."""
+        if not self.enabled or not self.rows:
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from reelcache.catalog.shards import atomic_path
+
+        table = pa.Table.from_pylist(self.rows)
+        name = f"g{self.generation:03d}-s{self.rows[0]['step']:09d}-{self.rows[-1]['step']:09d}.parquet"
+        with atomic_path(self.run_dir / "metrics" / name) as tmp:
+            pq.write_table(table, tmp)
+        self.rows = []
+
+    def finish(self) -> None:
+        self.flush()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
