@@ -1,0 +1,196 @@
+"""The unit protocol under failure: a full disk fails the unit (never rejects its clips), and two
+runs of one unit never delete each other's files. Real processes, real size limits, real leases."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import sql
+from reelcache import UserError
+from reelcache.cli import main
+
+UNIT = "openvid/000000"
+
+
+def _plan(root: Path, data: Path, meta: Path | None = None) -> list[str]:
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["ingest", "plan", "--root", str(root), "--source", "openvid",
+                     "--meta", str(meta or data / "OpenVid-demo.csv"), "--videos", str(data / "videos"),
+                     "--rows-per-unit", "8", "--max-file-mb", "8"]) == 0
+    return buf.getvalue().split()
+
+
+def _file_size_limit(nbytes: int):
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # EFBIG instead of a core dump, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return apply
+
+
+def _run(root: Path, *units: str, preexec=None, wait=False, **kw) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "reelcache", "ingest", "run", "--root", str(root), *units] + (["--wait"] if wait else [])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec, **kw)
+
+
+def _unit_files(src: Path) -> list[str]:
+    return sorted(p.name for p in src.iterdir() if p.name != "_plan")
+
+
+def _same_as_clean(root: Path, clean: Path, stem: str = "000000") -> None:
+    """The unit's sidecar and shards equal those of an undisturbed run (the session's `ingested` root)."""
+    a, b = root / "raw/openvid", clean / "raw/openvid"
+    assert pq.read_table(a / f"{stem}.parquet").to_pylist() == pq.read_table(b / f"{stem}.parquet").to_pylist()
+
+    def members(d):
+        return {p.name: [(m.name, m.size) for m in tarfile.open(p)] for p in sorted(d.glob(f"{stem}-*.tar"))}
+
+    assert members(a) == members(b) and members(a)
+
+
+def test_a_full_disk_fails_the_unit_and_its_rerun_is_clean(demo_dataset, ingested, tmp_path):
+    root = tmp_path / "r"
+    _plan(root, demo_dataset)
+    src = root / "raw/openvid"
+    proc = _run(root, UNIT, preexec=_file_size_limit(100_000))   # the unit's first shard is ~1 MB
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "cannot write" in err and "EFBIG" in err and str(src / ".000000-00.tar.tmp") in err, err
+    assert "Traceback" not in err
+    assert _unit_files(src) == [], "a failed unit leaves no sidecar, no shards, no lease"
+    # space is back: the re-run gives exactly the clean result, no clip was turned into a reject
+    proc = _run(root, UNIT)
+    assert proc.communicate(timeout=120) and proc.returncode == 0
+    _same_as_clean(root, ingested)
+
+
+def test_a_failed_sidecar_write_fails_the_unit(demo_dataset, tmp_path):
+    from reelcache.ingest.sources import OPENVID_COLUMNS
+
+    meta = tmp_path / "missing.csv"          # every row a reject: no shard, only the sidecar is written
+    with open(meta, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(OPENVID_COLUMNS)
+        for i in range(5):
+            w.writerow([f"gone_{i}.mp4", "A clip that is not there.", 5, 1, 1, "static", 10, 30, 1])
+    root = tmp_path / "r"
+    _plan(root, demo_dataset, meta)
+    src = root / "raw/openvid"
+    proc = _run(root, UNIT, preexec=_file_size_limit(2_000))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "cannot write" in err and str(src / "000000.parquet") in err, err
+    assert _unit_files(src) == []
+    proc = _run(root, UNIT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 0 and main(["catalog", "merge", "--root", str(root)]) == 0
+    assert sql(root, "SELECT reject_reason, count(*) FROM clips GROUP BY 1") == [("missing_file", 5)]
+
+
+HOLDER = """
+import os, sys
+from pathlib import Path
+from reelcache.catalog.shards import begin_unit, end_unit
+sidecar = begin_unit(Path(sys.argv[1]), 0)
+Path(sys.argv[1], f".000000-00.tar.tmp{os.getpid()}").write_bytes(b"half a shard")   # work in progress
+print("held", flush=True)
+sys.stdin.readline()
+end_unit(sidecar)
+"""
+
+
+def _holder(directory: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_run_is_refused_names_the_holder_and_touches_nothing(demo_dataset, ingested, tmp_path):
+    root = tmp_path / "r"
+    _plan(root, demo_dataset)
+    src = root / "raw/openvid"
+    holder = _holder(src)
+    try:
+        proc = _run(root, UNIT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2
+        assert f"pid {holder.pid}" in err and "--wait" in err, err
+        assert (src / f".000000-00.tar.tmp{holder.pid}").read_bytes() == b"half a shard"
+        assert not (src / "000000.parquet").exists()
+        lease = json.loads((src / "000000.lease").read_text())
+        assert lease["pid"] == holder.pid and lease["host"] and lease["started_at"]
+        # --wait: blocks while the holder lives, then does the unit
+        waiter = _run(root, UNIT, wait=True)
+        line = waiter.stderr.readline()
+        assert "waiting for" in line and f"pid {holder.pid}" in line, line
+        time.sleep(0.5)
+        assert waiter.poll() is None and not (src / "000000.parquet").exists()
+        holder.communicate("\n", timeout=30)
+        waiter.communicate(timeout=120)
+        assert waiter.returncode == 0
+    finally:
+        holder.kill()
+    _same_as_clean(root, ingested)
+    assert not (src / "000000.lease").exists() and not list(src.glob(".*tmp*"))
+
+
+def test_the_lease_of_a_killed_run_is_stale_at_once(demo_dataset, ingested, tmp_path):
+    root = tmp_path / "r"
+    _plan(root, demo_dataset)
+    src = root / "raw/openvid"
+    holder = _holder(src)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert (src / "000000.lease").exists()
+    proc = _run(root, UNIT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    _same_as_clean(root, ingested)
+
+
+def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
+    from reelcache.catalog import lease as leases
+    from reelcache.catalog.shards import begin_unit, end_unit
+
+    lease = tmp_path / "000003.lease"
+    lease.write_text(json.dumps({"host": "gpu-node-17", "boot_id": "x", "pid": 1, "pid_start": "1",
+                                 "started_at": "2026-01-01T00:00:00Z", "token": "abc"}))
+    (tmp_path / "000003-00.tar").write_bytes(b"the other node's shard")
+    with pytest.raises(UserError, match="gpu-node-17 pid 1"):
+        begin_unit(tmp_path, 3)
+    assert (tmp_path / "000003-00.tar").exists()
+    old = time.time() - leases.TTL_S - 60
+    os.utime(lease, (old, old))                      # no heartbeat for longer than the TTL: the node is gone
+    sidecar = begin_unit(tmp_path, 3)
+    assert sidecar == tmp_path / "000003.parquet" and not (tmp_path / "000003-00.tar").exists()
+    assert json.loads(lease.read_text())["pid"] == os.getpid()
+    end_unit(sidecar)
+    assert not lease.exists()
+
+
+def test_two_runs_of_one_unit_at_once_leave_one_clean_result(demo_dataset, ingested, tmp_path):
+    root = tmp_path / "r"
+    _plan(root, demo_dataset)
+    procs = [_run(root, UNIT), _run(root, UNIT)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes in ([0, 0], [0, 2]), outs
+    if codes == [0, 2]:
+        assert "is being run by" in next(e for (_, e), p in zip(outs, procs) if p.returncode == 2)
+    _same_as_clean(root, ingested)
+    assert not list((root / "raw/openvid").glob(".*tmp*")) and not (root / "raw/openvid/000000.lease").exists()
