@@ -3,8 +3,10 @@
 1. Throughput: LatentLoader samples/s and MB/s (ranged reads, safetensors decode, posterior
    sampling, collate), with 0 and 2 workers, vs ``cat shards > /dev/null`` and a plain
    ``tarfile`` loop over the same bytes, in the same run (page-cached for every contender).
-2. Plan construction and resume for a 1.3M-sample manifest at the start and deep in the epoch
-   (the goal: about a second, independent of position), and the peak RSS of a process doing it.
+2. Plan construction and resume for 1.3M samples (one manifest, and a mix of two where one is
+   upsampled) at the start and deep in the epoch (the goal: about a second, independent of
+   position), the peak RSS of a process doing it, and an audit of the plan: micro-batches that
+   hold a clip twice (should be 0) and how close two copies of an upsampled clip come.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ OUT = Path(os.environ.get("BENCH_OUT", "bench-out"))
 N = int(os.environ.get("BENCH_LOADER_SAMPLES", 3000))
 ROWS = int(os.environ.get("BENCH_ROWS", 1_300_000))
 REPO = Path(__file__).resolve().parents[1]
+PARTS = os.environ.get("BENCH_LOADER_PARTS", "throughput,plan").split(",")   # e.g. plan: only part 2
 
 
 def write_shards(root: Path) -> tuple[Path, int]:
@@ -98,45 +101,60 @@ import numpy as np
 t0 = time.perf_counter()
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.train.plan import Source, epoch_plan
-n, consumed_frac = int(sys.argv[1]), float(sys.argv[2])
+n, consumed_frac, mix = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "mix"
 rng = np.random.default_rng(0)
 buckets = np.array([f"{r}/{t}/0.56" for r in ("240p", "360p", "480p", "720p") for t in (17, 34, 51)], dtype=object)
-src = Source("f" * 64, np.array([f"{i:020x}" for i in range(n)], dtype=object), buckets[rng.integers(0, 12, n)],
-             np.array([f"latents/{i // 2000:06d}-00.tar" for i in range(n)], dtype=object),
-             rng.integers(0, 1 << 30, n).astype(np.int64))
+def source(name, lo, hi, weight):
+    k = hi - lo
+    return Source(name * 64, np.array([f"{i:020x}" for i in range(lo, hi)], dtype=object), buckets[rng.integers(0, 12, k)],
+                  np.array([f"latents/{name}/{i // 2000:06d}-00.tar" for i in range(lo, hi)], dtype=object),
+                  rng.integers(0, 1 << 30, k).astype(np.int64), weight)
+# mix: a 1.0M-clip source downsampled to 60% and a 0.3M one upsampled to 40% (1.73 copies per clip)
+srcs = [source("a", 0, n - 3 * n // 13, 0.6), source("b", n - 3 * n // 13, n, 0.4)] if mix else [source("f", 0, n, 1.0)]
 sizes = BucketConfig.from_dict({r: {17: 8, 34: 4, 51: 2} for r in ("240p", "360p", "480p", "720p")})
 t1 = time.perf_counter()
-plan = epoch_plan([src], sizes, seed=42, epoch=3)
+plan = epoch_plan(srcs, sizes, seed=42, epoch=3)
 consumed = int(plan.num_batches * consumed_frac)
 sched = plan.rank_batches(consumed, rank=5, world=192)
 first = plan.batch(sched[0][0])
 t2 = time.perf_counter()
+# audit (not timed): micro-batches holding one clip twice, and the closest two copies of a clip (in micro-batches)
+batch_of = np.repeat(np.arange(plan.num_batches), np.diff(plan.starts))
+o = np.lexsort((batch_of, plan.order))
+same = plan.order[o][1:] == plan.order[o][:-1]
+dup_batches = len(np.unique(batch_of[o][1:][same & (batch_of[o][1:] == batch_of[o][:-1])]))
+gaps = (batch_of[o][1:] - batch_of[o][:-1])[same]
 print(json.dumps({"build_inputs_s": t1 - t0, "plan_and_resume_s": t2 - t1, "micro_batches": plan.num_batches,
-                  "consumed": consumed, "steps_left": len(sched)}))
+                  "consumed": consumed, "steps_left": len(sched), "batches_with_duplicate": int(dup_batches),
+                  "min_copy_gap": int(gaps.min()) if len(gaps) else None}))
 """
 
 
 def plan_cost(results: dict) -> None:
     out = {}
-    for frac in (0.0, 0.9):
-        proc = subprocess.Popen([sys.executable, "-c", PLAN_CHILD, str(ROWS), str(frac)], stdout=subprocess.PIPE)
-        _, status, ru = os.wait4(proc.pid, 0)
-        assert status == 0
-        r = json.loads(proc.stdout.read())
-        r["peak_rss_MB"] = ru.ru_maxrss // 1024
-        out[f"position {frac:.0%}"] = r
+    for mix in ("one", "mix"):
+        for frac in (0.0, 0.9):
+            proc = subprocess.Popen([sys.executable, "-c", PLAN_CHILD, str(ROWS), str(frac), mix], stdout=subprocess.PIPE)
+            _, status, ru = os.wait4(proc.pid, 0)
+            assert status == 0
+            r = json.loads(proc.stdout.read())
+            r["peak_rss_MB"] = ru.ru_maxrss // 1024
+            out[f"{mix} manifest{'s' if mix == 'mix' else ''}, position {frac:.0%}"] = r
     results["plan"] = {"rows": ROWS, **out}
-    print(f"\n== plan + resume, {ROWS:,} samples, rank 5 of 192")
+    print(f"\n== plan + resume, {ROWS:,} samples, rank 5 of 192 (mix: 1.0M clips at weight 0.6 + 0.3M at 0.4)")
     for k, r in out.items():
-        print(f"  {k:13s} plan+resume {r['plan_and_resume_s']:6.2f} s  ({r['micro_batches']} micro-batches, "
-              f"{r['steps_left']} steps left)   peak RSS {r['peak_rss_MB']} MB (incl. building the test manifest)")
+        print(f"  {k:24s} plan+resume {r['plan_and_resume_s']:5.2f} s  ({r['micro_batches']} micro-batches, "
+              f"{r['steps_left']} steps left, {r['batches_with_duplicate']} with a clip twice, closest copies "
+              f"{r['min_copy_gap']} micro-batches apart)   peak RSS {r['peak_rss_MB']} MB (incl. the test manifest)")
 
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     results = {}
-    throughput(results)
-    plan_cost(results)
+    if "throughput" in PARTS:
+        throughput(results)
+    if "plan" in PARTS:
+        plan_cost(results)
     (OUT / "loader-results.json").write_text(json.dumps(results, indent=2))
     print(f"\nresults: {OUT / 'loader-results.json'}")
 

@@ -8,13 +8,25 @@ in four steps, each a numpy pass over the manifest (about a second at 1.3M sampl
 
 1. selection: with one manifest, every sample once. With several, weight w_i draws
    round(w_i * total) samples from manifest i: a fresh random subset when that is fewer than it
-   has, whole passes plus a subset when more (upsampling);
-2. storage order: selected samples sorted by (bucket, shard, offset), i.e. as they lie on disk;
-3. block shuffle per bucket: cut into blocks of ``block`` consecutive samples, shuffle the blocks,
-   shuffle inside each block, cut into micro-batches of the bucket's batch size (the last one
-   may be smaller: no sample is dropped or repeated). Reads stay within a few shard regions per
-   batch, so streaming from slow storage stays sequential;
-4. interleave buckets: a random merge that keeps each bucket's batch order.
+   has, whole passes plus a subset when more (upsampling). A pass holds each sample at most once;
+2. storage order: selected samples sorted by (bucket, pass, shard, offset), i.e. as they lie on disk;
+3. block shuffle per bucket: pass 0 (every distinct sample) is cut into blocks of ``block``
+   consecutive samples and the blocks get a random order; each pass takes its samples block by
+   block in that order, rotated by p/K of it (K passes in the bucket), shuffled inside each block,
+   and is cut into micro-batches of the bucket's batch size. A micro-batch never spans two passes,
+   so it never holds a sample twice; the rotation puts a sample's copies about 1/R of the epoch
+   apart. The last batch of each pass may be smaller (no sample is dropped or repeated to fill
+   it). Reads stay within a few shard regions per batch, so streaming from slow storage stays
+   sequential (later passes of a subsample read their pass-0 block's members that were drawn
+   again, so their batches span a few more blocks);
+4. merge: every (bucket, pass) batch sequence is spread evenly over the epoch (its j-th of k
+   batches is placed at (j + U)/k, U uniform), keeping its order: each bucket keeps its share of
+   the steps throughout the epoch, and the rotation of step 3 carries over to the global order.
+
+The trade-off: partial batches at the end of every (bucket, pass) instead of every bucket (a
+few per epoch), for never repeating a clip inside a micro-batch. Because copies sit about
+M/K micro-batches apart (M per epoch), a global step of W ranks (W consecutive micro-batches)
+holds no clip twice either while W stays well below M/K (bench: closest copies at 1.3M).
 
 Ranks consume global micro-batches r, r+R, r+2R, ... from a position (a global count of
 micro-batches consumed), so the position survives a change of world size. Every rank takes
@@ -36,7 +48,7 @@ import numpy as np
 
 from reelcache.catalog.buckets import BucketConfig
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2       # 2: repeats in separate micro-batches, spread across the epoch
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,20 +115,22 @@ def _rng(*key) -> np.random.Generator:
     return np.random.default_rng([int(k) & 0xFFFFFFFF for k in key])
 
 
-def _select(sources: list[Source], seed: int, epoch: int) -> np.ndarray:
+def _select(sources: list[Source], seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Selected sample indices and each one's pass: 0 for a sample's first copy, p for its (p+1)-th."""
     sizes = [len(s) for s in sources]
     base = np.concatenate([[0], np.cumsum(sizes)])
     if len(sources) == 1:
-        return np.arange(sizes[0], dtype=np.int64)
+        return np.arange(sizes[0], dtype=np.int64), np.zeros(sizes[0], dtype=np.int64)
     total = sum(sizes)
     wsum = sum(s.weight for s in sources)
-    picks = []
+    picks, passes = [], []
     for i, s in enumerate(sources):
         need = round(s.weight / wsum * total)
         reps = -(-need // len(s)) if need else 0
         idx = np.concatenate([_rng(seed, epoch, 1, i, r).permutation(len(s)) for r in range(reps)] or [[]])
         picks.append(base[i] + idx[:need].astype(np.int64))
-    return np.concatenate(picks)
+        passes.append(np.arange(need, dtype=np.int64) // len(s))
+    return np.concatenate(picks), np.concatenate(passes)
 
 
 def _codes(values: np.ndarray) -> tuple[list[str], np.ndarray]:
@@ -148,25 +162,41 @@ def epoch_plan(sources: list[Source], sizes: BucketConfig, seed: int, epoch: int
 @lru_cache(maxsize=2)
 def _cached_plan(sources: tuple[Source, ...], sizes: BucketConfig, seed: int, epoch: int, block: int) -> Plan:
     names, codes, rank = _storage_order(sources)
-    sel = _select(list(sources), seed, epoch)
-    sel = sel[np.lexsort((sel, rank[sel]))]            # storage order (bucket-major), upsampled copies adjacent
-    sel_codes = codes[sel]
+    sel, pas = _select(list(sources), seed, epoch)
+    key = rank[sel]
+    o = np.lexsort((key, pas, codes[sel]))              # bucket, then pass, then storage order
+    sel, pas, sel_codes = sel[o], pas[o], codes[sel[o]]
     batch_sizes = np.array([sizes.batch_size(b) for b in names], dtype=np.int64)
     bounds = np.searchsorted(sel_codes, np.arange(len(names) + 1))
-    shuffled, batch_start, batch_len, batch_bucket = [], [], [], []
+    block_of = np.empty(len(rank), dtype=np.int64)       # scratch: pass-0 block of each sample
+    rng_jitter = _rng(seed, epoch, 3)
+    shuffled, batch_start, batch_len, batch_bucket, batch_key = [], [], [], [], []
     base = 0
     for b in range(len(names)):
-        s = sel[bounds[b]:bounds[b + 1]]
-        n = len(s)
+        s, p = sel[bounds[b]:bounds[b + 1]], pas[bounds[b]:bounds[b + 1]]
+        n, bs = len(s), int(batch_sizes[b])
         if n == 0:
             continue
-        if n < batch_sizes[b]:
-            warnings.warn(f"bucket {names[b]!r} has {n} samples, fewer than its batch size "
-                          f"{batch_sizes[b]}: one partial batch per epoch", stacklevel=3)
+        n0 = int(np.searchsorted(p, 1))                  # distinct samples: pass 0, in storage order
+        if n0 < bs:
+            warnings.warn(f"bucket {names[b]!r} has {n0} samples, fewer than its batch size "
+                          f"{bs}: partial batches", stacklevel=3)
         rng = _rng(seed, epoch, 2, zlib.crc32(names[b].encode()))
-        block_rank = np.argsort(rng.permutation(-(-n // block)))[np.arange(n) // block]
-        shuffled.append(s[np.lexsort((rng.random(n), block_rank))])   # blocks shuffled, then inside each
-        cuts = np.arange(0, n, batch_sizes[b])
+        nb = -(-n0 // block)
+        block_of[s[:n0]] = np.arange(n0) // block
+        passes = int(p[-1]) + 1
+        # Pass p takes its blocks in pass 0's shuffled block order, rotated by p/passes of it:
+        # a sample's copies land about 1/passes of the bucket's sequence apart.
+        turn = (rng.permutation(nb)[block_of[s]] + p * nb // passes) % nb
+        s = s[np.lexsort((rng.random(n), turn, p))]       # per pass: blocks shuffled, then inside each
+        first = np.searchsorted(p, p)                     # p is sorted: where each sample's pass starts
+        pos = np.arange(n) - first                        # position inside its pass
+        cuts = np.flatnonzero(pos % bs == 0)              # micro-batches never straddle two passes
+        pass_len = np.bincount(p, minlength=passes)[p[cuts]]
+        # stratified merge key: a group's j-th of k batches goes to (j + U) / k of the epoch
+        j, k = pos[cuts] // bs, -(-pass_len // bs)
+        batch_key.append((j + rng_jitter.random(len(cuts))) / k)
+        shuffled.append(s)
         batch_start.append(base + cuts)
         batch_len.append(np.diff(np.append(cuts, n)))
         batch_bucket.append(np.full(len(cuts), b, dtype=np.int32))
@@ -174,13 +204,11 @@ def _cached_plan(sources: tuple[Source, ...], sizes: BucketConfig, seed: int, ep
     if not shuffled:
         raise ValueError("the epoch plan has 0 micro-batches: the manifests select no samples")
     flat = np.concatenate(shuffled)
-    start, length, labels = map(np.concatenate, (batch_start, batch_len, batch_bucket))
-    # Random merge of the buckets' batch sequences that keeps each bucket's own order: shuffle
-    # the labels; the k-th occurrence of bucket b takes bucket b's k-th batch.
-    labels = labels[_rng(seed, epoch, 3).permutation(len(labels))]
-    take = np.empty(len(labels), dtype=np.int64)
-    take[np.argsort(labels, kind="stable")] = np.arange(len(labels))
-    start, length = start[take], length[take]
+    start, length, labels, keys = map(np.concatenate, (batch_start, batch_len, batch_bucket, batch_key))
+    # Merge every (bucket, pass) batch sequence into one: sorting by the stratified key keeps each
+    # sequence's order and spreads it evenly over the epoch (a bucket's share is steady throughout).
+    take = np.argsort(keys, kind="stable")
+    start, length, labels = start[take], length[take], labels[take]
     starts = np.concatenate([[0], np.cumsum(length)]).astype(np.int64)
     order = flat[np.repeat(start - starts[:-1], length) + np.arange(starts[-1])]
     return Plan(stage_fingerprint(list(sources), sizes, block), order, starts, labels, names)
