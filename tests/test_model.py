@@ -200,3 +200,173 @@ def test_flops_formula_matches_torch_flop_counter():
     c = cfg.hidden_size
     embedders = 2 * (2 * 256 * c + 2 * c * c) + 2 * c * 6 * c  # t, fps, t_block
     assert counter.get_total_flops() == pytest.approx(flops_per_sample(cfg, t, h, w, length) + embedders, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
+# train/weights.py: every layout a run may start from
+
+
+def _fixture_state():
+    from safetensors.torch import load_file
+
+    return load_file(FIX / "stdit3_tiny.safetensors")
+
+
+def _assert_state(model, state, keys=None):
+    own = model.state_dict()
+    for k in keys if keys is not None else state:
+        torch.testing.assert_close(own[k], state[k], atol=0, rtol=0, msg=k)
+
+
+def test_load_safetensors_file_and_hub_folder(tmp_path):
+    import shutil
+
+    from reelcache.train.weights import load_weights
+
+    ref = _fixture_state()
+    model = STDiT3(fixture_config())
+    report = load_weights(model, FIX / "stdit3_tiny.safetensors")
+    assert report.complete and len(report.loaded) == 89
+    _assert_state(model, ref)
+    # the published layout: config.json + model.safetensors
+    hub = tmp_path / "OpenSora-STDiT-v3"
+    hub.mkdir()
+    shutil.copy(FIX / "stdit3_tiny.safetensors", hub / "model.safetensors")
+    (hub / "config.json").write_text(json.dumps({**json.loads((FIX / "stdit3_config.json").read_text())["config"],
+                                                 "model_type": "STDiT3", "hidden_size": 64}))
+    model = STDiT3(fixture_config())
+    report = load_weights(model, hub)
+    assert report.complete and not report.notes
+    _assert_state(model, ref)
+    # a strict load that does not fit is refused before anything is copied
+    other = STDiT3(STDiT3Config.preset("tiny", model_max_length=8))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match="y_embedder.y_embedding file \\[16, 32\\] vs model \\[8, 32\\]"):
+        load_weights(other, hub)
+    _assert_state(other, before)
+
+
+def test_save_sharded_roundtrip_and_reelcache_checkpoint(tmp_path):
+    from safetensors import safe_open
+
+    from reelcache.train.weights import load_weights, read_sharded, save_sharded
+
+    ref = _fixture_state()
+    ckpt = tmp_path / "ckpt-00000010"
+    paths = save_sharded(ref, ckpt / "model", max_shard_bytes=200_000)
+    assert len(paths) > 3 and paths[0].name == f"model-00001-of-{len(paths):05d}.safetensors"
+    index = json.loads((ckpt / "model" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(ref)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in ref.values())
+    for p in paths:  # read back with safetensors itself, shard by shard
+        with safe_open(str(p), "pt") as f:
+            for k in f.keys():
+                assert index["weight_map"][k] == p.name and torch.equal(f.get_tensor(k), ref[k])
+    assert read_sharded(ckpt / "model").keys() == ref.keys()
+    # EMA: trainable tensors only, other values
+    ema = {k: v + 1.0 for k, v in ref.items() if k not in ("rope.freqs", "y_embedder.y_embedding")}
+    save_sharded(ema, ckpt / "ema")
+
+    model = STDiT3(fixture_config())
+    report = load_weights(model, ckpt)
+    assert report.complete and report.kind == "reelcache checkpoint, model/"
+    _assert_state(model, ref)
+    model = STDiT3(fixture_config())
+    report = load_weights(model, ckpt, which="ema")
+    assert report.complete
+    _assert_state(model, ema)
+    _assert_state(model, ref, ["rope.freqs", "y_embedder.y_embedding"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_weights(model, tmp_path / "nope")
+
+
+def test_open_sora_checkpoint_folder_loads_non_strict_and_reports(tmp_path):
+    from reelcache.train.weights import load_weights
+
+    ref = _fixture_state()
+    folder = tmp_path / "epoch3-global_step1200"
+    (folder / "model").mkdir(parents=True)
+    (folder / "running_states.json").write_text(json.dumps({"epoch": 3, "step": 100, "global_step": 1200}))
+    keys = [k for k in ref if not k.startswith("temporal_blocks.1.")]
+    half = len(keys) // 2
+    shards = {"pytorch_model-00001.bin": keys[:half], "pytorch_model-00002.bin": keys[half:]}
+    weight_map = {}
+    for name, ks in shards.items():  # ColossalAI's sharded layout (bf16 working weights)
+        torch.save({k: ref[k].to(torch.bfloat16) for k in ks} | ({"extra.bias": torch.zeros(3)} if "2" in name else {}),
+                   folder / "model" / name)
+        weight_map.update(dict.fromkeys(ks, name))
+    weight_map["extra.bias"] = "pytorch_model-00002.bin"
+    (folder / "model" / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    torch.save({k: v + 1 for k, v in ref.items()}, folder / "ema.pt")
+
+    fresh = STDiT3(fixture_config())
+    init = {k: v.clone() for k, v in fresh.state_dict().items()}
+    report = load_weights(fresh, folder)
+    assert report.kind == "Open-Sora checkpoint, model/ (non-EMA)"
+    assert report.unexpected == ["extra.bias"]
+    assert set(report.missing) == {k for k in ref if k.startswith("temporal_blocks.1.")}
+    _assert_state(fresh, {k: ref[k].to(torch.bfloat16).float() for k in keys})
+    _assert_state(fresh, init, report.missing)
+    text = report.summary()
+    assert "ignored (not in the model): extra.bias" in text and "fresh (kept from init): temporal_blocks.1.*" in text
+    with pytest.raises(ValueError, match="strict load refused"):
+        load_weights(STDiT3(fixture_config()), folder, strict=True)
+    ema_model = STDiT3(fixture_config())
+    assert load_weights(ema_model, folder, which="ema").complete
+    _assert_state(ema_model, {k: v + 1 for k, v in ref.items()})
+
+
+def _pixart_state(rows: int) -> dict:
+    """A PixArt-Σ-shaped checkpoint made from the fixture's spatial half: PixArt's names
+    (blocks.N), a 2D patch kernel, a stored pos_embed, no qk-norm, no temporal blocks, no fps."""
+    ref = _fixture_state()
+    out = {}
+    for k, v in ref.items():
+        if k.startswith(("temporal_blocks.", "fps_embedder.", "rope.")) or "_norm." in k:
+            continue
+        out[k.replace("spatial_blocks.", "blocks.")] = v.clone()
+    out["x_embedder.proj.weight"] = out["x_embedder.proj.weight"].squeeze(2)
+    out["pos_embed"] = torch.randn(1, 256, 64)
+    out["y_embedder.y_embedding"] = torch.randn(rows, 32)
+    return out
+
+
+@pytest.mark.parametrize("rows", [10, 20])
+def test_pixart_pth_is_reparameterised(tmp_path, rows):
+    from reelcache.train.weights import load_weights
+
+    ref = _fixture_state()
+    pix = _pixart_state(rows)
+    torch.save({"state_dict": pix, "step": 1000}, tmp_path / "PixArt-Sigma-XL-2-2K-MS.pth")
+    torch.manual_seed(5)
+    model = STDiT3(fixture_config())
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    report = load_weights(model, tmp_path / "PixArt-Sigma-XL-2-2K-MS.pth")
+    spatial = [k for k in ref if k.startswith("spatial_blocks.") and "_norm." not in k]
+    shared = [k for k in ref if k.startswith(("x_embedder", "t_embedder", "t_block", "y_embedder.y_proj", "final_layer"))]
+    _assert_state(model, ref, spatial + shared)
+    ye = pix["y_embedder.y_embedding"]
+    expect = torch.cat([ye, ye[-1:].expand(16 - rows, -1)]) if rows < 16 else ye[:16]
+    torch.testing.assert_close(model.y_embedder.y_embedding, expect, atol=0, rtol=0)
+    fresh = [k for k in ref if k.startswith(("temporal_blocks.", "fps_embedder.", "rope.")) or "_norm." in k]
+    assert sorted(report.missing) == sorted(fresh) and report.unexpected == []
+    assert any("dropped pos_embed" in n for n in report.notes)
+    _assert_state(model, init, fresh)  # temporal blocks, fps embedder, qk-norm stay as initialised
+    text = report.summary()
+    assert "fresh (kept from init): " in text
+    assert "temporal_blocks.* (2 blocks)" in text and "fps_embedder.*" in text and "rope.freqs" in text
+    assert "spatial_blocks.*.attn.q_norm.weight (2 blocks)" in text
+    assert any("unsqueeze" in n or "-> [64, 4, 1, 2, 2]" in n for n in report.notes)
+    assert any(("padded" if rows < 16 else "truncated") in n for n in report.notes)
+
+
+def test_pth_with_non_tensor_objects_loads_with_a_warning(tmp_path):
+    import argparse
+
+    from reelcache.train.weights import load_weights
+
+    torch.save({"state_dict": _pixart_state(16), "args": argparse.Namespace(lr=1e-4)}, tmp_path / "old.pth")
+    with pytest.warns(UserWarning, match="weights_only=True"):
+        report = load_weights(STDiT3(fixture_config()), tmp_path / "old.pth")
+    assert "spatial_blocks.*.attn.qkv.weight" not in " ".join(report.missing)
+    assert len(report.loaded) == len(_pixart_state(16)) - 1
