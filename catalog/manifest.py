@@ -1,17 +1,26 @@
 """``catalog manifest``: freeze a curriculum selection into a fingerprinted parquet.
 
 A manifest is the list of ok clips a stage trains on, with what the loader and the bucket
-planner need (shard, offset, frames, fps, size, level), sorted by clip id. Its fingerprint is
-the SHA-256 of its content (the Arrow IPC stream of the sorted table), so the same selection
-over the same catalog gives the same file name, and a data position saved against one
-manifest can be refused for another. Files live in ``ROOT/manifests/<name>-<fp16>.parquet``
-with a ``.json`` beside them that records the query; the `manifests` table lists them all.
+planner need (shard, offset, frames, fps, size, level), sorted by clip id. Its fingerprint is a
+function of the selected rows' values only: SHA-256 over every column (by name, in name order)
+of the rows in clip-id order, each value in a canonical form (integers, and floats that hold
+integers, as int64; other numbers as float64; text as UTF-8 with lengths; lists flattened with
+lengths; nulls as a validity mask). Arrow types, chunking and schema metadata do not enter it,
+so the same content rewritten by pandas or DuckDB keeps its fingerprint, and any changed value
+(one offset) changes it. The same selection over the same catalog gives the same file name, and
+a data position saved against one manifest can be refused for another.
+
+Files live in ``ROOT/manifests/<name>-<fp16>.parquet`` with a ``.json`` beside them that records
+the query; the `manifests` table lists them all. A name resolves exactly: the newest row of that
+name in the `manifests` table, else the newest file matching ``<name>-<16 hex>.parquet`` (so
+``stage1`` never resolves to ``stage1-wan-...``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from pathlib import Path
 
@@ -34,13 +43,54 @@ ORDER BY c.clip_id
 """
 
 
-def fingerprint(table) -> str:
-    import pyarrow as pa
+FINGERPRINT_VERSION = b"reelcache-manifest-rows-v1"
 
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table.combine_chunks())
-    return hashlib.sha256(sink.getvalue()).hexdigest()
+
+def _canonical(h, arr) -> None:
+    """Feed one column's values to `h` in a form independent of its Arrow type and layout."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = arr.type
+    if pa.types.is_dictionary(t):
+        arr, t = arr.dictionary_decode(), t.value_type
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    h.update(b"V" + np.packbits(valid).tobytes())
+    if pa.types.is_boolean(t) or pa.types.is_integer(t):
+        h.update(b"I" + arr.cast(pa.int64()).fill_null(0).to_numpy().astype("<i8").tobytes())
+    elif pa.types.is_floating(t) or pa.types.is_decimal(t):
+        x = arr.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+        if np.all(np.isfinite(x)) and np.all(x == np.round(x)) and np.all(np.abs(x) < 2 ** 53):
+            h.update(b"I" + x.astype("<i8").tobytes())     # 25.0 written by one tool is 25 by another
+        else:
+            h.update(b"F" + x.astype("<f8").tobytes())
+    elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        h.update(b"L" + pc.list_value_length(arr).fill_null(0).to_numpy().astype("<i8").tobytes())
+        _canonical(h, pc.list_flatten(arr))
+    else:
+        text = arr.cast(pa.large_string()).fill_null("")
+        h.update(b"S" + pc.binary_length(text).to_numpy().astype("<i8").tobytes())
+        offsets = np.frombuffer(text.buffers()[1], dtype="<i8")[text.offset: text.offset + len(text) + 1]
+        if len(text):
+            h.update(memoryview(text.buffers()[2])[offsets[0]:offsets[-1]])
+
+
+def fingerprint(table) -> str:
+    """SHA-256 of the rows' values (see the module docstring): not of their Arrow encoding."""
+    import pyarrow.compute as pc
+
+    if "clip_id" in table.column_names and table.num_rows > 1:
+        ids = table.column("clip_id")
+        if not pc.all(pc.less_equal(ids.slice(0, len(ids) - 1), ids.slice(1))).as_py():
+            table = table.sort_by("clip_id")            # rows are a set: fingerprint them in id order
+    h = hashlib.sha256(FINGERPRINT_VERSION)
+    h.update(table.num_rows.to_bytes(8, "little"))
+    for name in sorted(n for n in table.column_names if not n.startswith("__")):   # "__": pandas' index
+        h.update(b"\0C" + name.encode() + b"\0")
+        col = table.column(name)
+        _canonical(h, col.combine_chunks() if col.num_chunks != 1 else col.chunk(0))
+    return h.hexdigest()
 
 
 def make_manifest(root, name: str, where: str = "true", cache: str | None = None) -> Path:
@@ -81,8 +131,12 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
                 pq.write_table(table, tmp, compression="zstd")
         info = {"name": name, "fingerprint": fp, "where": where, "cache": cache, "num_clips": table.num_rows,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "path": path.name}
-        path.with_suffix(".json").write_text(json.dumps(info, indent=2))
-        con.execute("INSERT INTO manifests VALUES (?, ?, ?, ?, ?, now()) ON CONFLICT DO NOTHING",
+        with atomic_path(path.with_suffix(".json")) as tmp:
+            tmp.write_text(json.dumps(info, indent=2))
+        # the newest row of a name is what the name resolves to: making an older selection again re-dates it
+        con.execute("INSERT INTO manifests VALUES (?, ?, ?, ?, ?, now()) ON CONFLICT (name, fingerprint) DO UPDATE "
+                    "SET path = excluded.path, where_sql = excluded.where_sql, num_clips = excluded.num_clips, "
+                    "created_at = excluded.created_at",
                     [name, fp, str(path.relative_to(root)), where, table.num_rows])
     finally:
         con.close()
@@ -92,16 +146,48 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
     return path
 
 
+def _from_catalog(root: Path, name: str) -> Path | None:
+    """The newest manifest of exactly this name in the catalog's `manifests` table, if readable."""
+    import duckdb
+
+    from reelcache.catalog.db import db_path
+
+    if not db_path(root).exists():
+        return None
+    try:
+        con = duckdb.connect(str(db_path(root)), read_only=True)
+    except duckdb.Error:
+        return None                    # a merge holds the file: the file pattern below still answers
+    try:
+        row = con.execute("SELECT path FROM manifests WHERE name = ? ORDER BY created_at DESC LIMIT 1",
+                          [name]).fetchone()
+    except duckdb.Error:
+        row = None
+    finally:
+        con.close()
+    return root / row[0] if row and (root / row[0]).exists() else None
+
+
 def resolve_manifest(root, name_or_path) -> Path:
+    """A manifest file by path, or by exact name (never a longer name that starts with it)."""
     p = Path(name_or_path)
-    if p.exists():
+    if p.is_file():
         return p
-    found = sorted(Path(root or ".").joinpath("manifests").glob(f"{name_or_path}-*.parquet"),
-                   key=lambda q: q.stat().st_mtime)
-    if not found:
-        raise ValueError(f"no manifest {name_or_path!r}: not a file, and nothing matches "
-                         f"{Path(root or '.') / 'manifests' / (str(name_or_path) + '-*.parquet')}")
-    return found[-1]
+    root = Path(root or ".")
+    name = str(name_or_path)
+    if found := _from_catalog(root, name):
+        return found
+    pattern = re.compile(re.escape(name) + r"-[0-9a-f]{16}\.parquet")
+    files = [q for q in root.joinpath("manifests").glob(f"{name}-*.parquet") if pattern.fullmatch(q.name)]
+    if not files:
+        raise ValueError(f"no manifest {name!r}: not a file, not in {root}'s catalog, and no "
+                         f"{root / 'manifests' / (name + '-<16 hex>.parquet')}")
+
+    def made(q: Path) -> float:        # the .json is rewritten each time the manifest is made
+        j = q.with_suffix(".json")
+        return (j if j.exists() else q).stat().st_mtime
+
+    return max(files, key=made)
 
 
 def read_manifest(path) -> tuple[object, str]:

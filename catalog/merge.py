@@ -6,6 +6,9 @@ A unit is finished when its sidecar parquet exists (units rename it into place l
 compares every sidecar's signature (size and mtime) with the `units` table: new sidecars are
 inserted, changed ones (a unit that was deleted and re-run) replace their old rows, unchanged
 ones are skipped, so merging twice changes nothing and merging after more units adds only those.
+Units merged before whose sidecar is gone (``ingest plan --replace`` deleted the source, or a
+unit was deleted to be redone) lose their rows: the catalog mirrors the sidecars on disk, so a
+re-planned source never leaves a clip id twice.
 All of it, including the recomputed difficulty levels, happens in one transaction: a merge
 killed half-way leaves the catalog as it was.
 """
@@ -51,6 +54,9 @@ def _merge_stage(con, root: Path, stage: str, sidecars: dict[str, Path], pbar) -
     known = dict(con.execute("SELECT unit, signature FROM units WHERE stage = ?", [stage]).fetchall())
     items = sorted((u, p) for u, p in sidecars.items() if known.get(u) != _signature(p))
     vanished = sorted(set(known) - set(sidecars))
+    if vanished:                                              # the catalog mirrors the sidecars on disk
+        con.execute(f"DELETE FROM {table} WHERE unit IN (SELECT unnest(?))", [vanished])
+        con.execute("DELETE FROM units WHERE stage = ? AND unit IN (SELECT unnest(?))", [stage, vanished])
     if items:
         rerun = [u for u, _ in items if u in known]           # re-run units replace their rows
         if rerun:
@@ -79,14 +85,15 @@ def merge(root: str | Path) -> dict:
     t0 = time.monotonic()
     sidecars = {stage: find_sidecars(root, stage) for stage in STAGES}
     con = open_catalog(root, write=True)
-    merged, vanished, orphans = {}, [], []
+    merged, vanished, orphans, gone_ingest = {}, [], [], []
     try:
         con.execute("BEGIN TRANSACTION")
         with bar(sum(map(len, sidecars.values())), "merging units", "unit") as pbar:
             for stage in STAGES:
                 n, gone, orph = _merge_stage(con, root, stage, sidecars[stage], pbar)
                 merged[stage], vanished, orphans = n, vanished + gone, orphans + orph
-        if merged["ingest"]:
+                gone_ingest = gone if stage == "ingest" else gone_ingest
+        if merged["ingest"] or gone_ingest:
             dup = con.execute("SELECT clip_id, count(*) FROM clips GROUP BY 1 HAVING count(*) > 1 LIMIT 3").fetchall()
             if dup:
                 raise UserError(f"clip ids appear twice in the catalog, e.g. {dup}: two sources share a --name? "
@@ -107,10 +114,10 @@ def merge(root: str | Path) -> dict:
     say(f"merged {sum(merged.values())} new or changed unit(s) in {dt:.1f} s; catalog: {rows} clips, {ok} ok, "
         f"{rows - ok} rejected" + (f"; latents: {lat_ok} ok, {lat - lat_ok} rejected" if lat else ""))
     if vanished:
-        say(f"warning: {len(vanished)} merged unit(s) have no sidecar any more (e.g. {vanished[0]}); "
-            "their rows stay in the catalog")
+        say(f"{len(vanished)} merged unit(s) have no sidecar any more (e.g. {vanished[0]}): their rows were "
+            "removed from the catalog")
     if orphans:
         say(f"warning: {len(orphans)} shard(s) without a sidecar (unfinished units), e.g. {orphans[0]}: "
             "re-run those units")
     return {"merged": merged["ingest"], "merged_by_stage": merged, "clips": rows, "ok": ok, "latents": lat,
-            "orphans": [str(p) for p in orphans], "seconds": dt}
+            "orphans": [str(p) for p in orphans], "vanished": vanished, "seconds": dt}

@@ -5,7 +5,8 @@ the input's fingerprint) and ``input.parquet`` (the normalized input table, one 
 unit). A unit line is ``<source>/<NNNNNN>``; ``ingest run`` reads only its own row group, so a
 million-row table is parsed once, not once per unit. Re-planning the same input with the same
 configuration is a no-op; a different one is refused while finished units exist, unless
-``--replace`` (which deletes the source's shards) is given.
+``--replace`` (which deletes the source's shards, and is refused while a unit runs) is given; the
+next ``catalog merge`` then drops the rows of units whose sidecars are gone.
 """
 
 from __future__ import annotations
@@ -113,6 +114,11 @@ def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[st
                             f"{len(done)} units are finished. Use another --name, or --replace to delete "
                             f"{src} and start over.")
     if replace and src.exists():
+        from reelcache.catalog.lease import live_holders
+
+        if busy := live_holders(src):
+            raise UserError(f"--replace would delete {src} while {len(busy)} of its units are running, e.g. "
+                            f"{busy[0][0].stem} by {busy[0][1].describe()}: stop them first")
         shutil.rmtree(src)
     pdir.mkdir(parents=True, exist_ok=True)
     with atomic_path(pdir / "input.parquet") as tmp:
