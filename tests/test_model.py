@@ -370,3 +370,23 @@ def test_pth_with_non_tensor_objects_loads_with_a_warning(tmp_path):
         report = load_weights(STDiT3(fixture_config()), tmp_path / "old.pth")
     assert "spatial_blocks.*.attn.qkv.weight" not in " ".join(report.missing)
     assert len(report.loaded) == len(_pixart_state(16)) - 1
+
+
+def test_bf16_matches_fp32_and_trains(tiny, cases):
+    """The H100 path in miniature: bf16 weights (RMSNorm stats in fp32, output cast to fp32).
+    Upstream rounds the timestep to the weight dtype too, so both get the bf16-rounded t."""
+    from safetensors.torch import load_file
+
+    kw = dict(cases["xmask"])
+    kw.pop("out")
+    kw["timestep"] = kw["timestep"].to(torch.bfloat16).float()
+    model = STDiT3(fixture_config()).eval()
+    model.load_state_dict(load_file(FIX / "stdit3_tiny.safetensors"))
+    model = model.to(torch.bfloat16)
+    with torch.no_grad():
+        ref, out = tiny(**kw), model(**kw)
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().mean() < 0.02 * ref.std() and (out - ref).abs().max() < 0.1
+    model.train().set_grad_checkpointing(True)
+    model(**kw, caption_drop=torch.tensor([True, False]))[:, :4].square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)

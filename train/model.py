@@ -452,6 +452,8 @@ class STDiT3(nn.Module):
         t0 = None
         if x_mask is not None:
             x_mask = x_mask.to(x.device).bool()
+            if x_mask.shape != (b, -(-tx // cfg.patch_size[0])):
+                raise ValueError(f"x_mask must be (B, T) = {(b, -(-tx // cfg.patch_size[0]))}, got {tuple(x_mask.shape)}")
             t0 = self.t_embedder(torch.zeros_like(timestep), dtype) + fps_emb
             t0_mlp = self.t_block(t0).view(b, 1, 6, cfg.hidden_size)
             t_mlp = torch.where(x_mask[:, :, None, None], t_mlp, t0_mlp)  # (B, T, 6, C)
@@ -463,8 +465,6 @@ class STDiT3(nn.Module):
         x = x.flatten(3).transpose(1, 2).transpose(2, 3)  # (B, T, S, C)
         x = x + pos_embed_2d(c, h_, w_, height, width, cfg.input_sq_size, x.device, dtype)
         rope = self.rope.cos_sin(t_, dtype)
-        if x_mask is not None and x_mask.shape != (b, t_):
-            raise ValueError(f"x_mask must be (B, T) = {(b, t_)}, got {tuple(x_mask.shape)}")
 
         ckpt = self.grad_checkpointing and self.training and torch.is_grad_enabled()
         for spatial, temporal in zip(self.spatial_blocks, self.temporal_blocks):
