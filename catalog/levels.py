@@ -10,10 +10,16 @@
 The tagger and its version are recorded per clip (``noun_tagger``): counts from different
 taggers are not comparable, and levels should be computed over one.
 
-Levels are recomputed on every merge over accepted clips: the 20/40/60/80% cut points of
-``noun_count`` come from one ``quantile_cont`` aggregate and a CASE assigns the level (cheap:
-no window over all columns). ``noun_pct`` is the percentage of ok clips that come before this one in (noun_count, clip_id)
-order (ties broken by id), so ``WHERE noun_pct < 99.99`` drops exactly the hardest 0.01%.
+Levels are recomputed on every merge over accepted clips, from one ranking: ok clips ordered by
+``(noun_count, md5(clip_id))``. Noun counts are small integers, so ties are the normal case; cut
+points on the counts alone would give levels of very unequal size (a fifth of the clips may have
+exactly 6 nouns). Ranking breaks ties by a hash of the id (deterministic, the same on every
+machine and DuckDB version, and uncorrelated with ingest order, unlike the id of a sequential
+source), so the levels are true quintiles: ``level = 1 + floor(5 * (rank - 1) / n)`` gives five
+levels whose sizes differ by at most one, and never puts more nouns in a lower level. The
+trade-off: clips with the same noun count may land in two neighbouring levels, by their hash.
+``noun_pct`` is ``100 * (rank - 1) / n`` from the same ranking, so ``WHERE noun_pct < 99.99``
+drops exactly the hardest 0.01%.
 """
 
 from __future__ import annotations
@@ -60,20 +66,14 @@ def count_nouns(texts: list[str], tagger: str = "pattern") -> list[int]:
 
 
 LEVELS_SQL = """
-WITH cuts AS (
-    SELECT quantile_cont(noun_count, [0.2, 0.4, 0.6, 0.8]) AS q
-    FROM clips WHERE status = 'ok' AND noun_count IS NOT NULL
-), ranked AS (
-    SELECT clip_id, 100.0 * (row_number() OVER (ORDER BY noun_count, clip_id) - 1) / count(*) OVER () AS pct
+WITH ranked AS (
+    SELECT clip_id, row_number() OVER (ORDER BY noun_count, md5(clip_id), clip_id) - 1 AS r, count(*) OVER () AS n
     FROM clips WHERE status = 'ok' AND noun_count IS NOT NULL
 )
 UPDATE clips SET
-    level = CASE WHEN clips.noun_count <= cuts.q[1] THEN 1
-                 WHEN clips.noun_count <= cuts.q[2] THEN 2
-                 WHEN clips.noun_count <= cuts.q[3] THEN 3
-                 WHEN clips.noun_count <= cuts.q[4] THEN 4 ELSE 5 END,
-    noun_pct = ranked.pct
-FROM cuts, ranked
+    level = 1 + (5 * ranked.r) // ranked.n,
+    noun_pct = 100.0 * ranked.r / ranked.n
+FROM ranked
 WHERE clips.clip_id = ranked.clip_id
 """
 

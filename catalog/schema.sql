@@ -55,8 +55,8 @@ CREATE TABLE IF NOT EXISTS clips (
     -- difficulty
     noun_count     INTEGER,
     noun_tagger    VARCHAR,            -- which tagger produced noun_count, with version
-    level          TINYINT,            -- 1..5, quantiles of noun_count over ok clips (merge)
-    noun_pct       DOUBLE,             -- 0..100, tie-broken percentile of noun_count over ok clips
+    level          TINYINT,            -- 1..5, equal-size quintiles of (noun_count, md5(clip_id)) over ok clips
+    noun_pct       DOUBLE,             -- 0..100, percentile of the same ranking
 
     -- where the clip lives in the raw shards
     shard          VARCHAR,            -- relative to ROOT, e.g. 'raw/openvid/000012-00.tar'

@@ -1,6 +1,10 @@
-"""Difficulty: a real tagger counts nouns; levels are quintiles; the hardest 0.01% is one WHERE."""
+"""Difficulty: a real tagger counts nouns; levels are equal-size quintiles even when noun counts tie;
+the hardest 0.01% is one WHERE."""
 
 from __future__ import annotations
+
+import hashlib
+import random
 
 import duckdb
 
@@ -14,19 +18,46 @@ def test_pattern_tagger_counts_nouns():
     assert tagger_name("pattern").startswith("textblob-")
 
 
-def test_levels_are_quintiles_and_pct_cut_is_exact():
+def _catalog(rows):
+    con = duckdb.connect()
+    con.execute(schema_sql())
+    con.executemany("""INSERT INTO clips (clip_id, source, unit, "row", status, noun_count) VALUES (?, 's', 's/0', ?, ?, ?)""",
+                    [(cid, i, status, n) for i, (cid, status, n) in enumerate(rows)])
+    recompute_levels(con)
+    return con
+
+
+def test_levels_are_equal_quintiles_on_tied_counts_by_an_independent_reference():
+    # The usual shape: few distinct counts, one of them a third of all clips, ids in ingest order.
+    rng = random.Random(7)
+    counts = [rng.choice([2, 4, 4, 4, 5, 6, 6, 7, 9, 12]) for _ in range(1003)]
+    rows = [(f"{i:020x}", "ok", n) for i, n in enumerate(counts)] + [("bad", "rejected", 3)]
+    con = _catalog(rows)
+    got = dict(con.execute("SELECT clip_id, level FROM clips WHERE status = 'ok'").fetchall())
+    # reference: rank by (count, md5 of the id), five slices of equal size
+    order = sorted(((n, hashlib.md5(c.encode()).hexdigest(), c) for c, s, n in rows if s == "ok"))
+    want = {c: 1 + 5 * r // len(order) for r, (_, _, c) in enumerate(order)}
+    assert got == want
+    sizes = [n for _, n in con.execute("SELECT level, count(*) FROM clips WHERE status='ok' GROUP BY 1 ORDER BY 1").fetchall()]
+    assert len(sizes) == 5 and max(sizes) - min(sizes) <= 1
+    mono = con.execute("SELECT bool_and(hi <= lo) FROM (SELECT max(noun_count) FILTER (level = k) AS hi, "
+                       "min(noun_count) FILTER (level = k + 1) AS lo FROM clips, range(1, 5) t(k) GROUP BY k)").fetchall()
+    assert mono == [(True,)]
+    assert con.execute("SELECT level, noun_pct FROM clips WHERE clip_id = 'bad'").fetchall() == [(None, None)]
+    # the same clips inserted in another order get the same levels
+    shuffled = rows[:]
+    rng.shuffle(shuffled)
+    assert dict(_catalog(shuffled).execute("SELECT clip_id, level FROM clips WHERE status = 'ok'").fetchall()) == got
+
+
+def test_pct_cut_drops_exactly_the_hardest_share():
     con = duckdb.connect()
     con.execute(schema_sql())
     con.execute("""INSERT INTO clips (clip_id, source, unit, "row", status, noun_count)
                    SELECT 'c' || i, 's', 's/000000', i, 'ok', i % 100 FROM range(100000) t(i)""")
-    con.execute("""INSERT INTO clips (clip_id, source, unit, "row", status, noun_count, reject_reason)
-                   VALUES ('bad', 's', 's/000000', 100000, 'rejected', 7, 'too_short')""")
     recompute_levels(con)
-    levels = dict(con.execute("SELECT level, count(*) FROM clips WHERE status='ok' GROUP BY 1").fetchall())
-    assert sorted(levels) == [1, 2, 3, 4, 5] and all(19000 <= n <= 21000 for n in levels.values())
-    assert con.execute("SELECT level, noun_pct FROM clips WHERE clip_id = 'bad'").fetchall() == [(None, None)]
     (dropped,), = con.execute("SELECT count(*) FROM clips WHERE status='ok' AND NOT noun_pct < 99.99").fetchall()
-    assert dropped == 10                                   # exactly 0.01% of 100,000, ties broken by id
-    mono = con.execute("SELECT max(noun_count) FILTER (level = 1) < min(noun_count) FILTER (level = 5) "
-                       "FROM clips").fetchall()
-    assert mono == [(True,)]
+    assert dropped == 10                                   # exactly 0.01% of 100,000
+    assert con.execute("SELECT min(noun_count) FROM clips WHERE NOT noun_pct < 99.99").fetchall() == [(99,)]
+    levels = dict(con.execute("SELECT level, count(*) FROM clips GROUP BY 1").fetchall())
+    assert levels == {k: 20000 for k in range(1, 6)}
