@@ -4,6 +4,7 @@ and the sampler and mask generator properties."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +15,7 @@ from reelcache.train.flow import (MASK_NAMES, MaskGenerator, add_noise, euler_sa
                                   timestep_transform, training_losses)
 from reelcache.train.model import STDiT3, STDiT3Config
 
-FIX = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "opensora12"
-if not FIX.exists():
-    FIX = Path("/work/shared/fixtures/opensora12")
+FIX = Path(os.environ.get("OPENSORA12_FIXTURES", Path(__file__).resolve().parents[2] / "shared/fixtures/opensora12"))
 needs_fixtures = pytest.mark.skipif(not (FIX / "rflow_cases.safetensors").exists(), reason="no Open-Sora fixtures")
 
 STAGE1 = {"random": 0.05, "intepolate": 0.005, "quarter_random": 0.005, "quarter_head": 0.005,

@@ -5,6 +5,7 @@ and the weight loaders of train/weights.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,7 @@ import torch
 
 from reelcache.train.model import PRESETS, STDiT3, STDiT3Config, flops_per_sample
 
-FIX = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "opensora12"
-if not FIX.exists():  # checkouts outside /work
-    FIX = Path("/work/shared/fixtures/opensora12")
+FIX = Path(os.environ.get("OPENSORA12_FIXTURES", Path(__file__).resolve().parents[2] / "shared/fixtures/opensora12"))
 
 pytestmark = pytest.mark.skipif(not (FIX / "stdit3_tiny.safetensors").exists(), reason="no Open-Sora fixtures")
 
