@@ -1,10 +1,12 @@
 """The streaming loader: permutation, disjoint equal shares, exact and elastic resume, refusal,
-loud small data, seeded noise, mixing, consumed log, SIGKILL, simulator."""
+loud small data, seeded noise (checked against shards read with tarfile + safetensors), mixing,
+consumed log, SIGKILL, simulator (its worker column against the real DataLoader workers)."""
 
 from __future__ import annotations
 
 import json
 import os
+import tarfile
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -33,6 +36,36 @@ def data(tmp_path_factory):
 
 def ids(path):
     return pq.read_table(path, columns=["clip_id"]).column("clip_id").to_pylist()
+
+
+def bucket_of(path) -> dict:
+    t = pq.read_table(path, columns=["clip_id", "bucket"]).to_pydict()
+    return dict(zip(t["clip_id"], t["bucket"]))
+
+
+def stored(root, manifest) -> dict:
+    """clip_id -> its tensors, read with tarfile + safetensors (not through the loader's read path)."""
+    from safetensors.torch import load
+
+    out = {}
+    for shard in sorted(set(pq.read_table(manifest, columns=["shard"]).column("shard").to_pylist())):
+        with tarfile.open(Path(root) / shard) as tar:
+            for m in tar:
+                assert m.name.endswith(".safetensors")
+                out[m.name[:-len(".safetensors")]] = load(tar.extractfile(m).read())
+    return out
+
+
+def expected_x(sample: dict, seed: int, epoch: int, position: int) -> torch.Tensor:
+    """The documented rule: x = mean + exp(logvar / 2) * eps, eps ~ N(0, 1) from a torch generator
+    seeded with SeedSequence([seed, epoch, position in the epoch's order]).generate_state(1)[0]."""
+    g = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, epoch, position]).generate_state(1)[0]))
+    eps = torch.randn(sample["mean"].shape, generator=g)
+    return (sample["mean"].float() + torch.exp(sample["logvar"].float() / 2) * eps).bfloat16()
+
+
+def eps_of(x: torch.Tensor, sample: dict) -> torch.Tensor:
+    return (x.float() - sample["mean"].float()) / torch.exp(sample["logvar"].float() / 2)
 
 
 def run_ranks(loaders, steps=None):
@@ -65,11 +98,11 @@ def test_epochs_are_permutations_with_disjoint_equal_shares(data, seed, world):
         real = [c for batches in per_rank for b in batches if b["weight"] == 1 for c in b["clip_id"]]
         assert sorted(real) == sorted(ids(manifest))                     # no duplicate, no miss
         for batches in per_rank:
-            for b in batches:
-                assert len(set(b["bucket"] for _ in b["clip_id"])) == 1
+            for b in batches:                                            # one bucket per batch, the manifest's
+                assert {bucket_of(manifest)[c] for c in b["clip_id"]} == {b["bucket"]}
         orders.append([c for b in sorted((b for rk in per_rank for b in rk if b["weight"] == 1),
                                          key=lambda b: b["index"]) for c in b["clip_id"]])
-    assert orders[0] != orders[1] != orders[2]
+    assert len({tuple(o) for o in orders}) == 3                          # every epoch its own order
 
 
 def test_global_order_is_independent_of_world_size(data):
@@ -101,7 +134,14 @@ def test_resume_is_exact_and_workers_do_not_change_batches(data):
     for a, b in zip(first + rest, ref):
         same(a, b)
     assert resumed.epoch == 1 and state["consumed"] == 6
-    assert ref[0]["x"].dtype == torch.bfloat16 and ref[0]["text_mask"].sum() == sum(ref[0]["text_len"])
+    truth = stored(root, manifest)                                       # text and mask against the shards
+    for b in ref:
+        assert b["x"].dtype == torch.bfloat16
+        lens = [truth[c]["text"].shape[0] for c in b["clip_id"]]
+        assert b["text_len"].tolist() == lens and b["text"].shape[1] == max(lens)
+        for i, c in enumerate(b["clip_id"]):
+            assert b["text_mask"][i].tolist() == [True] * lens[i] + [False] * (max(lens) - lens[i])
+            assert torch.equal(b["text"][i, :lens[i]], truth[c]["text"]) and not b["text"][i, lens[i]:].any()
 
 
 def test_elastic_resume_from_two_to_three_ranks_misses_and_repeats_nothing(data):
@@ -156,16 +196,38 @@ def test_small_or_lost_data_is_loud(tmp_path):
         LatentLoader([none], SIZES, root=tmp_path, read=False)
 
 
-def test_posterior_noise_is_fresh_each_epoch_and_differs_across_samples(data):
+def test_x_is_mean_plus_seeded_noise_fresh_per_sample_and_epoch_and_same_after_resume(data):
     root, manifest = data
+    truth = stored(root, manifest)
     ld = LatentLoader([manifest], SIZES, root=root, seed=2)
-    e0 = {c: x for b in ld for c, x in zip(b["clip_id"], b["x"])}
-    e1 = {c: x for b in ld for c, x in zip(b["clip_id"], b["x"])}
-    clip = next(iter(e0))
-    assert not torch.equal(e0[clip], e1[clip])
-    sample = read_sample(str(root / pq.read_table(manifest).column("shard")[0].as_py()),
-                         pq.read_table(manifest).column("shard_offset")[0].as_py())
-    assert set(sample) == {"mean", "logvar", "text"}
+    eps, pairs = {}, 0
+    for epoch in (0, 1):
+        starts = ld.plan(epoch).starts
+        for b in ld:
+            assert b["epoch"] == epoch
+            for i, c in enumerate(b["clip_id"]):
+                torch.testing.assert_close(b["x"][i], expected_x(truth[c], 2, epoch, int(starts[b["index"]]) + i))
+                eps[epoch, c] = eps_of(b["x"][i], truth[c])
+            for c0, c1 in zip(b["clip_id"], b["clip_id"][1:]):            # neighbours in a batch: other noise
+                assert (eps[epoch, c0] - eps[epoch, c1]).abs().mean() > 0.5
+                pairs += 1
+    assert pairs > 50
+    assert all((eps[0, c] - eps[1, c]).abs().mean() > 0.5 for c in truth)  # every clip: new noise next epoch
+    noise = torch.cat([e.flatten() for e in eps.values()])
+    assert abs(float(noise.mean())) < 0.05 and abs(float(noise.std()) - 1) < 0.05
+    # a resume in the middle of epoch 1 (with workers) draws the same noise at the same positions
+    first = LatentLoader([manifest], SIZES, root=root, seed=2, read=False)
+    list(first)
+    it = iter(first)
+    for _ in range(4):
+        next(it)
+    resumed = LatentLoader([manifest], SIZES, root=root, seed=2, workers=2)
+    resumed.load_state_dict(first.state_dict())
+    rest = list(resumed)
+    assert rest and rest[0]["epoch"] == 1 and rest[0]["step"] == 4
+    for b in rest:
+        for i, c in enumerate(b["clip_id"]):
+            assert torch.equal(eps_of(b["x"][i], truth[c]), eps[1, c])
 
 
 def test_mixing_weights_draw_the_asked_shares(tmp_path):
@@ -253,3 +315,51 @@ def test_simulator_cli_with_save_and_elastic_resume(data, tmp_path):
         assert Counter(real) == Counter(ids(manifest))
     assert {r["world_size"] for r in t if r["epoch"] == 1} == {6}
     assert {r["world_size"] for r in t if r["epoch"] == 0} == {4, 6}
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")   # 3 workers on a 2-core CI box
+def test_simulator_worker_column_names_the_real_dataloader_worker_after_a_resume(data, monkeypatch):
+    import reelcache.train.loader as loader_module
+    from torch.utils.data import get_worker_info
+
+    from reelcache.train.simulate import simulate
+
+    real_collate = loader_module.collate
+
+    def collate_and_say_who(*args):         # runs in the forked DataLoader worker that makes the batch
+        out = real_collate(*args)
+        out["made_by"] = get_worker_info().id
+        return out
+
+    monkeypatch.setattr(loader_module, "collate", collate_and_say_who)
+    root, manifest = data
+    workers = 3
+    truth = {}
+
+    def record(per_rank, world):
+        for r, batches in enumerate(per_rank):
+            for b in batches:
+                truth[b["epoch"], b["step"], r, world] = b["made_by"]
+
+    two = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=2, seed=4, workers=workers) for r in range(2)]
+    record(run_ranks(two, steps=5), 2)
+    state = two[0].state_dict()
+    three = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=3, seed=4, workers=workers) for r in range(3)]
+    for ld in three:
+        ld.load_state_dict(state)
+    record(run_ranks(three), 3)                 # the rest of epoch 0, from step 5
+    record(run_ranks(three), 3)                 # epoch 1, from step 0
+    table, _, _ = simulate([manifest], SIZES, root=root, world_size=2, workers=workers, seed=4, epochs=2,
+                           save_at=5, resume_world_size=3)
+    sim = {(r["epoch"], r["step"], r["rank"], r["world_size"]): r["worker"] for r in table.to_pylist()}
+    assert sim == truth
+    # the resumed part is where `step % workers` was wrong: worker 0 makes the first resumed step
+    assert truth[0, 5, 0, 3] == 0 and any(w != s % workers for (e, s, _, _), w in truth.items() if e == 0 and s >= 5)
+
+
+def test_a_state_from_another_plan_version_is_refused(data):
+    root, manifest = data
+    ld = LatentLoader([manifest], SIZES, root=root, seed=0, read=False)
+    old = {**ld.state_dict(), "plan_version": 1, "consumed": 3}      # saved by plan version 1 (repeats side by side)
+    with pytest.raises(ValueError, match="plan version 1.*reset_data"):
+        LatentLoader([manifest], SIZES, root=root, seed=0, read=False).load_state_dict(old)

@@ -3,7 +3,8 @@
 Answers before a cluster is booked: how many steps per epoch, which buckets, what a world-size
 change does. It runs one LatentLoader per rank (read=False: the plan, the schedule and the
 state machinery are the real ones; only tensor reads are skipped), in lockstep, and writes
-(epoch, step, rank, worker, clip_id, bucket, pad) to parquet for auditing with SQL. With
+(epoch, step, rank, worker, clip_id, bucket, pad) to parquet for auditing with SQL; ``worker``
+is the DataLoader worker that would make the batch (after a resume: counted from the resumed step). With
 ``--save-at STEP`` it saves a real state at that global step, builds loaders for
 ``--resume-world-size`` ranks, loads the state and goes on.
 """
@@ -40,10 +41,13 @@ def simulate(manifests, buckets, *, root=None, world_size: int, workers: int = 1
                         "micro_batches": plan.num_batches, "samples": int(len(plan.order))})
         with bar(steps, f"epoch {epoch}", "step") as pbar:
             iters = [iter(ld) for ld in loaders]
-            for batches in zip(*iters):
+            for k, batches in enumerate(zip(*iters)):
                 for r, b in enumerate(batches):
                     n = len(b["clip_id"])
                     rows["epoch"] += [epoch] * n
+                    # Each pass over a loader starts a new DataLoader whose worker w makes the w-th,
+                    # (w+W)-th, ... of the steps REMAINING in the epoch, not of all its steps.
+                    rows["worker"] += [k % max(1, workers)] * n
                     rows["step"] += [b["step"]] * n
                     rows["rank"] += [r] * n
                     rows["clip_id"] += b["clip_id"]
@@ -63,7 +67,6 @@ def simulate(manifests, buckets, *, root=None, world_size: int, workers: int = 1
                 for it in iters:            # let every loader close its epoch
                     for _ in it:
                         pass
-    rows["worker"] = [s % max(1, workers) for s in rows["step"]]   # a rank's k-th step comes from worker k % W
     table = pa.table(rows)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
