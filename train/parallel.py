@@ -50,8 +50,7 @@ class Parallel:
         if not dist.is_initialized():
             # Collectives that wait longer than this are a hang, not a slow step: fail with a trace.
             dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
-        from colossalai.booster import Booster
-        from colossalai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
+        Booster, LowLevelZeroPlugin, TorchDDPPlugin = _colossalai()
 
         if name == "zero2":
             prec = "bf16" if dtype == "bf16" else "fp32"
@@ -170,6 +169,20 @@ class Parallel:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _colossalai():
+    """ColossalAI's booster and plugins, without the import-time noise about optional CUDA kernels."""
+    import logging
+    import warnings
+
+    for name in ("bitsandbytes", "colossalai"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from colossalai.booster import Booster
+        from colossalai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
+    return Booster, LowLevelZeroPlugin, TorchDDPPlugin
 
 
 def _free_port() -> int:

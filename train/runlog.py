@@ -19,7 +19,10 @@ id lives in ``runs/<run>/wandb_id`` and is reused on ``--load``, so a stage is o
 
 from __future__ import annotations
 
+import json
+import os
 import time
+import uuid
 from pathlib import Path
 
 from reelcache.progress import say
@@ -37,13 +40,16 @@ class RunLog:
             return
         (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         if mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")      # our console line says what matters
             import wandb
 
-            self.run_id = run_id or wandb.util.generate_id()
+            self.run_id = run_id or uuid.uuid4().hex[:12]
             self.wandb = wandb.init(project=project, name=name, id=self.run_id, resume="allow", mode=mode,
                                     dir=str(self.run_dir), config=config,
-                                    settings=wandb.Settings(console="off", x_disable_stats=True))
-            self.wandb.define_metric("train/*", step_metric="global_step")
+                                    settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True))
+            self.wandb.define_metric("global_step")
+            for prefix in ("train/*", "buckets/*"):
+                self.wandb.define_metric(prefix, step_metric="global_step")
 
     def log(self, row: dict) -> None:
         """One step's numbers (step, epoch, loss, ...); printed and sent every call, kept for parquet."""
@@ -63,8 +69,8 @@ class RunLog:
             f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}{skipped}")
         if self.wandb is not None:
             data = {f"train/{k}": v for k, v in row.items()
-                    if k not in ("step", "buckets", "skipped") and v is not None}
-            data["train/buckets"] = len(row.get("buckets") or [])
+                    if k not in ("step", "buckets", "skipped", "generation") and v is not None}
+            data.update({f"buckets/{b}": n for b, n in json.loads(row.get("buckets") or "{}").items()})
             data["global_step"] = row["step"]
             self.wandb.log(data, step=row["step"])
 

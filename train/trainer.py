@@ -242,6 +242,11 @@ class Trainer:
                 "caption_drop": torch.tensor(drops), "x_mask": torch.cat(masks).bool() if masks else None}
 
     def step(self, batch) -> dict:
+        """One optimizer step on this rank's micro-batch (a collective: every rank calls it)."""
+        return self.update(self.forward_backward(batch))
+
+    def forward_backward(self, batch) -> dict:
+        """Loss and gradients of the step; gradients end up as the mean over all ranks' real samples."""
         from reelcache.train.flow import timestep_transform, training_losses
 
         cfg, par, dev = self.cfg, self.par, self.par.device
@@ -269,9 +274,16 @@ class Trainer:
         else:
             loss = losses.mean() * (weight * par.world / max(r_real, 1.0))
         par.backward(loss, self.optimizer)
-        gnorm = float(par.grad_norm(self.model, self.optimizer, cfg.optim.grad_clip))
         loss_sum = float(par.sum([float(losses.detach().sum()) * weight])[0])
-        mean_loss = loss_sum / max(n_real, 1.0)
+        return {"batch": batch, "losses": losses.detach(), "loss": loss_sum / max(n_real, 1.0), "samples": n_real,
+                "frames": frames, "height": height, "width": width, "latent_shape": tuple(x0.shape[2:]),
+                "text_len": int(batch["text"].shape[1])}
+
+    def update(self, out: dict) -> dict:
+        """Guard, optimizer step, EMA; gradients cleared either way."""
+        cfg, par = self.cfg, self.par
+        batch, mean_loss = out.pop("batch"), out["loss"]
+        gnorm = float(par.grad_norm(self.model, self.optimizer, cfg.optim.grad_clip))
         reason = self.guard.verdict(mean_loss, gnorm)
         bad = bool(par.max([1.0 if reason else 0.0])[0] > 0)
         if bad and reason is None:
@@ -290,9 +302,7 @@ class Trainer:
             self._update_ema()
         self.optimizer.zero_grad()
         self.guard.record(mean_loss, bad)
-        return {"loss": mean_loss, "grad_norm": gnorm, "lr": lr, "samples": n_real, "skipped": reason if bad else None,
-                "frames": frames, "height": height, "width": width, "latent_shape": tuple(x0.shape[2:]),
-                "text_len": int(batch["text"].shape[1])}
+        return {**out, "grad_norm": gnorm, "lr": lr, "skipped": reason if bad else None}
 
     @torch.no_grad()
     def _update_ema(self):
