@@ -6,11 +6,21 @@ every node picks the same window. Decoding:
 
 - one PyAV container per clip, closed explicitly, ``thread_type="AUTO"`` (frame threads: 1.3-1.6x
   over the default slice threading at 720p-1080p);
-- seek (to the keyframe before the window) only when the window starts beyond the first second;
-  decoding straight through a short clip is cheaper than a seek;
+- a frame's index is its position in presentation order (what ``ffmpeg -fps_mode passthrough``
+  outputs), so a variable-frame-rate clip is cut by frames, like the probe counts them;
+- seek (to the keyframe before the window) only when the window starts beyond the first second
+  and the stream is constant-rate (average rate == real base rate), where pts x rate is the
+  index; decoding straight through a short clip is cheaper than a seek. A seek can land past the
+  window's first frame (open-GOP leading B-frames, an index by dts, coarse MPEG-TS seeking): then
+  it seeks again from further back, and finally decodes from the start, counting frames. A gap in
+  the indices (a frame missing from a "constant-rate" stream) also falls back to counting. No
+  frame is ever repeated to fill a window: a window the clip cannot fill is an error;
+- the picture is the DISPLAYED one: the sample aspect ratio stretches the width (as
+  ``scale=iw*sar:ih``) and the display matrix rotates it, before the cover resize and centre crop;
 - every k-th frame of the window is converted to RGB by swscale at its final scale (area filter:
-  resize inside the conversion is nearly free), then centre-cropped to (H, W) in uint8. Nothing
-  is converted to float here; decoding stops after the window's last frame.
+  resize inside the conversion is nearly free; one resize also does the SAR stretch), then
+  rotated and centre-cropped to (H, W) in uint8. Nothing is converted to float here; decoding
+  stops after the window's last frame.
 
 Raw shards are read in place: the video member of ``raw/<source>/NNNNNN-KK.tar`` is opened as a
 file-like window at its byte offset, so the cache needs neither the original files nor a copy.
@@ -60,63 +70,135 @@ class FileSlice(io.RawIOBase):
         super().close()
 
 
+def clip_seed(purpose: str, seed: int, clip_id: str) -> int:
+    """A 64-bit seed from a full-width hash of the WHOLE clip id (and seed, purpose): ids that share a
+    long prefix (``<source>/<dir>/...``) still get independent draws."""
+    h = hashlib.blake2b(f"{purpose}|{seed}|{clip_id}".encode(), digest_size=32).digest()
+    return int(np.random.SeedSequence(int.from_bytes(h, "big")).generate_state(1, np.uint64)[0])
+
+
 def window_start(clip_id: str, seed: int, num_frames: int, span: int) -> int:
     """First source frame of the window: a pure function of (seed, clip id)."""
     room = max(0, num_frames - span)
-    h = hashlib.blake2b(f"window|{seed}|{clip_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") % (room + 1)
+    return clip_seed("window", seed, clip_id) % (room + 1)
+
+
+class _Fallback(Exception):
+    """Seek-based indexing cannot be trusted for this clip: decode from the start, counting."""
 
 
 def decode_window(source, *, frames: int, interval: int, height: int, width: int, start: int = 0,
-                  fps: float | None = None) -> np.ndarray:
+                  fps: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """uint8 [frames, height, width, 3]: frames start, start+interval, ... resized and centre-cropped.
 
-    `source` is a path or a file-like object (FileSlice). Raises ValueError if the clip ends early.
+    `source` is a path or a seekable file-like object (FileSlice). `out`, if given, receives the
+    frames (e.g. a shared-memory array). Raises ValueError if the clip cannot fill the window.
     """
     import av
 
     wanted = [start + i * interval for i in range(frames)]
-    out = np.empty((frames, height, width, 3), dtype=np.uint8)
+    if out is None:
+        out = np.empty((frames, height, width, 3), dtype=np.uint8)
     container = av.open(source, metadata_errors="ignore")
     try:
         vs = container.streams.video[0]
         vs.thread_type = "AUTO"
         rate = float(vs.average_rate or vs.guessed_rate or fps or 25)
-        tb = vs.time_base
-        t0 = vs.start_time or 0
-        if start / rate > 1.0:
-            container.seek(t0 + int(start / rate / tb), stream=vs, backward=True)
-        got, k, first = 0, 0, None
-        for frame in container.decode(vs):
-            idx = round(float((frame.pts - t0) * tb) * rate) if frame.pts is not None else k
-            k = idx + 1
-            if idx < wanted[got]:
-                continue
-            if first is None:
-                first = _geometry(frame, height, width)
-            sw, sh, rot = first
-            rgb = frame.reformat(width=sw, height=sh, format="rgb24", interpolation="AREA").to_ndarray()
-            if rot:
-                rgb = np.rot90(rgb, k=rot // 90)
-            y, x = (rgb.shape[0] - height) // 2, (rgb.shape[1] - width) // 2
-            while got < frames and idx >= wanted[got]:     # a dropped source frame repeats the last one
-                out[got] = rgb[y:y + height, x:x + width]
-                got += 1
-            if got == frames:
-                break
+        if start / rate > 1.0 and _constant_rate(vs):
+            back = 1.0
+            while start / rate - back > 0.0:
+                try:
+                    got = _fill(container.decode(vs), out, wanted, height, width, _sar(vs), _pts_index(vs, rate),
+                                seek=(container, vs, start / rate - back))
+                except _Fallback:
+                    break
+                if got is not None:
+                    _complete(got, frames, start)
+                    return out
+                back *= 4                   # landed past the window's first frame: seek further back
+        container.close()
+        if hasattr(source, "seek"):
+            source.seek(0)
+        container = av.open(source, metadata_errors="ignore")
+        vs = container.streams.video[0]
+        vs.thread_type = "AUTO"
+        got = _fill(container.decode(vs), out, wanted, height, width, _sar(vs), None)
+        _complete(got, frames, start)
+        return out
     finally:
         container.close()
+
+
+def _constant_rate(vs) -> bool:
+    avg, base = vs.average_rate, vs.base_rate
+    return bool(avg and base) and abs(float(avg) / float(base) - 1.0) < 1e-3
+
+
+def _pts_index(vs, rate: float):
+    tb, t0 = vs.time_base, vs.start_time or 0
+
+    def index(frame):
+        if frame.pts is None:
+            raise _Fallback
+        x = float((frame.pts - t0) * tb) * rate
+        if abs(x - round(x)) > 0.25:        # off the constant-rate grid: not a CFR stream after all
+            raise _Fallback
+        return round(x)
+    return index
+
+
+def _sar(vs) -> float:
+    """Sample aspect ratio (the container's, else the codec's; 1 when unset)."""
+    for sar in (vs.sample_aspect_ratio, vs.codec_context.sample_aspect_ratio):
+        if sar and float(sar) > 0:
+            return float(sar)
+    return 1.0
+
+
+def _fill(frames_iter, out, wanted, height, width, sar, index, seek=None):
+    """Decode into out[k] the frames whose index is wanted[k]; return how many were filled, or
+    None when a seek landed past wanted[0]. `index` maps a frame to its index (None: count)."""
+    if seek is not None:
+        container, vs, t = seek
+        container.seek((vs.start_time or 0) + int(t / vs.time_base), stream=vs, backward=True)
+    got, k, prev, geometry = 0, 0, None, None
+    for frame in frames_iter:
+        idx = k if index is None else index(frame)
+        k += 1
+        if prev is None and idx > wanted[0]:
+            return None
+        if prev is not None and idx != prev + 1:
+            raise _Fallback                 # a missing or repeated index: counting is the only truth
+        prev = idx
+        if idx != wanted[got]:
+            continue
+        if geometry is None:
+            geometry = _geometry(frame, height, width, sar)
+        sw, sh, rot = geometry
+        rgb = frame.reformat(width=sw, height=sh, format="rgb24", interpolation="AREA").to_ndarray()
+        if rot:
+            rgb = np.rot90(rgb, k=rot // 90)
+        y, x = (rgb.shape[0] - height) // 2, (rgb.shape[1] - width) // 2
+        out[got] = rgb[y:y + height, x:x + width]
+        got += 1
+        if got == len(wanted):
+            break
+    return got
+
+
+def _complete(got: int, frames: int, start: int) -> None:
     if got < frames:
         raise ValueError(f"clip ended after {got} of {frames} frames of the window starting at frame {start}")
-    return out
 
 
-def _geometry(frame, height: int, width: int) -> tuple[int, int, int]:
-    """Scaled coded size (sw, sh) covering (height, width) after rotation, and the rotation."""
+def _geometry(frame, height: int, width: int, sar: float = 1.0) -> tuple[int, int, int]:
+    """Scaled coded size (sw, sh) whose displayed picture covers (height, width), and the rotation.
+
+    Displayed = coded width x sample aspect ratio, then rotated by the display matrix."""
     rot = int(frame.rotation or 0) % 360
-    fw, fh = frame.width, frame.height
-    dw, dh = (fh, fw) if rot in (90, 270) else (fw, fh)
+    pw, ph = frame.width * sar, frame.height
+    dw, dh = (ph, pw) if rot in (90, 270) else (pw, ph)
     scale = max(height / dh, width / dw)
-    sdw, sdh = max(width, math.ceil(dw * scale)), max(height, math.ceil(dh * scale))
+    sdw, sdh = max(width, math.ceil(dw * scale - 1e-6)), max(height, math.ceil(dh * scale - 1e-6))
     sw, sh = (sdh, sdw) if rot in (90, 270) else (sdw, sdh)
     return sw, sh, rot
