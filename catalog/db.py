@@ -17,7 +17,13 @@ SCHEMA_FILE = Path(__file__).with_name("schema.sql")
 DB_NAME = "catalog.duckdb"
 
 # version -> SQL that upgrades version-1 to version. Explicit, applied by `open_catalog`.
-MIGRATIONS: dict[int, str] = {}
+MIGRATIONS: dict[int, str] = {
+    # 2: anamorphic video (SAR) and the size a source table states
+    2: """ALTER TABLE clips ADD COLUMN sar_num INTEGER;
+          ALTER TABLE clips ADD COLUMN sar_den INTEGER;
+          ALTER TABLE clips ADD COLUMN stated_width INTEGER;
+          ALTER TABLE clips ADD COLUMN stated_height INTEGER;""",
+}
 
 
 def schema_sql() -> str:

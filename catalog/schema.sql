@@ -1,5 +1,5 @@
 -- reelcache catalog schema.
--- schema_version: 1
+-- schema_version: 2
 --
 -- The one definition of the catalog. Sidecar parquets written by ingest are cast to the
 -- `clips` columns below (catalog/db.py derives their Arrow schema from this file), so a
@@ -31,9 +31,9 @@ CREATE TABLE IF NOT EXISTS clips (
     fps_num        BIGINT,             -- exact frame rate as a fraction
     fps_den        BIGINT,
     duration       DOUBLE,             -- seconds
-    width          INTEGER,            -- displayed (after rotation)
+    width          INTEGER,            -- displayed: stored width x SAR, then rotated (ffmpeg's display size)
     height         INTEGER,
-    coded_width    INTEGER,
+    coded_width    INTEGER,            -- stored frame size, before SAR and rotation
     coded_height   INTEGER,
     rotation       INTEGER,            -- degrees, from the display matrix
     aspect_ratio   DOUBLE,             -- height / width (Open-Sora convention)
@@ -82,7 +82,13 @@ CREATE TABLE IF NOT EXISTS clips (
     main_object_caption VARCHAR,
     style_caption       VARCHAR,
     camera_caption      VARCHAR,
-    caption_column      VARCHAR
+    caption_column      VARCHAR,
+
+    -- schema version 2 (appended, so a migrated catalog has the same column order as a new one)
+    sar_num        INTEGER,            -- sample (pixel) aspect ratio of the stored frames; 1:1 unless
+    sar_den        INTEGER,            --   anamorphic. width = coded_width * sar_num / sar_den (rounded)
+    stated_width   INTEGER,            -- the size the source table claims (csv/parquet width,height;
+    stated_height  INTEGER             --   MiraData), compared with the displayed size
 );
 
 -- One row per merged unit of a stage: what merge has seen, so merging again is a no-op.

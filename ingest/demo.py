@@ -2,10 +2,14 @@
 
 Clips span 240p-720p, landscape, portrait and square, 23.976-60 fps, 1-10 s, in MP4, MOV,
 Matroska and AVI, some with audio, some rotated through the display matrix, with captions of
-varied length. Then the bad inputs every real crawl has, one or more of each reject reason:
-a missing file, a zero-byte file, random bytes named .mp4, an MP4 cut in half, an audio-only
-file, a clip too short, one too large (for the demo's --max-file-mb), an empty caption, a
-duplicate row, a malformed CSV row, and rows whose stated frame count disagrees with the file.
+varied length. Then the encodings a real crawl mixes in (each only where this PyAV can encode
+it, see ``CODEC_SPECIALS``): HEVC, VP9 in WebM, AV1, 10-bit H.264, B-frames with open GOPs,
+variable frame rate, fragmented MP4, and an anamorphic clip (non-square pixels). Then the bad
+inputs every real crawl has, one or more of each reject reason: a missing file, a zero-byte
+file, random bytes named .mp4, an MP4, an MKV and a WebM cut in half, an audio-only file and
+one with cover art (an attached picture is not video), a clip too short, one too large (for the
+demo's --max-file-mb), an empty caption, a duplicate row, a malformed CSV row, and rows whose
+stated frame count disagrees with the file.
 
 Frames are cheap procedural motion (a scrolling gradient with a moving block), encoded with
 libx264 ``ultrafast``: a few hundred clips take about a minute on two cores.
@@ -52,6 +56,37 @@ class ClipSpec:
     noise: bool = False     # incompressible frames: a big file
     crf: int = 30
     faststart: bool = False  # MP4 index (moov) before the data
+    codec: str | None = None  # default: libx264, mpeg4 in AVI
+    pix_fmt: str = "yuv420p"
+    options: dict | None = None   # encoder options, e.g. x264-params
+    sar: Fraction | None = None   # sample aspect ratio (anamorphic when not 1)
+    vfr: bool = False        # frame durations alternate between 1x and 2x the nominal one
+    fragmented: bool = False  # fragmented MP4 (moof boxes, no sample table in moov)
+
+
+# name -> (spec, encoder it needs). Small and short: the demo stays about as quick.
+CODEC_SPECIALS = {
+    "hevc": (dict(name="hevc_clip.mp4", codec="libx265", options={"preset": "ultrafast", "x265-params": "log-level=error"}), "libx265"),
+    "vp9": (dict(name="vp9_clip.webm", codec="libvpx-vp9", options={"deadline": "realtime", "cpu-used": "8"}), "libvpx-vp9"),
+    "av1": (dict(name="av1_clip.mkv", codec="libsvtav1", options={"preset": "12"}), "libsvtav1"),
+    "ten_bit": (dict(name="ten_bit_clip.mp4", pix_fmt="yuv420p10le"), "libx264"),
+    "open_gop": (dict(name="open_gop_clip.mp4", options={"preset": "veryfast", "x264-params":
+                      "open-gop=1:bframes=3:b-pyramid=normal:keyint=24:min-keyint=24:scenecut=0"}), "libx264"),
+    "vfr": (dict(name="vfr_clip.mp4", vfr=True), "libx264"),
+    "fragmented": (dict(name="fragmented_clip.mp4", fragmented=True), "libx264"),
+    "anamorphic": (dict(name="anamorphic_clip.mp4", width=320, height=240, sar=Fraction(4, 3)), "libx264"),
+}
+
+
+def codec_specials() -> dict[str, ClipSpec]:
+    """The CODEC_SPECIALS this PyAV/FFmpeg build can encode (426x240, 25 fps, 2.4 s each)."""
+    import av
+
+    out = {}
+    for key, (kw, encoder) in CODEC_SPECIALS.items():
+        if encoder in av.codecs_available:
+            out[key] = ClipSpec(**{"width": 426, "height": 240, "rate": Fraction(25), "seconds": 2.4, **kw})
+    return out
 
 
 def write_clip(path: Path, spec: ClipSpec) -> int:
@@ -59,15 +94,29 @@ def write_clip(path: Path, spec: ClipSpec) -> int:
     import av
     import numpy as np
 
+    import os
+
+    os.environ.setdefault("SVT_LOG", "1")      # SVT-AV1: errors only, not its banner on every clip
     n = max(1, round(spec.seconds * spec.rate))
     ext = path.suffix
-    codec = "mpeg4" if ext == ".avi" else "libx264"
-    out = av.open(str(path), "w", options={"movflags": "faststart"} if spec.faststart else None)
+    codec = spec.codec or ("mpeg4" if ext == ".avi" else "libx264")
+    movflags = "+".join(f for f, on in (("faststart", spec.faststart), ("frag_keyframe+empty_moov", spec.fragmented))
+                        if on)
+    out = av.open(str(path), "w", options={"movflags": movflags} if movflags else None)
     try:
         vs = out.add_stream(codec, rate=spec.rate)
-        vs.width, vs.height, vs.pix_fmt = spec.width, spec.height, "yuv420p"
+        vs.width, vs.height, vs.pix_fmt = spec.width, spec.height, spec.pix_fmt
         if codec == "libx264":
-            vs.options = {"preset": "ultrafast", "crf": str(0 if spec.noise else spec.crf)}
+            vs.options = {"preset": "ultrafast", "crf": str(0 if spec.noise else spec.crf), **(spec.options or {})}
+        elif spec.options:
+            vs.options = dict(spec.options)
+        if spec.sar:
+            vs.codec_context.sample_aspect_ratio = spec.sar
+        tick, pts = None, 0
+        if spec.vfr:                     # millisecond timestamps, frame durations 1x, 1x, 2x, ...
+            tick = Fraction(1, 1000)
+            vs.codec_context.time_base = vs.time_base = tick
+            step = round(1000 / spec.rate)
         if spec.rotation:
             vs.set_display_rotation(spec.rotation)
         aus = out.add_stream("aac", rate=16000) if spec.audio else None
@@ -83,6 +132,9 @@ def write_clip(path: Path, spec: ClipSpec) -> int:
             x0 = (i * 7) % max(1, w - bs)
             img[y0:y0 + bs, x0:x0 + bs] = (255, 255 - (i * 4) % 256, 0)
             frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+            if tick is not None:
+                frame.pts, frame.time_base = pts, tick
+                pts += step * (2 if i % 3 == 2 else 1)
             for p in vs.encode(frame):
                 out.mux(p)
         for p in vs.encode():
@@ -122,7 +174,11 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
                 "cut_index": ClipSpec("cut_in_half.mp4", 640, 360, Fraction(30), 4.0, crf=18, faststart=True),
                 "cut_moov": ClipSpec("cut_no_moov.mp4", 640, 360, Fraction(30), 4.0, crf=18),
                 "cut_mkv": ClipSpec("cut_in_half.mkv", 640, 360, Fraction(30), 6.0, crf=18),
-                "long": ClipSpec("long_take.mp4", 854, 480, Fraction(25), 10.0)}
+                "long": ClipSpec("long_take.mp4", 854, 480, Fraction(25), 10.0),
+                **codec_specials()}
+    if "vp9" in specials:
+        specials["cut_webm"] = ClipSpec("cut_in_half.webm", 426, 240, Fraction(25), 6.0,
+                                        **{k: v for k, v in CODEC_SPECIALS["vp9"][0].items() if k != "name"})
     jobs = [(str(vdir / s.name), s) for s in specs + list(specials.values())]
     frames = {}
     with ProcessPoolExecutor(workers) as ex, bar(len(jobs), "generating demo clips", "clip") as pbar:
@@ -131,13 +187,16 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
             pbar.update(1)
 
     # Corrupt what should be corrupt.
-    for name in ("cut_in_half.mp4", "cut_no_moov.mp4", "cut_in_half.mkv"):
+    for name in ("cut_in_half.mp4", "cut_no_moov.mp4", "cut_in_half.mkv", "cut_in_half.webm"):
         cut = vdir / name
+        if not cut.exists():
+            continue
         data = cut.read_bytes()
         cut.write_bytes(data[: len(data) // 2])
     (vdir / "zero_bytes.mp4").write_bytes(b"")
     (vdir / "random_bytes.mp4").write_bytes(random.Random(seed).randbytes(20000))
     _write_audio_only(vdir / "audio_only.mp4")
+    _write_audio_only(vdir / "cover_art.m4a", cover=True)
 
     rows = []
 
@@ -154,6 +213,7 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
     rows.append(row("zero_bytes.mp4", caption(rng), 90, "30.000", "3.000"))
     rows.append(row("random_bytes.mp4", caption(rng), 90, "30.000", "3.000"))
     rows.append(row("audio_only.mp4", caption(rng), 0, "0", "2.000"))
+    rows.append(row("cover_art.m4a", caption(rng), 0, "0", "2.000"))
     rows[7][1] = ""                                                      # an empty caption
     rows.append(row(specs[1].name, caption(rng), 0, "", ""))             # a duplicate row
     csv_path = out / "OpenVid-demo.csv"
@@ -180,11 +240,21 @@ def _mux_tone(out, stream, seconds: float, rate: int = 16000) -> None:
         out.mux(p)
 
 
-def _write_audio_only(path: Path) -> None:
+def _write_audio_only(path: Path, cover: bool = False) -> None:
+    """An AAC tone; with `cover`, plus cover art: a JPEG in a video stream marked as an attached picture."""
     import av
+    import numpy as np
 
-    out = av.open(str(path), "w")
+    out = av.open(str(path), "w", format="mp4")
     try:
-        _mux_tone(out, out.add_stream("aac", rate=16000), 2.0)
+        audio = out.add_stream("aac", rate=16000)
+        if cover:
+            pic = out.add_stream("mjpeg", rate=1)
+            pic.width, pic.height, pic.pix_fmt = 64, 64, "yuvj420p"
+            pic.disposition = av.stream.Disposition.attached_pic
+            art = av.VideoFrame.from_ndarray(np.full((64, 64, 3), (200, 80, 40), np.uint8), format="rgb24")
+            for p in [*pic.encode(art), *pic.encode()]:
+                out.mux(p)
+        _mux_tone(out, audio, 2.0)
     finally:
         out.close()

@@ -3,14 +3,18 @@
 One PyAV container per file, closed explicitly in ``finally`` (containers left to the garbage
 collector are what froze Open-Sora's loaders). What is read:
 
-- stream headers: codec, pixel format and bit depth, coded size, exact frame rate as a fraction;
+- stream headers: codec, pixel format and bit depth, stored size, sample aspect ratio (SAR),
+  exact frame rate as a fraction. The video stream is the first one that is not an attached
+  picture (cover art in an audio file is a one-frame "video" stream: such a file has no video);
 - the first decoded frame only: proves the bitstream decodes and carries the display matrix
-  (rotation), from which the displayed width/height follow;
+  (rotation). The displayed size is ffmpeg's: the stored width times the SAR (height kept, as
+  ``scale=iw*sar:ih`` and ffprobe's display_aspect_ratio), then swapped by a 90/270 rotation;
 - the frame count: from the MP4/MOV sample table when present (exact, free), otherwise by
   demuxing packets (Matroska, WebM, MPEG-TS carry no count; AVI headers can state one frame
   too many). Demuxing reads bytes but decodes nothing;
 - truncation: an MP4 whose sample index points past the end of the file, a missing moov atom,
-  or demuxed packets that end well short of the container's stated duration.
+  or demuxed packets that end well short of the container's stated duration (checked with
+  ``verify="decode"`` too: a cut WebM decodes cleanly up to where it stops).
 
 ``verify="decode"`` additionally decodes every frame (the Open-Sora recipe's
 ``ffmpeg -v error -f null -`` check), for users who want certainty before spending GPU hours.
@@ -35,6 +39,14 @@ def _bit_depth(pix_fmt: str | None) -> int | None:
         return max(c.bits for c in av.VideoFormat(pix_fmt).components)
     except Exception:
         return None
+
+
+def _sar(stream) -> Fraction:
+    """Sample aspect ratio as ffprobe guesses it: the container's, else the bitstream's, else 1."""
+    for sar in (stream.sample_aspect_ratio, stream.codec_context.sample_aspect_ratio):
+        if sar and sar > 0:
+            return Fraction(sar)
+    return Fraction(1)
 
 
 def _frame_rate(stream) -> Fraction | None:
@@ -113,10 +125,12 @@ def probe(path: str, *, max_file_mb: float | None = None, verify: str = "header"
 def _probe_open(container, path: str, size: int, verify: str) -> dict:
     import av
 
-    if not container.streams.video:
-        kinds = sorted({s.type for s in container.streams}) or ["none"]
+    videos = [s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic]
+    if not videos:
+        kinds = sorted({s.type if s.type != "video" else "video (attached picture)"
+                        for s in container.streams}) or ["none"]
         raise Rejected(Reason.no_video_stream, f"streams: {', '.join(kinds)}")
-    vs = container.streams.video[0]
+    vs = videos[0]
     cc = vs.codec_context
     if cc is None or not cc.name:
         raise Rejected(Reason.undecodable, f"no decoder for this video stream ({container.format.name})")
@@ -172,16 +186,18 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
         num_frames, frames_from = vs.frames, "header"
     else:
         num_frames, frames_from = packets, "demux"
-        if header_duration and last_end is not None and rate and \
-                float(last_end) < header_duration - max(0.5, 0.05 * header_duration):
-            raise Rejected(Reason.truncated, f"packets end at {float(last_end):.2f} s, "
-                                             f"container says {header_duration:.2f} s")
+    if not indexed and header_duration and last_end is not None and rate and \
+            float(last_end) < header_duration - max(0.5, 0.05 * header_duration):
+        raise Rejected(Reason.truncated, f"packets end at {float(last_end):.2f} s, "
+                                         f"container says {header_duration:.2f} s")
     if verify == "decode" and indexed and decoded < vs.frames:
         raise Rejected(Reason.truncated, f"decoded {decoded} of {vs.frames} frames")
 
     rotation = int(first.rotation or 0) % 360
     cw, ch = cc.width or first.width, cc.height or first.height
-    w, h = (ch, cw) if rotation in (90, 270) else (cw, ch)
+    sar = _sar(vs)
+    dw = max(1, round(cw * sar))                       # displayed, before rotation: stretch the width
+    w, h = (ch, dw) if rotation in (90, 270) else (dw, ch)
     duration = header_duration if header_duration else (float(num_frames / rate) if rate else None)
     if frames_from != "header" and rate:
         duration = float(num_frames / rate)
@@ -194,9 +210,10 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
         "fps_den": rate.denominator if rate else None,
         "duration": duration,
         "width": w, "height": h, "coded_width": cw, "coded_height": ch, "rotation": rotation,
+        "sar_num": sar.numerator, "sar_den": sar.denominator,
         "aspect_ratio": h / w if w else None,
         "resolution": h * w,
-        "codec": cc.name,
+        "codec": getattr(cc.codec, "canonical_name", None) or cc.name,   # 'av1', not the decoder 'libdav1d'
         "pix_fmt": pix_fmt,
         "bit_depth": _bit_depth(pix_fmt),
         "container": fmt,

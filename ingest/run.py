@@ -52,6 +52,9 @@ def mismatch(stated: dict, p: dict) -> str | None:
         out.append(f"fps {sr:g}!={p['fps']:.4g}")
     if sd is not None and p["duration"] is not None and abs(sd - p["duration"]) > max(0.1, 0.01 * p["duration"]):
         out.append(f"duration {sd:g}!={p['duration']:.3g}")
+    sw, sh = stated.get("stated_width"), stated.get("stated_height")
+    if sw is not None and sh is not None and (sw, sh) != (p["width"], p["height"]):
+        out.append(f"size {sw}x{sh}!={p['width']}x{p['height']}")
     return "; ".join(out) or None
 
 

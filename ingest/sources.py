@@ -6,8 +6,8 @@ Formats (``--source``):
   inside ``--videos``; its frame/fps/seconds are kept as ``stated_*`` (the probe is authoritative).
 - ``miradata``: ``miradata_v1_330k.csv``; ``file_path`` relative to ``--videos``; every caption
   is kept, and which one becomes ``text`` must be chosen with ``--caption``.
-- ``csv`` / ``parquet``: at least ``path,text``; Open-Sora's ``num_frames,fps,height,width`` are
-  read as ``stated_*`` when present.
+- ``csv`` / ``parquet``: at least ``path,text``; Open-Sora's ``num_frames,fps,height,width`` (and
+  ``seconds``) are read as ``stated_*`` when present (MiraData's ``width,height`` too).
 - ``folder``: every video under ``--videos``, caption from the ``.txt`` beside it.
 
 A table missing required columns is refused before any work starts, with the missing names and,
@@ -43,6 +43,7 @@ REQUIRED = {"openvid": OPENVID_COLUMNS, "miradata": MIRADATA_COLUMNS, "csv": GEN
 # Columns of the normalized input table besides those it shares with `clips`.
 INTERNAL = {"row_error": "string", "duplicate_of": "int64"}
 SHARED = ["row", "relpath", "path", "text", "clip_id", "stated_num_frames", "stated_fps", "stated_duration",
+          "stated_width", "stated_height",
           "aesthetic_score", "motion_score", "temporal_consistency_score", "camera_motion",
           "mira_clip_id", "mira_source", "video_url", "video_id", "timestamp", "framestamp",
           *MIRADATA_CAPTIONS, "caption_column"]
@@ -197,9 +198,11 @@ def _normalize(kind: str, rec: dict, caption: str | None) -> dict:
              "mira_clip_id": g("clip_id"), "mira_source": g("source"), "video_url": g("video_url"),
              "video_id": g("video_id"), "timestamp": g("timestamp"), "framestamp": g("framestamp"),
              "stated_num_frames": _num(g("frame_number"), int), "stated_fps": _num(g("fps")),
-             "stated_duration": _num(g("seconds"))}
+             "stated_duration": _num(g("seconds")), "stated_width": _num(g("width"), int),
+             "stated_height": _num(g("height"), int)}
         r.update({c: g(c) for c in MIRADATA_CAPTIONS})
         return r
     return {"relpath": g("path"), "text": g("text"),
             "stated_num_frames": _num(g("num_frames"), int), "stated_fps": _num(g("fps")),
-            "stated_duration": _num(g("seconds"))}
+            "stated_duration": _num(g("seconds")), "stated_width": _num(g("width"), int),
+            "stated_height": _num(g("height"), int)}

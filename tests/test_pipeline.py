@@ -52,7 +52,28 @@ def test_every_reject_reason_comes_from_a_real_bad_input(ingested):
         if name:
             assert name in got[reason], (reason, got[reason])
     assert {"cut_in_half.mp4", "cut_no_moov.mp4", "cut_in_half.mkv"} <= set(got["truncated"])
+    assert "cover_art.m4a" in got["no_video_stream"]              # an attached picture is not video
+    from reelcache.ingest.demo import codec_specials
+
+    if "vp9" in codec_specials():
+        assert "cut_in_half.webm" in got["truncated"]
     assert set(got) <= {r.value for r in Reason}
+
+
+def test_every_encoding_of_the_demo_is_ingested(ingested):
+    """HEVC, VP9, AV1, 10-bit, open GOP, VFR, fragmented MP4, anamorphic: all ok, as the probe tests read them."""
+    from reelcache.ingest.demo import codec_specials
+
+    specials = codec_specials()
+    got = {r[0]: r[1:] for r in sql(ingested, "SELECT relpath, status, codec, bit_depth, frames_from, width, "
+                                              "height, sar_num, sar_den FROM clips")}
+    for key, spec in specials.items():
+        status, codec, depth, frames_from, w, h, sn, sd = got[spec.name]
+        assert status == "ok", (key, got[spec.name])
+        assert codec == {"hevc": "hevc", "vp9": "vp9", "av1": "av1"}.get(key, "h264")
+        assert depth == (10 if key == "ten_bit" else 8)
+        assert frames_from == ("demux" if key in ("vp9", "av1", "fragmented") else "header")
+        assert (w, h, sn, sd) == ((427, 240, 4, 3) if key == "anamorphic" else (426, 240, 1, 1))
 
 
 def test_probe_metadata_is_consistent(ingested):

@@ -63,3 +63,99 @@ def test_bad_files_are_rejected_with_their_reason(tmp_path):
         data = full.read_bytes()
         full.write_bytes(data[: len(data) // 2])
         assert _reason(full) == Reason.truncated, name
+
+
+# --- the encodings a crawl mixes in, each checked against ffprobe (an independent reading) ---------
+
+def _ffprobe(path) -> dict:
+    import json
+    import shutil
+    import subprocess
+
+    if not shutil.which("ffprobe"):
+        pytest.skip("ffprobe is not installed (apt-get install ffmpeg): it is this test's reference")
+    out = subprocess.run(["ffprobe", "-v", "error", "-select_streams", "V:0", "-count_frames", "-show_entries",
+                          "stream=codec_name,pix_fmt,width,height,sample_aspect_ratio,display_aspect_ratio,"
+                          "avg_frame_rate,nb_read_frames,bits_per_raw_sample", "-of", "json", str(path)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)["streams"][0]
+
+
+def _ratio(text) -> Fraction | None:
+    """ffprobe's 'a:b' (None for N/A or 0:1)."""
+    if not text or ":" not in text or text.startswith("0:"):
+        return None
+    a, b = text.split(":")
+    return Fraction(int(a), int(b))
+
+
+def _special(tmp_path, key):
+    import av
+
+    from reelcache.ingest.demo import CODEC_SPECIALS, codec_specials
+
+    kw, encoder = CODEC_SPECIALS[key]
+    if encoder not in av.codecs_available:
+        pytest.skip(f"this PyAV/FFmpeg build has no {encoder} encoder")
+    spec = codec_specials()[key]
+    path = tmp_path / spec.name
+    n = write_clip(path, spec)
+    return path, n
+
+
+@pytest.mark.parametrize("key", ["hevc", "vp9", "av1", "ten_bit", "open_gop", "vfr", "fragmented", "anamorphic"])
+def test_probe_agrees_with_ffprobe(tmp_path, key):
+    path, n = _special(tmp_path, key)
+    ref = _ffprobe(path)
+    p = probe(str(path))
+    assert p["num_frames"] == int(ref["nb_read_frames"]) == n
+    assert Fraction(p["fps_num"], p["fps_den"]) == Fraction(ref["avg_frame_rate"])
+    assert p["codec"] == ref["codec_name"] and p["pix_fmt"] == ref["pix_fmt"]
+    assert (p["coded_width"], p["coded_height"]) == (ref["width"], ref["height"])
+    sar = _ratio(ref.get("sample_aspect_ratio")) or Fraction(1)        # N/A: square pixels
+    assert Fraction(p["sar_num"], p["sar_den"]) == sar
+    # the displayed size: ffprobe's display aspect ratio, at the stored height
+    assert p["height"] == ref["height"] and p["width"] == round(ref["width"] * sar)
+    if dar := _ratio(ref.get("display_aspect_ratio")):
+        assert p["width"] / p["height"] == pytest.approx(float(dar), rel=0.005)
+    if key == "ten_bit":
+        assert p["bit_depth"] == 10
+    if key == "anamorphic":
+        assert (p["width"], p["height"]) == (427, 240) and p["aspect_ratio"] == pytest.approx(240 / 427)
+    decoded = probe(str(path), verify="decode")
+    assert decoded["num_frames"] == n and decoded["frames_from"] == "decode"
+
+
+def test_cover_art_is_not_a_video_stream(tmp_path):
+    from reelcache.ingest.demo import _write_audio_only
+
+    path = tmp_path / "song.m4a"
+    _write_audio_only(path, cover=True)
+    with pytest.raises(Rejected) as e:
+        probe(str(path))
+    assert e.value.reason == Reason.no_video_stream and "attached picture" in e.value.detail
+
+
+def test_a_cut_webm_fails_even_full_decode_verification(tmp_path):
+    import av
+
+    from reelcache.ingest.demo import CODEC_SPECIALS, ClipSpec
+
+    if "libvpx-vp9" not in av.codecs_available:
+        pytest.skip("this PyAV/FFmpeg build has no libvpx-vp9 encoder")
+    full = tmp_path / "long.webm"
+    kw = {k: v for k, v in CODEC_SPECIALS["vp9"][0].items() if k != "name"}
+    write_clip(full, ClipSpec(full.name, 160, 96, Fraction(25), 6.0, **kw))
+    data = full.read_bytes()
+    full.write_bytes(data[: len(data) // 2])
+    assert float(_ffprobe_format_duration(full)) == pytest.approx(6.0, abs=0.1)   # the header still says 6 s
+    for verify in ("header", "decode"):
+        assert _reason(full, verify=verify) == Reason.truncated, verify
+
+
+def _ffprobe_format_duration(path) -> str:
+    import subprocess
+
+    _ffprobe(path)
+    return subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0",
+                           str(path)], check=True, capture_output=True, text=True).stdout.strip()
