@@ -136,3 +136,29 @@ def test_the_demo_data_steps_run_twice(demo_dataset, tmp_path, monkeypatch):
     a, b = pq.read_table(tmp_path / "first.parquet"), pq.read_table(tmp_path / "second.parquet")
     assert a.equals(b)
     shutil.rmtree(root)
+
+
+def test_a_schema_1_catalog_is_migrated_and_merges(fresh_root):
+    """A catalog made before schema 2 (no SAR, no stated size) gains the columns on open and merges."""
+    import duckdb
+
+    from reelcache.catalog.db import open_catalog, schema_sql
+
+    db = fresh_root / "catalog.duckdb"
+    db.unlink()
+    v1 = schema_sql().replace("schema_version: 2", "schema_version: 1")
+    for col in ("sar_num", "sar_den", "stated_width", "stated_height"):
+        v1 = "\n".join(line for line in v1.splitlines() if not line.strip().startswith(col))
+    v1 = v1.replace("caption_column      VARCHAR,", "caption_column      VARCHAR")
+    con = duckdb.connect(str(db))
+    con.execute(v1)
+    con.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    assert "sar_num" not in [r[0] for r in con.execute("DESCRIBE clips").fetchall()]
+    con.close()
+    con = open_catalog(fresh_root, write=True)
+    cols = [r[0] for r in con.execute("DESCRIBE clips").fetchall()]
+    con.close()
+    assert cols[-4:] == ["sar_num", "sar_den", "stated_width", "stated_height"]
+    assert main(["catalog", "merge", "--root", str(fresh_root)]) == 0
+    assert sql(fresh_root, "SELECT value FROM meta WHERE key = 'schema_version'") == [("2",)]
+    assert sql(fresh_root, "SELECT count(*) FROM clips WHERE status = 'ok' AND sar_num IS NULL") == [(0,)]

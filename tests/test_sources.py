@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -85,3 +86,56 @@ def test_folder_with_sidecar_captions(tmp_path):
     (tmp_path / "v" / "notes.md").write_text("not a video")
     t = read_source("folder", "mine", None, str(tmp_path / "v")).to_pylist()
     assert [(r["relpath"], r["text"]) for r in t] == [("a.mp4", "A red kite."), ("sub/b.MKV", "")]
+
+
+def test_miradata_parquet_and_folder_sources_end_to_end(tmp_path):
+    """Three sources over the same real clips, one root, one merge: every row there, as each table says."""
+    import contextlib
+    import io
+    from fractions import Fraction
+
+    from conftest import sql
+    from reelcache.cli import main
+    from reelcache.ingest.demo import ClipSpec, write_clip
+
+    videos = tmp_path / "videos"
+    (videos / "000").mkdir(parents=True)
+    files = {"000/a.mp4": (96, 64), "000/b.mkv": (64, 96), "c.mp4": (80, 80)}
+    for rel, (w, h) in files.items():
+        write_clip(videos / rel, ClipSpec(Path(rel).name, w, h, Fraction(25), 1.0))
+        (videos / rel).with_suffix(".txt").write_text(f"Folder caption of {rel}.")
+    mira = _write_csv(tmp_path / "mira.csv", MIRADATA_COLUMNS, [mira_row(i, rel) for i, rel in enumerate(files)])
+    table = [{"path": rel, "text": f"Parquet caption of {rel}.", "num_frames": 25, "fps": 25.0,
+              "height": h, "width": w + (8 if rel == "c.mp4" else 0)} for rel, (w, h) in files.items()]
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "table.parquet")
+    root = tmp_path / "root"
+    units = []
+    for args in (["--source", "miradata", "--caption", "dense", "--meta", str(mira)],
+                 ["--source", "parquet", "--name", "pq", "--meta", str(tmp_path / "table.parquet")],
+                 ["--source", "folder", "--name", "fold"]):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(["ingest", "plan", "--root", str(root), "--videos", str(videos), "--rows-per-unit", "2",
+                         *args]) == 0
+        units += buf.getvalue().split()
+    assert main(["ingest", "run", "--root", str(root), *units]) == 0
+    assert main(["catalog", "merge", "--root", str(root)]) == 0
+    rows = sql(root, "SELECT source, relpath, status, text, width, height, stated_width, stated_height, "
+                     "stated_mismatch, mira_clip_id, caption_column, path, shard, shard_offset, file_size "
+                     "FROM clips ORDER BY source, relpath")
+    assert len(rows) == 9 and len({(r[0], r[1]) for r in rows}) == 9
+    assert len(sql(root, "SELECT DISTINCT clip_id FROM clips")) == 9      # same file, three sources, three ids
+    for source, rel, status, text, w, h, sw, sh, mism, mira_id, capcol, path, shard, off, size in rows:
+        assert status == "ok" and (w, h) == files[rel], (source, rel)
+        with open(root / shard, "rb") as f:                                  # real bytes at the recorded offset
+            f.seek(off)
+            assert f.read(size) == Path(path).read_bytes()
+        if source == "miradata":
+            assert text.startswith(f"dense caption {list(files).index(rel)}") and capcol == "dense_caption"
+            assert mira_id == f"mira{list(files).index(rel)}" and (sw, sh) == (1280, 720)
+            assert "size 1280x720!=" in mism and "num_frames 375!=25" in mism
+        elif source == "pq":
+            assert text == f"Parquet caption of {rel}." and sh == h
+            assert (mism is not None) == (rel == "c.mp4") and (rel != "c.mp4" or "size 88x80!=80x80" in mism)
+        else:
+            assert source == "fold" and text == f"Folder caption of {rel}." and sw is None and mism is None
