@@ -62,14 +62,14 @@ ingest: install
 	mkdir -p $(ROOT)
 	$(BIN)/reelcache ingest plan --root $(ROOT) --source $(SOURCE) --name $(NAME) \
 	    $(if $(META),--meta $(META)) --videos $(VIDEOS) $(ARGS) > $(ROOT)/units-$(NAME).txt
-	parallel --will-cite --bar -j $(JOBS) --joblog $(ROOT)/ingest-$(NAME).joblog \
+	parallel --will-cite $$([ -t 2 ] && echo --bar) -j $(JOBS) --joblog $(ROOT)/ingest-$(NAME).joblog \
 	    $(BIN)/reelcache ingest run --root $(ROOT) {} :::: $(ROOT)/units-$(NAME).txt
 	$(BIN)/reelcache catalog merge --root $(ROOT)
 
 cache: install
 	@[ -n "$(ROOT)" ] && [ -n "$(CONFIG)" ] || { echo "usage: make cache ROOT=... CONFIG=configs/cache/....toml [JOBS=]"; exit 2; }
 	$(BIN)/reelcache cache plan --root $(ROOT) --config $(CONFIG) > $(ROOT)/units-cache-$(notdir $(basename $(CONFIG))).txt
-	parallel --will-cite --bar -j $(JOBS) --joblog $(ROOT)/cache-$(notdir $(basename $(CONFIG))).joblog \
+	parallel --will-cite $$([ -t 2 ] && echo --bar) -j $(JOBS) --joblog $(ROOT)/cache-$(notdir $(basename $(CONFIG))).joblog \
 	    $(BIN)/reelcache cache run --root $(ROOT) {} :::: $(ROOT)/units-cache-$(notdir $(basename $(CONFIG))).txt
 	$(BIN)/reelcache catalog merge --root $(ROOT)
 
