@@ -141,6 +141,7 @@ class Lease:
 
     def __init__(self, path: Path, token: str):
         self.path, self.token = path, token
+        self.owner = os.getpid()      # a forked child inherits this object (and atexit), not the lease
 
     def verify(self) -> None:
         """Raise LostLease unless the lease file is still ours (checked before publishing results)."""
@@ -154,6 +155,8 @@ class Lease:
                             "another run took over): not publishing this run's results")
 
     def release(self) -> None:
+        if os.getpid() != self.owner:
+            return
         _HELD.pop(self.path, None)
         try:
             if json.loads(self.path.read_text()).get("token") == self.token:
@@ -233,8 +236,9 @@ def acquire(path: Path, *, wait: bool = False, poll_s: float = 1.0, on_wait=None
     path = Path(path)
     told = False
     while True:
-        if path in _HELD:                     # this process already holds it (a unit re-run in-process)
-            return _HELD[path]
+        held = _HELD.get(path)
+        if held is not None and held.owner == os.getpid():   # this process holds it (a unit re-run in-process)
+            return held
         lease = _try_create(path)
         if lease is not None:
             with _lock:
