@@ -194,3 +194,19 @@ def test_two_runs_of_one_unit_at_once_leave_one_clean_result(demo_dataset, inges
         assert "is being run by" in next(e for (_, e), p in zip(outs, procs) if p.returncode == 2)
     _same_as_clean(root, ingested)
     assert not list((root / "raw/openvid").glob(".*tmp*")) and not (root / "raw/openvid/000000.lease").exists()
+
+
+def test_a_run_that_lost_its_lease_does_not_publish(tmp_path):
+    from reelcache.catalog.lease import LostLease
+    from reelcache.catalog.shards import atomic_path, begin_unit, end_unit
+
+    sidecar = begin_unit(tmp_path, 5)
+    lease = tmp_path / "000005.lease"
+    taken = json.loads(lease.read_text()) | {"host": "gpu-node-3", "pid": 77, "token": "theirs"}
+    lease.write_text(json.dumps(taken))          # another node took the unit over while this run was frozen
+    with pytest.raises(LostLease, match="lost the lease"):
+        with atomic_path(sidecar) as tmp:
+            tmp.write_bytes(b"results")
+    assert not sidecar.exists() and json.loads(lease.read_text())["token"] == "theirs"
+    end_unit(sidecar)
+    assert json.loads(lease.read_text())["token"] == "theirs"       # releasing never removes another's lease
