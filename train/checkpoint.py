@@ -3,7 +3,8 @@
     ckpt-00002210/
       model/       fp32 master weights (trainable) + buffers, safetensors shards + index
       ema/         fp32 EMA, same layout (absent when run.ema_decay = 0)
-      optimizer/   ColossalAI's sharded optimizer checkpoint (Adam moments; resharded on load)
+      optimizer/   Adam moments: ColossalAI's sharded checkpoint under ZeRO (resharded on load),
+                   safetensors by parameter name + JSON hyper-parameters under DDP
       state.json   step, epoch, loader state, lr-schedule step, data fingerprint, guard window,
                    wandb run id, world size, library versions
       config.json  the resolved config that trained it
@@ -89,7 +90,7 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         par.barrier()
 
-    def save(self, step: int, model_state: dict, ema_state: dict | None, optimizer, state: dict,
+    def save(self, step: int, model_state: dict, ema_state: dict | None, model, optimizer, state: dict,
              config: dict) -> Path:
         """Collective: every rank calls it with the same step. Returns the final path."""
         from reelcache.train.weights import save_sharded
@@ -101,7 +102,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.par.barrier()
-        self.par.save_optimizer(optimizer, str(tmp / "optimizer"))
+        self.par.save_optimizer(optimizer, model, str(tmp / "optimizer"))
         self.par.barrier()
         if self.par.rank != 0:
             return final

@@ -16,6 +16,7 @@ communication. Saving gathers the chunks on rank 0.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from dataclasses import dataclass
 
@@ -160,15 +161,63 @@ class Parallel:
             full[name] = torch.cat(parts)[:n].view(shapes[name]).cpu()
         return full
 
-    def save_optimizer(self, optimizer, path: str) -> None:
-        self.booster.save_optimizer(optimizer, path, shard=True, size_per_shard=4096)
+    # -- optimizer state ---------------------------------------------------------------------
+    # ZeRO: ColossalAI's sharded optimizer checkpoint (it gathers and re-shards the states, so a
+    # different world size loads too). DDP: every rank holds the full state; rank 0 writes it as
+    # safetensors keyed by parameter name + JSON hyper-parameters (ColossalAI's loader needs a
+    # device synchronize that its CPU accelerator refuses).
+    def save_optimizer(self, optimizer, model, path: str) -> None:
+        if self.zero:
+            self.booster.save_optimizer(optimizer, path, shard=True, size_per_shard=4096)
+        elif self.rank == 0:
+            from safetensors.torch import save_file
 
-    def load_optimizer(self, optimizer, path: str) -> None:
-        self.booster.load_optimizer(optimizer, path)
+            names, sd = _param_names(model, optimizer), optimizer.state_dict()
+            tensors, scalars = {}, {}
+            for idx, st in sd["state"].items():
+                for k, v in st.items():
+                    if torch.is_tensor(v):
+                        tensors[f"{names[idx]}::{k}"] = v.detach().cpu().contiguous()
+                    else:
+                        scalars.setdefault(names[idx], {})[k] = v
+            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+                      for g in sd["param_groups"]]
+            os.makedirs(path, exist_ok=True)
+            save_file(tensors, os.path.join(path, "state.safetensors"))
+            with open(os.path.join(path, "optimizer.json"), "w") as f:
+                json.dump({"param_groups": groups, "scalars": scalars}, f, indent=1)
+
+    def load_optimizer(self, optimizer, model, path: str) -> None:
+        if self.zero:
+            self.booster.load_optimizer(optimizer, path)
+            return
+        from safetensors.torch import load_file
+
+        with open(os.path.join(path, "optimizer.json")) as f:
+            meta = json.load(f)
+        tensors = load_file(os.path.join(path, "state.safetensors"))
+        index = {n: i for i, n in _param_names(model, optimizer).items()}
+        if missing := [n for g in meta["param_groups"] for n in g["params"] if n not in index]:
+            raise ValueError(f"optimizer state for parameters this model lacks: {missing[:5]}")
+        state = {}
+        for key, v in tensors.items():
+            name, k = key.rsplit("::", 1)
+            state.setdefault(index[name], {})[k] = v
+        for name, sc in meta["scalars"].items():
+            state.setdefault(index[name], {}).update(sc)
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _param_names(model, optimizer) -> dict[int, str]:
+    """Optimizer state index -> parameter name (torch numbers parameters across groups in order)."""
+    by_id = {id(p): n for n, p in model.unwrap().named_parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {i: by_id[id(p)] for i, p in enumerate(params)}
 
 
 def _colossalai():

@@ -198,7 +198,7 @@ class Trainer:
             masters = par.master_chunks(self.model, self.optimizer)
             for n, m in masters.items():
                 m.copy_(par.chunk(full[n].float().reshape(-1)))
-        par.load_optimizer(self.optimizer, str(ckpt / "optimizer"))
+        par.load_optimizer(self.optimizer, self.model, str(ckpt / "optimizer"))
         try:
             self.loader.load_state_dict(state["loader"], reset_data=reset_data)
         except ValueError as e:
@@ -342,7 +342,7 @@ class Trainer:
             self.log.flush()                   # metrics up to this step exist before the checkpoint does
         if self.loader.log:
             self.loader.log.flush()
-        path = self.ckpt.save(self.global_step, model_state, ema, self.optimizer, state, self.cfg.to_dict())
+        path = self.ckpt.save(self.global_step, model_state, ema, self.model, self.optimizer, state, self.cfg.to_dict())
         if self.rank0:
             say(f"checkpoint {path.name} ({'writing in the background' if par.device.type == 'cuda' else 'written'})")
 

@@ -1,0 +1,236 @@
+"""The trainer, end to end on CPU: real torchrun processes, gloo, ColossalAI's TorchDDP booster,
+the real loader over real latent shards, the tiny STDiT3.
+
+References are independent of the code under test: an uninterrupted run for the killed-and-
+resumed one, a plain single-process autograd computation for the multi-rank gradient, the
+checkpoint files themselves for the load semantics, wandb's own file format for the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from latent_data import write_latents
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs/train/debug/stage1.toml"
+
+
+def data_args(manifest: Path, *extra: str) -> list[str]:
+    """Overrides that point the debug stage at a test root (8-wide captions, tiny buckets)."""
+    return [f'--data.manifests=[{{name="{manifest}"}}]', '--data.buckets="configs/buckets/tiny.toml"',
+            "--model.overrides={caption_channels=8, model_max_length=300}", "--data.workers=1",
+            "--run.wandb_mode=offline", *extra]
+
+
+def launch(root: Path, args: list[str], nproc: int = 1, **kw) -> subprocess.Popen:
+    env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "reelcache.train"]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(port), "-m", "reelcache.train"]
+    return subprocess.Popen(cmd + [str(CONFIG), "--root", str(root), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def train(root: Path, args: list[str], nproc: int = 1, ok: bool = True, timeout: float = 240) -> str:
+    p = launch(root, args, nproc)
+    out, _ = p.communicate(timeout=timeout)
+    if ok:
+        assert p.returncode == 0, out[-4000:]
+    else:
+        assert p.returncode != 0, out[-4000:]
+    return out
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    """The newest generation's row of each step (what trained)."""
+    import pyarrow.parquet as pq
+
+    rows = {}
+    for part in sorted((run_dir / "metrics").glob("*.parquet")):
+        for r in pq.read_table(part).to_pylist():
+            if r["step"] not in rows or r["generation"] >= rows[r["step"]]["generation"]:
+                rows[r["step"]] = r
+    return rows
+
+
+def weights(ckpt: Path, which: str = "model") -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted((ckpt / which).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def consumed(run_dir: Path) -> list[tuple]:
+    import duckdb
+
+    return duckdb.sql(f"""SELECT epoch, step, rank, clip_id FROM '{run_dir}/consumed/*.parquet'
+        QUALIFY generation = max(generation) OVER (PARTITION BY epoch, step)
+        ORDER BY ALL""").fetchall()
+
+
+def complete(ckpt: Path) -> bool:
+    """Everything a checkpoint promises is there: state, config, every indexed shard, the optimizer."""
+    for part in ("model", "ema"):
+        index = ckpt / part / "model.safetensors.index.json"
+        if not index.exists():
+            return False
+        if any(not (ckpt / part / f).exists() for f in set(json.loads(index.read_text())["weight_map"].values())):
+            return False
+    return all((ckpt / f).exists() for f in ("state.json", "config.json", "optimizer/state.safetensors",
+                                               "optimizer/optimizer.json"))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> tuple[Path, Path]:
+    r = tmp_path_factory.mktemp("train-root")
+    return r, write_latents(r, 24, name="train")
+
+
+def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root):
+    """kill -9 of one rank mid-run, --load latest: the same batches, losses and weights as without the kill."""
+    r, manifest = root
+    args = data_args(manifest, "--run.epochs=3", "--run.ckpt_every=4", "--run.keep_last=10")
+    train(r, args + ["--run.name=whole"], nproc=2)
+    whole = metrics(r / "runs/whole")
+    steps = sorted(whole)
+    assert steps == list(range(len(steps))) and len(steps) == 15        # 10 micro-batches/epoch on 2 ranks
+    first, last = [whole[s]["loss"] for s in steps[:5]], [whole[s]["loss"] for s in steps[-5:]]
+    assert sum(last) / 5 < 0.8 * sum(first) / 5, (first, last)          # it learns the tiny set
+
+    run = r / "runs/killed"
+    seen_partial = []
+    stop = threading.Event()
+
+    def watch():                                     # a reader never sees a half-written checkpoint
+        while not stop.is_set():
+            for c in run.glob("ckpt-*"):
+                if c.is_dir() and not complete(c):
+                    seen_partial.append(c.name)
+            time.sleep(0.01)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    try:
+        p = launch(r, args + ["--run.name=killed"], nproc=2)
+        deadline = time.monotonic() + 180
+        while not (run / "ckpt-00000008").exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:]
+            time.sleep(0.05)
+        victim = json.loads((run / "ranks/rank00001.json").read_text())["pid"]
+        os.kill(victim, signal.SIGKILL)
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert not (run / "ckpt-00000015").exists()
+        train(r, args + ["--run.name=killed", "--load", "latest"], nproc=2)
+    finally:
+        stop.set()
+        w.join()
+    assert not seen_partial
+    assert not list(run.glob(".tmp-*"))
+    resumed = metrics(run)
+    assert sorted(resumed) == steps
+    assert [resumed[s]["loss"] for s in steps] == [whole[s]["loss"] for s in steps]
+    assert {resumed[s]["generation"] for s in steps if s >= 8} == {1}
+    assert consumed(run) == consumed(r / "runs/whole")
+    a, b = weights(r / "runs/whole/ckpt-00000015"), weights(run / "ckpt-00000015")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    ea, eb = weights(r / "runs/whole/ckpt-00000015", "ema"), weights(run / "ckpt-00000015", "ema")
+    assert all((ea[k] == eb[k]).all() for k in ea)
+
+
+def test_init_from_load_and_reset_data(root):
+    r, manifest = root
+    args = data_args(manifest, "--run.ckpt_every=2", "--run.keep_last=5")
+    train(r, args + ["--run.name=a", "--run.max_steps=4"])
+    a4 = r / "runs/a/ckpt-00000004"
+    state = json.loads((a4 / "state.json").read_text())
+    assert (state["global_step"], state["loader"]["epoch"], state["loader"]["consumed"]) == (4, 0, 4)
+
+    # --init-from: weights only. With lr 0 the weights stay as loaded; the EMA starts as them.
+    train(r, args + ["--run.name=b", "--run.max_steps=1", "--optim.lr=0.0", "--init-from", str(a4)])
+    b1 = r / "runs/b/ckpt-00000001"
+    sb = json.loads((b1 / "state.json").read_text())
+    assert (sb["global_step"], sb["opt_steps"], sb["loader"]["consumed"]) == (1, 1, 1)
+    wa, wb, eb = weights(a4), weights(b1), weights(b1, "ema")
+    assert all((wa[k] == wb[k]).all() for k in wa)
+    import torch
+
+    assert all(torch.allclose(eb[k], wa[k], rtol=1e-6, atol=1e-7) for k in eb)   # 0.99 x + 0.01 x, rounded
+
+    # --load: everything, the data position included.
+    train(r, args + ["--run.name=a", "--run.max_steps=6", "--load", "latest"])
+    s6 = json.loads((r / "runs/a/ckpt-00000006/state.json").read_text())
+    assert (s6["global_step"], s6["opt_steps"], s6["loader"]["consumed"], s6["loader"]["generation"]) == (6, 6, 6, 1)
+
+    # --load --reset-data: optimizer and schedule continue, the data restarts at epoch 0.
+    train(r, args + ["--run.name=c", "--run.max_steps=5", "--load", str(a4), "--reset-data"])
+    s5 = json.loads((r / "runs/c/ckpt-00000005/state.json").read_text())
+    assert (s5["global_step"], s5["opt_steps"], s5["loader"]["epoch"], s5["loader"]["consumed"]) == (5, 5, 0, 1)
+
+    # Another manifest: refused, naming the flag that resets the data.
+    other = write_latents(r, 20, name="other", seed=3)
+    out = train(r, data_args(other, "--run.name=d", "--load", str(a4)), ok=False)
+    assert "--reset-data" in out and "refusing to resume" in out
+    # A run directory with checkpoints is never trained over by accident.
+    out = train(r, args + ["--run.name=a"], ok=False)
+    assert "--load latest" in out
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """History rows of the offline run, read from wandb's own file format (a leveldb-style record log
+    of protobuf Records after a 7-byte ':W&B' header), not through our code."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (f,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data = f.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, rows, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):                     # FULL or LAST
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+        elif kind == 0:
+            break
+    return rows
+
+
+def test_wandb_offline_log_and_metrics_parquet(root):
+    r, manifest = root
+    train(r, data_args(manifest, "--run.name=logged", "--run.max_steps=3"))
+    rows = wandb_history(r / "runs/logged")
+    assert [row["global_step"] for row in rows] == [0, 1, 2]
+    for key in ("train/loss", "train/lr", "train/grad_norm", "train/weight_norm", "train/samples_per_s",
+                "train/tokens_per_s", "train/step_s", "train/data_wait_s"):
+        assert all(key in row for row in rows), key
+    assert all(any(k.startswith("buckets/") for k in row) for row in rows)
+    m = metrics(r / "runs/logged")
+    assert [m[s]["loss"] for s in range(3)] == [row["train/loss"] for row in rows]
+    assert (r / "runs/logged/wandb_id").read_text() in str(next((r / "runs/logged/wandb").glob("offline-run-*")))
