@@ -112,19 +112,20 @@ def source(name, lo, hi, weight):
 # mix: a 1.0M-clip source downsampled to 60% and a 0.3M one upsampled to 40% (1.73 copies per clip)
 srcs = [source("a", 0, n - 3 * n // 13, 0.6), source("b", n - 3 * n // 13, n, 0.4)] if mix else [source("f", 0, n, 1.0)]
 sizes = BucketConfig.from_dict({r: {17: 8, 34: 4, 51: 2} for r in ("240p", "360p", "480p", "720p")})
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 plan = epoch_plan(srcs, sizes, seed=42, epoch=3)
 consumed = int(plan.num_batches * consumed_frac)
 sched = plan.rank_batches(consumed, rank=5, world=192)
 first = plan.batch(sched[0][0])
-t2 = time.perf_counter()
+t2, c2 = time.perf_counter(), time.process_time()
 # audit (not timed): micro-batches holding one clip twice, and the closest two copies of a clip (in micro-batches)
 batch_of = np.repeat(np.arange(plan.num_batches), np.diff(plan.starts))
 o = np.lexsort((batch_of, plan.order))
 same = plan.order[o][1:] == plan.order[o][:-1]
 dup_batches = len(np.unique(batch_of[o][1:][same & (batch_of[o][1:] == batch_of[o][:-1])]))
 gaps = (batch_of[o][1:] - batch_of[o][:-1])[same]
-print(json.dumps({"build_inputs_s": t1 - t0, "plan_and_resume_s": t2 - t1, "micro_batches": plan.num_batches,
+print(json.dumps({"build_inputs_s": t1 - t0, "plan_and_resume_s": t2 - t1, "plan_and_resume_cpu_s": c2 - c1,
+                  "micro_batches": plan.num_batches,
                   "consumed": consumed, "steps_left": len(sched), "batches_with_duplicate": int(dup_batches),
                   "min_copy_gap": int(gaps.min()) if len(gaps) else None}))
 """
@@ -143,7 +144,7 @@ def plan_cost(results: dict) -> None:
     results["plan"] = {"rows": ROWS, **out}
     print(f"\n== plan + resume, {ROWS:,} samples, rank 5 of 192 (mix: 1.0M clips at weight 0.6 + 0.3M at 0.4)")
     for k, r in out.items():
-        print(f"  {k:24s} plan+resume {r['plan_and_resume_s']:5.2f} s  ({r['micro_batches']} micro-batches, "
+        print(f"  {k:24s} plan+resume {r['plan_and_resume_s']:5.2f} s (CPU {r['plan_and_resume_cpu_s']:4.2f} s)  ({r['micro_batches']} micro-batches, "
               f"{r['steps_left']} steps left, {r['batches_with_duplicate']} with a clip twice, closest copies "
               f"{r['min_copy_gap']} micro-batches apart)   peak RSS {r['peak_rss_MB']} MB (incl. the test manifest)")
 

@@ -120,7 +120,7 @@ def _select(sources: list[Source], seed: int, epoch: int) -> tuple[np.ndarray, n
     sizes = [len(s) for s in sources]
     base = np.concatenate([[0], np.cumsum(sizes)])
     if len(sources) == 1:
-        return np.arange(sizes[0], dtype=np.int64), np.zeros(sizes[0], dtype=np.int64)
+        return np.arange(sizes[0], dtype=np.int64), np.zeros(sizes[0], dtype=np.int32)
     total = sum(sizes)
     wsum = sum(s.weight for s in sources)
     picks, passes = [], []
@@ -129,8 +129,23 @@ def _select(sources: list[Source], seed: int, epoch: int) -> tuple[np.ndarray, n
         reps = -(-need // len(s)) if need else 0
         idx = np.concatenate([_rng(seed, epoch, 1, i, r).permutation(len(s)) for r in range(reps)] or [[]])
         picks.append(base[i] + idx[:need].astype(np.int64))
-        passes.append(np.arange(need, dtype=np.int64) // len(s))
+        passes.append((np.arange(need, dtype=np.int64) // len(s)).astype(np.int32))
     return np.concatenate(picks), np.concatenate(passes)
+
+
+def _argsort(keys: list[np.ndarray], bounds: list[int]) -> np.ndarray:
+    """Indices sorting by keys[0], then keys[1], ... (ints in [0, bound)), ties by index: np.lexsort's
+    answer, but from one quicksort of a packed int64 key when the key space fits in 63 bits (about 8x
+    faster at 1M rows). Quicksort's order of equal keys is unspecified, so ties go to a stable sort."""
+    if math.prod(int(b) for b in bounds) >= 2 ** 63:
+        return np.lexsort(keys[::-1])
+    packed = np.zeros(len(keys[0]), dtype=np.int64)
+    for k, b in zip(keys, bounds):
+        packed = packed * int(b) + k.astype(np.int64)
+    o = np.argsort(packed)
+    if len(o) > 1 and (np.diff(packed[o]) == 0).any():
+        o = np.argsort(packed, kind="stable")
+    return o
 
 
 def _codes(values: np.ndarray) -> tuple[list[str], np.ndarray]:
@@ -151,7 +166,8 @@ def _storage_order(sources: tuple[Source, ...]):
     _, shard_codes = _codes(np.concatenate([s.shard for s in sources]))
     offsets = np.concatenate([s.offset for s in sources])
     rank = np.empty(len(codes), dtype=np.int64)
-    rank[np.lexsort((offsets, shard_codes, codes))] = np.arange(len(codes))
+    top = int(offsets.max()) + 1 if len(offsets) else 1
+    rank[_argsort([codes, shard_codes, offsets], [len(names), int(shard_codes.max()) + 1, top])] = np.arange(len(codes))
     return names, codes, rank
 
 
@@ -163,12 +179,11 @@ def epoch_plan(sources: list[Source], sizes: BucketConfig, seed: int, epoch: int
 def _cached_plan(sources: tuple[Source, ...], sizes: BucketConfig, seed: int, epoch: int, block: int) -> Plan:
     names, codes, rank = _storage_order(sources)
     sel, pas = _select(list(sources), seed, epoch)
-    key = rank[sel]
-    o = np.lexsort((key, pas, codes[sel]))              # bucket, then pass, then storage order
+    o = _argsort([codes[sel], pas, rank[sel]], [len(names), int(pas.max()) + 1, len(rank)])  # bucket, pass, storage
     sel, pas, sel_codes = sel[o], pas[o], codes[sel[o]]
     batch_sizes = np.array([sizes.batch_size(b) for b in names], dtype=np.int64)
     bounds = np.searchsorted(sel_codes, np.arange(len(names) + 1))
-    block_of = np.empty(len(rank), dtype=np.int64)       # scratch: pass-0 block of each sample
+    block_of = np.empty(len(rank), dtype=np.int32)       # scratch: pass-0 block of each sample
     rng_jitter = _rng(seed, epoch, 3)
     shuffled, batch_start, batch_len, batch_bucket, batch_key = [], [], [], [], []
     base = 0
@@ -187,8 +202,8 @@ def _cached_plan(sources: tuple[Source, ...], sizes: BucketConfig, seed: int, ep
         passes = int(p[-1]) + 1
         # Pass p takes its blocks in pass 0's shuffled block order, rotated by p/passes of it:
         # a sample's copies land about 1/passes of the bucket's sequence apart.
-        turn = (rng.permutation(nb)[block_of[s]] + p * nb // passes) % nb
-        s = s[np.lexsort((rng.random(n), turn, p))]       # per pass: blocks shuffled, then inside each
+        turn = (rng.permutation(nb)[block_of[s]] + p.astype(np.int64) * nb // passes) % nb
+        s = s[_argsort([p, turn, rng.permutation(n)], [passes, nb, n])]   # per pass: blocks shuffled, then inside each
         first = np.searchsorted(p, p)                     # p is sorted: where each sample's pass starts
         pos = np.arange(n) - first                        # position inside its pass
         cuts = np.flatnonzero(pos % bs == 0)              # micro-batches never straddle two passes
