@@ -240,6 +240,20 @@ def test_mixing_weights_draw_the_asked_shares(tmp_path):
     assert from_a == 70 and len(set(got) & set(ids(a))) == 60          # a upsampled: every clip, some twice
 
 
+def test_upsampled_and_shared_clips_never_repeat_inside_a_batch(tmp_path):
+    a = write_latents(tmp_path, 60, name="a", seed=1)
+    hq = tmp_path / "manifests" / "hq.parquet"                    # a filtered subset of a: the same members
+    pq.write_table(pq.read_table(a).take(list(range(0, 60, 4))), hq)
+    for mix in ([(a, 0.3), (hq, 0.7)], [(a, 1.0), (hq, 1.0)]):
+        ld = LatentLoader(mix, SIZES, root=tmp_path, read=False, world_size=2)
+        batches = [b for rk in run_ranks([ld, LatentLoader(mix, SIZES, root=tmp_path, read=False, world_size=2, rank=1)])
+                   for b in rk if b["weight"] == 1]
+        seen = Counter(c for b in batches for c in b["clip_id"])
+        drawn = sum(round(w / sum(w for _, w in mix) * 75) for _, w in mix)     # round(w * total) each
+        assert max(seen.values()) > 1 and sum(seen.values()) == drawn          # repeats exist ...
+        assert all(len(set(b["clip_id"])) == len(b["clip_id"]) for b in batches)  # ... never in one batch
+
+
 def test_consumed_log_answers_which_clips_a_step_saw(data, tmp_path):
     import duckdb
 

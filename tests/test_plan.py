@@ -113,3 +113,26 @@ def test_buckets_are_spread_evenly_over_the_epoch():
         where = np.flatnonzero(plan.bucket == code)
         per_tenth = np.bincount(where * 10 // m, minlength=10)
         assert per_tenth.max() - per_tenth.min() <= 3, (plan.buckets[code], per_tenth)
+
+
+def test_a_clip_in_two_manifests_is_never_twice_in_a_batch():
+    # "hq" is a subset of "all" (the same members: shard and offset): drawing both at weight 1
+    # gives its clips two copies, which must be treated like upsampled repeats.
+    full = source("all", 3000, 0.5)
+    keep = np.arange(0, 3000, 3)
+    hq = Source("h" * 64, full.clip_id[keep], full.bucket[keep], full.shard[keep], full.offset[keep], 0.5)
+    plan = epoch_plan([full, hq], B16, seed=2, epoch=0)
+    clip = np.concatenate([full.clip_id, hq.clip_id])
+    seen = [clip[b] for b in batches(plan)]
+    assert sum(len(set(c.tolist())) < len(c) for c in seen) == 0
+    counts = np.unique(np.concatenate(seen), return_counts=True)[1]
+    assert counts.max() >= 2 and len(np.concatenate(seen)) == 4000
+
+
+def test_packed_argsort_is_lexsort():
+    from reelcache.train.plan import _argsort
+
+    rng = np.random.default_rng(0)
+    for bounds in ([3, 5, 7], [2, 2**20, 2**40], [2**30, 2**30, 2**30]):   # with ties; the last overflows 63 bits
+        keys = [rng.integers(0, b, 5000) for b in bounds]
+        assert np.array_equal(_argsort(keys, bounds), np.lexsort(keys[::-1]))

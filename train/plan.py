@@ -8,7 +8,9 @@ in four steps, each a numpy pass over the manifest (about a second at 1.3M sampl
 
 1. selection: with one manifest, every sample once. With several, weight w_i draws
    round(w_i * total) samples from manifest i: a fresh random subset when that is fewer than it
-   has, whole passes plus a subset when more (upsampling). A pass holds each sample at most once;
+   has, whole passes plus a subset when more (upsampling). A pass holds each clip at most once
+   (a clip in several manifests, i.e. stored at the same shard and offset, counts its copies
+   across all of them);
 2. storage order: selected samples sorted by (bucket, pass, shard, offset), i.e. as they lie on disk;
 3. block shuffle per bucket: pass 0 (every distinct sample) is cut into blocks of ``block``
    consecutive samples and the blocks get a random order; each pass takes its samples block by
@@ -161,14 +163,25 @@ def _codes(values: np.ndarray) -> tuple[list[str], np.ndarray]:
 
 @lru_cache(maxsize=4)
 def _storage_order(sources: tuple[Source, ...]):
-    """Bucket codes and the (bucket, shard, offset) rank of every sample of the concatenated sources."""
+    """Bucket codes and the (bucket, shard, offset) rank of every sample of the concatenated sources;
+    and, when manifests share members (one clip in several), each sample's clip: the index of the
+    first sample stored at the same place (None when every sample is its own clip)."""
     names, codes = _codes(np.concatenate([s.bucket for s in sources]))
     _, shard_codes = _codes(np.concatenate([s.shard for s in sources]))
     offsets = np.concatenate([s.offset for s in sources])
-    rank = np.empty(len(codes), dtype=np.int64)
-    top = int(offsets.max()) + 1 if len(offsets) else 1
-    rank[_argsort([codes, shard_codes, offsets], [len(names), int(shard_codes.max()) + 1, top])] = np.arange(len(codes))
-    return names, codes, rank
+    n = len(codes)
+    top = int(offsets.max()) + 1 if n else 1
+    order = _argsort([codes, shard_codes, offsets], [len(names), int(shard_codes.max()) + 1 if n else 1, top])
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    sh, off, cd = shard_codes[order], offsets[order], codes[order]
+    same = (sh[1:] == sh[:-1]) & (off[1:] == off[:-1]) & (cd[1:] == cd[:-1])
+    clip = None
+    if same.any():
+        head = np.maximum.accumulate(np.where(np.concatenate([[True], ~same]), np.arange(n), 0))
+        clip = np.empty(n, dtype=np.int64)
+        clip[order] = order[head]
+    return names, codes, rank, clip
 
 
 def epoch_plan(sources: list[Source], sizes: BucketConfig, seed: int, epoch: int, block: int = 64) -> Plan:
@@ -177,18 +190,28 @@ def epoch_plan(sources: list[Source], sizes: BucketConfig, seed: int, epoch: int
 
 @lru_cache(maxsize=2)
 def _cached_plan(sources: tuple[Source, ...], sizes: BucketConfig, seed: int, epoch: int, block: int) -> Plan:
-    names, codes, rank = _storage_order(sources)
+    names, codes, rank, clip = _storage_order(sources)
     sel, pas = _select(list(sources), seed, epoch)
-    o = _argsort([codes[sel], pas, rank[sel]], [len(names), int(pas.max()) + 1, len(rank)])  # bucket, pass, storage
-    sel, pas, sel_codes = sel[o], pas[o], codes[sel[o]]
+    if clip is not None:
+        # Manifests share clips: a clip's copies are numbered across all of them, so a clip drawn
+        # from two manifests is two passes, like a clip drawn twice from one.
+        ident = clip[sel]
+        o = _argsort([ident, pas], [len(rank), int(pas.max()) + 1 if len(pas) else 1])
+        first = np.searchsorted(ident[o], ident[o])
+        pas = np.empty_like(pas)
+        pas[o] = np.arange(len(o)) - first
+    else:
+        ident = sel
+    o = _argsort([codes[sel], pas, rank[sel]], [len(names), int(pas.max()) + 1 if len(pas) else 1, len(rank)])
+    sel, pas, ident, sel_codes = sel[o], pas[o], ident[o], codes[sel[o]]     # bucket, pass, storage order
     batch_sizes = np.array([sizes.batch_size(b) for b in names], dtype=np.int64)
     bounds = np.searchsorted(sel_codes, np.arange(len(names) + 1))
-    block_of = np.empty(len(rank), dtype=np.int32)       # scratch: pass-0 block of each sample
+    block_of = np.empty(len(rank), dtype=np.int32)       # scratch: pass-0 block of each clip
     rng_jitter = _rng(seed, epoch, 3)
     shuffled, batch_start, batch_len, batch_bucket, batch_key = [], [], [], [], []
     base = 0
     for b in range(len(names)):
-        s, p = sel[bounds[b]:bounds[b + 1]], pas[bounds[b]:bounds[b + 1]]
+        s, p, c = sel[bounds[b]:bounds[b + 1]], pas[bounds[b]:bounds[b + 1]], ident[bounds[b]:bounds[b + 1]]
         n, bs = len(s), int(batch_sizes[b])
         if n == 0:
             continue
@@ -198,11 +221,11 @@ def _cached_plan(sources: tuple[Source, ...], sizes: BucketConfig, seed: int, ep
                           f"{bs}: partial batches", stacklevel=3)
         rng = _rng(seed, epoch, 2, zlib.crc32(names[b].encode()))
         nb = -(-n0 // block)
-        block_of[s[:n0]] = np.arange(n0) // block
+        block_of[c[:n0]] = np.arange(n0) // block
         passes = int(p[-1]) + 1
         # Pass p takes its blocks in pass 0's shuffled block order, rotated by p/passes of it:
         # a sample's copies land about 1/passes of the bucket's sequence apart.
-        turn = (rng.permutation(nb)[block_of[s]] + p.astype(np.int64) * nb // passes) % nb
+        turn = (rng.permutation(nb)[block_of[c]] + p.astype(np.int64) * nb // passes) % nb
         s = s[_argsort([p, turn, rng.permutation(n)], [passes, nb, n])]   # per pass: blocks shuffled, then inside each
         first = np.searchsorted(p, p)                     # p is sorted: where each sample's pass starts
         pos = np.arange(n) - first                        # position inside its pass
