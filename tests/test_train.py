@@ -234,3 +234,82 @@ def test_wandb_offline_log_and_metrics_parquet(root):
     m = metrics(r / "runs/logged")
     assert [m[s]["loss"] for s in range(3)] == [row["train/loss"] for row in rows]
     assert (r / "runs/logged/wandb_id").read_text() in str(next((r / "runs/logged/wandb").glob("offline-run-*")))
+
+
+@pytest.mark.parametrize("reduction", ["sample", "rank"])
+def test_step_gradient_is_the_mean_over_real_samples(root, reduction):
+    """2 ranks with different buckets, then with a padding rank: the trainer's gradient equals plain
+    single-process autograd of the configured mean over the real samples only."""
+    r, manifest = root
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "REELCACHE_PROGRESS": "0"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(port), str(REPO / "tests/grad_check.py"), str(CONFIG), str(r), str(manifest), reduction],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    cases = {c["case"]: c for c in map(json.loads, [ln for ln in p.stdout.splitlines() if ln.startswith("{")])}
+    assert set(cases) == {"two buckets", "padding rank"}
+    for c in cases.values():
+        assert c["max_rel_err"] < 1e-5, c
+    assert cases["padding rank"]["samples"] < cases["two buckets"]["samples"]
+
+
+def poisoned_manifest(root: Path, manifest: Path) -> tuple[Path, str]:
+    """The manifest plus one sample whose latents are NaN (as a broken encoder would have written)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from reelcache.catalog.latents import LATENT_EXT, encode
+    from reelcache.catalog.shards import ShardWriter
+
+    clip, bucket = "poisoned-clip-0000", "144p/17/0.56"
+    (root / "latents/poison").mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(root / "latents/poison", "000000", 10_000_000)
+    nan = torch.full((4, 5, 4, 6), float("nan")).bfloat16()
+    data = encode({"mean": nan, "logvar": torch.zeros(4, 5, 4, 6).bfloat16(), "text": torch.ones(4, 8).bfloat16()},
+                  clip_id=clip, bucket=bucket)
+    shard, offsets = writer.write_sample(clip, [(LATENT_EXT, data, None)])
+    writer.close()
+    table = pq.read_table(manifest)
+    row = pa.table({"clip_id": [clip], "bucket": [bucket], "shard": [f"latents/poison/{shard}"],
+                    "shard_offset": [offsets[LATENT_EXT]]}).cast(table.schema)
+    out = root / "manifests/poisoned.parquet"
+    pq.write_table(pa.concat_tables([table, row]), out)
+    return out, clip
+
+
+def test_divergence_guard_skips_a_nan_step_on_every_rank_and_stops_after_n(root):
+    r, manifest = root
+    bad_manifest, clip = poisoned_manifest(r, manifest)
+    args = data_args(bad_manifest, "--run.epochs=1", "--run.ckpt_every=3")
+    out = train(r, args + ["--run.name=guarded"], nproc=2)
+    run = r / "runs/guarded"
+    (rec,) = [json.loads(ln) for ln in (run / "bad_steps.jsonl").read_text().splitlines()]
+    assert clip in rec["clip_ids"] and "loss is nan" in rec["reason"]
+    m = metrics(run)
+    assert m[rec["step"]]["skipped"] and all(not m[s]["skipped"] for s in m if s != rec["step"])
+    assert all(v.isfinite().all() for v in weights(run / f"ckpt-{max(m) + 1:08d}").values())
+    assert "skipped" in out
+    # With max_bad_steps = 1 the same step stops the run, naming the checkpoint to resume from.
+    out = train(r, args + ["--run.name=stopped", "--run.max_bad_steps=1"], nproc=2, ok=False)
+    assert "consecutive bad steps" in out and "--load" in out
+
+
+def test_guard_spike_rule():
+    from reelcache.train.guard import Guard
+
+    g = Guard(spike_z=4.0, window=10, max_bad=2)
+    for v in [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.1, 0.9, 1.0, 1.0]:
+        assert g.verdict(v, 1.0) is None
+        g.record(v, False)
+    # window mean 1.0, sample std 0.0667: 1.2 is z = 3.0, 1.3 is z = 4.5
+    assert g.verdict(1.2, 1.0) is None
+    assert "spike" in g.verdict(1.3, 1.0)
+    assert "gradient norm is inf" in g.verdict(1.0, float("inf"))
+    g.record(1.3, True)
+    assert not g.exhausted
+    g.record(1.3, True)
+    assert g.exhausted

@@ -120,10 +120,15 @@ class TrainConfig:
             raise UserError("run.ema_decay must be in [0, 1)")
         if self.model.dtype not in ("bf16", "fp32"):
             raise UserError(f"model.dtype {self.model.dtype!r}: bf16 or fp32")
+        schedules = []
         for m in d.manifests:
             ws = m.weight if isinstance(m.weight, list) else [m.weight]
             if not ws or any(not isinstance(w, (int, float)) or w < 0 for w in ws):
                 raise UserError(f"data.manifests {m.name!r}: weight must be a number >= 0 or a list of them")
+            schedules.append(ws)
+        for epoch in range(max(len(ws) for ws in schedules)):
+            if sum(ws[min(epoch, len(ws) - 1)] for ws in schedules) <= 0:
+                raise UserError(f"data.manifests: every mixing weight is 0 in epoch {epoch}: nothing to train on")
         return self
 
     def to_dict(self) -> dict:
