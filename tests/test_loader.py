@@ -377,3 +377,44 @@ def test_a_state_from_another_plan_version_is_refused(data):
     old = {**ld.state_dict(), "plan_version": 1, "consumed": 3}      # saved by plan version 1 (repeats side by side)
     with pytest.raises(ValueError, match="plan version 1.*reset_data"):
         LatentLoader([manifest], SIZES, root=root, seed=0, read=False).load_state_dict(old)
+
+
+def test_each_sample_carries_its_manifest_fps(tmp_path):
+    with_fps = write_latents(tmp_path, 30, name="f", fps=True)
+    t = pq.read_table(with_fps).to_pydict()
+    fps = dict(zip(t["clip_id"], t["fps"]))
+    seen = 0
+    for b in LatentLoader([with_fps], SIZES, root=tmp_path, seed=0):
+        assert b["fps"].dtype == torch.float64 and b["fps"].tolist() == [fps[c] for c in b["clip_id"]]
+        seen += len(b["clip_id"])
+    assert seen == 30 and len(set(fps.values())) == 3
+    without = write_latents(tmp_path, 10, name="g")
+    assert all(torch.isnan(b["fps"]).all() for b in LatentLoader([without], SIZES, root=tmp_path, seed=0))
+
+
+def test_a_weight_schedule_sets_each_epochs_shares_and_is_part_of_the_position(tmp_path):
+    a = write_latents(tmp_path, 60, name="a", seed=1)
+    b = write_latents(tmp_path, 40, name="b", seed=2)
+    from_a = set(ids(a))
+    ramp = [(a, [0.9, 0.6, 0.5]), (b, [0.1, 0.4, 0.5])]
+    ld = LatentLoader(ramp, SIZES, root=tmp_path, read=False)
+    shares = []
+    for _ in range(4):                                          # the last weight holds after the list
+        got = [c for bt in ld for c in bt["clip_id"]]
+        shares.append((len(got), sum(c in from_a for c in got)))
+    assert shares == [(100, 90), (100, 60), (100, 50), (100, 50)]
+    # resuming inside epoch 1 continues with epoch 1's weights, exactly
+    ref = LatentLoader(ramp, SIZES, root=tmp_path, read=False)
+    list(ref)
+    it = iter(ref)
+    head = [next(it)["clip_id"] for _ in range(3)]
+    resumed = LatentLoader(ramp, SIZES, root=tmp_path, read=False)
+    resumed.load_state_dict(ref.state_dict())
+    rest = [bt["clip_id"] for bt in resumed]
+    ref_epoch1 = LatentLoader(ramp, SIZES, root=tmp_path, read=False)
+    list(ref_epoch1)
+    assert head + rest == [bt["clip_id"] for bt in ref_epoch1]
+    # a state saved under the ramp is refused by a loader with constant weights
+    flat = LatentLoader([(a, 0.9), (b, 0.1)], SIZES, root=tmp_path, read=False)
+    with pytest.raises(ValueError, match="reset_data"):
+        flat.load_state_dict(ref.state_dict())
