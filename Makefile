@@ -31,9 +31,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,train]'
 	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
-	$(BIN)/pip install -q psutil einops peft accelerate bitsandbytes
+	$(BIN)/pip install -q psutil einops peft accelerate bitsandbytes fabric
 	$(BIN)/pip install -q diffusers
 	touch $@
 
@@ -54,7 +54,9 @@ demo: install
 	$(BIN)/reelcache loader simulate --root $(DEMO_ROOT) --manifest demo-stage1-tiny --buckets configs/buckets/demo.toml \
 	    --world-size 4 --workers 2 --seed 42 --epochs 2 --save-at 5 --resume-world-size 3 \
 	    --out $(DEMO_ROOT)/runs/demo/simulated-consumed.parquet
-	@echo "demo done: catalog $(DEMO_ROOT)/catalog.duckdb, plots $(DEMO_ROOT)/stats/catalog.png, latents $(DEMO_ROOT)/latents/tiny"
+	$(BIN)/reelcache demo train --root $(DEMO_ROOT)
+	@echo "demo done: catalog $(DEMO_ROOT)/catalog.duckdb, plots $(DEMO_ROOT)/stats/catalog.png, latents $(DEMO_ROOT)/latents/tiny," \
+	    "runs $(DEMO_ROOT)/runs/debug-stage{1,2}, loss plot $(DEMO_ROOT)/runs/demo-loss.png"
 
 ingest: install
 	@[ -n "$(ROOT)" ] && [ -n "$(SOURCE)" ] && [ -n "$(VIDEOS)" ] || \

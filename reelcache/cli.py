@@ -296,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--workers", type=int, default=2)
     g.set_defaults(fn=_demo_generate)
+    train_cli.add_demo(idemo)
     return p
 
 

@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--init-from", metavar="WEIGHTS",
                      help="weights only (a new stage): our ckpt folder, an Open-Sora checkpoint folder, a "
                           "published STDiT3 folder / .safetensors, or a PixArt-Sigma .pth")
+    p.add_argument("--resume", action="store_true",
+                   help="resume from this run's newest checkpoint if it has one, else start (from --init-from "
+                        "when given): the flag for a job that is requeued after a crash")
     p.add_argument("--reset-data", action="store_true",
                    help="with --load: keep model, EMA, optimizer and schedule, restart the data position")
     p.add_argument("--run", help="run name (= run.name; default: the config file's stem)")
@@ -63,7 +66,23 @@ def run(a, overrides: list[str]) -> None:
 
     from reelcache.train.trainer import Trainer
 
-    Trainer(cfg, a.root, load=a.load, init_from=a.init_from, reset_data=a.reset_data).train()
+    load, init_from = a.load, a.init_from
+    if a.resume:
+        from reelcache.train.checkpoint import list_checkpoints
+        from pathlib import Path
+
+        if list_checkpoints(Path(a.root) / "runs" / cfg.run.name):
+            load, init_from = "latest", None
+    Trainer(cfg, a.root, load=load, init_from=init_from, reset_data=a.reset_data).train()
+
+
+def add_demo(sub) -> None:
+    """``reelcache demo train``: two tiny stages on CPU, one run killed and resumed."""
+    d = sub.add_parser("train", help="train two tiny stages on the demo cache with 2 CPU processes, killing and "
+                                     "resuming the first (after `make demo`'s data steps)")
+    d.add_argument("--root", required=True)
+    d.add_argument("--nproc", type=int, default=2)
+    d.set_defaults(fn=lambda a: __import__("reelcache.train.demo", fromlist=["run"]).run(a.root, a.nproc))
 
 
 def main(argv=None) -> int:

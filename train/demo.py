@@ -1,0 +1,113 @@
+"""``reelcache demo train``: the end of ``make demo``. Two tiny stages on CPU, a crash on purpose.
+
+1. stage 1 (configs/train/debug/stage1.toml) on 2 processes under torchrun; once its second
+   checkpoint exists, rank 1 is killed with SIGKILL (torchrun then stops the job, as a node
+   failure would);
+2. ``--load latest`` resumes it and runs it to the end;
+3. stage 2 starts from stage 1's last weights (``--init-from``, weights only);
+4. ``ROOT/runs/demo-loss.png`` plots both stages' loss per step, with the kill marked.
+
+The demo's two run directories are recreated on every call, so ``make demo`` runs again cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from reelcache import UserError
+from reelcache.progress import say
+
+STAGES = ("configs/train/debug/stage1.toml", "configs/train/debug/stage2.toml")
+
+
+def _launch(config: str, root: Path, nproc: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(_port()), "-m", "reelcache.train", config, "--root", str(root), *extra]
+    say("$ torchrun --nproc_per_node {} -m reelcache.train {}".format(nproc, " ".join(cmd[cmd.index(config):])))
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(p: subprocess.Popen, what: str) -> None:
+    if p.wait() != 0:
+        raise UserError(f"{what} failed (exit {p.returncode}); its output is above")
+
+
+def run(root, nproc: int = 2) -> None:
+    from reelcache.train.checkpoint import list_checkpoints
+    from reelcache.train.config import load_config
+
+    root = Path(root)
+    names = [load_config(c).run.name for c in STAGES]
+    for n in names:
+        shutil.rmtree(root / "runs" / n, ignore_errors=True)
+    run1 = root / "runs" / names[0]
+
+    p = _launch(STAGES[0], root, nproc)
+    deadline = time.monotonic() + 600
+    while len(list_checkpoints(run1)) < 2:
+        if p.poll() is not None:
+            raise UserError(f"stage 1 ended (exit {p.returncode}) before its second checkpoint")
+        if time.monotonic() > deadline:
+            p.kill()
+            raise UserError("stage 1 wrote no second checkpoint in 10 minutes")
+        time.sleep(0.2)
+    victim = json.loads((run1 / "ranks" / f"rank{nproc - 1:05d}.json").read_text())
+    killed_after = list_checkpoints(run1)[-1].name
+    os.kill(victim["pid"], signal.SIGKILL)
+    say(f"demo: killed rank {nproc - 1} (pid {victim['pid']}) with SIGKILL after {killed_after}")
+    p.wait()
+    say(f"demo: the job stopped (exit {p.returncode}); resuming from the newest checkpoint")
+    _wait(_launch(STAGES[0], root, nproc, "--load", "latest"), "resuming stage 1")
+    last = list_checkpoints(run1)[-1]
+    _wait(_launch(STAGES[1], root, nproc, "--init-from", str(last)), "stage 2")
+    png = plot(root, names, int(killed_after.split("-")[1]))
+    say(f"demo: trained {names[0]} (killed and resumed) and {names[1]} (from {last.name}); loss plot {png}")
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """Per step, the newest generation's row (after a resume, what trained)."""
+    import duckdb
+
+    return duckdb.sql(f"""SELECT step, loss, generation FROM '{run_dir}/metrics/*.parquet'
+        QUALIFY generation = max(generation) OVER (PARTITION BY step) ORDER BY step""").to_arrow_table().to_pylist()
+
+
+def plot(root: Path, names, killed_at: int) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    offset = 0
+    for n in names:
+        rows = metrics(root / "runs" / n)
+        ax.plot([offset + r["step"] for r in rows], [r["loss"] for r in rows], marker=".", label=n)
+        if n == names[0]:
+            ax.axvline(killed_at, color="grey", ls="--", lw=1)
+            ax.text(killed_at, ax.get_ylim()[1], " killed, resumed from here", va="top", fontsize=8)
+        offset += len(rows)
+    ax.set_xlabel("step (stage 2 continues after stage 1)")
+    ax.set_ylabel("rectified-flow loss")
+    ax.set_title("demo: two tiny STDiT3 stages on CPU, 2 processes")
+    ax.legend()
+    out = root / "runs" / "demo-loss.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
