@@ -180,7 +180,7 @@ class ShardWriter:
                 else:
                     copied = _copy_fd(src, self.fd, size)
                     if copied != size:
-                        raise ShortRead(errno.EIO, f"read {copied} of {size} bytes; file changed during ingest")
+                        raise ShortRead(f"read {copied} of {size} bytes; file changed during ingest")
                 _write_all(self.fd, self._pad(size))
                 pos += size + len(self._pad(size))
         except BaseException as e:
