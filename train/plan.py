@@ -16,7 +16,7 @@ in four steps, each a numpy pass over the manifest (about a second at 1.3M sampl
    consecutive samples and the blocks get a random order; each pass takes its samples block by
    block in that order, rotated by p/K of it (K passes in the bucket), shuffled inside each block,
    and is cut into micro-batches of the bucket's batch size. A micro-batch never spans two passes,
-   so it never holds a sample twice; the rotation puts a sample's copies about 1/R of the epoch
+   so it never holds a clip twice; the rotation puts a clip's copies about 1/K of the epoch
    apart. The last batch of each pass may be smaller (no sample is dropped or repeated to fill
    it). Reads stay within a few shard regions per batch, so streaming from slow storage stays
    sequential (later passes of a subsample read their pass-0 block's members that were drawn
