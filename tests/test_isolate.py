@@ -6,6 +6,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from reelcache.isolate import Failed, isolated_map
 
 
@@ -19,10 +21,12 @@ def work(x):
     return x * 2
 
 
-def test_results_in_order_despite_hangs_crashes_and_errors():
+@pytest.mark.parametrize("workers", [1, 2])
+def test_results_in_order_despite_hangs_crashes_and_errors(workers):
+    """Items queued behind a hang or a crash (each worker has two in flight) are redone, not failed."""
     items = [1, "hang", 2, "segv", 3, "raise", 4]
     t0 = time.monotonic()
-    out = list(isolated_map(work, items, workers=2, timeout=1.5))
+    out = list(isolated_map(work, items, workers=workers, timeout=1.5))
     assert time.monotonic() - t0 < 30
     assert [i for i, _ in out] == items
     res = dict((str(i), r) for i, r in out)
