@@ -73,8 +73,10 @@ def identity(cfg: CacheConfig, buckets: BucketConfig, manifest_fp: str) -> dict:
             "buckets": {"table": [list(r) for r in buckets.table], "frame_interval": buckets.frame_interval},
             "seed": cfg.seed, "store": cfg.store, "manifest_fingerprint": manifest_fp,
             "spatial_multiple": spatial_multiple(cfg.video_encoder),
-            "preprocess": {"decode": "pyav", "resize": "swscale area, cover", "crop": "centre",
-                           "window": "blake2b(seed, clip_id)", "range": [-1, 1], "latent_dtype": "bfloat16",
+            "preprocess": {"decode": "pyav, frames in presentation order, displayed picture (SAR, rotation)",
+                           "resize": "swscale area, cover", "crop": "centre",
+                           "window": "SeedSequence(blake2b-256(window|seed|clip_id))", "range": [-1, 1],
+                           "latent_dtype": "bfloat16",
                            "text": "trimmed to real tokens, bfloat16"}}
 
 

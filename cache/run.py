@@ -2,17 +2,30 @@
 
 Decoding runs in isolated worker processes (a deadline and an optional memory cap per clip; a
 clip that fails to decode becomes a recorded reject), reading the video straight out of the raw
-shard. While the workers decode ahead, the parent batches clips of one bucket and runs the VAE,
-encodes captions (identical captions once), validates every output (shape, dtype, finite), and
-appends ``<clip_id>.safetensors`` samples to size-capped latent shards. The sidecar parquet, one
-row per planned clip with its bucket, latent shape, shard and offset or its reject reason, is
-written last. A unit whose sidecar exists is skipped; one killed at any moment is cleaned and
-redone. Before any work the unit checks that its encoders have the identity in cache.json.
+shard. Each worker decodes a window straight into a shared-memory block named by the parent
+(``/dev/shm``); only the block's name crosses the pipe, never the frames (pickling a 10-140 MB
+window through a pipe costs two copies and blocks the worker until the parent reads it). A
+feeder thread keeps the workers busy, so decoding continues while the main thread encodes: the
+parent batches clips of one bucket and runs the VAE, encodes captions (identical captions once),
+validates every output (shape, dtype, finite), and appends ``<clip_id>.safetensors`` samples to
+size-capped latent shards. The sidecar parquet, one row per planned clip with its bucket, latent
+shape, shard and offset or its reject reason, is written last.
+
+A unit whose sidecar exists is skipped; one killed at any moment is cleaned and redone; a unit
+another live run holds (catalog/shards.py: the lease) is refused. Reading a source may reject a
+clip; writing our own outputs (latent shards, the sidecar, the shared-memory frames) may not:
+such a failure is an OutputError, the unit fails with no sidecar and no shards, and its re-run
+gives the clean result. Before any work the unit checks that its encoders have the identity in
+cache.json.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import os
+import queue
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -20,20 +33,139 @@ from pathlib import Path
 from reelcache import UserError
 from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, projection
 from reelcache.catalog.buckets import BucketConfig
-from reelcache.catalog.shards import ShardWriter, atomic_path, begin_unit, parse_unit, unit_rows
+from reelcache.catalog.shards import (OutputError, ShardWriter, atomic_path, begin_unit, end_unit, parse_unit,
+                                      unit_rows)
 from reelcache.isolate import Failed, isolated_map
 from reelcache.progress import bar, say
 
 
-def decode_clip(job: dict, root: str) -> "object":
+_CALLS = itertools.count()
+
+
+class FrameBufferError(OSError):
+    """The worker could not create the shared memory for a window: our own output failed."""
+
+
+def decode_clip(job: dict, root: str, out=None) -> "object":
+    """The clip's window as uint8 [T, H, W, 3] (into `out` when given)."""
     from reelcache.cache.decode import FileSlice, decode_window
 
     src = FileSlice(str(Path(root) / job["raw_shard"]), job["raw_offset"], job["file_size"])
     try:
         return decode_window(src, frames=job["num_frames"], interval=job["interval"], height=job["height"],
-                             width=job["width"], start=job["window_start"], fps=job["fps"])
+                             width=job["width"], start=job["window_start"], fps=job["fps"], out=out)
     finally:
         src.close()
+
+
+def decode_clip_shared(job: dict, root: str) -> tuple:
+    """In a worker: decode into the shared-memory block job["shm"]; return (name, shape)."""
+    import numpy as np
+    from multiprocessing import shared_memory
+
+    shape = (job["num_frames"], job["height"], job["width"], 3)
+    try:
+        shm = shared_memory.SharedMemory(name=job["shm"], create=True, size=int(np.prod(shape)))
+    except OSError as e:
+        raise FrameBufferError(e.errno, f"cannot create shared memory /dev/shm/{job['shm']}: {e.strerror}") from None
+    try:
+        decode_clip(job, root, out=np.ndarray(shape, np.uint8, buffer=shm.buf))
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    shm.close()
+    return job["shm"], shape
+
+
+class SharedFrames:
+    """The parent's handle on a decoded window in shared memory; `release` frees it."""
+
+    def __init__(self, name: str, shape):
+        import numpy as np
+        from multiprocessing import shared_memory
+
+        self.shm = shared_memory.SharedMemory(name=name)
+        self.array = np.ndarray(shape, np.uint8, buffer=self.shm.buf)
+
+    def release(self):
+        self.array = None
+        self.shm.close()
+        self.shm.unlink()
+
+
+def _unlink_shared(name: str) -> None:
+    from multiprocessing import shared_memory
+
+    try:
+        shared_memory.SharedMemory(name=name).unlink()
+    except (FileNotFoundError, OSError):
+        pass
+
+
+def decoded(jobs: list[dict], root: str, *, workers: int, timeout: float, memory_mb: int | None,
+            prefetch: int | None = None):
+    """Yield (job, SharedFrames | Failed | exception) in job order, decoding ahead in isolated workers.
+
+    A feeder thread drives the workers, so they keep decoding (up to `prefetch` windows ahead)
+    while the caller encodes; only shared-memory names cross the pipe. Closing the generator
+    stops the workers and frees every block not yet handed out.
+    """
+    tag = f"rc{os.getpid()}-{next(_CALLS)}"
+    jobs = [dict(j, shm=f"{tag}-{i}") for i, j in enumerate(jobs)]
+    q: queue.Queue = queue.Queue(maxsize=prefetch or max(2, workers))
+    stop = threading.Event()
+    END = object()
+
+    def feed():
+        gen = isolated_map(functools.partial(decode_clip_shared, root=str(root)), jobs, workers=workers,
+                           timeout=timeout, memory_mb=memory_mb, init=_preload)
+        try:
+            for item in gen:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    _free(item)
+                    break
+        except BaseException as e:      # noqa: BLE001 - handed to the consumer, which re-raises it
+            q.put(("feeder", e))
+        finally:
+            gen.close()
+            q.put(END)
+
+    def _free(item):
+        job, res = item
+        if isinstance(res, tuple):
+            _unlink_shared(res[0])
+        elif isinstance(res, Failed):       # a worker killed mid-clip may have left its block
+            _unlink_shared(job["shm"])
+
+    t = threading.Thread(target=feed, name="cache-decode-feeder", daemon=True)
+    t.start()
+    try:
+        while (item := q.get()) is not END:
+            if item[0] == "feeder":
+                raise item[1]
+            job, res = item
+            if isinstance(res, Failed):
+                _unlink_shared(job["shm"])
+            elif isinstance(res, tuple):
+                res = SharedFrames(*res)
+            yield job, res
+    finally:
+        stop.set()
+        while t.is_alive() or not q.empty():
+            try:
+                item = q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if item is not END and item[0] != "feeder":
+                _free(item)
+        t.join()
 
 
 def _preload():
@@ -41,15 +173,7 @@ def _preload():
     import numpy  # noqa: F401
 
 
-def run_unit(root: str, unit: str, device: str | None = None) -> dict:
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-
-    from reelcache.cache.encoders import TextEncoder, VideoEncoder, default_device
-    from reelcache.catalog.latents import LATENT_EXT, encode
-
+def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False) -> dict:
     name, index = parse_unit(unit)
     plan, ident = load_cache(root, name)
     cfg = _config(plan["config"])
@@ -60,11 +184,28 @@ def run_unit(root: str, unit: str, device: str | None = None) -> dict:
         raise UserError(f"{unit}: this node's encoders differ from cache.json; refusing to mix latents:\n  "
                         + "\n  ".join(d[:12]))
     cdir = cache_dir(root, name)
-    stem = f"{index:06d}"
-    sidecar = begin_unit(cdir, index)
+    sidecar = begin_unit(cdir, index, wait=wait)
     if sidecar is None:
         say(f"{unit}: already done, skipped")
         return {"unit": unit, "skipped": True}
+    try:
+        return _run(root, unit, plan, cfg, buckets, cdir, index, sidecar, device)
+    finally:
+        end_unit(sidecar)
+
+
+def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, cdir: Path, index: int,
+         sidecar: Path, device: str | None) -> dict:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from reelcache.cache.decode import clip_seed
+    from reelcache.cache.encoders import TextEncoder, VideoEncoder, default_device
+    from reelcache.catalog.latents import LATENT_EXT, encode
+
+    name, stem = cdir.name, f"{index:06d}"
     t0 = time.monotonic()
     rows = unit_rows(cdir, index)
     out = {}
@@ -91,7 +232,10 @@ def run_unit(root: str, unit: str, device: str | None = None) -> dict:
         if not batch:
             return
         t = time.monotonic()
-        latents = video.encode(np.stack([frames for _, frames in batch]))
+        stacked = np.stack([frames.array for _, frames in batch])
+        for _, frames in batch:
+            frames.release()
+        latents = video.encode(stacked)
         todo = [j["text"] or "" for j, _ in batch if (j["text"] or "") not in captions]
         for i in range(0, len(todo), cfg.text_batch_size):
             chunk = list(dict.fromkeys(todo[i:i + cfg.text_batch_size]))
@@ -102,7 +246,7 @@ def run_unit(root: str, unit: str, device: str | None = None) -> dict:
         for k, (job, frames) in enumerate(batch):
             tensors = {key: v[k].clone() for key, v in latents.items()}
             if cfg.store == "sample":          # one frozen draw, seeded by (seed, clip id): reruns agree
-                g = torch.Generator().manual_seed(int.from_bytes(job["clip_id"].encode()[:8], "big") ^ cfg.seed)
+                g = torch.Generator().manual_seed(clip_seed("sample", cfg.seed, job["clip_id"]))
                 tensors = {"sample": (tensors["mean"].float() + torch.exp(0.5 * tensors["logvar"].float())
                                       * torch.randn(tensors["mean"].shape, generator=g)).bfloat16()}
             tensors["text"] = captions[job["text"] or ""]
@@ -118,13 +262,15 @@ def run_unit(root: str, unit: str, device: str | None = None) -> dict:
             stats["frames"] += job["num_frames"]
             stats["bytes"] += len(data)
 
-    fn = functools.partial(decode_clip, root=str(root))
+    frames_in = decoded(jobs, str(root), workers=cfg.workers, timeout=cfg.decode_timeout,
+                        memory_mb=cfg.worker_memory_mb)
     try:
         with bar(len(rows), unit, "clip") as pbar:
             pbar.update(len(rows) - len(jobs))
-            for job, res in isolated_map(fn, jobs, workers=cfg.workers, timeout=cfg.decode_timeout,
-                                         memory_mb=cfg.worker_memory_mb, init=_preload):
+            for job, res in frames_in:
                 pbar.update(1)
+                if isinstance(res, FrameBufferError):
+                    raise OutputError(f"/dev/shm/{job['shm']}", res)
                 if isinstance(res, Failed):
                     reject(job["clip_id"], res.reason if res.reason in ("timeout", "crashed") else "undecodable",
                            res.detail)
@@ -140,8 +286,13 @@ def run_unit(root: str, unit: str, device: str | None = None) -> dict:
                 flush(b)
         writer.close()
     except BaseException:
-        writer.abort()
+        writer.abort()           # no sidecar will name its shards: remove them
         raise
+    finally:
+        frames_in.close()
+        for batch in pending.values():
+            for _, frames in batch:
+                frames.release()
 
     schema = pa.schema([("clip_id", pa.string()), ("cache", pa.string()), ("unit", pa.string()),
                         ("status", pa.string()), ("reject_reason", pa.string()), ("reject_detail", pa.string()),
@@ -150,8 +301,12 @@ def run_unit(root: str, unit: str, device: str | None = None) -> dict:
                         ("text_len", pa.int32()), ("shard", pa.string()), ("shard_offset", pa.int64())])
     table = pa.Table.from_pylist(list(out.values()), schema=schema).replace_schema_metadata(
         {"encode_seconds": str(stats["encode_s"]), "encoded_clips": str(stats["clips"])})
-    with atomic_path(sidecar) as tmp:
-        pq.write_table(table, tmp)
+    try:
+        with atomic_path(sidecar) as tmp:      # last: the unit is now visible as finished
+            pq.write_table(table, tmp)
+    except BaseException:
+        writer.abort()
+        raise
     dt = time.monotonic() - t0
     ok = stats["clips"]
     say(f"{unit}: {len(rows)} clips, {ok} encoded, {len(rows) - ok} rejected; {stats['frames'] / dt:.0f} frames/s, "

@@ -285,3 +285,86 @@ def test_rotated_clips_decode_upright_like_ffmpeg_autorotate(tmp_path):
     raw = subprocess.run(["ffmpeg", "-v", "error", "-i", str(p), "-frames:v", "1", "-f", "rawvideo", "-pix_fmt",
                           "rgb24", "-"], check=True, capture_output=True).stdout
     assert np.array_equal(ours, np.frombuffer(raw, np.uint8).reshape(128, 64, 3))
+
+
+# -- issue 9: seeds, write failures, two runs of one unit -----------------------------------
+def test_seeds_use_the_whole_clip_id():
+    from reelcache.cache.decode import clip_seed, window_start
+
+    prefix = "openvid/videos/part-000123/" + "x" * 40
+    a, b = prefix + "_clip_00001.mp4", prefix + "_clip_00002.mp4"
+    assert clip_seed("sample", 0, a) != clip_seed("sample", 0, b)
+    assert clip_seed("sample", 0, a) != clip_seed("sample", 1, a) != clip_seed("window", 1, a)
+    starts = [window_start(f"{prefix}_clip_{i:05d}.mp4", 0, 100_000, 33) for i in range(200)]
+    assert len(set(starts)) > 190                   # a prefix-only hash gives one start for all 200
+    assert 0 <= clip_seed("sample", 0, a) < 2 ** 64 and window_start(a, 0, 40, 33) <= 7
+
+
+def _sidecar_rows(cdir):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(cdir / "000000.parquet").to_pylist()
+
+
+def test_write_failure_fails_the_unit_loudly_and_its_rerun_is_clean(cache_root, tmp_path):
+    """A real file-size limit (RLIMIT_FSIZE, as a quota or a full disk would) on the running unit.
+
+    It is set with prlimit once the unit writes its first latent shard, so it hits our own output
+    (the shard) in the process that writes it; the decode workers already run without it."""
+    import resource
+
+    from reelcache.train.loader import read_sample
+
+    cfg = write_config(tmp_path, "m", clips_per_unit=100)
+    unit, = plan(cache_root, cfg)
+    cdir = cache_root / "latents" / "t"
+    proc = subprocess.Popen([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(cdir.glob(".000000-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "cannot write" in err and "File too large" in err, err[-2000:]
+    assert "Traceback" not in err
+    assert not (cdir / "000000.parquet").exists()                       # not finished, nothing recorded
+    assert not list(cdir.glob("*.tar")) and not list(cdir.glob(".*tmp*"))
+    assert main(["cache", "run", "--root", str(cache_root), unit]) == 0  # space freed: the clean result
+    rows = _sidecar_rows(cdir)
+    assert {r["reject_reason"] for r in rows} <= {None, "no_bucket:too_small", "no_bucket:too_short"}
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert sum(r["shape"][1] * r["shape"][2] * r["shape"][3] * 16 for r in ok) > 64 * 1024   # the limit bit
+    for r in ok:
+        assert read_sample(str(cache_root / r["shard"]), r["shard_offset"])["mean"].shape == tuple(r["shape"])
+
+
+def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path):
+    from reelcache import UserError
+    from reelcache.cache.run import run_unit
+
+    cfg = write_config(tmp_path, "m", clips_per_unit=100)
+    unit, = plan(cache_root, cfg)
+    cdir = cache_root / "latents" / "t"
+    first = subprocess.Popen([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(cdir.glob(".000000-00.tar.tmp*")) and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)                            # the first run holds the lease and is writing
+    assert first.poll() is None, first.communicate()
+    second = subprocess.run([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and "is being run by" in second.stderr and f"pid {first.pid}" in second.stderr, \
+        second.stderr
+    assert any(cdir.glob(".000000-00.tar.tmp*")) or (cdir / "000000.parquet").exists()    # left alone
+    with pytest.raises(UserError, match="is being run by"):
+        run_unit(str(cache_root), unit)
+    assert run_unit(str(cache_root), unit, wait=True) == {"unit": unit, "skipped": True}  # waits, then done
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    rows = _sidecar_rows(cdir)
+    from reelcache.train.loader import read_sample
+
+    for r in rows:                                  # every sample the first run recorded is intact
+        if r["status"] == "ok":
+            assert read_sample(str(cache_root / r["shard"]), r["shard_offset"])["mean"].shape == tuple(r["shape"])
+    assert not (cdir / "000000.lease").exists()
