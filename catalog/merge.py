@@ -6,9 +6,10 @@ A unit is finished when its sidecar parquet exists (units rename it into place l
 compares every sidecar's signature (size and mtime) with the `units` table: new sidecars are
 inserted, changed ones (a unit that was deleted and re-run) replace their old rows, unchanged
 ones are skipped, so merging twice changes nothing and merging after more units adds only those.
-Units merged before whose sidecar is gone (``ingest plan --replace`` deleted the source, or a
+Units merged before whose sidecar is gone (``ingest plan --replace`` re-created the source, or a
 unit was deleted to be redone) lose their rows: the catalog mirrors the sidecars on disk, so a
-re-planned source never leaves a clip id twice.
+re-planned source never leaves a clip id twice. Only when the source's folder itself is missing
+(an unmounted path looks exactly like that) do its rows stay, with a warning.
 All of it, including the recomputed difficulty levels, happens in one transaction: a merge
 killed half-way leaves the catalog as it was.
 """
@@ -53,7 +54,11 @@ def _merge_stage(con, root: Path, stage: str, sidecars: dict[str, Path], pbar) -
     table = STAGES[stage][1]
     known = dict(con.execute("SELECT unit, signature FROM units WHERE stage = ?", [stage]).fetchall())
     items = sorted((u, p) for u, p in sidecars.items() if known.get(u) != _signature(p))
-    vanished = sorted(set(known) - set(sidecars))
+    gone = sorted(set(known) - set(sidecars))
+    vanished = [u for u in gone if (root / STAGES[stage][0] / u.split("/")[0]).is_dir()]
+    if missing := sorted({u.split("/")[0] for u in gone} - {u.split("/")[0] for u in vanished}):
+        say(f"warning: {', '.join(f'{STAGES[stage][0]}/{m}' for m in missing)} not found (not mounted?): "
+            "its rows stay in the catalog; to drop a removed source, delete catalog.duckdb and merge again")
     if vanished:                                              # the catalog mirrors the sidecars on disk
         con.execute(f"DELETE FROM {table} WHERE unit IN (SELECT unnest(?))", [vanished])
         con.execute("DELETE FROM units WHERE stage = ? AND unit IN (SELECT unnest(?))", [stage, vanished])

@@ -46,6 +46,19 @@ def test_replanned_source_merges_without_duplicates(fresh_root, demo_dataset):
     assert merge(fresh_root)["merged"] == 0 and sql(fresh_root, "SELECT * FROM clips ORDER BY clip_id") == snap
 
 
+def test_a_vanished_unit_leaves_the_catalog_but_an_unmounted_source_does_not(fresh_root, capsys):
+    src = fresh_root / "raw/openvid"
+    (total,), = sql(fresh_root, "SELECT count(*) FROM clips")
+    (in_unit,), = sql(fresh_root, "SELECT count(*) FROM clips WHERE unit = 'openvid/000001'")
+    (src / "000001.parquet").unlink()                                      # deleted, to be redone
+    assert main(["catalog", "merge", "--root", str(fresh_root)]) == 0
+    assert sql(fresh_root, "SELECT count(*) FROM clips") == [(total - in_unit,)]
+    src.rename(fresh_root / "offline")                                     # the whole folder gone: not mounted?
+    assert main(["catalog", "merge", "--root", str(fresh_root)]) == 0
+    assert "raw/openvid not found" in capsys.readouterr().err
+    assert sql(fresh_root, "SELECT count(*) FROM clips") == [(total - in_unit,)]
+
+
 def test_manifest_names_resolve_exactly(fresh_root):
     from reelcache.catalog.manifest import make_manifest, resolve_manifest
 
