@@ -101,7 +101,7 @@ buckets = "{REPO / 'configs/buckets/demo.toml'}"
 clips_per_unit = {vals['clips_per_unit']}
 batch_size = 2
 workers = 1
-decode_timeout = 60
+decode_timeout = {vals.get('decode_timeout', 60)}
 [video_encoder]
 kind = "{vals['kind']}"
 tiny = true
@@ -368,3 +368,15 @@ def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path
         if r["status"] == "ok":
             assert read_sample(str(cache_root / r["shard"]), r["shard_offset"])["mean"].shape == tuple(r["shape"])
     assert not (cdir / "000000.lease").exists()
+
+
+def test_decode_timeouts_are_rejects_the_unit_goes_on_and_no_frames_leak(cache_root, tmp_path):
+    """The isolation survives the shared-memory path: killed workers are `timeout` rejects and
+    leave no /dev/shm block behind (nor do the clips that made it)."""
+    cfg = write_config(tmp_path, "m", clips_per_unit=100, decode_timeout=0.005)
+    unit, = plan(cache_root, cfg)
+    assert main(["cache", "run", "--root", str(cache_root), unit]) == 0
+    rows = _sidecar_rows(cache_root / "latents" / "t")
+    reasons = {r["reject_reason"] for r in rows}
+    assert "timeout" in reasons and reasons <= {"timeout", None, "no_bucket:too_small", "no_bucket:too_short"}
+    assert not [p for p in Path("/dev/shm").glob(f"rc{os.getpid()}-*")]
