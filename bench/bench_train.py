@@ -49,7 +49,7 @@ def cached() -> dict:
     # Skip the first steps: DataLoader workers starting and the allocator warming up.
     row = duckdb.sql(f"""SELECT sum(samples) / sum(step_s) AS sps, sum(data_wait_s) / sum(step_s) AS wait,
                                 avg(step_s) AS step_s, count(*) AS n
-                         FROM '{ROOT}/runs/bench-cached/metrics/*.parquet' WHERE step >= 3""").fetchone()
+                         FROM '{ROOT}/runs/bench-cached/metrics/*.parquet' WHERE step >= 3""").fetchall()[0]
     return {"samples_per_s": row[0], "data_share": row[1], "step_s": row[2], "steps": row[3], "wall_s": wall}
 
 

@@ -31,7 +31,13 @@ def data_args(manifest: Path, *extra: str) -> list[str]:
     """Overrides that point the debug stage at a test root (8-wide captions, tiny buckets)."""
     return [f'--data.manifests=[{{name="{manifest}"}}]', '--data.buckets="configs/buckets/tiny.toml"',
             "--model.overrides={caption_channels=8, model_max_length=300}", "--data.workers=1",
-            "--run.wandb_mode=offline", *extra]
+            "--run.wandb_mode=disabled", *extra]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launch(root: Path, args: list[str], nproc: int = 1, **kw) -> subprocess.Popen:
@@ -39,11 +45,8 @@ def launch(root: Path, args: list[str], nproc: int = 1, **kw) -> subprocess.Pope
     if nproc == 1:
         cmd = [sys.executable, "-m", "reelcache.train"]
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(port), "-m", "reelcache.train"]
+               str(_port()), "-m", "reelcache.train"]
     return subprocess.Popen(cmd + [str(CONFIG), "--root", str(root), *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
@@ -222,9 +225,21 @@ def wandb_history(run_dir: Path) -> list[dict]:
     return rows
 
 
-def test_wandb_offline_log_and_metrics_parquet(root):
+def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):
+    """`colossalai run` from the venv (its launcher re-joins arguments unquoted, so the test root's
+    settings go in a config file), and the offline wandb file holds every step's numbers."""
     r, manifest = root
-    train(r, data_args(manifest, "--run.name=logged", "--run.max_steps=3"))
+    cfg = tmp_path / "stage.toml"
+    cfg.write_text(CONFIG.read_text().replace('name = "demo-stage1-tiny"', f'name = "{manifest}"')
+                   .replace("configs/buckets/demo.toml", "configs/buckets/tiny.toml")
+                   .replace("caption_channels = 32", "caption_channels = 8"))
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([str(bindir / "colossalai"), "run", "--nproc_per_node", "1", "--master_port",
+                        str(_port()), "-m", "reelcache.train", str(cfg), "--root", str(r), "--run.name=logged",
+                        "--run.max_steps=3", "--run.wandb_mode=offline"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0 and "success" in p.stdout, (p.stdout + p.stderr)[-4000:]
     rows = wandb_history(r / "runs/logged")
     assert [row["global_step"] for row in rows] == [0, 1, 2]
     for key in ("train/loss", "train/lr", "train/grad_norm", "train/weight_norm", "train/samples_per_s",
@@ -241,12 +256,9 @@ def test_step_gradient_is_the_mean_over_real_samples(root, reduction):
     """2 ranks with different buckets, then with a padding rank: the trainer's gradient equals plain
     single-process autograd of the configured mean over the real samples only."""
     r, manifest = root
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "REELCACHE_PROGRESS": "0"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(port), str(REPO / "tests/grad_check.py"), str(CONFIG), str(r), str(manifest), reduction],
+                        str(_port()), str(REPO / "tests/grad_check.py"), str(CONFIG), str(r), str(manifest), reduction],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     cases = {c["case"]: c for c in map(json.loads, [ln for ln in p.stdout.splitlines() if ln.startswith("{")])}

@@ -75,7 +75,11 @@ class Parallel:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps, betas=tuple(betas))
 
     def boost(self, model, optimizer):
-        model, optimizer, *_ = self.booster.boost(model, optimizer)
+        import warnings
+
+        with warnings.catch_warnings():     # torch's notice about DDP's broadcast_buffers, set by the plugin
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")
+            model, optimizer, *_ = self.booster.boost(model, optimizer)
         return model, optimizer
 
     def backward(self, loss, optimizer) -> None:
