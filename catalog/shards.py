@@ -286,9 +286,9 @@ def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Path | Non
                                on_wait=lambda h: say(f"{unit}: waiting for the run of {h.describe()}"))
     except leases.Busy as e:
         raise UserError(f"{unit} is being run by {e.holder.describe()}; not touching its files. Use --wait to "
-                        f"wait for it. If that run is gone on another host, its lease {e.path} expires "
-                        f"{max(0, leases.TTL_S - e.holder.age_s):.0f} s after its last heartbeat "
-                        "(or delete that file).") from None
+                        f"wait for it. If that run is gone on another host, its lease {e.path} goes stale "
+                        f"{max(0, leases.TTL_S - e.holder.age_s):.0f} s from now ({leases.TTL_S:g} s without a "
+                        "heartbeat), or delete that file.") from None
     except OSError as e:
         raise OutputError(directory / f"{stem}.lease", e) from e
     if sidecar.exists():       # the run we waited for finished it
