@@ -90,6 +90,18 @@ def consumed(run_dir: Path) -> list[tuple]:
         ORDER BY ALL""").fetchall()
 
 
+def spike_clips(run_dir: Path, step: int) -> set[str]:
+    """README's metrics x consumed join (without the catalog), for one global step."""
+    import duckdb
+
+    return {c for (c,) in duckdb.sql(f"""
+        SELECT c.clip_id FROM '{run_dir}/metrics/*.parquet' m
+        JOIN '{run_dir}/consumed/*.parquet' c
+          ON c.generation = m.generation AND c.epoch = m.epoch AND c.step = m.epoch_step
+        WHERE m.step = {step} AND NOT c.pad
+        QUALIFY m.generation = max(m.generation) OVER (PARTITION BY m.step)""").fetchall()}
+
+
 def complete(ckpt: Path) -> bool:
     """Everything a checkpoint promises is there: state, config, every indexed shard, the optimizer."""
     for part in ("model", "ema"):
@@ -154,6 +166,9 @@ def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root):
     assert [resumed[s]["loss"] for s in steps] == [whole[s]["loss"] for s in steps]
     assert {resumed[s]["generation"] for s in steps if s >= 8} == {1}
     assert consumed(run) == consumed(r / "runs/whole")
+    # The README's join: which clips did global step 12 (epoch 2) train on, after the kill and resume.
+    assert spike_clips(run, 12) == spike_clips(r / "runs/whole", 12) == {
+        c for (e, st, _, c) in consumed(run) if (e, st) == (2, 12 - 10)}
     a, b = weights(r / "runs/whole/ckpt-00000015"), weights(run / "ckpt-00000015")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     ea, eb = weights(r / "runs/whole/ckpt-00000015", "ema"), weights(run / "ckpt-00000015", "ema")

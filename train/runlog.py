@@ -6,9 +6,14 @@ with the buckets the step trained on, so a loss spike joins to the clips it saw:
 
     SELECT m.step, m.loss, c.clip_id, c.bucket, k.level, k.text
     FROM 'runs/stage1/metrics/*.parquet' m
-    JOIN 'runs/stage1/consumed/*.parquet' c USING (epoch, step)
-    JOIN clips k USING (clip_id)
+    JOIN 'runs/stage1/consumed/*.parquet' c
+      ON c.generation = m.generation AND c.epoch = m.epoch AND c.step = m.epoch_step
+    JOIN clips k ON k.clip_id = c.clip_id
     WHERE m.step = 1234 AND NOT c.pad
+    QUALIFY m.generation = max(m.generation) OVER (PARTITION BY m.step)
+
+(``step`` is the global step, ``epoch_step`` the loader's step in its epoch, ``generation`` the
+number of resumes before the row was written: it also separates the passes of a ``--reset-data``.)
 
 Parts are written at every checkpoint (before its rename) and at the end, each tagged with the
 run's generation (resumes so far): after a resume, steps past the checkpoint are logged again

@@ -397,7 +397,8 @@ class Trainer:
         hist = {}
         for bucket, _ in buckets:
             hist[bucket] = hist.get(bucket, 0) + 1
-        self.log.log({"step": self.global_step - 1, "epoch": self.loader.epoch, "loss": out["loss"],
+        self.log.log({"step": self.global_step - 1, "epoch": self.loader.epoch, "epoch_step": int(batch["step"]),
+                      "loss": out["loss"],
                       "lr": out["lr"] if out["lr"] is not None else float("nan"), "grad_norm": out["grad_norm"],
                       "weight_norm": wnorm, "samples": out["samples"], "samples_per_s": out["samples"] / step_s,
                       "tokens_per_s": tokens / step_s, "step_s": step_s, "data_wait_s": wait_s,
