@@ -262,8 +262,9 @@ def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, c
             stats["frames"] += job["num_frames"]
             stats["bytes"] += len(data)
 
+    # decode up to a batch ahead (plus a window per worker) while a batch is being encoded
     frames_in = decoded(jobs, str(root), workers=cfg.workers, timeout=cfg.decode_timeout,
-                        memory_mb=cfg.worker_memory_mb)
+                        memory_mb=cfg.worker_memory_mb, prefetch=cfg.batch_size + cfg.workers)
     try:
         with bar(len(rows), unit, "clip") as pbar:
             pbar.update(len(rows) - len(jobs))
