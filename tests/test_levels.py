@@ -21,8 +21,12 @@ def test_pattern_tagger_counts_nouns():
 def _catalog(rows):
     con = duckdb.connect()
     con.execute(schema_sql())
-    con.executemany("""INSERT INTO clips (clip_id, source, unit, "row", status, noun_count) VALUES (?, 's', 's/0', ?, ?, ?)""",
-                    [(cid, i, status, n) for i, (cid, status, n) in enumerate(rows)])
+    import pyarrow as pa
+
+    new = pa.table({"clip_id": [r[0] for r in rows], "source": ["s"] * len(rows), "unit": ["s/0"] * len(rows),
+                    "row": list(range(len(rows))), "status": [r[1] for r in rows], "noun_count": [r[2] for r in rows]})
+    con.register("new", new)
+    con.execute("INSERT INTO clips BY NAME SELECT * FROM new")
     recompute_levels(con)
     return con
 
