@@ -121,7 +121,7 @@ def _cache_run(a):
     from reelcache.cache.run import run_unit
 
     for unit in a.units:
-        run_unit(a.root, unit, device=a.device)
+        run_unit(a.root, unit, device=a.device, wait=a.wait)
 
 
 def _loader_simulate(a):
@@ -255,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--root", required=True)
     cr.add_argument("units", nargs="+", metavar="UNIT", help="e.g. wan-stage1/000012")
     cr.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
+    cr.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")
     cr.set_defaults(fn=_cache_run)
 
     ld = top.add_parser("loader", help="the streaming loader: simulate a stage's data order without GPUs")
