@@ -159,3 +159,26 @@ def _ffprobe_format_duration(path) -> str:
     _ffprobe(path)
     return subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0",
                            str(path)], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_sar_set_by_ffmpeg_in_matroska_and_with_rotation(tmp_path):
+    """SAR stored by the container (ffmpeg's setsar into MKV), and SAR then a 90-degree display matrix."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("ffmpeg"):
+        pytest.skip("ffmpeg is not installed (apt-get install ffmpeg)")
+    mkv = tmp_path / "setsar.mkv"
+    subprocess.run(["ffmpeg", "-v", "error", "-f", "lavfi", "-i", "testsrc=size=352x240:rate=25", "-t", "1",
+                    "-vf", "setsar=40/33", "-c:v", "libx264", "-preset", "ultrafast", str(mkv)], check=True)
+    ref = _ffprobe(mkv)
+    p = probe(str(mkv))
+    sar = _ratio(ref["sample_aspect_ratio"])
+    assert sar == Fraction(40, 33) and Fraction(p["sar_num"], p["sar_den"]) == sar
+    assert (p["width"], p["height"]) == (round(352 * sar), 240) == (427, 240)
+    assert p["width"] / p["height"] == pytest.approx(float(_ratio(ref["display_aspect_ratio"])), rel=0.005)
+    rotated = tmp_path / "rotated.mp4"
+    write_clip(rotated, ClipSpec(rotated.name, 320, 240, Fraction(25), 1.0, sar=Fraction(4, 3), rotation=90))
+    p = probe(str(rotated))
+    assert p["rotation"] in (90, 270) and (p["coded_width"], p["coded_height"]) == (320, 240)
+    assert (p["width"], p["height"]) == (240, 427) and p["aspect_ratio"] == pytest.approx(427 / 240)
