@@ -340,3 +340,29 @@ def test_guard_spike_rule():
     assert not g.exhausted
     g.record(1.3, True)
     assert g.exhausted
+
+
+def test_watchdog_writes_every_ranks_stack_when_a_read_hangs(root):
+    """A sample whose shard is read through a pipe that sleeps (a stuck storage read in a data worker):
+    the step exceeds the watchdog's threshold and both ranks write their stacks and what they were on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    r, manifest = root
+    rows = pq.read_table(manifest).to_pylist()
+    slow = rows[5]
+    slow["shard"] = f"pipe:sleep 6; cat {r / slow['shard']}"
+    path = r / "manifests/slow.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    out = train(r, data_args(path, "--run.name=hung", "--run.epochs=1", "--run.ckpt_every=0",
+                             "--run.watchdog_floor_s=2", "--run.watchdog_factor=3"), nproc=2)
+    assert "WATCHDOG" in out
+    (hang,) = (r / "runs/hung/hangs").glob("step-*")
+    reports = sorted(hang.glob("rank*.txt"))
+    assert [p.name for p in reports] == ["rank00000.txt", "rank00001.txt"]
+    infos = [json.loads(p.read_text().splitlines()[0]) for p in reports]
+    assert {i["rank"] for i in infos} == {0, 1} and all(i["elapsed_s"] > 2 for i in infos)
+    assert any(slow["clip_id"] in (i.get("clip_ids") or []) for i in infos)       # the batch it waits for
+    for p in reports:
+        text = p.read_text()
+        assert "Thread" in text and "reelcache" in text and "train" in text     # a real Python stack

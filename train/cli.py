@@ -7,6 +7,7 @@ or ``colossalai run --nproc_per_node 8 --hostfile nodes.txt -m reelcache.train .
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 EXAMPLES = """\
 examples:
@@ -69,11 +70,15 @@ def run(a, overrides: list[str]) -> None:
     load, init_from = a.load, a.init_from
     if a.resume:
         from reelcache.train.checkpoint import list_checkpoints
-        from pathlib import Path
 
         if list_checkpoints(Path(a.root) / "runs" / cfg.run.name):
             load, init_from = "latest", None
-    Trainer(cfg, a.root, load=load, init_from=init_from, reset_data=a.reset_data).train()
+    from reelcache.train.guard import DivergedError
+
+    try:
+        Trainer(cfg, a.root, load=load, init_from=init_from, reset_data=a.reset_data).train()
+    except DivergedError as e:
+        raise UserError(str(e)) from None
 
 
 def add_demo(sub) -> None:

@@ -88,6 +88,9 @@ class RunConfig:
     spike_window: int = 100            # steps in the running loss window (spike detection starts when full)
     max_bad_steps: int = 5             # consecutive skipped steps before the run stops with a message
     compile: bool = False              # torch.compile the blocks (GPU)
+    watchdog_factor: float = 10.0      # a step slower than this x the median step time is a hang ...
+    watchdog_floor_s: float = 600.0    # ... and slower than this many seconds: every rank dumps its stacks
+    watchdog_limit_s: float = 0.0      # a step this long ends the run with a message (0 = wait for NCCL)
 
 
 @dataclass

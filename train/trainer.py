@@ -168,12 +168,21 @@ class Trainer:
         return self.model.unwrap()
 
     def _record_rank(self):
-        """Who runs this rank: host, pid, start time (for dumps and stops of exactly this run)."""
+        """Who runs this rank: host, pid and the kernel's start time of that pid (so a dump or a stop
+        reaches exactly this process, never a later one that reused the pid); SIGUSR1 dumps stacks."""
+        from reelcache.train.watchdog import install_stack_signal
+
         d = self.run_dir / "ranks"
         d.mkdir(parents=True, exist_ok=True)
+        self._stacks = install_stack_signal(self.run_dir, self.par.rank)
         info = {"rank": self.par.rank, "world_size": self.par.world, "local_rank": self.par.local_rank,
-                "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-        (d / f"rank{self.par.rank:05d}.json").write_text(json.dumps(info))
+                "host": socket.gethostname(), "pid": os.getpid(), "proc_start": proc_start(os.getpid()),
+                "boot_id": _read("/proc/sys/kernel/random/boot_id"), "started": time.time(),
+                "stacks": str(Path(self._stacks.name).resolve())}
+        from reelcache.catalog.shards import atomic_path
+
+        with atomic_path(d / f"rank{self.par.rank:05d}.json") as tmp:
+            Path(tmp).write_text(json.dumps(info))
 
     def _load_weights(self, model, path, strict):
         from reelcache.train.weights import load_weights
@@ -350,20 +359,27 @@ class Trainer:
     def train(self) -> None:
         from reelcache.train.guard import DivergedError
         from reelcache.train.model import flops_per_sample
+        from reelcache.train.watchdog import Watchdog
 
         cfg, par = self.cfg, self.par
         self.model.train()
         last_saved = self.global_step if self.ckpt_path is not None else -1
+        dog = Watchdog(self.run_dir, par.rank, cfg.run.watchdog_factor, cfg.run.watchdog_floor_s,
+                       cfg.run.watchdog_limit_s, alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}"))
         try:
             while self.loader.epoch < cfg.run.epochs and not self._done():
+                sched, k = self.loader.schedule(), 0
+                dog.begin(self.global_step, **self._upcoming(sched, k))
                 t_data = time.monotonic()
                 for batch in self.loader:
+                    dog.working_on(waiting_for_data=False, bucket=batch["bucket"], clip_ids=list(batch["clip_id"]))
                     t_step = time.monotonic()
                     out = self.step(batch)
                     if par.device.type == "cuda":
                         torch.cuda.synchronize()
                     t_end = time.monotonic()
                     self.global_step += 1
+                    dog.end()
                     if out["skipped"] and self.guard.exhausted:
                         raise DivergedError(self._diverged_message())
                     if self.global_step % cfg.run.log_every == 0 or out["skipped"]:
@@ -371,17 +387,31 @@ class Trainer:
                     if cfg.run.ckpt_every and self.global_step % cfg.run.ckpt_every == 0:
                         self.save()
                         last_saved = self.global_step
-                    t_data = time.monotonic()
                     if self._done():
                         break
+                    k += 1
+                    dog.begin(self.global_step, **self._upcoming(sched, k))
+                    t_data = time.monotonic()
+                dog.end()
             if last_saved != self.global_step:
                 self.save()
             self.ckpt.wait()
         finally:
+            dog.close()
             self.log.finish()
             if self.loader.log:
                 self.loader.log.flush()
             self.par.close()
+
+    def _upcoming(self, sched, k: int) -> dict:
+        """What step k of this epoch's schedule will train on (for the watchdog's report)."""
+        info = {"epoch": self.loader.epoch, "waiting_for_data": True}
+        if k < len(sched):
+            _, index, pad = sched[k]
+            plan = self.loader.plan()
+            info.update(bucket=plan.buckets[plan.bucket[index]], padding=pad,
+                        clip_ids=[str(c) for c in self.loader.clip_id[plan.batch(index)]])
+        return info
 
     def _done(self) -> bool:
         return bool(self.cfg.run.max_steps) and self.global_step >= self.cfg.run.max_steps
@@ -416,6 +446,19 @@ class Trainer:
         return (f"stopping: {self.guard.bad} consecutive bad steps (non-finite or spiking loss/gradient) up to step "
                 f"{self.global_step}; see {self.run_dir / 'bad_steps.jsonl'} for the clips. Last good checkpoint: "
                 f"{last or 'none'}. Resume with: {cmd} (consider a lower optim.lr, or --reset-data)")
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def proc_start(pid: int) -> int | None:
+    """The kernel's start time of a process (clock ticks after boot; /proc/<pid>/stat field 22)."""
+    stat = _read(f"/proc/{pid}/stat")
+    return int(stat.rsplit(")", 1)[1].split()[19]) if stat else None
 
 
 def _versions() -> dict:

@@ -1,0 +1,105 @@
+"""Hang watchdog: a step far slower than usual leaves every rank's stack in the run directory.
+
+Each rank runs a daemon thread that watches the time since its current step began (data wait
+included: a stuck read is the usual hang). When it exceeds ``max(floor_s, factor x median of
+the recent step times)``, the rank writes, into ``runs/<run>/hangs/step-<N>/rank<R>.txt``, what it
+was doing (step, epoch, the batch it trains or the one it waits for: bucket and clip ids) and all
+its threads' Python stacks (faulthandler), and rank 0 logs an alert. No collective is involved,
+so every rank that is stuck reports, also when the others are waiting in NCCL. With
+``limit_s > 0`` a step that lasts that long ends the process with a message naming the stacks,
+instead of waiting out the collective timeout; the launcher then stops the other ranks.
+
+Independently of hangs, every rank's stacks can be asked for at any time with SIGUSR1 (what
+``reelcache cluster dump`` falls back to without py-spy): they go to ``runs/<run>/stacks/``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import statistics
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+
+def install_stack_signal(run_dir, rank: int):
+    """SIGUSR1 appends all threads' stacks to runs/<run>/stacks/rank<R>.txt. Returns the file."""
+    d = Path(run_dir) / "stacks"
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / f"rank{rank:05d}.txt", "a")        # kept open for the process's life (faulthandler's need)
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+    return f
+
+
+class Watchdog:
+    def __init__(self, run_dir, rank: int, factor: float = 10.0, floor_s: float = 600.0, limit_s: float = 0.0,
+                 window: int = 50, alert=None):
+        self.dir, self.rank = Path(run_dir) / "hangs", rank
+        self.factor, self.floor_s, self.limit_s = factor, floor_s, limit_s
+        self.times: deque[float] = deque(maxlen=window)
+        self.alert = alert or (lambda msg: None)
+        self._lock = threading.Lock()
+        self._start: float | None = None
+        self._info: dict = {}
+        self._fired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reelcache-watchdog", daemon=True)
+        self._thread.start()
+
+    def begin(self, step: int, **info) -> None:
+        """A step starts (its data wait included); ``info``: what it will work on, if known."""
+        with self._lock:
+            self._start, self._fired = time.monotonic(), False
+            self._info = {"step": step, **info}
+
+    def working_on(self, **info) -> None:
+        with self._lock:
+            self._info.update(info)
+
+    def end(self) -> None:
+        with self._lock:
+            if self._start is not None:
+                self.times.append(time.monotonic() - self._start)
+            self._start = None
+
+    def threshold(self) -> float:
+        median = statistics.median(self.times) if self.times else 0.0
+        return max(self.floor_s, self.factor * median)
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, max(0.05, self.floor_s / 10))):
+            with self._lock:
+                start, info, fired = self._start, dict(self._info), self._fired
+            if start is None:
+                continue
+            elapsed = time.monotonic() - start
+            if not fired and elapsed > self.threshold():
+                with self._lock:
+                    self._fired = True
+                path = self.report(info, elapsed)
+                self.alert(f"step {info.get('step')} has run {elapsed:.0f} s (threshold {self.threshold():.0f} s): "
+                           f"rank stacks in {path.parent}")
+            if self.limit_s and elapsed > self.limit_s:
+                path = self.report(info, elapsed)
+                os.write(2, f"reelcache: rank {self.rank}: step {info.get('step')} exceeded the hard limit "
+                            f"({elapsed:.0f} s > run.watchdog_limit_s = {self.limit_s:.0f} s); stacks in {path}. "
+                            "Ending this process instead of waiting for the collective timeout.\n".encode())
+                os._exit(3)
+
+    def report(self, info: dict, elapsed: float) -> Path:
+        d = self.dir / f"step-{info.get('step', 0):08d}"
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"rank{self.rank:05d}.txt"
+        with open(path, "w") as f:
+            f.write(json.dumps({**info, "rank": self.rank, "pid": os.getpid(), "elapsed_s": round(elapsed, 3),
+                                "threshold_s": round(self.threshold(), 3), "time": time.time()}, default=str) + "\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        return path
+
+    def close(self) -> None:
+        self._stop.set()
