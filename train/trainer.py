@@ -183,6 +183,10 @@ class Trainer:
 
         with atomic_path(d / f"rank{self.par.rank:05d}.json") as tmp:
             Path(tmp).write_text(json.dumps(info))
+        if self.rank0:                      # records of a launch with more ranks are not this run's
+            for stale in d.glob("rank*.json"):
+                if stale.stem[4:].isdigit() and int(stale.stem[4:]) >= self.par.world:
+                    stale.unlink(missing_ok=True)
 
     def _load_weights(self, model, path, strict):
         from reelcache.train.weights import load_weights
