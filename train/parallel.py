@@ -92,14 +92,12 @@ class Parallel:
         happens here. ZeRO: each rank holds a shard; the norm is reduced over the data-parallel
         group and the optimizer clips inside its own step (the plugin's max_norm).
         """
-        if self.zero:
-            inner = optimizer.optim if hasattr(optimizer, "optim") and not hasattr(optimizer, "pg_to_grad_store") \
-                else optimizer
+        if self.zero:                       # the boosted optimizer is ColossalAI's LowLevelZeroOptimizer
             total = 0.0
-            for gid in range(inner.num_param_groups):
-                for store in inner.pg_to_grad_store.values():
+            for gid in range(optimizer.num_param_groups):
+                for store in optimizer.pg_to_grad_store.values():
                     grads = store.get_working_grads_by_group_id(gid)
-                    total += inner._compute_grad_norm(dp_pg=store.torch_pg, gradients=grads) ** 2
+                    total += optimizer._compute_grad_norm(dp_pg=store.torch_pg, gradients=grads) ** 2
             return torch.tensor(total ** 0.5)
         params = [p for p in model.parameters() if p.grad is not None]
         if max_norm > 0:
