@@ -288,6 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog=train_cli.EXAMPLES, formatter_class=fmt)
     train_cli.add_arguments(tr)
     tr.set_defaults(fn=train_cli.run, takes_overrides=True)
+    from reelcache.train import cluster as cluster_cli
+
+    cluster_cli.add_commands(top)
+
+    from reelcache.eval import cli as eval_cli
+
+    eval_cli.add_commands(top)
 
     demo = top.add_parser("demo", help="the bundled demo dataset")
     idemo = demo.add_subparsers(dest="cmd", required=True)

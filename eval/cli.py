@@ -1,0 +1,105 @@
+"""``reelcache eval serve|once``: the evaluation stage's arguments (reelcache/cli.py only registers them).
+
+Nothing heavy is imported here: the parser must build without torch (tests/test_package.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+EXAMPLES = """\
+examples:
+  # beside training, on a GPU of its own (a box that mounts the data root and the run directory)
+  reelcache eval serve --root /data/rc --run runs/stage1 --prompts configs/eval/prompts.txt \\
+      --val-manifest val-240p --preset low4s --every 1
+  reelcache eval once --root /data/rc --run runs/stage1 --checkpoint ckpt-00002210 --preset high4s --weights model
+  # the demo's run, on CPU
+  reelcache eval once --root demo-root --run runs/debug-stage1 --checkpoint latest --preset debug \\
+      --prompts configs/eval/debug-prompts.txt --val-manifest demo-stage1-tiny --device cpu
+
+Results: ROOT/runs/<run>/eval/ckpt-<step>/ (val_loss.json, <preset>/sample_<i>.mp4, <preset>/done.json),
+ROOT/runs/<run>/eval/val_loss.parquet, and the run's own wandb run (eval/* against eval/global_step).
+"""
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", required=True, help="data root (manifests, latents, runs)")
+    p.add_argument("--run", required=True, help="the run directory: runs/<name> (relative to ROOT) or a path")
+    p.add_argument("--preset", default="low4s", choices=["low4s", "high4s", "low16s", "debug"],
+                   help="sampling preset (Open-Sora 1.2's inference server; debug: tiny, CPU)")
+    p.add_argument("--prompts", help="text file, one prompt per line (no samples without it)")
+    p.add_argument("--val-manifest", help="loader manifest (catalog manifest --cache) for the validation loss")
+    p.add_argument("--val-batch", type=int, default=4, help="clips per validation forward pass")
+    p.add_argument("--val-max-clips", type=int, help="only the first N clips (clip-id order) of the manifest")
+    p.add_argument("--weights", default="ema", choices=["ema", "model"], help="EMA (default) or the training weights")
+    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="model dtype (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--cache", help="latent cache whose encoders decode and encode (default: the val manifest's)")
+    p.add_argument("--wandb-mode", choices=["offline", "online", "disabled"],
+                   help="default: the run's own run.wandb_mode")
+
+
+def add_commands(top) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    ev = top.add_parser("eval", help="evaluate a run's checkpoints: validation loss, sample videos, wandb",
+                        epilog=EXAMPLES, formatter_class=fmt)
+    iev = ev.add_subparsers(dest="cmd", required=True)
+    s = iev.add_parser("serve", help="watch a run and evaluate each new checkpoint, in step order",
+                       epilog=EXAMPLES, formatter_class=fmt)
+    _common(s)
+    which = s.add_mutually_exclusive_group()
+    which.add_argument("--every", type=int, default=1, help="every N-th save of the run (steps on N x ckpt_every)")
+    which.add_argument("--latest-only", action="store_true", help="only the newest pending checkpoint per poll")
+    s.add_argument("--poll", type=float, default=60.0, help="seconds between looks at the run directory")
+    s.add_argument("--exit-idle", type=float, default=0.0, help="stop after this many seconds with nothing new (0: never)")
+    s.add_argument("--max-attempts", type=int, default=3, help="tries per checkpoint before it is left alone")
+    s.set_defaults(fn=_serve)
+    o = iev.add_parser("once", help="evaluate one checkpoint", epilog=EXAMPLES, formatter_class=fmt)
+    _common(o)
+    o.add_argument("--checkpoint", required=True, help="ckpt-<step> of the run, a path, or 'latest'")
+    o.set_defaults(fn=_once)
+
+
+def _evaluator(a, max_attempts: int = 3):
+    from reelcache.cache.encoders import default_device
+    from reelcache.eval.evaluate import Evaluator
+    from reelcache.eval.samples import read_prompts
+
+    device = a.device or default_device()
+    return Evaluator(root=a.root, run_dir=a.run, preset=a.preset,
+                     prompts=read_prompts(a.prompts) if a.prompts else [], val_manifest=a.val_manifest,
+                     weights=a.weights, device=device, dtype=a.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
+                     cache=a.cache, val_batch=a.val_batch, val_max_clips=a.val_max_clips, wandb_mode=a.wandb_mode,
+                     max_attempts=max_attempts)
+
+
+def _serve(a) -> None:
+    from reelcache import UserError
+
+    if a.every < 1:
+        raise UserError("--every must be >= 1")
+    ev = _evaluator(a, a.max_attempts)
+    if not ev.prompts and not ev.val_manifest:
+        raise UserError("nothing to evaluate: give --prompts and/or --val-manifest")
+    ev.serve(poll=a.poll, every=a.every, latest_only=a.latest_only, exit_idle=a.exit_idle)
+
+
+def _once(a) -> None:
+    from pathlib import Path
+
+    from reelcache import UserError
+    from reelcache.train.checkpoint import list_checkpoints
+
+    ev = _evaluator(a)
+    if not ev.prompts and not ev.val_manifest:
+        raise UserError("nothing to evaluate: give --prompts and/or --val-manifest")
+    if a.checkpoint == "latest":
+        found = list_checkpoints(ev.run_dir)
+        if not found:
+            raise UserError(f"no complete checkpoint in {ev.run_dir}")
+        ckpt = found[-1]
+    else:
+        ckpt = Path(a.checkpoint)
+        if not ckpt.exists():
+            ckpt = ev.run_dir / a.checkpoint
+    ev.evaluate(ckpt)

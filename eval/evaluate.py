@@ -1,0 +1,369 @@
+"""The evaluation server: watch a run's checkpoints, evaluate each one, log into the run's wandb run.
+
+    reelcache eval serve --root R --run runs/stage1 --prompts configs/eval/prompts.txt \\
+        --val-manifest val-240p --preset low4s            # beside training, on its own GPU
+    reelcache eval once  --root R --run runs/stage1 --checkpoint ckpt-00002210 --preset low4s
+
+What counts as a checkpoint: ``train.checkpoint.list_checkpoints`` (``ckpt-<8 digits>`` folders with
+a state.json: the trainer renames a finished ``.tmp-ckpt-*`` into place, so a half-written one is
+never seen). Each poll processes the pending ones in ascending step order, re-listing after each,
+so a checkpoint written meanwhile joins the queue in order and none is skipped (Open-Sora's
+server globbed unsorted and remembered only the last step it did, so it skipped checkpoints).
+``--every N`` keeps the steps on every N-th save of the run (multiples of N x run.ckpt_every,
+a grid that pruning does not shift) plus a run's final off-grid checkpoint; ``--latest-only``
+takes only the newest pending one per poll.
+
+Per checkpoint, into ``runs/<run>/eval/ckpt-<step>/``:
+  val_loss.json        deterministic validation loss (eval/valloss.py), per bucket and overall;
+                       computed once per (weights, manifest) and reused by every preset
+  <tag>/sample_<i>.mp4 one video per prompt (eval/samples.py), decoded by the cache's VAE
+  <tag>/done.json      written last, atomically: the checkpoint is finished for this tag
+where <tag> is the preset name, with "-model" appended for non-EMA weights. A server killed at
+any point redoes only the checkpoint it was on. ``runs/<run>/eval/val_loss.parquet`` gathers
+every val_loss*.json as rows (step, weights, bucket, t, loss, clips) and is rewritten each time.
+
+Failures: an exception on one checkpoint (a corrupt file, say) is written to
+``<tag>/error-<n>.txt`` and the server goes on with the next; the checkpoint is retried on later
+polls until it has failed ``max_attempts`` times (the error files count, across restarts), then
+left alone with a message. A checkpoint that the trainer pruned before its turn is skipped and
+said so: give the trainer ``run.keep_every`` (or keep_last) wide enough for the evaluator's lag.
+
+wandb (eval/runlog.py): the numbers and videos go into the SAME run as training, under
+``eval/<tag>/...`` with their own x axis ``eval/global_step`` (define_metric), never ``step=``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reelcache import UserError
+from reelcache.progress import say
+
+__all__ = ["Evaluator", "select"]
+
+VAL_LOSS_PARQUET = "val_loss.parquet"
+
+
+class _Progress:
+    """One line per ~10 s (and at the end) with count and ETA: readable under nohup and in CI logs."""
+
+    def __init__(self, what: str, every_s: float = 10.0):
+        self.what, self.every, self.t0, self.last = what, every_s, time.monotonic(), 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self.last < self.every:
+            return
+        self.last = now
+        eta = (now - self.t0) / max(done, 1) * (total - done)
+        say(f"  {self.what}: {done}/{total}, {now - self.t0:.0f}s, ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+
+
+def _step(ckpt: Path) -> int:
+    return int(ckpt.name.split("-")[1])
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    from reelcache.catalog.shards import atomic_path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(json.dumps(doc, indent=2, default=str))
+
+
+def select(ckpts: list[Path], every: int = 1, ckpt_every: int = 0) -> list[Path]:
+    """The checkpoints ``--every N`` evaluates: steps on every N-th save (multiples of
+    N x ckpt_every), plus checkpoints off the save grid (a run's final one); all when N <= 1."""
+    if every <= 1 or ckpt_every <= 0:
+        return list(ckpts)
+    return [c for c in ckpts if _step(c) % ckpt_every or (_step(c) // ckpt_every) % every == 0]
+
+
+@dataclass
+class Evaluator:
+    root: Path
+    run_dir: Path
+    preset: str = "debug"
+    prompts: list[str] = field(default_factory=list)
+    val_manifest: str | None = None
+    weights: str = "ema"
+    device: str = "cpu"
+    dtype: str = "fp32"
+    cache: str | None = None
+    val_batch: int = 4
+    val_max_clips: int | None = None
+    wandb_mode: str | None = None       # None: the run's own run.wandb_mode
+    max_attempts: int = 3
+
+    def __post_init__(self):
+        from reelcache.eval.samples import PRESETS
+
+        self.root, self.run_dir = Path(self.root), Path(self.run_dir)
+        if not self.run_dir.is_absolute() and not self.run_dir.exists():
+            self.run_dir = self.root / self.run_dir
+        if not self.run_dir.is_dir():
+            raise UserError(f"no run directory {self.run_dir}")
+        if self.preset not in PRESETS:
+            raise UserError(f"--preset {self.preset!r}: one of {', '.join(PRESETS)}")
+        if self.weights not in ("ema", "model"):
+            raise UserError(f"--weights {self.weights!r}: ema or model")
+        self.tag = self.preset if self.weights == "ema" else f"{self.preset}-model"
+        self.out = self.run_dir / "eval"
+        self._encoders = None
+        self._manifest = None
+        self._given_up: set[str] = set()
+
+    # -- what to do ------------------------------------------------------------------------
+    def done(self, ckpt: Path) -> bool:
+        return (self.out / ckpt.name / self.tag / "done.json").exists()
+
+    def attempts(self, ckpt: Path) -> int:
+        return len(list((self.out / ckpt.name / self.tag).glob("error-*.txt")))
+
+    def pending(self, every: int = 1, latest_only: bool = False) -> list[Path]:
+        from reelcache.train.checkpoint import list_checkpoints
+
+        found = list_checkpoints(self.run_dir)
+        if not found:
+            return []
+        ckpt_every = int(self._config(found[-1]).run.ckpt_every) if every > 1 else 0
+        todo = [c for c in select(found, every, ckpt_every) if not self.done(c) and c.name not in self._given_up]
+        for c in list(todo):
+            if self.attempts(c) >= self.max_attempts:
+                say(f"eval: {c.name} failed {self.attempts(c)} times, left alone (see {self.out / c.name / self.tag}/"
+                    f"error-*.txt; delete them to retry)")
+                self._given_up.add(c.name)
+                todo.remove(c)
+        return todo[-1:] if latest_only else todo
+
+    def serve(self, poll: float = 60.0, every: int = 1, latest_only: bool = False, exit_idle: float = 0.0) -> None:
+        """Evaluate checkpoints as they appear, forever (or until idle for ``exit_idle`` seconds)."""
+        say(f"eval serve: watching {self.run_dir} for checkpoints (preset {self.preset}, {self.weights} weights, "
+            f"poll {poll:g}s" + (f", every {every}th" if every > 1 else "") + (", latest only" if latest_only else "")
+            + f"); results in {self.out}")
+        idle_since = time.monotonic()
+        while True:
+            todo = self.pending(every, latest_only)
+            if todo:
+                ckpt = todo[0]
+                say(f"eval: {ckpt.name} ({len(todo)} pending)")
+                self.try_one(ckpt)
+                idle_since = time.monotonic()
+                continue                      # re-list: new checkpoints join in step order
+            if exit_idle and time.monotonic() - idle_since >= exit_idle:
+                say(f"eval serve: nothing new for {exit_idle:g}s, stopping")
+                return
+            time.sleep(poll)
+
+    def try_one(self, ckpt: Path) -> bool:
+        """evaluate() with the failure policy: an error is recorded and the caller goes on."""
+        try:
+            self.evaluate(ckpt)
+            return True
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:                # noqa: BLE001 - the policy: record, go on, retry later
+            if not ckpt.exists():
+                say(f"eval: {ckpt.name} was removed (pruned by the trainer?) before it was evaluated; skipped")
+                self._given_up.add(ckpt.name)
+                return False
+            d = self.out / ckpt.name / self.tag
+            d.mkdir(parents=True, exist_ok=True)
+            n = self.attempts(ckpt) + 1
+            (d / f"error-{n}.txt").write_text(traceback.format_exc())
+            say(f"eval: {ckpt.name} FAILED (attempt {n} of {self.max_attempts}): {type(e).__name__}: {e}; "
+                f"traceback in {d / f'error-{n}.txt'}")
+            return False
+
+    # -- one checkpoint --------------------------------------------------------------------
+    def evaluate(self, ckpt) -> dict:
+        import torch
+
+        from reelcache.train.checkpoint import read_state
+
+        ckpt = Path(ckpt)
+        if not ckpt.is_absolute() and not ckpt.exists():
+            ckpt = self.run_dir / ckpt
+        if not (ckpt / "state.json").exists():
+            raise UserError(f"{ckpt} is not a complete checkpoint (no state.json)")
+        t0 = time.monotonic()
+        state = read_state(ckpt)
+        step = int(state["global_step"])
+        model, used = self._model(ckpt)
+        dev, dtype = torch.device(self.device), self._torch_dtype()
+        result = {"checkpoint": ckpt.name, "global_step": step, "preset": self.preset, "weights": used}
+        d = self.out / ckpt.name / self.tag
+
+        if self.val_manifest:
+            result["val_loss"] = self._val_loss(ckpt, model, step, used)
+            say(f"  val loss {result['val_loss']['overall']:.5f} over {result['val_loss']['clips']} clips")
+        if self.prompts:
+            from reelcache.eval.samples import PRESETS, sample
+            from reelcache.eval.video import write_mp4
+
+            video_enc, text_enc = self.encoders()
+            p = PRESETS[self.preset]
+            videos, frames = sample(model, text_enc, video_enc, self.prompts, p, device=dev, dtype=dtype,
+                                    progress=_Progress(f"{ckpt.name} sampling {len(self.prompts)} prompts, "
+                                                       f"{p.steps} steps, batches of {p.batch}"))
+            result["videos"] = [str(write_mp4(v, d / f"sample_{i}.mp4", fps=p.fps)) for i, v in enumerate(videos)]
+            result["frames"] = frames
+            result["size"] = list(videos[0].shape[1:3])
+        self._log_wandb(result)
+        result["seconds"] = time.monotonic() - t0
+        _write_json(d / "done.json", result)        # last: the checkpoint is finished for this tag
+        say(f"eval: {ckpt.name} done in {result['seconds']:.0f}s -> {d}")
+        return result
+
+    def _torch_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
+
+    def _config(self, ckpt: Path):
+        from reelcache.train.config import from_dict
+
+        return from_dict(json.loads((ckpt / "config.json").read_text()))
+
+    def _model(self, ckpt: Path):
+        """STDiT3 as configured in the checkpoint's config.json, with its EMA (or model) weights."""
+        import torch
+
+        from reelcache.train.model import STDiT3, STDiT3Config
+        from reelcache.train.weights import load_weights
+
+        cfg = self._config(ckpt)
+        mcfg = STDiT3Config.preset(cfg.model.preset, **{**cfg.model.overrides,
+                                                        "freeze_y_embedder": cfg.model.freeze_y_embedder})
+        model = STDiT3(mcfg)
+        used = self.weights
+        if used == "ema" and not (ckpt / "ema").is_dir():
+            say(f"  {ckpt.name} has no ema/ (run.ema_decay = 0): using model/")
+            used = "model"
+        load_weights(model, ckpt, which=used)
+        return model.to(torch.device(self.device), self._torch_dtype()).eval(), used
+
+    # -- validation loss -------------------------------------------------------------------
+    def manifest(self) -> Path:
+        if self._manifest is None:
+            from reelcache.catalog.manifest import resolve_manifest
+
+            try:
+                self._manifest = resolve_manifest(self.root, self.val_manifest)
+            except ValueError as e:
+                raise UserError(f"--val-manifest: {e}") from e
+        return self._manifest
+
+    def _val_loss(self, ckpt: Path, model, step: int, used: str) -> dict:
+        import torch
+
+        from reelcache.catalog.manifest import read_manifest
+        from reelcache.eval.valloss import validation_loss
+
+        path = self.out / ckpt.name / ("val_loss.json" if used == "ema" else f"val_loss-{used}.json")
+        _, fp = read_manifest(self.manifest())
+        if path.exists():
+            doc = json.loads(path.read_text())
+            if doc.get("manifest_fingerprint") == fp and doc.get("max_clips") == self.val_max_clips:
+                return doc
+        cfg = self._config(ckpt)
+        res = validation_loss(model, self.manifest(), self.root, device=torch.device(self.device),
+                              dtype=self._torch_dtype(), frame_interval=self._frame_interval(),
+                              default_fps=cfg.data.default_fps, batch_size=self.val_batch,
+                              max_clips=self.val_max_clips, progress=_Progress(f"{ckpt.name} val loss batches"))
+        doc = {"checkpoint": ckpt.name, "global_step": step, "weights": used, "manifest": str(self.manifest()),
+               "manifest_fingerprint": fp, "max_clips": self.val_max_clips, "dtype": self.dtype, **res}
+        _write_json(path, doc)
+        self._write_parquet()
+        return doc
+
+    def _frame_interval(self) -> int:
+        try:
+            return int(self._cache_ident()[1]["buckets"]["frame_interval"])
+        except (UserError, KeyError):
+            return 1
+
+    def _write_parquet(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from reelcache.catalog.shards import atomic_path
+
+        rows = []
+        for f in sorted(self.out.glob("ckpt-*/val_loss*.json")):
+            doc = json.loads(f.read_text())
+            base = {"global_step": doc["global_step"], "checkpoint": doc["checkpoint"], "weights": doc["weights"],
+                    "manifest_fingerprint": doc["manifest_fingerprint"]}
+            rows.append({**base, "bucket": "all", "t": None, "loss": doc["overall"], "clips": doc["clips"]})
+            rows += [{**base, "bucket": b, "t": None, "loss": v["loss"], "clips": v["clips"]}
+                     for b, v in doc["buckets"].items()]
+            rows += [{**base, "bucket": "all", "t": float(t), "loss": v, "clips": doc["clips"]}
+                     for t, v in doc["timesteps"].items()]
+        with atomic_path(self.out / VAL_LOSS_PARQUET) as tmp:
+            pq.write_table(pa.Table.from_pylist(rows), tmp)
+
+    # -- encoders from the cache -----------------------------------------------------------
+    def _cache_name(self) -> str:
+        """--cache, else the cache the val manifest was made from, else the one the run trained on."""
+        if self.cache:
+            return self.cache
+        from reelcache.catalog.manifest import resolve_manifest
+        from reelcache.train.checkpoint import list_checkpoints
+
+        candidates = []
+        if self.val_manifest:
+            candidates.append(self.manifest())
+        ckpts = list_checkpoints(self.run_dir)
+        if ckpts:
+            for m in self._config(ckpts[-1]).data.manifests:
+                try:
+                    candidates.append(resolve_manifest(self.root, m.name))
+                except ValueError:
+                    pass
+        for m in candidates:
+            side = m.with_suffix(".json")
+            if side.exists() and (name := json.loads(side.read_text()).get("cache")):
+                return name
+            import pyarrow.parquet as pq
+
+            shard = pq.read_table(m, columns=["shard"]).column(0)[0].as_py()
+            parts = Path(shard).parts
+            if "latents" in parts:
+                return parts[parts.index("latents") + 1]
+        raise UserError("cannot tell which latent cache's encoders to use: pass --cache NAME")
+
+    def _cache_ident(self):
+        from reelcache.cache.plan import load_cache
+
+        return load_cache(self.root, self._cache_name())
+
+    def encoders(self):
+        """(VideoEncoder, TextEncoder) rebuilt from the cache's plan, checked against its cache.json."""
+        if self._encoders is None:
+            from reelcache.cache.encoders import EncoderSpec, TextEncoder, VideoEncoder, spec_identity
+            from reelcache.cache.plan import diff
+
+            plan, ident = self._cache_ident()
+            specs = {k: EncoderSpec(**plan["config"][k]) for k in ("video_encoder", "text_encoder")}
+            for k, spec in specs.items():
+                mine, theirs = spec_identity(spec), ident[k]
+                if d := diff({**mine, "versions": None}, {**theirs, "versions": None}):
+                    raise UserError(f"the {k} here differs from the cache's cache.json (the videos would be decoded "
+                                    "by another model):\n  " + "\n  ".join(d[:8]))
+                if d := diff(mine["versions"], theirs["versions"]):
+                    say(f"  note: {k} library versions differ from the cache's: {'; '.join(d)}")
+            say(f"  encoders of cache {ident['name']!r}: {specs['video_encoder'].kind} VAE, "
+                f"{specs['text_encoder'].kind} text encoder on {self.device}")
+            self._encoders = (VideoEncoder(specs["video_encoder"], self.device),
+                              TextEncoder(specs["text_encoder"], self.device))
+        return self._encoders
+
+    # -- wandb -----------------------------------------------------------------------------
+    def _log_wandb(self, result: dict) -> None:
+        from reelcache.eval.runlog import log_eval
+
+        log_eval(self.run_dir, self.tag, result, self.prompts, mode=self.wandb_mode)

@@ -1,0 +1,127 @@
+"""Sample videos from a checkpoint: prompts -> text encoder -> Euler sampler with CFG -> VAE decoder.
+
+Presets are Open-Sora 1.2's inference-server settings (OPENSORA12.md §8; everything not in its
+table comes from ``configs/opensora-v1-2/inference/sample.py``: 30 steps, guidance 7, fps 24):
+
+  preset   frames  resolution  aspect  pixels     batch
+  low4s    102     360p        9:16    360x640    8
+  high4s   102     720p        9:16    720x1280   2
+  low16s   408     360p        9:16    360x640    2
+  debug    17      (tiny)      9:16    72x128     2      4 steps: CPU tests and the demo
+
+"9:16" is Open-Sora's AR key 0.56, a landscape frame (H < W). The latent size follows the
+cache's VAE: Open-Sora 1.2's VAE gives 5 latent frames per 17 pixel frames (102 -> 30); a
+diffusers video VAE with temporal ratio r needs 1 + k*r frames, so the frame count is rounded
+down to that (102 -> 97 for LTX's r = 8) and the sample says so. Height and width are rounded
+down to the VAE's spatial multiple, as the cache crops.
+
+Randomness: prompt i starts from z ~ N(0, 1) drawn on CPU from a generator seeded with
+seed + i (seed 42), so a prompt's video does not depend on the batch it shares or the device.
+The model's size inputs are the preset's pixel size and frame count, as in training
+(``timestep_transform`` shifts the 30 timesteps by them); fps is 24 (Open-Sora's sampling fps).
+Open-Sora appends " aesthetic score: 6.5." to every prompt because its captions carried scores;
+ours do not, so prompts are used as written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PRESETS", "Preset", "latent_shape", "read_prompts", "sample"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    frames: int
+    height: int
+    width: int
+    batch: int
+    steps: int = 30
+    cfg_scale: float = 7.0
+    fps: float = 24.0
+    seed: int = 42
+
+
+PRESETS = {
+    "low4s": Preset(102, 360, 640, 8),
+    "high4s": Preset(102, 720, 1280, 2),
+    "low16s": Preset(408, 360, 640, 2),
+    "debug": Preset(17, 72, 128, 2, steps=4),
+}
+
+
+def read_prompts(path) -> list[str]:
+    """One prompt per line; blank lines and lines starting with # are skipped."""
+    from pathlib import Path
+
+    lines = [ln.strip() for ln in Path(path).read_text().splitlines()]
+    prompts = [ln for ln in lines if ln and not ln.startswith("#")]
+    if not prompts:
+        raise ValueError(f"{path} has no prompts (one per line)")
+    return prompts
+
+
+def _spatial_factor(encoder) -> int:
+    """Pixels per latent along H and W, measured once on a small input (any VAE, tiny or real)."""
+    from reelcache.cache.encoders import spatial_multiple, temporal_ratio
+
+    m = spatial_multiple(encoder.spec)
+    t = 1 + temporal_ratio(encoder.spec) if not encoder.opensora else 1
+    x = torch.zeros((1, t, 2 * m, 2 * m, 3), dtype=torch.uint8)
+    h = encoder.encode(x)["mean"].shape[-1]
+    return (2 * m) // h
+
+
+def latent_shape(encoder, channels: int, frames: int, height: int, width: int) -> tuple[tuple, int, int, int]:
+    """((C, t, h, w), pixel frames, pixel height, pixel width) the VAE actually produces/decodes."""
+    from reelcache.cache.encoders import spatial_multiple, temporal_ratio
+
+    m = spatial_multiple(encoder.spec)
+    height, width = height - height % m, width - width % m
+    f = _spatial_factor(encoder)
+    if encoder.opensora:
+        from reelcache.cache.opensora_vae import latent_frames
+
+        t = latent_frames(frames)
+    else:
+        r = temporal_ratio(encoder.spec)
+        frames = 1 + (frames - 1) // r * r
+        t = 1 + (frames - 1) // r
+    return (channels, t, height // f, width // f), frames, height, width
+
+
+@torch.no_grad()
+def sample(model, text_encoder, video_encoder, prompts: list[str], preset: Preset, *, device, dtype=torch.float32,
+           progress=None) -> tuple[list[torch.Tensor], int]:
+    """Videos for ``prompts``: a list of uint8 [T, H, W, 3], and the frame count used.
+
+    ``progress(done_steps, total_steps)`` is called after each sampler batch."""
+    from reelcache.eval.decode import decode
+    from reelcache.train.flow import euler_sample
+
+    shape, frames, height, width = latent_shape(video_encoder, model.config.in_channels, preset.frames,
+                                                preset.height, preset.width)
+    text = text_encoder.encode(prompts)
+    maxlen = model.config.model_max_length
+    videos = []
+    batches = math.ceil(len(prompts) / preset.batch)
+    for k in range(batches):
+        idx = list(range(k * preset.batch, min(len(prompts), (k + 1) * preset.batch)))
+        lens = [min(text[i].shape[0], maxlen) for i in idx]
+        y = torch.zeros((len(idx), max(lens), text[idx[0]].shape[1]))
+        mask = torch.zeros((len(idx), max(lens)), dtype=torch.bool)
+        for j, i in enumerate(idx):
+            y[j, :lens[j]] = text[i][:lens[j]].float()
+            mask[j, :lens[j]] = True
+        z = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(preset.seed + i)) for i in idx])
+        b = len(idx)
+        out = euler_sample(model, z.to(device), y.to(device, dtype), mask.to(device), height=[height] * b,
+                           width=[width] * b, num_frames=[frames] * b, fps=[preset.fps] * b, steps=preset.steps,
+                           cfg_scale=preset.cfg_scale)
+        videos += list(decode(video_encoder, out.float(), frames))
+        if progress:
+            progress(k + 1, batches)
+    return videos, frames

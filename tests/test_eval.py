@@ -1,0 +1,270 @@
+"""The evaluation server on CPU with the debug configs, against a real run.
+
+The run is real end to end: the ingested demo root, a tiny-encoder latent cache made by the real
+`cache plan/run` (tiny LTX VAE, tiny T5), a `--cache` loader manifest, and 2-process torchrun
+training of the debug stage writing checkpoints. The server runs as a real subprocess and is
+killed with SIGKILL. References are independent of the code under test: PyAV reads the mp4s,
+wandb's own offline file format holds the logged rows, diffusers' LTX pipeline code
+denormalizes latents for the decoder check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reelcache.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = REPO / "configs/eval/debug-prompts.txt"
+RUN = "evalrun"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true",
+            "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def trained(ingested, tmp_path_factory) -> Path:
+    """A data root with a tiny cache over 10 clips, its loader manifest `lat`, and runs/evalrun with
+    checkpoints at steps 2 and 4 from a 2-process run (wandb offline)."""
+    from reelcache.catalog.manifest import make_manifest
+
+    root = tmp_path_factory.mktemp("eval") / "root"
+    shutil.copytree(ingested, root)
+    make_manifest(root, "m", "clip_id IN (SELECT clip_id FROM clips WHERE status = 'ok' ORDER BY clip_id LIMIT 10)")
+    cfg = root / "cache.toml"
+    cfg.write_text((REPO / "configs/cache/tiny.toml").read_text().replace('manifest = "demo-stage1"', 'manifest = "m"')
+                   .replace('name = "tiny"', 'name = "t"')
+                   .replace("configs/buckets/demo.toml", str(REPO / "configs/buckets/demo.toml"))
+                   .replace("workers = 2", "workers = 1"))
+    out = subprocess.run([sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config",
+                          str(cfg)], check=True, capture_output=True, text=True, env=_env())
+    assert main(["cache", "run", "--root", str(root), "--device", "cpu", *out.stdout.split()]) == 0
+    assert main(["catalog", "merge", "--root", str(root)]) == 0
+    assert main(["catalog", "manifest", "--root", str(root), "--name", "lat", "--cache", "t"]) == 0
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(_port()), "-m", "reelcache.train", "configs/train/debug/stage1.toml", "--root", str(root),
+                        f"--run.name={RUN}", '--data.manifests=[{name="lat"}]', "--run.max_steps=4",
+                        "--run.ckpt_every=2", "--run.keep_last=10", "--run.epochs=20"],
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert sorted(c.name for c in (root / "runs" / RUN).glob("ckpt-*")) == ["ckpt-00000002", "ckpt-00000004"]
+    return root
+
+
+def _serve(root: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "reelcache", "eval", "serve", "--root", str(root), "--run",
+                             f"runs/{RUN}", "--prompts", str(PROMPTS), "--val-manifest", "lat", "--preset", "debug",
+                             "--device", "cpu", "--poll", "0.2", *extra],
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wandb_files_rows(run_dir: Path) -> list[dict]:
+    """History rows of every offline run file under the run's wandb/ folder, read from wandb's own
+    format (a leveldb-style record log of protobuf Records after a 7-byte ':W&B' header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows = []
+    for f in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
+        data = f.read_bytes()
+        assert data[:4] == b":W&B"
+        pos, block, buf = 7, 32768, b""
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:
+                pos += block - pos % block
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            buf += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):
+                rec = pb.Record()
+                rec.ParseFromString(buf)
+                buf = b""
+                if rec.WhichOneof("record_type") == "history":
+                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+            elif kind == 0:
+                break
+    return rows
+
+
+def _corrupt_copy(run_dir: Path, src: str, step: int) -> Path:
+    """A complete-looking checkpoint (state.json present) whose model shard is garbage."""
+    dst = run_dir / f"ckpt-{step:08d}"
+    shutil.copytree(run_dir / src, dst)
+    for f in (dst / "model").glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    return dst
+
+
+def test_serve_in_order_skips_partial_survives_kill_and_logs_to_the_run(trained):
+    import av
+
+    run = trained / "runs" / RUN
+    out = run / "eval"
+    # a checkpoint being written (never renamed): must be ignored; a corrupt one: logged, the server goes on
+    partial = run / ".tmp-ckpt-00000006"
+    shutil.copytree(run / "ckpt-00000004", partial)
+    (partial / "state.json").unlink()
+    bad = _corrupt_copy(run, "ckpt-00000002", 3)
+
+    p = _serve(trained, "--max-attempts", "1")
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "ckpt-00000002/debug/done.json").exists():
+            assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:]
+            time.sleep(0.05)
+        p.send_signal(signal.SIGKILL)              # mid-run: it is on ckpt-00000003 or -4 now
+        p.wait()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    first = (out / "ckpt-00000002/debug/done.json").stat().st_mtime_ns
+
+    p = _serve(trained, "--max-attempts", "1", "--exit-idle", "1")
+    log, _ = p.communicate(timeout=180)
+    assert p.returncode == 0, log[-4000:]
+    assert (out / "ckpt-00000002/debug/done.json").stat().st_mtime_ns == first     # not redone
+    assert "eval: ckpt-00000002" not in log
+    assert not (out / ".tmp-ckpt-00000006").exists() and not (out / "ckpt-00000006").exists()
+    assert (out / "ckpt-00000003/debug/error-1.txt").exists() and not (out / "ckpt-00000003/debug/done.json").exists()
+    assert "ckpt-00000003 FAILED" in log or "ckpt-00000003 failed" in log
+    done = {s: json.loads((out / f"ckpt-0000000{s}/debug/done.json").read_text()) for s in (2, 4)}
+    assert done[2]["seconds"] > 0 and (out / "ckpt-00000002/debug/done.json").stat().st_mtime_ns < \
+        (out / "ckpt-00000004/debug/done.json").stat().st_mtime_ns             # step order
+
+    # videos: decodable H.264 with the preset's frame count and (even) size, one per prompt
+    for s in (2, 4):
+        vids = sorted((out / f"ckpt-0000000{s}/debug").glob("sample_*.mp4"))
+        assert [v.name for v in vids] == ["sample_0.mp4", "sample_1.mp4"]
+        for v in vids:
+            with av.open(str(v)) as c:
+                st = c.streams.video[0]
+                frames = [f.to_ndarray(format="rgb24") for f in c.decode(st)]
+                assert st.codec_context.name == "h264" and st.codec_context.pix_fmt == "yuv420p"
+            assert len(frames) == 17 and frames[0].shape == (72, 128, 3)
+
+    # validation loss: finite, per bucket, and the parquet holds both checkpoints
+    import duckdb
+
+    vl = {s: json.loads((out / f"ckpt-0000000{s}/val_loss.json").read_text()) for s in (2, 4)}
+    for v in vl.values():
+        assert v["clips"] > 0 and math.isfinite(v["overall"]) and v["buckets"]
+        assert sum(b["clips"] for b in v["buckets"].values()) == v["clips"]
+        assert len(v["timesteps"]) == 10
+    assert vl[2]["overall"] != vl[4]["overall"]
+    rows = duckdb.sql(f"SELECT global_step, loss FROM '{out / 'val_loss.parquet'}' WHERE bucket = 'all' AND t IS NULL "
+                      "ORDER BY 1").fetchall()
+    assert rows == [(2, vl[2]["overall"]), (4, vl[4]["overall"])]
+
+    # wandb: the training run's offline files (same run id) hold the trainer's rows and the eval rows
+    run_id = (run / "wandb_id").read_text()
+    assert all(run_id in d.name for d in run.glob("wandb/offline-run-*"))
+    hist = wandb_files_rows(run)
+    assert [r["global_step"] for r in hist if "train/loss" in r] == [0, 1, 2, 3]
+    ev = {}
+    for r in hist:
+        if "eval/debug/val_loss" in r:
+            ev[r["eval/global_step"]] = r
+    assert sorted(ev) == [2, 4]
+    for s, r in ev.items():
+        assert r["eval/debug/val_loss"] == vl[s]["overall"]
+        for b, x in vl[s]["buckets"].items():
+            assert r[f"eval/debug/val_loss/{b}"] == x["loss"]
+        for i, prompt in enumerate(PROMPTS.read_text().splitlines()[1:]):
+            video = r[f"eval/debug/video_{i}"]
+            assert video["_type"] == "video-file" and video["caption"] == prompt and video["path"].endswith(".mp4")
+    bad.exists() and shutil.rmtree(bad)
+
+
+def test_every_selects_a_stable_grid_of_saves():
+    from reelcache.eval.evaluate import select
+
+    ckpts = [Path(f"ckpt-{s:08d}") for s in (200, 300, 400, 600, 700, 1000, 1050)]     # 100 and 500 pruned
+    assert [int(c.name[5:]) for c in select(ckpts, 2, 100)] == [200, 400, 600, 1000, 1050]
+    assert select(ckpts, 1, 100) == ckpts
+
+
+def test_validation_loss_does_not_depend_on_batching(trained):
+    import torch
+
+    from reelcache.catalog.manifest import resolve_manifest
+    from reelcache.eval.evaluate import Evaluator
+    from reelcache.eval.valloss import validation_loss
+
+    ev = Evaluator(root=trained, run_dir=f"runs/{RUN}", val_manifest="lat")
+    model, _ = ev._model(trained / "runs" / RUN / "ckpt-00000004")
+    m = resolve_manifest(trained, "lat")
+    a = validation_loss(model, m, trained, device=torch.device("cpu"), batch_size=1, timesteps=3)
+    b = validation_loss(model, m, trained, device=torch.device("cpu"), batch_size=4, timesteps=3)
+    assert a["timestep_values"] == [1000 / 6, 500.0, 5000 / 6]
+    assert a["overall"] == pytest.approx(b["overall"], rel=1e-5)
+    assert all(a["buckets"][k]["loss"] == pytest.approx(b["buckets"][k]["loss"], rel=1e-5) for k in a["buckets"])
+
+
+# -- the decoder ----------------------------------------------------------------------------------------------
+
+def test_ltx_decode_equals_the_pipeline_denormalize_then_vae_decode():
+    """Our decode(z') against diffusers' own LTXPipeline._denormalize_latents + vae.decode, and the
+    round trip video -> cache normalization -> decode equals decoding the raw posterior mean."""
+    import torch
+    from diffusers import LTXPipeline
+
+    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.eval.decode import decode, to_uint8
+
+    enc = VideoEncoder(EncoderSpec("ltx", tiny=True, dtype="float32"))
+    vae = enc.model
+    g = torch.Generator().manual_seed(0)
+    zn = torch.randn((2, 4, 3, 4, 5), generator=g)
+    raw = LTXPipeline._denormalize_latents(zn, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    with torch.no_grad():
+        want = to_uint8(vae.decode(raw).sample)
+    got = decode(enc, zn, num_frames=5)
+    assert got.shape == (2, 5, 32, 40, 3) and got.dtype == torch.uint8
+    assert (got.int() - want[:, :5].int()).abs().max() <= 1
+
+    frames = torch.randint(0, 256, (1, 5, 32, 40, 3), dtype=torch.uint8, generator=g)
+    x = frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+    with torch.no_grad():
+        mean = vae.encode(x).latent_dist.mean
+        want = to_uint8(vae.decode(mean).sample)
+    got = decode(enc, enc.encode(frames)["mean"].float(), num_frames=5)
+    assert (got.int() - want.int()).abs().float().mean() < 1.0      # the cache stores bf16: small rounding
+
+
+def test_per_frame_decode_matches_the_sd3_pipeline_formula():
+    """sd-per-frame: z = z' / scaling_factor + shift_factor (diffusers' SD3 pipeline before vae.decode),
+    every frame decoded on its own."""
+    import torch
+
+    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.eval.decode import decode
+
+    enc = VideoEncoder(EncoderSpec("sd-per-frame", tiny=True, dtype="float32"))
+    vae = enc.model
+    zn = torch.randn((1, 4, 3, 4, 4), generator=torch.Generator().manual_seed(1))
+    got = decode(enc, zn, num_frames=3)
+    for t in range(3):
+        with torch.no_grad():
+            img = vae.decode(zn[:, :, t] / vae.config.scaling_factor + vae.config.shift_factor).sample
+        want = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+        assert (got[:, t].int() - want.int()).abs().max() <= 1
