@@ -1,0 +1,310 @@
+"""``reelcache cluster``: real commands through real GNU parallel against ':' (this machine).
+
+References are independent of the code under test: the tools' own published outputs for the
+parsers, the kernel's /proc for which processes live, py-spy's "Process <pid>" header for whose
+stack a dump holds, and the same-clock property for the offset (a read bracketed by two reads of
+one clock lies inside the bracket, so |offset| <= uncertainty exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from latent_data import write_latents
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs/train/debug/stage1.toml"
+
+
+def cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "reelcache.cli", "cluster", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# --- parsers, on outputs copied from the tools' documentation ---------------------------------
+
+# chronyc tracking as printed in the AWS EC2 User Guide, "Set the time reference on your EC2
+# instance" (Amazon Time Sync Service, chrony on Amazon Linux), verbatim.
+CHRONYC_AWS = """\
+Reference ID    : A9FEA97B (169.254.169.123)
+Stratum         : 4
+Ref time (UTC)  : Wed Nov 22 13:18:34 2017
+System time     : 0.000000626 seconds slow of NTP time
+Last offset     : +0.002852759 seconds
+RMS offset      : 0.002852759 seconds
+Frequency       : 1.187 ppm fast
+Residual freq   : +0.020 ppm
+Skew            : 24.388 ppm
+Root delay      : 0.000504752 seconds
+Root dispersion : 0.001112565 seconds
+Update interval : 64.4 seconds
+Leap status     : Normal
+"""
+
+# A node chrony has not synchronised (the 'Leap status' chronyc(1) documents as "Not synchronised";
+# the same field layout as above, as a fresh chronyd prints it before its first measurement).
+CHRONYC_UNSYNCED = """\
+Reference ID    : 00000000 ()
+Stratum         : 0
+Ref time (UTC)  : Thu Jan 01 00:00:00 1970
+System time     : 0.000000000 seconds fast of NTP time
+Last offset     : +0.000000000 seconds
+RMS offset      : 0.000000000 seconds
+Frequency       : 0.000 ppm slow
+Residual freq   : +0.000 ppm
+Skew            : 0.000 ppm
+Root delay      : 1.000000000 seconds
+Root dispersion : 1.000000000 seconds
+Update interval : 0.0 seconds
+Leap status     : Not synchronised
+"""
+
+# `timedatectl show`: the org.freedesktop.timedate1 properties timedatectl(1) prints as key=value.
+TIMEDATECTL = """\
+Timezone=Etc/UTC
+LocalRTC=no
+CanNTP=yes
+NTP=yes
+NTPSynchronized=no
+TimeUSec=Sun 2026-11-22 04:42:48 UTC
+RTCTimeUSec=Sun 2026-11-22 04:42:48 UTC
+"""
+
+# nvidia-smi --format=csv,noheader,nounits: ", "-separated values in the order queried, and
+# "[N/A]" / "[Not Supported]" where a value is unavailable (nvidia-smi --help-query-gpu).
+# Values as an 8 x H100 node shows them, one GPU without a power reading.
+GPU_CSV = """\
+0, GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, NVIDIA H100 80GB HBM3, 71234, 81559, 512.37, 97
+1, GPU-6d1b3d2a-0c42-11ee-be56-0242ac120002, NVIDIA H100 80GB HBM3, 3, 81559, [N/A], 0
+"""
+APPS_CSV = """\
+GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, 40213, /opt/conda/bin/python3.10, 71220
+GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, 40299, python -c import a,b, [N/A]
+"""
+
+
+def test_chronyc_tracking_is_parsed():
+    from reelcache.train.cluster import daemon_summary, parse_chronyc
+
+    c = parse_chronyc(CHRONYC_AWS)
+    assert c["offset_s"] == pytest.approx(-0.000000626)         # "slow of NTP time": behind, negative
+    assert c["leap"] == "Normal" and c["stratum"] == 4 and c["synced"]
+    assert c["reference"] == "A9FEA97B (169.254.169.123)"
+    u = parse_chronyc(CHRONYC_UNSYNCED)
+    assert not u["synced"] and u["offset_s"] == 0
+    assert daemon_summary({"tool": "chronyc", "out": CHRONYC_AWS})[1] is None
+    assert "Not synchronised" in daemon_summary({"tool": "chronyc", "out": CHRONYC_UNSYNCED})[1]
+    cell, warn = daemon_summary({"tool": "timedatectl", "out": TIMEDATECTL})
+    assert cell == "timedatectl: NTPSynchronized=no" and warn
+
+
+def test_nvidia_smi_csv_is_parsed():
+    from reelcache.train.cluster import gpu_report, parse_apps_csv, parse_gpu_csv
+
+    gpus = parse_gpu_csv(GPU_CSV)
+    assert [g["index"] for g in gpus] == [0, 1]
+    assert gpus[0]["name"] == "NVIDIA H100 80GB HBM3" and gpus[0]["mem_used"] == 71234
+    assert gpus[0]["power"] == 512.37 and gpus[1]["power"] is None
+    apps = parse_apps_csv(APPS_CSV)
+    assert [(a["pid"], a["name"], a["mem"]) for a in apps] == [
+        (40213, "/opt/conda/bin/python3.10", 71220), (40299, "python -c import a,b", None)]
+    ok = {"rc": 0, "err": ""}
+    res = {"nvidia_smi": "/usr/bin/nvidia-smi", "gpu_reads": [{**ok, "out": GPU_CSV}] * 3,
+           "apps": {**ok, "out": APPS_CSV}}
+    lines, problems, nproc = gpu_report(res)
+    assert nproc == 2 and not problems
+    assert "2 x NVIDIA H100 80GB HBM3" in lines[0]
+    assert any("512.4" in ln for ln in lines) and any("n/a" in ln for ln in lines)
+    none = {"nvidia_smi": "/usr/bin/nvidia-smi",
+            "gpu_reads": [{"rc": 6, "out": "No devices were found\n", "err": ""}]}
+    assert gpu_report(none)[0][0].startswith("  no GPU") and not gpu_report(none)[1]
+    broken = {"nvidia_smi": "/usr/bin/nvidia-smi",
+              "gpu_reads": [{"rc": 18, "out": "Failed to initialize NVML: Driver/library version mismatch\n",
+                             "err": ""}]}
+    assert gpu_report(broken)[1]
+
+
+def test_hostfile_is_read_like_an_sshloginfile(tmp_path):
+    from reelcache import UserError
+    from reelcache.train.cluster import read_hostfile
+
+    f = tmp_path / "nodes.txt"
+    f.write_text("# head\n:\n8/gpu01\n  user@gpu02  \nssh -p 2222 gpu03   # other port\n\n")
+    assert read_hostfile(f) == [":", "gpu01", "user@gpu02", "ssh -p 2222 gpu03"]
+    f.write_text("# nothing\n")
+    with pytest.raises(UserError):
+        read_hostfile(f)
+
+
+def test_stack_summary_names_the_odd_rank():
+    from reelcache.train.cluster_procs import main_frames, summarize
+
+    pyspy = ('Process 7: python -m reelcache.train\nPython v3.11.7 (/usr/bin/python3.11)\n\n'
+             'Thread 7 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:2050)\n'
+             '    step (train/trainer.py:300)\n    train (train/trainer.py:380)\n'
+             'Thread 9 (idle): "Thread-1"\n    wait (threading.py:324)\n')
+    odd = ('Current thread 0x00007f (most recent call first):\n  File "/x/train/loader.py", line 50 in __next__\n'
+           '  File "/x/train/trainer.py", line 380 in train\n')
+    stacks = {0: main_frames(pyspy), 1: main_frames(pyspy), 2: main_frames(odd)}
+    assert stacks[2] == [("__next__", "/x/train/loader.py", 50), ("train", "/x/train/trainer.py", 380)]
+    text = "\n".join(summarize(stacks))
+    assert "2 of 3 ranks in all_reduce (distributed_c10d.py): ranks 0 1" in text
+    assert "1 of 3 ranks in __next__ (loader.py): ranks 2" in text
+    assert "all ranks but 2 are in: all_reduce (distributed_c10d.py)" in text
+    assert text.split("dumped ranks (innermost first):\n")[1].splitlines()[0] == "  train (trainer.py)"
+
+
+# --- real runs against ':' ------------------------------------------------------------------
+
+def test_clocks_against_this_machine(tmp_path):
+    from reelcache.train.cluster import clock_check, daemon_summary
+
+    r = clock_check([":"], sys.executable, samples=8, reads=100_000)[":"]
+    assert "error" not in r, r
+    # one clock read inside a bracket of two reads of the same clock: the midpoint offset is
+    # within half the round trip (it is 0 up to where in the bracket the read fell)
+    assert abs(r["offset_ns"]) <= r["uncertainty_ns"] and r["uncertainty_ns"] < 50e6
+    assert r["backwards"]["reads"] == 100_000 and r["backwards"]["back"] == 0
+    assert r["host"] == socket.gethostname()
+    tools = [t for t in ("chronyc", "timedatectl") if shutil.which(t)]
+    works = tools and subprocess.run(["chronyc", "-n", "tracking"] if tools[0] == "chronyc" else
+                                     ["timedatectl", "show"], capture_output=True).returncode == 0
+    cell, _ = daemon_summary(r["daemon"])
+    if works:
+        assert r["daemon"]["tool"] in tools and not cell.startswith("unavailable")
+    else:
+        assert r["daemon"]["tool"] is None and cell.startswith("unavailable")
+    (tmp_path / "nodes").write_text(":\n")
+    p = cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f": ({socket.gethostname()})" in p.stdout and "0 error(s)" in p.stdout
+
+
+def test_unreachable_node_fails_the_check(tmp_path):
+    (tmp_path / "nodes").write_text(":\nno-such-node.invalid\n")
+    for cmd in ("gpus", "clocks"):
+        p = cli(cmd, "--hostfile", tmp_path / "nodes", "--timeout", 30)
+        assert p.returncode == 1, p.stdout + p.stderr
+        assert "no-such-node.invalid" in p.stdout and ("UNREACHABLE" in p.stdout or "unreachable" in p.stdout)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+def test_gpus_without_nvidia_smi_says_no_gpu(tmp_path):
+    (tmp_path / "nodes").write_text(":\n")
+    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "no GPU" in p.stdout
+
+
+# --- dump and stop on a real 2-rank training ------------------------------------------------
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stat(pid: int):
+    try:
+        after = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return after[0], int(after[19])
+
+
+def _alive(pid: int, start: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[1] == start and st[0] != "Z"
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster-root")
+    manifest = write_latents(root, 16, name="train")
+    args = [f'--data.manifests=[{{name="{manifest}"}}]', '--data.buckets="configs/buckets/tiny.toml"',
+            "--model.overrides={caption_channels=8, model_max_length=300}", "--data.workers=1",
+            "--run.wandb_mode=disabled", "--run.epochs=100000", "--run.ckpt_every=0", "--run.name=live"]
+    env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_port()), "-m", "reelcache.train", str(CONFIG), "--root", str(root), *args],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    run = root / "runs/live"
+    deadline = time.monotonic() + 120
+    while not all((run / f"ranks/rank{r:05d}.json").exists() for r in (0, 1)):
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.kill()
+            pytest.fail(f"training did not start: {p.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+    time.sleep(2)                   # into the loop
+    yield run, p
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)      # only our own session: the launcher and its ranks
+    p.wait()
+
+
+def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
+    run, launcher = training
+    ranks = [json.loads((run / f"ranks/rank{r:05d}.json").read_text()) for r in (0, 1)]
+    assert all(_alive(r["pid"], r["proc_start"]) for r in ranks)
+
+    # A decoy whose command line equals rank 0's byte for byte (what `pkill -f` would also match):
+    # the same argv, kept asleep by a sitecustomize before it ever reaches the trainer.
+    argv = Path(f"/proc/{ranks[0]['pid']}/cmdline").read_bytes().split(b"\0")[:-1]
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(300)\n")
+    decoy = subprocess.Popen([a.decode() for a in argv], cwd=Path(f"/proc/{ranks[0]['pid']}/cwd").resolve(),
+                             env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    try:
+        time.sleep(0.5)
+        assert Path(f"/proc/{decoy.pid}/cmdline").read_bytes() == Path(f"/proc/{ranks[0]['pid']}/cmdline").read_bytes()
+        decoy_start = _stat(decoy.pid)[1]
+        # a stale record: the decoy's pid, but another process's start time (the pid was reused)
+        stale = {**ranks[1], "rank": 2, "pid": decoy.pid, "proc_start": decoy_start - 1}
+        (run / "ranks/rank00002.json").write_text(json.dumps(stale))
+
+        p = cli("dump", "--run", run)
+        assert p.returncode == 0, p.stdout + p.stderr
+        out, = (run / "dumps").iterdir()
+        assert sorted(f.name for f in out.iterdir()) == ["rank00000.txt", "rank00001.txt", "summary.txt"]
+        for r in ranks:
+            text = (out / f"rank{r['rank']:05d}.txt").read_text()
+            assert f"Process {r['pid']}:" in text                 # py-spy's own header: that process
+            assert "reelcache.train" in text and "trainer.py" in text and "MainThread" in text
+        summary = (out / "summary.txt").read_text()
+        assert "2 of 3 ranks dumped" in summary and "rank 2: pid gone or reused" in summary
+        assert "frames on the main thread of all 2 dumped ranks" in summary
+        assert "rank 2: pid gone or reused" in p.stdout
+
+        time.sleep(1.1)             # a new dump folder (they are named by the second)
+        p = cli("dump", "--run", run, "--method", "signal")
+        assert p.returncode == 0, p.stdout + p.stderr
+        newest = sorted((run / "dumps").iterdir())[-1]
+        for r in ranks:
+            text = (newest / f"rank{r['rank']:05d}.txt").read_text()
+            assert "(most recent call first)" in text and "trainer.py" in text
+        assert _alive(decoy.pid, decoy_start)
+
+        p = cli("stop", "--run", run, "--grace", 10)
+        assert p.returncode == 0, p.stdout + p.stderr
+        for r in ranks:
+            assert f"rank {r['rank']:05d} host {r['host']} pid {r['pid']}: stopped by SIG" in p.stdout
+            assert not _alive(r["pid"], r["proc_start"])
+        assert "rank 00002" in p.stdout and "pid gone or reused" in p.stdout
+        assert _alive(decoy.pid, decoy_start), "the decoy with the same command line was stopped"
+        launcher.wait(timeout=60)   # its workers gone, the launcher gives up by itself
+
+        p = cli("stop", "--run", run, "--grace", 1)              # again: nothing left to stop
+        assert p.returncode == 0 and p.stdout.count("already gone") == 2, p.stdout
+    finally:
+        decoy.kill()
+        decoy.wait()
