@@ -190,8 +190,9 @@ def test_serve_in_order_skips_partial_survives_kill_and_logs_to_the_run(trained)
         for b, x in vl[s]["buckets"].items():
             assert r[f"eval/debug/val_loss/{b}"] == x["loss"]
         for i, prompt in enumerate(PROMPTS.read_text().splitlines()[1:]):
-            video = r[f"eval/debug/video_{i}"]
-            assert video["_type"] == "video-file" and video["caption"] == prompt and video["path"].endswith(".mp4")
+            key = f"eval/debug/video_{i}/"                 # media items are stored as nested keys
+            assert r[key + "_type"] == "video-file" and r[key + "caption"] == prompt
+            assert r[key + "path"].endswith(".mp4") and r[key + "size"] > 0
     bad.exists() and shutil.rmtree(bad)
 
 
