@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/train/debug/stage1.toml"
 
 
-def cli(*args, timeout=120) -> subprocess.CompletedProcess:
+def cli(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "reelcache.cli", "cluster", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 # --- parsers, on outputs copied from the tools' documentation ---------------------------------
@@ -206,6 +206,57 @@ def test_gpus_without_nvidia_smi_says_no_gpu(tmp_path):
     assert "no GPU" in p.stdout
 
 
+# A stand-in for ssh to another node that is this machine. It does what sshd does with a command:
+# the words after the host joined by spaces, run by the login shell with -c. So the path a remote
+# node takes (GNU parallel's ssh wrapper, our own held session, the quoting of the agent through
+# both) is exercised without an ssh server.
+FAKE_SSH = """#!/bin/bash
+echo "$*" >> "$(dirname "$0")/ssh.log"
+while [ $# -gt 0 ]; do case "$1" in -l|-p|-o) shift 2;; -*) shift;; *) break;; esac; done
+shift
+[ "$1" = "--" ] && shift
+exec bash -c "$*"
+"""
+
+
+def test_remote_nodes_go_through_ssh(tmp_path):
+    ssh = tmp_path / "ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    env = {**os.environ, "PARALLEL_SSH": str(ssh)}
+    nodes = tmp_path / "nodes"
+    nodes.write_text(f"node-a\n4/{ssh} -p 2222 user@node-b\n")
+    p = cli("gpus", "--hostfile", nodes, env=env)
+    assert p.returncode == (1 if shutil.which("nvidia-smi") else 0), p.stdout + p.stderr
+    assert "node node-a" in p.stdout and f"node {ssh} -p 2222 user@node-b" in p.stdout
+    p = cli("clocks", "--hostfile", nodes, "--reads", 1000, env=env)
+    assert p.returncode == 0 and "0 error(s)" in p.stdout, p.stdout + p.stderr
+    log = (tmp_path / "ssh.log").read_text()
+    assert log.count("node-a") == 2 and log.count("node-b") == 2     # parallel passes user@ as -l user
+
+    # dump and stop of a process recorded on node-a, reached through the hostfile's line for it
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        time.sleep(0.3)
+        run = tmp_path / "run"
+        (run / "ranks").mkdir(parents=True)
+        rec = {"rank": 0, "world_size": 1, "local_rank": 0, "host": "node-a.cluster.example", "pid": sleeper.pid,
+               "proc_start": _stat(sleeper.pid)[1], "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+               "started": time.time(), "stacks": None}
+        (run / "ranks/rank00000.json").write_text(json.dumps(rec))
+        p = cli("dump", "--run", run, "--hostfile", nodes, env=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        dump, = (run / "dumps").iterdir()
+        assert f"Process {sleeper.pid}:" in (dump / "rank00000.txt").read_text()
+        p = cli("stop", "--run", run, "--hostfile", nodes, "--grace", 5, env=env)
+        assert p.returncode == 0 and "stopped by SIGTERM" in p.stdout, p.stdout + p.stderr
+        assert sleeper.wait(timeout=10) == -signal.SIGTERM
+        assert (tmp_path / "ssh.log").read_text().count("node-a") == 4
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 # --- dump and stop on a real 2-rank training ------------------------------------------------
 
 def _port() -> int:
@@ -233,7 +284,7 @@ def training(tmp_path_factory):
     manifest = write_latents(root, 16, name="train")
     args = [f'--data.manifests=[{{name="{manifest}"}}]', '--data.buckets="configs/buckets/tiny.toml"',
             "--model.overrides={caption_channels=8, model_max_length=300}", "--data.workers=1",
-            "--run.wandb_mode=disabled", "--run.epochs=100000", "--run.ckpt_every=0", "--run.name=live"]
+            "--run.wandb_mode=disabled", "--run.epochs=1000", "--run.ckpt_every=0", "--run.name=live"]
     env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(_port()), "-m", "reelcache.train", str(CONFIG), "--root", str(root), *args],

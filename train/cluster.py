@@ -408,12 +408,15 @@ def add_commands(top) -> None:
     d.add_argument("--method", choices=["auto", "py-spy", "signal"], default="auto",
                    help="auto: py-spy, else SIGUSR1 (the trainer's faulthandler stack file)")
     d.add_argument("--python", default=sys.executable, help="Python on the nodes that runs the agent")
+    d.add_argument("--hostfile", help="sshloginfile whose lines say how to reach the recorded hosts "
+                                      "(user@host, ssh -p ...); default: ssh to the recorded host name")
     d.set_defaults(fn=lambda a: _exit(_procs().cmd_dump(a)))
     s = sub.add_parser("stop", help="SIGTERM, then SIGKILL after --grace, to exactly a run's recorded pids",
                        epilog=EXAMPLES, formatter_class=fmt)
     s.add_argument("--run", required=True)
     s.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (30)")
     s.add_argument("--python", default=sys.executable, help="Python on the nodes that runs the agent")
+    s.add_argument("--hostfile", help="sshloginfile whose lines say how to reach the recorded hosts")
     s.set_defaults(fn=lambda a: _exit(_procs().cmd_stop(a)))
 
 

@@ -36,13 +36,30 @@ def read_ranks(run_dir) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
-def by_login(recs: list[dict]) -> dict[str, list[dict]]:
-    """Ranks grouped by the sshlogin that reaches their host (':' for this machine)."""
-    here = socket.gethostname()
+def login_for(host: str, logins: list[str]) -> str:
+    """The sshlogin that reaches a recorded host: ':' for this machine, else the hostfile's line for
+    it (``user@gpu01``, ``ssh -p 2222 gpu01``; short and full names match), else the name itself."""
+    if host == socket.gethostname():
+        return ":"
+    for login in logins:
+        name = login.split()[-1].rsplit("@", 1)[-1]
+        if name == host or name.split(".")[0] == host.split(".")[0]:
+            return login
+    return host
+
+
+def by_login(recs: list[dict], logins: list[str] = ()) -> dict[str, list[dict]]:
+    """Ranks grouped by the sshlogin that reaches their host."""
     groups: dict[str, list[dict]] = {}
     for r in recs:
-        groups.setdefault(":" if r["host"] == here else r["host"], []).append({k: r.get(k) for k in FIELDS})
+        groups.setdefault(login_for(r["host"], list(logins)), []).append({k: r.get(k) for k in FIELDS})
     return groups
+
+
+def _logins(a) -> list[str]:
+    from reelcache.train.cluster import read_hostfile
+
+    return read_hostfile(a.hostfile) if a.hostfile else []
 
 
 # ---------------------------------------------------------------- stacks
@@ -124,7 +141,7 @@ def cmd_dump(a) -> int:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = run / "dumps" / stamp
     out.mkdir(parents=True, exist_ok=True)
-    groups = by_login(recs)
+    groups = by_login(recs, _logins(a))
     info = {r["rank"]: r for r in recs}
     jobs = {lg: {"op": "dump", "ranks": rs, "timeout": a.timeout, "native": a.native, "method": a.method}
             for lg, rs in groups.items()}
@@ -151,6 +168,8 @@ def cmd_dump(a) -> int:
                                 f"{stamp}\n{r['text']}")
                 stacks[r["rank"]] = main_frames(r["text"])
                 print(f"rank {r['rank']}: {path} ({r['method']})")
+                if r.get("py_spy_error"):
+                    notes.append(f"rank {r['rank']}: {r['py_spy_error']}; used the SIGUSR1 stacks instead")
     summary = [f"reelcache cluster dump of {run} at {stamp}: {len(stacks)} of {len(recs)} ranks dumped", ""]
     summary += summarize(stacks) + ([""] + notes if notes else [])
     (out / "summary.txt").write_text("\n".join(summary) + "\n")
@@ -162,7 +181,7 @@ def cmd_dump(a) -> int:
 
 def cmd_stop(a) -> int:
     recs = read_ranks(a.run)
-    groups = by_login(recs)
+    groups = by_login(recs, _logins(a))
     info = {r["rank"]: r for r in recs}
     answers = run_agents({lg: {"op": "stop", "ranks": rs, "grace": a.grace} for lg, rs in groups.items()},
                          a.python, timeout=a.grace + 60)
