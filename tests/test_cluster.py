@@ -188,6 +188,11 @@ def test_clocks_against_this_machine(tmp_path):
     p = cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000)
     assert p.returncode == 0, p.stdout + p.stderr
     assert f": ({socket.gethostname()})" in p.stdout and "0 error(s)" in p.stdout
+    # a threshold no bracket can meet (its round trip is > 0): a warning, fatal only with --strict
+    p = cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000, "--warn-ms", 0)
+    assert p.returncode == 0 and "WARNING" in p.stdout and "1 warning(s)" in p.stdout, p.stdout
+    p = cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000, "--warn-ms", 0, "--strict")
+    assert p.returncode == 1, p.stdout
 
 
 def test_unreachable_node_fails_the_check(tmp_path):
@@ -204,6 +209,36 @@ def test_gpus_without_nvidia_smi_says_no_gpu(tmp_path):
     p = cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "no GPU" in p.stdout
+
+
+# --- processes: the kernel's view, and rank records as the trainer writes them ----------------
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stat(pid: int):
+    try:
+        after = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return after[0], int(after[19])
+
+
+def _alive(pid: int, start: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[1] == start and st[0] != "Z"
+
+
+def _record(run: Path, rank: int, pid: int, host: str) -> dict:
+    rec = {"rank": rank, "world_size": 2, "local_rank": rank, "host": host, "pid": pid,
+           "proc_start": _stat(pid)[1], "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+           "started": time.time(), "stacks": None}
+    (run / "ranks").mkdir(parents=True, exist_ok=True)
+    (run / f"ranks/rank{rank:05d}.json").write_text(json.dumps(rec))
+    return rec
 
 
 # A stand-in for ssh to another node that is this machine. It does what sshd does with a command:
@@ -239,11 +274,7 @@ def test_remote_nodes_go_through_ssh(tmp_path):
     try:
         time.sleep(0.3)
         run = tmp_path / "run"
-        (run / "ranks").mkdir(parents=True)
-        rec = {"rank": 0, "world_size": 1, "local_rank": 0, "host": "node-a.cluster.example", "pid": sleeper.pid,
-               "proc_start": _stat(sleeper.pid)[1], "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-               "started": time.time(), "stacks": None}
-        (run / "ranks/rank00000.json").write_text(json.dumps(rec))
+        _record(run, 0, sleeper.pid, "node-a.cluster.example")
         p = cli("dump", "--run", run, "--hostfile", nodes, env=env)
         assert p.returncode == 0, p.stdout + p.stderr
         dump, = (run / "dumps").iterdir()
@@ -257,26 +288,27 @@ def test_remote_nodes_go_through_ssh(tmp_path):
         sleeper.wait()
 
 
-# --- dump and stop on a real 2-rank training ------------------------------------------------
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stat(pid: int):
+def test_stop_escalates_to_sigkill_after_the_grace(tmp_path):
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint(1, flush=True)\ntime.sleep(300)"],
+                                stdout=subprocess.PIPE)
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
-        after = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return after[0], int(after[19])
+        stubborn.stdout.readline()                      # SIGTERM is ignored from here on
+        _record(tmp_path, 0, stubborn.pid, socket.gethostname())
+        _record(tmp_path, 1, polite.pid, socket.gethostname())
+        p = cli("stop", "--run", tmp_path, "--grace", 1)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f"pid {stubborn.pid}: stopped by SIGKILL" in p.stdout
+        assert f"pid {polite.pid}: stopped by SIGTERM" in p.stdout
+        assert stubborn.wait(timeout=10) == -signal.SIGKILL and polite.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        for q in (stubborn, polite):
+            q.kill()
+            q.wait()
 
 
-def _alive(pid: int, start: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[1] == start and st[0] != "Z"
-
+# --- dump and stop on a real 2-rank training ------------------------------------------------
 
 @pytest.fixture(scope="module")
 def training(tmp_path_factory):
