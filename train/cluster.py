@@ -65,6 +65,7 @@ def read_hostfile(path) -> list[str]:
         line = line.split("#", 1)[0].strip()
         if line:
             logins.append(re.sub(r"^\d+/", "", line))
+    logins = list(dict.fromkeys(logins))        # a node named twice is checked once
     if not logins:
         raise UserError(f"hostfile {path} names no host (one sshlogin a line; ':' is this machine)")
     return logins
@@ -92,9 +93,12 @@ def _result(stdout: str):
 def run_agents(jobs: dict[str, dict], python: str, timeout: float) -> dict[str, tuple]:
     """Run the agent with each login's request through ``parallel --nonall -S LOGIN``, all at once.
     Returns login -> (result or None, error text)."""
-    procs = {login: subprocess.Popen(["parallel", "--nonall", "-S", login, agent_shell(req, python)],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True) for login, req in jobs.items()}
+    try:
+        procs = {login: subprocess.Popen(["parallel", "--nonall", "-S", login, agent_shell(req, python)],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True) for login, req in jobs.items()}
+    except FileNotFoundError:
+        raise UserError("GNU parallel is not installed here (apt-get install parallel)") from None
     out = {}
 
     def collect(login, p):
@@ -278,8 +282,12 @@ class _Session:
         line, self.buf = self.buf.split(b"\n", 1)
         return line.decode()
 
-    def send(self, text: str) -> None:
-        self.p.stdin.write(text.encode())
+    def send(self, text: str) -> bool:
+        try:
+            self.p.stdin.write(text.encode())
+            return True
+        except OSError:             # the node's end went away: its line() then says so
+            return False
 
     def fail(self) -> str:
         self.p.kill()
@@ -291,10 +299,10 @@ def measure(s: _Session, samples: int, deadline: float):
     best = None
     for _ in range(samples):
         t0 = time.time_ns()
-        s.send("t\n")
+        sent = s.send("t\n")
         r = s.line(deadline)
         t1 = time.time_ns()
-        if r is None:
+        if not sent or r is None or not r.isdigit():
             return None
         rtt = t1 - t0
         if best is None or rtt < best[1]:
@@ -306,12 +314,18 @@ def clock_check(logins: list[str], python: str, samples: int = 16, reads: int = 
                 timeout: float = 60.0) -> dict[str, dict]:
     """login -> {"offset_ns", "uncertainty_ns", "backwards", "daemon", "host"} or {"error"}."""
     req = {"op": "clocks", "reads": reads}
-    sessions = {lg: _Session(lg, req, python) for lg in logins}        # all connect at once
+    sessions, out = {}, {}
+    for lg in logins:                                                  # all connect at once
+        try:
+            sessions[lg] = _Session(lg, req, python)
+        except OSError as e:
+            out[lg] = {"error": f"cannot start {e.filename or 'ssh'}: {e.strerror}"}
     deadline = time.monotonic() + timeout
-    out = {}
     for lg, s in sessions.items():
         ready = s.line(deadline)
-        if ready is None or not ready.startswith('{"ready"'):
+        while ready is not None and not ready.startswith('{"ready"'):
+            ready = s.line(deadline)            # whatever a login script printed first
+        if ready is None:
             out[lg] = {"error": f"unreachable: {s.fail()}"}
             continue
         m = measure(s, samples, deadline)
@@ -332,7 +346,7 @@ def clock_check(logins: list[str], python: str, samples: int = 16, reads: int = 
         s.p.stdin.close()
         s.p.wait()
         out[lg].update(res)
-    return out
+    return {lg: out[lg] for lg in logins}
 
 
 def cmd_clocks(a) -> int:
