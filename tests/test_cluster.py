@@ -94,7 +94,7 @@ GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, 40299, python -c import a,b, [N/A]
 
 
 def test_chronyc_tracking_is_parsed():
-    from reelcache.train.cluster import daemon_summary, parse_chronyc
+    from reelcache.train.cluster_clocks import daemon_summary, parse_chronyc
 
     c = parse_chronyc(CHRONYC_AWS)
     assert c["offset_s"] == pytest.approx(-0.000000626)         # "slow of NTP time": behind, negative
@@ -167,7 +167,7 @@ def test_stack_summary_names_the_odd_rank():
 # --- real runs against ':' ------------------------------------------------------------------
 
 def test_clocks_against_this_machine(tmp_path):
-    from reelcache.train.cluster import clock_check, daemon_summary
+    from reelcache.train.cluster_clocks import clock_check, daemon_summary
 
     r = clock_check([":"], sys.executable, samples=8, reads=100_000)[":"]
     assert "error" not in r, r
