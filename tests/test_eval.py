@@ -74,7 +74,7 @@ def trained(ingested, tmp_path_factory) -> Path:
 def _serve(root: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "reelcache", "eval", "serve", "--root", str(root), "--run",
                              f"runs/{RUN}", "--prompts", str(PROMPTS), "--val-manifest", "lat", "--preset", "debug",
-                             "--device", "cpu", "--poll", "0.2", *extra],
+                             "--device", "cpu", "--poll", "0.2", "--val-max-clips", "5", *extra],
                             cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -167,7 +167,7 @@ def test_serve_in_order_skips_partial_survives_kill_and_logs_to_the_run(trained)
 
     vl = {s: json.loads((out / f"ckpt-0000000{s}/val_loss.json").read_text()) for s in (2, 4)}
     for v in vl.values():
-        assert v["clips"] > 0 and math.isfinite(v["overall"]) and v["buckets"]
+        assert v["clips"] == 5 and math.isfinite(v["overall"]) and v["buckets"]
         assert sum(b["clips"] for b in v["buckets"].values()) == v["clips"]
         assert len(v["timesteps"]) == 10
     assert vl[2]["overall"] != vl[4]["overall"]
@@ -214,11 +214,28 @@ def test_validation_loss_does_not_depend_on_batching(trained):
     ev = Evaluator(root=trained, run_dir=f"runs/{RUN}", val_manifest="lat")
     model, _ = ev._model(trained / "runs" / RUN / "ckpt-00000004")
     m = resolve_manifest(trained, "lat")
-    a = validation_loss(model, m, trained, device=torch.device("cpu"), batch_size=1, timesteps=3)
-    b = validation_loss(model, m, trained, device=torch.device("cpu"), batch_size=4, timesteps=3)
-    assert a["timestep_values"] == [1000 / 6, 500.0, 5000 / 6]
+    a = validation_loss(model, m, trained, device=torch.device("cpu"), batch_size=1, timesteps=2, max_clips=6)
+    b = validation_loss(model, m, trained, device=torch.device("cpu"), batch_size=4, timesteps=2, max_clips=6)
+    assert a["timestep_values"] == [250.0, 750.0] and a["clips"] == 6
+    assert max(v["clips"] for v in a["buckets"].values()) > 1          # some batch holds several clips
     assert a["overall"] == pytest.approx(b["overall"], rel=1e-5)
     assert all(a["buckets"][k]["loss"] == pytest.approx(b["buckets"][k]["loss"], rel=1e-5) for k in a["buckets"])
+
+
+def test_once_with_the_training_weights(trained):
+    """`eval once --weights model`: its own tag and files; the non-EMA weights give another loss than
+    the EMA ones (after 4 steps at decay 0.99 the EMA is still near the initial weights)."""
+    out = trained / "runs" / RUN / "eval" / "ckpt-00000004"
+    args = ["eval", "once", "--root", str(trained), "--run", f"runs/{RUN}", "--checkpoint", "ckpt-00000004",
+            "--preset", "debug", "--val-manifest", "lat", "--val-max-clips", "2", "--device", "cpu",
+            "--wandb-mode", "disabled"]
+    assert main(args + ["--weights", "model"]) == 0
+    assert main(args) == 0
+    model = json.loads((out / "debug-model/done.json").read_text())
+    ema = json.loads((out / "debug/done.json").read_text())
+    assert model["weights"] == "model" and ema["weights"] == "ema" and "videos" not in model
+    assert model["val_loss"]["clips"] == 2 and model["val_loss"]["overall"] != ema["val_loss"]["overall"]
+    assert json.loads((out / "val_loss-model.json").read_text())["overall"] == model["val_loss"]["overall"]
 
 
 # -- the decoder ----------------------------------------------------------------------------------------------
