@@ -51,7 +51,8 @@ def add_commands(top) -> None:
     which.add_argument("--every", type=int, default=1, help="every N-th save of the run (steps on N x ckpt_every)")
     which.add_argument("--latest-only", action="store_true", help="only the newest pending checkpoint per poll")
     s.add_argument("--poll", type=float, default=60.0, help="seconds between looks at the run directory")
-    s.add_argument("--exit-idle", type=float, default=0.0, help="stop after this many seconds with nothing new (0: never)")
+    s.add_argument("--exit-idle", type=float, default=0.0,
+                   help="stop after this many seconds with nothing new (0: never)")
     s.add_argument("--max-attempts", type=int, default=3, help="tries per checkpoint before it is left alone")
     s.set_defaults(fn=_serve)
     o = iev.add_parser("once", help="evaluate one checkpoint", epilog=EXAMPLES, formatter_class=fmt)
@@ -66,9 +67,10 @@ def _evaluator(a, max_attempts: int = 3):
     from reelcache.eval.samples import read_prompts
 
     device = a.device or default_device()
+    dtype = a.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     return Evaluator(root=a.root, run_dir=a.run, preset=a.preset,
                      prompts=read_prompts(a.prompts) if a.prompts else [], val_manifest=a.val_manifest,
-                     weights=a.weights, device=device, dtype=a.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
+                     weights=a.weights, device=device, dtype=dtype,
                      cache=a.cache, val_batch=a.val_batch, val_max_clips=a.val_max_clips, wandb_mode=a.wandb_mode,
                      max_attempts=max_attempts)
 

@@ -213,6 +213,9 @@ class Evaluator:
             result["videos"] = [str(write_mp4(v, d / f"sample_{i}.mp4", fps=p.fps)) for i, v in enumerate(videos)]
             result["frames"] = frames
             result["size"] = list(videos[0].shape[1:3])
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()               # the next checkpoint's model goes where this one was
         self._log_wandb(result)
         result["seconds"] = time.monotonic() - t0
         _write_json(d / "done.json", result)        # last: the checkpoint is finished for this tag

@@ -71,7 +71,8 @@ def log_eval(run_dir, tag: str, result: dict, prompts: list[str], mode: str | No
     if mode == "disabled":
         return False
     if info["id"] is None:
-        say(f"  wandb: {run_dir} has no wandb run id (trained with wandb disabled?): results stay in {run_dir / 'eval'}")
+        say(f"  wandb: {run_dir} has no wandb run id (trained with wandb disabled?): "
+            f"results stay in {run_dir / 'eval'}")
         return False
     os.environ.setdefault("WANDB_SILENT", "true")
     import wandb

@@ -26,6 +26,7 @@ ours do not, so prompts are used as written.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -120,8 +121,9 @@ def sample(model, text_encoder, video_encoder, prompts: list[str], preset: Prese
         b = len(idx)
         out = euler_sample(model, z.to(device), y.to(device, dtype), mask.to(device), height=[height] * b,
                            width=[width] * b, num_frames=[frames] * b, fps=[preset.fps] * b, steps=preset.steps,
-                           cfg_scale=preset.cfg_scale)
-        videos += list(decode(video_encoder, out.float(), frames))
+                           cfg_scale=preset.cfg_scale, progress=sys.stderr.isatty())
+        for j in range(b):             # one video at a time: the decoder's activations dwarf the latents
+            videos.append(decode(video_encoder, out[j:j + 1].float(), frames)[0])
         if progress:
             progress(k + 1, batches)
     return videos, frames
