@@ -178,6 +178,7 @@ class Trainer:
         info = {"rank": self.par.rank, "world_size": self.par.world, "local_rank": self.par.local_rank,
                 "host": socket.gethostname(), "pid": os.getpid(), "proc_start": proc_start(os.getpid()),
                 "boot_id": _read("/proc/sys/kernel/random/boot_id"), "started": time.time(),
+                "launcher_pid": os.getppid(), "launcher_proc_start": proc_start(os.getppid()),
                 "stacks": str(Path(self._stacks.name).resolve())}
         from reelcache.catalog.shards import atomic_path
 
