@@ -95,6 +95,7 @@ def _once(a) -> None:
     ev = _evaluator(a)
     if not ev.prompts and not ev.val_manifest:
         raise UserError("nothing to evaluate: give --prompts and/or --val-manifest")
+    ev.check()
     if a.checkpoint == "latest":
         found = list_checkpoints(ev.run_dir)
         if not found:

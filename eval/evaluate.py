@@ -140,8 +140,21 @@ class Evaluator:
                 todo.remove(c)
         return todo[-1:] if latest_only else todo
 
+    def check(self) -> None:
+        """Settings errors stop the command before any checkpoint (they would fail every one of them)."""
+        if self.val_manifest:
+            from reelcache.train.loader import load_source
+
+            try:
+                load_source(self.manifest())
+            except ValueError as e:
+                raise UserError(f"--val-manifest {self.val_manifest}: {e}") from e
+        if self.prompts:
+            self._cache_ident()
+
     def serve(self, poll: float = 60.0, every: int = 1, latest_only: bool = False, exit_idle: float = 0.0) -> None:
         """Evaluate checkpoints as they appear, forever (or until idle for ``exit_idle`` seconds)."""
+        self.check()
         say(f"eval serve: watching {self.run_dir} for checkpoints (preset {self.preset}, {self.weights} weights, "
             f"poll {poll:g}s" + (f", every {every}th" if every > 1 else "") + (", latest only" if latest_only else "")
             + f"); results in {self.out}")
