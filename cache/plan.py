@@ -109,7 +109,7 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
 
     buckets = BucketConfig.from_toml(cfg.buckets)
     ratio = temporal_ratio(cfg.video_encoder)
-    bad = sorted({t for _, t, _, _ in buckets.table if t > 1 and (t - 1) % ratio})
+    bad = sorted({t for _, t, *_ in buckets.table if t > 1 and (t - 1) % ratio})
     if bad:
         raise UserError(f"{cfg.video_encoder.kind} encodes 1 + a multiple of {ratio} frames; bucket frame counts "
                         f"{bad} in {cfg.buckets} are not (e.g. {[1 + ratio * ((t - 1) // ratio) for t in bad]})")

@@ -9,11 +9,14 @@ Assignment, for a clip of H x W pixels and N frames, trying resolutions from the
 down:
 
 1. the resolution is eligible when H*W >= 0.8 x its budget;
-2. the frame count is the largest T in that resolution's table with N > T x frame_interval
-   (T = 1, the image bucket, only for single-frame clips);
-3. the keep probability p accepts the clip, or demotes it to the next resolution. The draw is a
-   hash of (seed, clip id, resolution, T): assignment is a pure function of (seed, clip id,
-   config), reproducible on any node in any order;
+2. lengths are tried from the longest down: a length whose keep probability is a pair
+   (p_res, p_t) is tried only when a draw passes p_t (frame-level demotion: B1 offers 102 frames
+   to a third of the clips that could take them); the first T with N > T x frame_interval is
+   chosen (T = 1, the image bucket, only for single-frame clips);
+3. p_res then keeps the clip at (resolution, T) or demotes it to the next resolution; an entry
+   with batch size 0 (upstream's ``(0.0, None)``) is a length that is never kept, so a clip that
+   reaches it is demoted too. Every draw is a hash of (seed, clip id, resolution, T, which):
+   assignment is a pure function of (seed, clip id, config), reproducible on any node in any order;
 4. the aspect ratio is the nearest key of the table: |H/W - key| smallest.
 
 A clip that fits nowhere gets no bucket and a reason (too_small, too_short, not_kept); the
@@ -47,8 +50,8 @@ def nearest_ratio(height: int, width: int) -> str:
     return min(ASPECT_RATIOS, key=lambda k: (abs(float(k) - ar), k))
 
 
-def _uniform(seed: int, clip_id: str, resolution: str, frames: int) -> float:
-    h = hashlib.blake2b(f"{seed}|{clip_id}|{resolution}|{frames}".encode(), digest_size=8).digest()
+def _uniform(seed: int, clip_id: str, resolution: str, frames: int, which: str = "") -> float:
+    h = hashlib.blake2b(f"{seed}|{clip_id}|{resolution}|{frames}{which}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "big") / 2 ** 64
 
 
@@ -64,22 +67,24 @@ class Assignment:
 
 @dataclass(frozen=True)
 class BucketConfig:
-    table: tuple = ()           # ((resolution, num_frames, keep probability, batch size), ...)
+    # ((resolution, num_frames, keep p_res, length p_t, batch size), ...); batch 0: never kept
+    table: tuple = ()
     frame_interval: int = 1
     default_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, buckets: dict, frame_interval: int = 1, default_batch_size: int | None = None):
+        """{resolution: {T: batch | [keep, batch] | [[p_res, p_t], batch]}}; batch 0 = never kept."""
         rows = []
         for res, frames in buckets.items():
             if str(res) not in RESOLUTIONS:
                 raise ValueError(f"unknown resolution {res!r}; known: {', '.join(RESOLUTIONS)}")
             for t, spec in frames.items():
                 keep, batch = (spec if isinstance(spec, (list, tuple)) else (1.0, spec))
-                keep = keep[0] if isinstance(keep, (list, tuple)) else keep
-                if batch and int(batch) > 0:
-                    rows.append((str(res), int(t), float(keep), int(batch)))
-        if not rows:
+                p_res, p_t = (keep if isinstance(keep, (list, tuple)) else (keep, 1.0))
+                batch = int(batch or 0)
+                rows.append((str(res), int(t), float(p_res) if batch > 0 else 0.0, float(p_t), batch))
+        if not any(r[4] > 0 for r in rows):
             raise ValueError("the bucket config has no (resolution, num_frames) with a batch size > 0")
         return cls(tuple(sorted(rows)), int(frame_interval), default_batch_size)
 
@@ -96,8 +101,8 @@ class BucketConfig:
 
     def batch_size(self, bucket: str) -> int:
         parts = bucket.split("/")
-        for res, t, _, b in self.table:
-            if len(parts) >= 2 and parts[0] == res and parts[1] == str(t):
+        for res, t, _, _, b in self.table:
+            if len(parts) >= 2 and parts[0] == res and parts[1] == str(t) and b > 0:
                 return b
         if self.default_batch_size:
             return self.default_batch_size
@@ -106,19 +111,25 @@ class BucketConfig:
 
     def assign(self, clip_id: str, height: int, width: int, num_frames: int, seed: int = 0) -> Assignment:
         by_res: dict[str, list] = {}
-        for res, t, keep, _ in self.table:
-            by_res.setdefault(res, []).append((t, keep))
+        for res, t, keep, keep_t, _ in self.table:
+            by_res.setdefault(res, []).append((t, keep, keep_t))
         sized = fitted = False
         for res in sorted(by_res, key=lambda r: -RESOLUTIONS[r]):
             if height * width < 0.8 * RESOLUTIONS[res]:
                 continue
             sized = True
-            fits = [(t, keep) for t, keep in by_res[res]
-                    if (t == 1 and num_frames == 1) or (t > 1 and num_frames > t * self.frame_interval)]
-            if not fits:
+            chosen = None
+            for t, keep, keep_t in sorted(by_res[res], reverse=True):        # the longest length first
+                fits = (t == 1 and num_frames == 1) or (t > 1 and num_frames > t * self.frame_interval)
+                if not fits:
+                    continue
+                fitted = True
+                if keep_t >= 1.0 or _uniform(seed, clip_id, res, t, "/t") < keep_t:
+                    chosen = (t, keep)
+                    break
+            if chosen is None:
                 continue
-            fitted = True
-            t, keep = max(fits)
+            t, keep = chosen
             if keep >= 1.0 or _uniform(seed, clip_id, res, t) < keep:
                 ar = nearest_ratio(height, width)
                 h, w = bucket_hw(res, ar)

@@ -60,6 +60,21 @@ def test_keep_probability_is_deterministic_and_demotes():
     assert a != [cfg.assign(c, 720, 1280, 60, seed=2).bucket for c in ids]
 
 
+def test_length_keep_probability_and_never_entries_demote_as_open_sora():
+    """Open-Sora's bucket.py: a (p_res, p_t) length is tried only when a draw passes p_t, else the
+    next shorter length; a (0.0, None) length that a clip reaches demotes it to the next resolution."""
+    cfg = BucketConfig.from_dict({"240p": {51: [1.0, 20], 102: [[1.0, 0.33], 10]}})
+    got = [cfg.assign(f"c{i}", 240, 426, 150).bucket for i in range(4000)]
+    share = sum(b == "240p/102/0.56" for b in got) / len(got)
+    assert 0.30 < share < 0.36 and set(got) == {"240p/51/0.56", "240p/102/0.56"}
+    assert cfg.assign("c", 240, 426, 60).bucket == "240p/51/0.56"      # 102 does not fit: no draw needed
+    never = BucketConfig.from_dict({"480p": {51: [1.0, 5], 102: [0.0, 0]}, "240p": {102: [1.0, 10]}})
+    assert never.assign("c", 480, 854, 150).bucket == "240p/102/0.56"   # reaches 480p x 102: demoted
+    assert never.assign("c", 480, 854, 60).bucket == "480p/51/0.56"     # stops at 480p x 51: kept
+    with pytest.raises(ValueError, match="no batch size"):
+        never.batch_size("480p/102/0.56")
+
+
 # -- decode --------------------------------------------------------------------------------
 def test_decoded_window_equals_frames_of_a_full_decode(tmp_path):
     import av

@@ -37,7 +37,7 @@ def _load(name: str):
 
 # ---------------------------------------------------------------------------------------------
 # OPENSORA12.md section 5.2: bucket tables, p = (p_res, p_t) where upstream has a tuple.
-# (0.0, None) entries are left out of the TOML files (never offered), so they are not listed here.
+# (0.0, None) entries (never kept: the clip is demoted) are written [0.0, 0].
 
 B1 = {
     "144p": {1: (1.0, 475), 51: (1.0, 51), 102: ((1.0, 0.33), 27), 204: ((1.0, 0.1), 13), 408: ((1.0, 0.1), 6)},
@@ -69,9 +69,9 @@ B3 = {
     "240p": {1: (1.0, 297), 51: (0.5, 20), 102: (0.5, 10), 204: (0.5, 5), 408: ((0.5, 0.4), 2)},
     "360p": {1: (1.0, 141), 51: (0.5, 8), 102: (0.5, 4), 204: (0.5, 2), 408: ((0.5, 0.3), 1)},
     "512": {1: (1.0, 141), 51: (0.5, 8), 102: (0.5, 4), 204: (0.5, 2), 408: ((0.5, 0.2), 1)},
-    "480p": {1: (1.0, 89), 51: (0.5, 5), 102: (0.5, 3), 204: ((0.5, 0.5), 1)},
-    "720p": {1: (0.3, 36), 51: (0.2, 2), 102: (0.1, 1)},
-    "1024": {1: (0.3, 36), 51: (0.1, 2), 102: (0.1, 1)},
+    "480p": {1: (1.0, 89), 51: (0.5, 5), 102: (0.5, 3), 204: ((0.5, 0.5), 1), 408: (0.0, 0)},
+    "720p": {1: (0.3, 36), 51: (0.2, 2), 102: (0.1, 1), 204: (0.0, 0)},
+    "1024": {1: (0.3, 36), 51: (0.1, 2), 102: (0.1, 1), 204: (0.0, 0)},
     "1080p": {1: (0.1, 5)},
     "2048": {1: (0.05, 5)},
 }
@@ -136,8 +136,8 @@ def test_bucket_config_is_opensora_table(name):
         raw = tomllib.load(f)["buckets"]
     got = {res: {int(t): _tuples(spec) for t, spec in frames.items()} for res, frames in raw.items()}
     assert got == TABLES[name]
-    # what catalog/buckets.py makes of it: the resolution's keep probability p_res and the batch
-    rows = sorted((res, t, p[0] if isinstance(p, tuple) else p, bs)
+    # what catalog/buckets.py makes of it: (resolution, T, p_res, p_t, batch), p_t = 1 without a tuple
+    rows = sorted((res, t, *(p if isinstance(p, tuple) else (p, 1.0)), bs)
                   for res, frames in TABLES[name].items() for t, (p, bs) in frames.items())
     assert list(BucketConfig.from_toml(path).table) == rows
 
