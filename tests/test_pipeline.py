@@ -278,9 +278,9 @@ def test_a_file_past_its_deadline_is_a_timeout_reject_and_the_unit_goes_on(demo_
         w.writerow(["not_there.mp4", "A missing file.", 5, 1, 1, "static", "", "", ""])
     root = tmp_path / "r"
     assert main(["ingest", "plan", "--root", str(root), "--source", "openvid", "--meta", str(meta), "--videos",
-                 str(demo_dataset / "videos"), "--verify", "decode", "--decode-timeout", "0.05"]) == 0
+                 str(demo_dataset / "videos"), "--verify", "decode", "--decode-timeout", "0.005"]) == 0
     assert main(["ingest", "run", "--root", str(root), "openvid/000000"]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0
     got = sql(root, "SELECT relpath, reject_reason, reject_detail FROM clips ORDER BY \"row\"")
     assert [(p, r) for p, r, _ in got] == [("long_take.mp4", "timeout"), ("not_there.mp4", "missing_file")]
-    assert "0.05 s" in got[0][2]
+    assert "0.005 s" in got[0][2]
