@@ -12,7 +12,8 @@ Video VAEs return their posterior's mean and log-variance, normalized exactly as
 own diffusers pipeline normalizes latents before its transformer (``normalization``: each kind's
 rule, with the pipeline file it comes from): z' = (z - shift) x scale per channel, applied to the
 mean, with log(scale^2) added to the log-variance, so a sample drawn at load time is a sample of
-the normalized posterior and is training-ready.
+the normalized posterior and is training-ready. ``VideoEncoder.decode`` is the inverse, for the
+evaluation server's samples: z = z' / scale + shift, then the VAE's own decoder.
 
 Identity (``spec_identity``): kind, config, dtype, a hash of the weight files (or the seed of a
 tiny model's random init) and library versions, computed without loading the model, so ``plan``
@@ -210,6 +211,46 @@ class VideoEncoder:
             mean = (mean.float() - shift) * scale
             logvar = logvar.float() + 2 * torch.log(scale)
         return {"mean": mean.to(torch.bfloat16).cpu(), "logvar": logvar.to(torch.bfloat16).cpu()}
+
+
+    def decode(self, z, num_frames: int):
+        """Normalized latents [B, C, t, h, w] (as the cache stores them) -> uint8 video [B, T, H, W, 3].
+
+        The inverse of ``encode``: z = z' / scale + shift per channel (the step each diffusers
+        pipeline takes before ``vae.decode``), then the VAE's own decoder: the Open-Sora VAE
+        un-normalizes and decodes itself (5-latent chunks, then every frame); ``sd-per-frame``
+        decodes every frame; the video VAEs decode the clip. Causal VAEs return 1 + k x ratio
+        frames: the first ``num_frames`` are kept. Real LTX-Video 0.9.1+ VAEs condition their
+        decoder on a timestep; this decodes with the VAE's defaults (no timestep)."""
+        import torch
+
+        z = torch.as_tensor(z).to(self.device)
+        with torch.inference_mode():
+            if self.opensora:
+                x = self.model.decode(z.to(self.dtype), num_frames=num_frames)
+            else:
+                shape = (1, -1) + (1,) * (z.dim() - 2)
+                shift = torch.tensor(self.shift, dtype=torch.float32, device=z.device).view(shape)
+                scale = torch.tensor(self.scale, dtype=torch.float32, device=z.device).view(shape)
+                raw = (z.float() / scale + shift).to(self.dtype)
+                if self.per_frame:
+                    b, c, t, h, w = raw.shape
+                    img = self.model.decode(raw.transpose(1, 2).reshape(b * t, c, h, w)).sample
+                    x = img.reshape(b, t, *img.shape[1:]).transpose(1, 2)
+                else:
+                    x = self.model.decode(raw).sample
+        if x.shape[2] < num_frames:
+            raise ValueError(f"the VAE decoded {x.shape[2]} frames from {z.shape[2]} latent frames, "
+                             f"fewer than the {num_frames} asked for")
+        return to_uint8(x[:, :, :num_frames])
+
+
+def to_uint8(x):
+    """[B, 3, T, H, W] in [-1, 1] -> uint8 [B, T, H, W, 3] on CPU (the inverse of the input's x / 127.5 - 1)."""
+    import torch
+
+    x = (x.float().clamp(-1, 1) + 1) * 127.5
+    return x.round().to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous().cpu()
 
 
 def normalization(kind: str, model) -> tuple[list[float], list[float]]:

@@ -100,7 +100,6 @@ def sample(model, text_encoder, video_encoder, prompts: list[str], preset: Prese
     """Videos for ``prompts``: a list of uint8 [T, H, W, 3], and the frame count used.
 
     ``progress(done_steps, total_steps)`` is called after each sampler batch."""
-    from reelcache.eval.decode import decode
     from reelcache.train.flow import euler_sample
 
     shape, frames, height, width = latent_shape(video_encoder, model.config.in_channels, preset.frames,
@@ -123,7 +122,7 @@ def sample(model, text_encoder, video_encoder, prompts: list[str], preset: Prese
                            width=[width] * b, num_frames=[frames] * b, fps=[preset.fps] * b, steps=preset.steps,
                            cfg_scale=preset.cfg_scale, progress=sys.stderr.isatty())
         for j in range(b):             # one video at a time: the decoder's activations dwarf the latents
-            videos.append(decode(video_encoder, out[j:j + 1].float(), frames)[0])
+            videos.append(video_encoder.decode(out[j:j + 1].float(), frames)[0])
         if progress:
             progress(k + 1, batches)
     return videos, frames

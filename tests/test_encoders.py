@@ -7,6 +7,7 @@ the normalization written out here as the kind's diffusers pipeline applies it b
 transformer; the log-variance transforms as logvar + 2 log(scale). T5 is compared with
 transformers' ``T5EncoderModel`` run on each caption alone (no padding), the Open-Sora VAE with
 its own stages (pinned to Open-Sora's outputs in test_opensora_vae.py) and the published constants.
+Decoding (``VideoEncoder.decode``) is compared with diffusers' own pipeline code before ``vae.decode``.
 Stored values are bf16: the tolerance is bf16 rounding (2^-8 relative), while a skipped or
 wrong normalization moves values by 10-300%.
 """
@@ -170,3 +171,52 @@ def test_opensora_encoder_stores_the_published_normalization():
     assert got["mean"].shape == (2, 4, 6, 4, 4)
     torch.testing.assert_close(got["mean"].float(), (stages["temporal_mean"] - shift) / scale, **BF16)
     torch.testing.assert_close(got["logvar"].float(), stages["temporal_logvar"] - 2 * torch.log(scale), **BF16)
+
+
+# -- decoding (VideoEncoder.decode, the inverse of encode) ----------------------------------------------------------------------------------------------
+
+def test_ltx_decode_equals_the_pipeline_denormalize_then_vae_decode():
+    """VideoEncoder.decode(z') against diffusers' own LTXPipeline._denormalize_latents + vae.decode, and the
+    round trip video -> cache normalization -> decode equals decoding the raw posterior mean."""
+    import torch
+    from diffusers import LTXPipeline
+
+    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.cache.encoders import to_uint8
+
+    enc = VideoEncoder(EncoderSpec("ltx", tiny=True, dtype="float32"))
+    vae = enc.model
+    g = torch.Generator().manual_seed(0)
+    zn = torch.randn((2, 4, 3, 4, 5), generator=g)
+    raw = LTXPipeline._denormalize_latents(zn, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    with torch.no_grad():
+        want = to_uint8(vae.decode(raw).sample)
+    got = enc.decode(zn, num_frames=5)
+    assert got.shape == (2, 5, 32, 40, 3) and got.dtype == torch.uint8
+    assert (got.int() - want[:, :5].int()).abs().max() <= 1
+
+    frames = torch.randint(0, 256, (1, 5, 32, 40, 3), dtype=torch.uint8, generator=g)
+    x = frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+    with torch.no_grad():
+        mean = vae.encode(x).latent_dist.mean
+        want = to_uint8(vae.decode(mean).sample)
+    got = enc.decode(enc.encode(frames)["mean"].float(), num_frames=5)
+    assert (got.int() - want.int()).abs().float().mean() < 1.0      # the cache stores bf16: small rounding
+
+
+def test_per_frame_decode_matches_the_sd3_pipeline_formula():
+    """sd-per-frame: z = z' / scaling_factor + shift_factor (diffusers' SD3 pipeline before vae.decode),
+    every frame decoded on its own."""
+    import torch
+
+    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+
+    enc = VideoEncoder(EncoderSpec("sd-per-frame", tiny=True, dtype="float32"))
+    vae = enc.model
+    zn = torch.randn((1, 4, 3, 4, 4), generator=torch.Generator().manual_seed(1))
+    got = enc.decode(zn, num_frames=3)
+    for t in range(3):
+        with torch.no_grad():
+            img = vae.decode(zn[:, :, t] / vae.config.scaling_factor + vae.config.shift_factor).sample
+        want = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+        assert (got[:, t].int() - want.int()).abs().max() <= 1

@@ -4,8 +4,8 @@ The run is real end to end: the ingested demo root, a tiny-encoder latent cache 
 `cache plan/run` (tiny LTX VAE, tiny T5), a `--cache` loader manifest, and 2-process torchrun
 training of the debug stage writing checkpoints. The server runs as a real subprocess and is
 killed with SIGKILL. References are independent of the code under test: PyAV reads the mp4s,
-wandb's own offline file format holds the logged rows, diffusers' LTX pipeline code
-denormalizes latents for the decoder check.
+wandb's own offline file format holds the logged rows. (The VAE decoder is tested beside the
+encoders, in test_encoders.py.)
 """
 
 from __future__ import annotations
@@ -236,53 +236,3 @@ def test_once_with_the_training_weights(trained):
     assert model["weights"] == "model" and ema["weights"] == "ema" and "videos" not in model
     assert model["val_loss"]["clips"] == 2 and model["val_loss"]["overall"] != ema["val_loss"]["overall"]
     assert json.loads((out / "val_loss-model.json").read_text())["overall"] == model["val_loss"]["overall"]
-
-
-# -- the decoder ----------------------------------------------------------------------------------------------
-
-def test_ltx_decode_equals_the_pipeline_denormalize_then_vae_decode():
-    """Our decode(z') against diffusers' own LTXPipeline._denormalize_latents + vae.decode, and the
-    round trip video -> cache normalization -> decode equals decoding the raw posterior mean."""
-    import torch
-    from diffusers import LTXPipeline
-
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
-    from reelcache.eval.decode import decode, to_uint8
-
-    enc = VideoEncoder(EncoderSpec("ltx", tiny=True, dtype="float32"))
-    vae = enc.model
-    g = torch.Generator().manual_seed(0)
-    zn = torch.randn((2, 4, 3, 4, 5), generator=g)
-    raw = LTXPipeline._denormalize_latents(zn, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-    with torch.no_grad():
-        want = to_uint8(vae.decode(raw).sample)
-    got = decode(enc, zn, num_frames=5)
-    assert got.shape == (2, 5, 32, 40, 3) and got.dtype == torch.uint8
-    assert (got.int() - want[:, :5].int()).abs().max() <= 1
-
-    frames = torch.randint(0, 256, (1, 5, 32, 40, 3), dtype=torch.uint8, generator=g)
-    x = frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1
-    with torch.no_grad():
-        mean = vae.encode(x).latent_dist.mean
-        want = to_uint8(vae.decode(mean).sample)
-    got = decode(enc, enc.encode(frames)["mean"].float(), num_frames=5)
-    assert (got.int() - want.int()).abs().float().mean() < 1.0      # the cache stores bf16: small rounding
-
-
-def test_per_frame_decode_matches_the_sd3_pipeline_formula():
-    """sd-per-frame: z = z' / scaling_factor + shift_factor (diffusers' SD3 pipeline before vae.decode),
-    every frame decoded on its own."""
-    import torch
-
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
-    from reelcache.eval.decode import decode
-
-    enc = VideoEncoder(EncoderSpec("sd-per-frame", tiny=True, dtype="float32"))
-    vae = enc.model
-    zn = torch.randn((1, 4, 3, 4, 4), generator=torch.Generator().manual_seed(1))
-    got = decode(enc, zn, num_frames=3)
-    for t in range(3):
-        with torch.no_grad():
-            img = vae.decode(zn[:, :, t] / vae.config.scaling_factor + vae.config.shift_factor).sample
-        want = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
-        assert (got[:, t].int() - want.int()).abs().max() <= 1
