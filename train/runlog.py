@@ -49,9 +49,12 @@ class RunLog:
             import wandb
 
             self.run_id = run_id or uuid.uuid4().hex[:12]
-            self.wandb = wandb.init(project=project, name=name, id=self.run_id, resume="allow", mode=mode,
-                                    dir=str(self.run_dir), config=config,
-                                    settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True))
+            # Online, the run is wandb's multi-writer "shared" mode with training as the primary
+            # writer, so `reelcache eval serve` can log into the same run while it trains.
+            extra = dict(mode="shared", x_primary=True, x_label="train") if mode == "online" else {}
+            self.wandb = wandb.init(project=project, name=name, id=self.run_id, resume="allow",
+                                    mode=None if extra else mode, dir=str(self.run_dir), config=config,
+                                    settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True, **extra))
             self.wandb.define_metric("global_step")
             for prefix in ("train/*", "buckets/*"):
                 self.wandb.define_metric(prefix, step_metric="global_step")
