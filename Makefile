@@ -55,8 +55,11 @@ demo: install
 	    --world-size 4 --workers 2 --seed 42 --epochs 2 --save-at 5 --resume-world-size 3 \
 	    --out $(DEMO_ROOT)/runs/demo/simulated-consumed.parquet
 	$(BIN)/reelcache demo train --root $(DEMO_ROOT)
+	$(BIN)/reelcache eval once --root $(DEMO_ROOT) --run runs/debug-stage2 --checkpoint latest --preset debug \
+	    --prompts configs/eval/debug-prompts.txt --val-manifest demo-stage1-tiny --val-max-clips 32 --device cpu
 	@echo "demo done: catalog $(DEMO_ROOT)/catalog.duckdb, plots $(DEMO_ROOT)/stats/catalog.png, latents $(DEMO_ROOT)/latents/tiny," \
-	    "runs $(DEMO_ROOT)/runs/debug-stage{1,2}, loss plot $(DEMO_ROOT)/runs/demo-loss.png"
+	    "runs $(DEMO_ROOT)/runs/debug-stage{1,2}, loss plot $(DEMO_ROOT)/runs/demo-loss.png," \
+	    "samples $(DEMO_ROOT)/runs/debug-stage2/eval/"
 
 ingest: install
 	@[ -n "$(ROOT)" ] && [ -n "$(SOURCE)" ] && [ -n "$(VIDEOS)" ] || \
