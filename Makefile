@@ -82,9 +82,11 @@ test: install
 	$(BIN)/pytest -q
 
 bench: install
+	@[ -f $(DEMO_ROOT)/latents/tiny/cache.json ] || $(MAKE) --no-print-directory demo
 	$(BIN)/python bench/bench_ingest.py
 	$(BIN)/python bench/bench_loader.py
 	$(BIN)/python bench/bench_cache.py
+	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/python bench/bench_train.py
 
 clean:
 	rm -rf $(DEMO_ROOT) bench-out .pytest_cache
