@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from reelcache.cli import main
+from wandb_files import history, run_files
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "configs/eval/debug-prompts.txt"
@@ -79,31 +79,8 @@ def _serve(root: Path, *extra: str) -> subprocess.Popen:
 
 
 def wandb_files_rows(run_dir: Path) -> list[dict]:
-    """History rows of every offline run file under the run's wandb/ folder, read from wandb's own
-    format (a leveldb-style record log of protobuf Records after a 7-byte ':W&B' header)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    rows = []
-    for f in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        data = f.read_bytes()
-        assert data[:4] == b":W&B"
-        pos, block, buf = 7, 32768, b""
-        while pos + 7 <= len(data):
-            if block - pos % block < 7:
-                pos += block - pos % block
-                continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            buf += data[pos + 7:pos + 7 + length]
-            pos += 7 + length
-            if kind in (1, 4):
-                rec = pb.Record()
-                rec.ParseFromString(buf)
-                buf = b""
-                if rec.WhichOneof("record_type") == "history":
-                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
-            elif kind == 0:
-                break
-    return rows
+    """History rows of every offline run file under the run's wandb/ folder (training's and eval's)."""
+    return [row for f in run_files(run_dir) for row in history(f)]
 
 
 def _corrupt_copy(run_dir: Path, src: str, step: int) -> Path:

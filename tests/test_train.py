@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from latent_data import write_latents
+from wandb_files import history, run_files
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/train/debug/stage1.toml"
@@ -214,30 +214,8 @@ def test_init_from_load_and_reset_data(root):
 
 
 def wandb_history(run_dir: Path) -> list[dict]:
-    """History rows of the offline run, read from wandb's own file format (a leveldb-style record log
-    of protobuf Records after a 7-byte ':W&B' header), not through our code."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    (f,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    data = f.read_bytes()
-    assert data[:4] == b":W&B"
-    pos, block, rows, buf = 7, 32768, [], b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        buf += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):                     # FULL or LAST
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            buf = b""
-            if rec.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
-        elif kind == 0:
-            break
-    return rows
+    (f,) = run_files(run_dir)
+    return history(f)
 
 
 def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):

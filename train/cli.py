@@ -87,13 +87,17 @@ def add_demo(sub) -> None:
                                      "resuming the first (after `make demo`'s data steps)")
     d.add_argument("--root", required=True)
     d.add_argument("--nproc", type=int, default=2)
-    d.set_defaults(fn=lambda a: __import__("reelcache.train.demo", fromlist=["run"]).run(a.root, a.nproc))
+    d.set_defaults(fn=_demo_train)
+
+
+def _demo_train(a) -> None:
+    from reelcache.train.demo import run as demo
+
+    demo(a.root, a.nproc)
 
 
 def main(argv=None) -> int:
     """``python -m reelcache.train`` (what torchrun and colossalai run start on every rank)."""
-    import sys
-
     from reelcache.cli import run_command
 
     a, rest = parser().parse_known_args(argv)
