@@ -204,6 +204,12 @@ def test_init_from_load_and_reset_data(root):
     s5 = json.loads((r / "runs/c/ckpt-00000005/state.json").read_text())
     assert (s5["global_step"], s5["opt_steps"], s5["loader"]["epoch"], s5["loader"]["consumed"]) == (5, 5, 0, 1)
 
+    # Another world size: a 1-rank checkpoint resumes on 2 ranks where the loader's global position says.
+    train(r, args + ["--run.name=e", "--run.max_steps=6", "--load", str(a4)], nproc=2)
+    s6 = json.loads((r / "runs/e/ckpt-00000006/state.json").read_text())
+    assert (s6["global_step"], s6["world_size"], s6["loader"]["consumed"]) == (6, 2, 4 + 2 * 2)
+    assert weights(r / "runs/e/ckpt-00000006", "ema").keys() == weights(a4, "ema").keys()
+
     # Another manifest: refused, naming the flag that resets the data.
     other = write_latents(r, 20, name="other", seed=3)
     out = train(r, data_args(other, "--run.name=d", "--load", str(a4)), ok=False)
