@@ -1,10 +1,11 @@
 """Checkpoints: ``ROOT/runs/<run>/ckpt-<global step, 8 digits>/``, never visible half-written.
 
     ckpt-00002210/
-      model/       fp32 master weights (trainable) + buffers, safetensors shards + index
+      model/       fp32 master weights (trainable) + frozen ones and buffers, safetensors shards + index
       ema/         fp32 EMA, same layout (absent when run.ema_decay = 0)
       optimizer/   Adam moments: ColossalAI's sharded checkpoint under ZeRO (resharded on load),
-                   safetensors by parameter name + JSON hyper-parameters under DDP
+                   safetensors by parameter name + JSON hyper-parameters under DDP (absent before
+                   the first optimizer step)
       state.json   step, epoch, loader state, lr-schedule step, data fingerprint, guard window,
                    wandb run id, world size, library versions
       config.json  the resolved config that trained it
@@ -93,8 +94,6 @@ class Checkpointer:
     def save(self, step: int, model_state: dict, ema_state: dict | None, model, optimizer, state: dict,
              config: dict) -> Path:
         """Collective: every rank calls it with the same step. Returns the final path."""
-        from reelcache.train.weights import save_sharded
-
         self.wait()
         final = self.run_dir / ckpt_name(step)
         tmp = self.run_dir / f".tmp-{ckpt_name(step)}"
@@ -102,10 +101,18 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.par.barrier()
-        self.par.save_optimizer(optimizer, model, str(tmp / "optimizer"))
+        if optimizer is not None:                   # None before the first step: ZeRO has no state yet
+            self.par.save_optimizer(optimizer, model, str(tmp / "optimizer"))
         self.par.barrier()
-        if self.par.rank != 0:
-            return final
+        if self.par.rank == 0:
+            self._write(step, tmp, final, model_state, ema_state, state, config)
+        if self.par.device.type != "cuda":
+            self.wait()                             # written in line: a failure stops every rank now
+        return final
+
+    def _write(self, step, tmp, final, model_state, ema_state, state, config) -> None:
+        """Rank 0: write the big files and rename; in a background thread on CUDA."""
+        from reelcache.train.weights import save_sharded
 
         def write():
             try:
@@ -135,14 +142,17 @@ class Checkpointer:
             self._thread.start()
         else:
             write()
-            self._raise()
-        return final
 
     def wait(self) -> None:
+        """Collective: the previous checkpoint is complete on disk, or every rank raises (rank 0's
+        writer failing must not leave the other ranks waiting in the next collective)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._raise()
+        failed = self.par.max([1.0 if self._error is not None else 0.0])[0] > 0
+        if failed:
+            self._raise()
+            raise RuntimeError(f"rank 0 failed to write a checkpoint in {self.run_dir}; stopping with it")
 
     def _raise(self) -> None:
         if self._error is not None:

@@ -52,6 +52,10 @@ class Parallel:
             # Collectives that wait longer than this are a hang, not a slow step: fail with a trace.
             dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
         Booster, LowLevelZeroPlugin, TorchDDPPlugin = _colossalai()
+        if not cuda:                # else ColossalAI finds the GPU itself and moves the model there
+            from colossalai.accelerator import set_accelerator
+
+            set_accelerator("cpu")
 
         if name == "zero2":
             prec = "bf16" if dtype == "bf16" else "fp32"
@@ -151,7 +155,7 @@ class Parallel:
         return out
 
     def gather_full(self, chunks: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-        """Full tensors from every rank's chunks (a collective); on CPU, on every rank."""
+        """Full tensors from every rank's chunks (a collective), in host memory on rank 0 only ({} elsewhere)."""
         full = {}
         for name, c in chunks.items():
             parts = [torch.empty_like(c) for _ in range(self.world)]
@@ -159,8 +163,9 @@ class Parallel:
                 dist.all_gather(parts, c.contiguous())
             else:
                 parts = [c]
-            n = shapes[name].numel()
-            full[name] = torch.cat(parts)[:n].view(shapes[name]).cpu()
+            if self.rank == 0:
+                n = shapes[name].numel()
+                full[name] = torch.cat(parts)[:n].view(shapes[name]).cpu()
         return full
 
     # -- optimizer state ---------------------------------------------------------------------

@@ -113,12 +113,20 @@ class Trainer:
             self._load_weights(model, self.ckpt_path, strict=True)
         elif init_from is not None:
             self._load_weights(model, init_from, strict=None)
-        model = model.to(par.device)
         self.shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+        # fp32 values as initialised or loaded: ZeRO's boost casts the module to bf16 and would build
+        # the fp32 masters from those rounded values; frozen entries are saved from here too.
+        fp32 = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self.frozen = {k: v for k, v in fp32.items() if k not in self.shapes}
+        model = model.to(par.device)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = par.optimizer(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, eps=cfg.optim.adam_eps,
                             betas=cfg.optim.betas)
         self.model, self.optimizer = par.boost(model, opt)
+        if par.zero:
+            for n, m in par.master_chunks(self.model, self.optimizer).items():
+                m.copy_(par.chunk(fp32[n].float().reshape(-1)))
+        del fp32
         if cfg.run.compile:
             for blk in list(self.module.spatial_blocks) + list(self.module.temporal_blocks):
                 blk.compile()
@@ -204,15 +212,11 @@ class Trainer:
         from reelcache.train import checkpoint as ck
 
         state = ck.read_state(ckpt)
-        par = self.par
-        if par.zero:                                # the fp32 masters, not the bf16 working copy
-            from reelcache.train.weights import read_sharded
-
-            full = read_sharded(ckpt / "model")
-            masters = par.master_chunks(self.model, self.optimizer)
-            for n, m in masters.items():
-                m.copy_(par.chunk(full[n].float().reshape(-1)))
-        par.load_optimizer(self.optimizer, self.model, str(ckpt / "optimizer"))
+        par, o = self.par, self.cfg.optim
+        if (ckpt / "optimizer").exists():           # absent when saved before the first optimizer step
+            par.load_optimizer(self.optimizer, self.model, str(ckpt / "optimizer"))
+            for group in self.optimizer.param_groups:   # the config's hyper-parameters, not the saved ones
+                group.update(weight_decay=o.weight_decay, eps=o.adam_eps, betas=tuple(o.betas))
         try:
             self.loader.load_state_dict(state["loader"], reset_data=reset_data)
         except ValueError as e:
@@ -298,6 +302,7 @@ class Trainer:
         par.backward(loss, self.optimizer)
         loss_sum = float(par.sum([float(losses.detach().sum()) * weight])[0])
         return {"batch": batch, "losses": losses.detach(), "loss": loss_sum / max(n_real, 1.0), "samples": n_real,
+                "local_samples": real,
                 "frames": frames, "height": height, "width": width, "latent_shape": tuple(x0.shape[2:]),
                 "text_len": int(batch["text"].shape[1])}
 
@@ -330,9 +335,9 @@ class Trainer:
     def _update_ema(self):
         if self.ema is None:
             return
-        d = self.cfg.run.ema_decay
-        for n, m in self.par.master_chunks(self.model, self.optimizer).items():
-            self.ema[n].mul_(d).add_(m.to(self.ema[n].device), alpha=1 - d)
+        masters = self.par.master_chunks(self.model, self.optimizer)
+        names = list(self.ema)
+        torch._foreach_lerp_([self.ema[n] for n in names], [masters[n] for n in names], 1 - self.cfg.run.ema_decay)
 
     def _record_bad(self, batch, loss, gnorm, reason):
         clips = self.par.gather_objects(list(batch["clip_id"]) if batch["weight"] else [])
@@ -349,10 +354,7 @@ class Trainer:
         par = self.par
         masters = par.gather_full(par.master_chunks(self.model, self.optimizer), self.shapes)
         ema = par.gather_full(self.ema, self.shapes) if self.ema is not None else None
-        model_state = None
-        if self.rank0:
-            model_state = {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
-            model_state.update(masters)
+        model_state = {**self.frozen, **masters} if self.rank0 else None
         state = {"global_step": self.global_step, "opt_steps": self.opt_steps, "epoch": self.loader.epoch,
                  "loader": self.loader.state_dict(), "data_fingerprint": self.loader.fingerprint,
                  "lr_schedule": {"kind": self.cfg.optim.schedule, "step": self.opt_steps},
@@ -364,7 +366,8 @@ class Trainer:
             self.log.flush()                   # metrics up to this step exist before the checkpoint does
         if self.loader.log:
             self.loader.log.flush()
-        path = self.ckpt.save(self.global_step, model_state, ema, self.model, self.optimizer, state, self.cfg.to_dict())
+        path = self.ckpt.save(self.global_step, model_state, ema, self.model,
+                              self.optimizer if self.opt_steps else None, state, self.cfg.to_dict())
         if self.rank0:
             say(f"checkpoint {path.name} ({'writing in the background' if par.device.type == 'cuda' else 'written'})")
 
@@ -431,15 +434,18 @@ class Trainer:
 
     def _log(self, batch, out, step_s, wait_s, flops_per_sample):
         par = self.par
-        buckets = par.gather_objects((batch["bucket"], out["samples"] / par.world))
-        tokens = out["samples"] * out["latent_shape"][0] * math.ceil(out["latent_shape"][1] / 2) \
-            * math.ceil(out["latent_shape"][2] / 2)
-        flops = 3 * flops_per_sample(self.model_cfg, *out["latent_shape"], out["text_len"]) * out["samples"]
-        with torch.no_grad():
-            wnorm = math.sqrt(sum(float(p.detach().float().pow(2).sum()) for p in self.module.parameters()))
+        # Ranks hold different buckets: tokens and FLOPs are summed over every rank's own shapes.
+        local = out["local_samples"]
+        ranks = par.gather_objects((batch["bucket"], local, out["latent_shape"], out["text_len"]))
+        tokens = flops = 0.0
         hist = {}
-        for bucket, _ in buckets:
+        for bucket, n, (t, h, w), length in ranks:
             hist[bucket] = hist.get(bucket, 0) + 1
+            tokens += n * t * math.ceil(h / 2) * math.ceil(w / 2)
+            flops += 3 * flops_per_sample(self.model_cfg, t, h, w, length) * n
+        with torch.no_grad():
+            params = [p.detach() for p in self.module.parameters()]
+            wnorm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params))))
         self.log.log({"step": self.global_step - 1, "epoch": self.loader.epoch, "epoch_step": int(batch["step"]),
                       "loss": out["loss"],
                       "lr": out["lr"] if out["lr"] is not None else float("nan"), "grad_norm": out["grad_norm"],
