@@ -43,12 +43,13 @@ OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 class OutputError(UserError):
     """Writing our own output failed: the unit fails (no sidecar), nothing is recorded as a reject."""
 
-    def __init__(self, path, err: OSError):
+    def __init__(self, path, err: OSError, unit: bool = True):
         code = errno.errorcode.get(err.errno, "") if isinstance(err.errno, int) else ""
         what = err.strerror or str(err)
+        consequence = ("the unit is not finished and none of its clips was recorded; " if unit else "")
         super().__init__(f"cannot write {path}: {what}" + (f" [errno {err.errno} {code}]" if code else "")
-                         + ". Our own output failed (disk full, quota, file-size limit or I/O error): the unit "
-                           "is not finished and none of its clips was recorded; free space and run it again.")
+                         + ". Our own output failed (disk full, quota, file-size limit or I/O error): "
+                         + consequence + "free space and run it again.")
         self.path, self.errno = str(path), err.errno
 
 
@@ -237,7 +238,7 @@ def atomic_path(path):
                 lease.verify()
             os.replace(tmp, path)
         except OSError as e:
-            raise OutputError(path, e) from e
+            raise OutputError(path, e, unit=lease is not None) from e
     finally:
         tmp.unlink(missing_ok=True)
     if lease is not None:
