@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.progress import say
+from reelcache.progress import fmt_eta, say
+from reelcache.train.checkpoint import ckpt_step
 
 __all__ = ["Evaluator", "select"]
 
@@ -60,11 +61,7 @@ class _Progress:
             return
         self.last = now
         eta = (now - self.t0) / max(done, 1) * (total - done)
-        say(f"  {self.what}: {done}/{total}, {now - self.t0:.0f}s, ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
-
-
-def _step(ckpt: Path) -> int:
-    return int(ckpt.name.split("-")[1])
+        say(f"  {self.what}: {done}/{total}, {now - self.t0:.0f}s, ETA {fmt_eta(eta)}")
 
 
 def _write_json(path: Path, doc: dict) -> None:
@@ -80,7 +77,7 @@ def select(ckpts: list[Path], every: int = 1, ckpt_every: int = 0) -> list[Path]
     N x ckpt_every), plus checkpoints off the save grid (a run's final one); all when N <= 1."""
     if every <= 1 or ckpt_every <= 0:
         return list(ckpts)
-    return [c for c in ckpts if _step(c) % ckpt_every or (_step(c) // ckpt_every) % every == 0]
+    return [c for c in ckpts if ckpt_step(c) % ckpt_every or (ckpt_step(c) // ckpt_every) % every == 0]
 
 
 @dataclass
@@ -249,13 +246,10 @@ class Evaluator:
         """STDiT3 as configured in the checkpoint's config.json, with its EMA (or model) weights."""
         import torch
 
-        from reelcache.train.model import STDiT3, STDiT3Config
+        from reelcache.train.model import STDiT3
         from reelcache.train.weights import load_weights
 
-        cfg = self._config(ckpt)
-        mcfg = STDiT3Config.preset(cfg.model.preset, **{**cfg.model.overrides,
-                                                        "freeze_y_embedder": cfg.model.freeze_y_embedder})
-        model = STDiT3(mcfg)
+        model = STDiT3(self._config(ckpt).model_config())
         used = self.weights
         if used == "ema" and not (ckpt / "ema").is_dir():
             say(f"  {ckpt.name} has no ema/ (run.ema_decay = 0): using model/")
@@ -288,7 +282,7 @@ class Evaluator:
                 return doc
         cfg = self._config(ckpt)
         res = validation_loss(model, self.manifest(), self.root, device=torch.device(self.device),
-                              dtype=self._torch_dtype(), frame_interval=self._frame_interval(),
+                              dtype=self._torch_dtype(), frame_interval=self._frame_interval(cfg),
                               default_fps=cfg.data.default_fps, batch_size=self.val_batch,
                               max_clips=self.val_max_clips, progress=_Progress(f"{ckpt.name} val loss batches"))
         doc = {"checkpoint": ckpt.name, "global_step": step, "weights": used, "manifest": str(self.manifest()),
@@ -297,10 +291,18 @@ class Evaluator:
         self._write_parquet()
         return doc
 
-    def _frame_interval(self) -> int:
+    def _frame_interval(self, cfg) -> int:
+        """What the trainer divided fps by: its own bucket config's frame interval; when that file is
+        not on this machine, the cache's (its identity records it); else 1, said aloud."""
+        try:
+            return cfg.frame_interval()
+        except OSError:
+            pass
         try:
             return int(self._cache_ident()[1]["buckets"]["frame_interval"])
         except (UserError, KeyError):
+            say(f"  no bucket config ({cfg.data.buckets}) nor cache identity here: fps conditioning "
+                "assumes frame_interval = 1")
             return 1
 
     def _write_parquet(self) -> None:

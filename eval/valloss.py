@@ -23,7 +23,6 @@ bucket's share is its clip count), and per timestep (where in the noise range a 
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 
@@ -39,11 +38,6 @@ def eval_timesteps(k: int = TIMESTEPS) -> list[float]:
     return [(i + 0.5) * 1000.0 / k for i in range(k)]
 
 
-def _noise_seed(clip_id: str, k: int) -> int:
-    h = hashlib.blake2b(f"val-noise|{clip_id}|{k}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") & 0x7FFF_FFFF_FFFF_FFFF
-
-
 def _latent(sample: dict) -> torch.Tensor:
     return (sample["mean"] if "mean" in sample else sample["sample"]).float()
 
@@ -56,8 +50,8 @@ def validation_loss(model, manifest, root, *, device, dtype=torch.float32, frame
 
     ``progress(done, total)`` is called after each batch."""
     from reelcache.train.flow import training_losses
-    from reelcache.train.loader import load_source, read_sample
-    from reelcache.train.trainer import bucket_geometry
+    from reelcache.train.loader import load_source, read_sample, shard_path
+    from reelcache.train.trainer import bucket_geometry, stable_seed
 
     src = load_source(manifest)
     order = np.arange(len(src.clip_id))
@@ -77,9 +71,7 @@ def validation_loss(model, manifest, root, *, device, dtype=torch.float32, frame
             part = idx[s:s + batch_size]
             samples = []
             for i in part:
-                shard = str(src.shard[i])
-                samples.append(read_sample(shard if Path(shard).is_absolute() or "://" in shard else
-                                           str(root / shard), int(src.offset[i])))
+                samples.append(read_sample(shard_path(root, str(src.shard[i])), int(src.offset[i])))
             x0 = torch.stack([_latent(smp) for smp in samples]).to(device)
             lens = [smp["text"].shape[0] for smp in samples]
             y = torch.zeros((len(part), max(lens), samples[0]["text"].shape[1]))
@@ -95,7 +87,7 @@ def validation_loss(model, manifest, root, *, device, dtype=torch.float32, frame
                       "width": torch.full((b,), float(width), device=device)}
             for k, t in enumerate(ts):
                 noise = torch.stack([torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(
-                    _noise_seed(str(src.clip_id[i]), k))) for i in part]).to(device)
+                    stable_seed("val-noise", src.clip_id[i], k))) for i in part]).to(device)
                 losses = training_losses(model, x0, kwargs, noise, torch.full((b,), t, device=device))
                 sums[bucket][k] += float(losses.double().sum())
                 done += 1

@@ -27,3 +27,16 @@ def bar(total_or_iterable=None, desc: str = "", unit: str = "it", **kw) -> tqdm:
 def say(msg: str) -> None:
     """One line of human-facing status on stderr."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def fmt_eta(seconds: float) -> str:
+    """A duration for humans: 42s, 7m05s, 3h02m, 2d04h (a stage's ETA runs to days)."""
+    s = max(0, int(round(seconds)))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d{h:02d}h"
+    if h:
+        return f"{h}h{m:02d}m"
+    return f"{m}m{s:02d}s" if m else f"{s}s"

@@ -39,13 +39,21 @@ def ckpt_name(step: int) -> str:
     return f"ckpt-{step:08d}"
 
 
+def ckpt_step(path) -> int:
+    """The global step of a checkpoint folder ``ckpt-<8 digits>``."""
+    m = CKPT_RE.match(Path(path).name)
+    if not m:
+        raise ValueError(f"{path} is not a checkpoint folder (ckpt-<8 digits>)")
+    return int(m.group(1))
+
+
 def list_checkpoints(run_dir) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     found = [p for p in run_dir.iterdir() if CKPT_RE.match(p.name) and (p / "state.json").exists()]
-    return sorted(found, key=lambda p: int(CKPT_RE.match(p.name).group(1)))
+    return sorted(found, key=ckpt_step)
 
 
 def resolve(path, root=None, run_dir=None) -> Path:
@@ -85,7 +93,6 @@ class Checkpointer:
         self.keep_last, self.keep_every = keep_last, keep_every
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_saved: Path | None = None
         if par.rank == 0:
             for stale in self.run_dir.glob(".tmp-ckpt-*"):      # left by a run killed while saving
                 shutil.rmtree(stale, ignore_errors=True)
@@ -136,7 +143,6 @@ class Checkpointer:
             except BaseException as e:          # surfaced by wait(): a failed save must stop the run
                 self._error = e
 
-        self.last_saved = final
         if self.par.device.type == "cuda":
             self._thread = threading.Thread(target=write, name=f"save-{step}", daemon=False)
             self._thread.start()
@@ -163,6 +169,6 @@ class Checkpointer:
         found = list_checkpoints(self.run_dir)
         keep = set(found[-self.keep_last:]) if self.keep_last > 0 else set(found)
         for p in found:
-            step = int(CKPT_RE.match(p.name).group(1))
+            step = ckpt_step(p)
             if p not in keep and not (self.keep_every and step % self.keep_every == 0):
                 shutil.rmtree(p, ignore_errors=True)

@@ -137,6 +137,19 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def model_config(self):
+        """The STDiT3Config this stage trains: the preset, its overrides, the frozen caption projection."""
+        from reelcache.train.model import STDiT3Config
+
+        return STDiT3Config.preset(self.model.preset, **{**self.model.overrides,
+                                                         "freeze_y_embedder": self.model.freeze_y_embedder})
+
+    def frame_interval(self) -> int:
+        """The bucket config's frame interval (what the model's fps input is divided by)."""
+        from reelcache.catalog.buckets import BucketConfig
+
+        return BucketConfig.from_toml(self.data.buckets).frame_interval
+
 
 def _build(cls, doc: dict, where: str):
     known = {f.name: f for f in dataclasses.fields(cls)}

@@ -28,18 +28,12 @@ STAGES = ("configs/train/debug/stage1.toml", "configs/train/debug/stage2.toml")
 
 
 def _launch(config: str, root: Path, nproc: int, *extra: str) -> subprocess.Popen:
+    from reelcache.train.parallel import free_port
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(_port()), "-m", "reelcache.train", config, "--root", str(root), *extra]
+           str(free_port()), "-m", "reelcache.train", config, "--root", str(root), *extra]
     say("$ torchrun --nproc_per_node {} -m reelcache.train {}".format(nproc, " ".join(cmd[cmd.index(config):])))
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(p: subprocess.Popen, what: str) -> None:
@@ -48,7 +42,7 @@ def _wait(p: subprocess.Popen, what: str) -> None:
 
 
 def run(root, nproc: int = 2) -> None:
-    from reelcache.train.checkpoint import list_checkpoints
+    from reelcache.train.checkpoint import ckpt_step, list_checkpoints
     from reelcache.train.config import load_config
 
     root = Path(root)
@@ -67,15 +61,15 @@ def run(root, nproc: int = 2) -> None:
             raise UserError("stage 1 wrote no second checkpoint in 10 minutes")
         time.sleep(0.2)
     victim = json.loads((run1 / "ranks" / f"rank{nproc - 1:05d}.json").read_text())
-    killed_after = list_checkpoints(run1)[-1].name
+    killed_after = list_checkpoints(run1)[-1]
     os.kill(victim["pid"], signal.SIGKILL)
-    say(f"demo: killed rank {nproc - 1} (pid {victim['pid']}) with SIGKILL after {killed_after}")
+    say(f"demo: killed rank {nproc - 1} (pid {victim['pid']}) with SIGKILL after {killed_after.name}")
     p.wait()
     say(f"demo: the job stopped (exit {p.returncode}); resuming from the newest checkpoint")
     _wait(_launch(STAGES[0], root, nproc, "--load", "latest"), "resuming stage 1")
     last = list_checkpoints(run1)[-1]
     _wait(_launch(STAGES[1], root, nproc, "--init-from", str(last)), "stage 2")
-    png = plot(root, names, int(killed_after.split("-")[1]))
+    png = plot(root, names, ckpt_step(killed_after))
     say(f"demo: trained {names[0]} (killed and resumed) and {names[1]} (from {last.name}); loss plot {png}")
 
 

@@ -231,9 +231,7 @@ class _BatchMaker:
         return batch
 
     def _path(self, shard: str) -> str:
-        if "://" in shard or shard.startswith("pipe:") or os.path.isabs(shard) or self.root is None:
-            return shard
-        return str(self.root / shard)
+        return shard_path(self.root, shard)
 
 
 def _one_thread(_worker_id):
@@ -241,6 +239,14 @@ def _one_thread(_worker_id):
     import torch
 
     torch.set_num_threads(1)
+
+
+def shard_path(root, shard: str) -> str:
+    """A manifest's shard as a readable location: URLs, ``pipe:`` commands and absolute paths as
+    they are, other paths relative to the data root."""
+    if "://" in shard or shard.startswith("pipe:") or os.path.isabs(shard) or root is None:
+        return shard
+    return str(Path(root) / shard)
 
 
 def read_sample(path: str, offset: int) -> dict:

@@ -44,7 +44,7 @@ class Parallel:
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(k, v)
         if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         local_rank = int(os.environ["LOCAL_RANK"])
         if cuda:
             torch.cuda.set_device(local_rank)
@@ -241,7 +241,7 @@ def _colossalai():
     return Booster, LowLevelZeroPlugin, TorchDDPPlugin
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

@@ -30,7 +30,7 @@ import time
 import uuid
 from pathlib import Path
 
-from reelcache.progress import say
+from reelcache.progress import fmt_eta, say
 
 
 class RunLog:
@@ -74,7 +74,7 @@ class RunLog:
         say(f"step {row['step'] + 1}/{self.total_steps} ep {row['epoch']} | loss {row['loss']:.4f} | "
             f"lr {row['lr']:.2e} | gnorm {row['grad_norm']:.3f} | {row['samples_per_s']:.1f} samples/s | "
             f"step {row['step_s']:.2f}s, data {100 * row['data_share']:.0f}%{mfu} | "
-            f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}{skipped}")
+            f"ETA {fmt_eta(eta)}{skipped}")
         if self.wandb is not None:
             data = {f"train/{k}": v for k, v in row.items()
                     if k not in ("step", "buckets", "skipped", "generation") and v is not None}

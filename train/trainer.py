@@ -37,7 +37,8 @@ from reelcache.train.config import TrainConfig
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
-def _seed(*parts) -> int:
+def stable_seed(*parts) -> int:
+    """A 63-bit seed from a hash of the parts (the same on every node, in every process)."""
     h = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(h, "big") & 0x7FFF_FFFF_FFFF_FFFF
 
@@ -73,7 +74,7 @@ class Trainer:
         from reelcache.train.flow import MaskGenerator
         from reelcache.train.guard import Guard
         from reelcache.train.loader import LatentLoader
-        from reelcache.train.model import STDiT3, STDiT3Config
+        from reelcache.train.model import STDiT3
 
         cfg, par = self.cfg, self.par
         self.ckpt_path = None
@@ -101,9 +102,7 @@ class Trainer:
             raise UserError(str(e)) from e
 
         # Model, EMA, optimizer.
-        mcfg = STDiT3Config.preset(cfg.model.preset, **{**cfg.model.overrides,
-                                                        "freeze_y_embedder": cfg.model.freeze_y_embedder})
-        self.model_cfg = mcfg
+        mcfg = self.model_cfg = cfg.model_config()
         torch.manual_seed(cfg.run.seed)            # the same fresh init on every rank
         model = STDiT3(mcfg)
         if cfg.model.grad_checkpoint:
@@ -256,7 +255,7 @@ class Trainer:
         b, _, t_lat = x.shape[:3]
         ts, noise, drops, masks = [], [], [], []
         for i, clip in enumerate(batch["clip_id"]):
-            s = _seed(self.cfg.run.seed, self.global_step, clip, i)
+            s = stable_seed(self.cfg.run.seed, self.global_step, clip, i)
             g = torch.Generator().manual_seed(s)
             ts.append(sample_timesteps(1, g, method=self.cfg.flow.sample_method))
             drops.append(bool(torch.rand(1, generator=g).item() < self.cfg.flow.caption_dropout))
