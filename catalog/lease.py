@@ -41,14 +41,14 @@ HEARTBEAT_S = 30.0     # how often a holder refreshes its leases' mtime
 GUARD_S = 30.0         # a takeover guard (or a lease still being written) older than this is stale
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
 
 
-def _pid_start(pid: int) -> str | None:
+def pid_start(pid: int) -> str | None:
     """The pid's start time in clock ticks since boot (None: gone, a zombie, or no /proc)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -60,7 +60,7 @@ def _pid_start(pid: int) -> str | None:
 
 def _pid_alive(pid: int, start: str | None) -> bool:
     if Path("/proc/self/stat").exists():
-        now = _pid_start(pid)
+        now = pid_start(pid)
         return now is not None and (start is None or now == start)
     try:                                               # no /proc: existence only
         os.kill(pid, 0)
@@ -99,7 +99,7 @@ class Holder:
 
 def _me() -> dict:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": pid, "pid_start": _pid_start(pid),
+    return {"host": socket.gethostname(), "boot_id": boot_id(), "pid": pid, "pid_start": pid_start(pid),
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

@@ -177,6 +177,7 @@ class Trainer:
     def _record_rank(self):
         """Who runs this rank: host, pid and the kernel's start time of that pid (so a dump or a stop
         reaches exactly this process, never a later one that reused the pid); SIGUSR1 dumps stacks."""
+        from reelcache.catalog.lease import boot_id
         from reelcache.train.watchdog import install_stack_signal
 
         d = self.run_dir / "ranks"
@@ -184,7 +185,7 @@ class Trainer:
         self._stacks = install_stack_signal(self.run_dir, self.par.rank)
         info = {"rank": self.par.rank, "world_size": self.par.world, "local_rank": self.par.local_rank,
                 "host": socket.gethostname(), "pid": os.getpid(), "proc_start": proc_start(os.getpid()),
-                "boot_id": _read("/proc/sys/kernel/random/boot_id"), "started": time.time(),
+                "boot_id": boot_id(), "started": time.time(),
                 "launcher_pid": os.getppid(), "launcher_proc_start": proc_start(os.getppid()),
                 "stacks": str(Path(self._stacks.name).resolve())}
         from reelcache.catalog.shards import atomic_path
@@ -466,17 +467,13 @@ class Trainer:
                 f"{last or 'none'}. Resume with: {cmd} (consider a lower optim.lr, or --reset-data)")
 
 
-def _read(path: str) -> str | None:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return None
-
-
 def proc_start(pid: int) -> int | None:
-    """The kernel's start time of a process (clock ticks after boot; /proc/<pid>/stat field 22)."""
-    stat = _read(f"/proc/{pid}/stat")
-    return int(stat.rsplit(")", 1)[1].split()[19]) if stat else None
+    """The kernel's start time of a process (clock ticks after boot; /proc/<pid>/stat field 22), as
+    the unit leases read it; an int, as `reelcache cluster` compares it."""
+    from reelcache.catalog.lease import pid_start
+
+    ticks = pid_start(pid)
+    return int(ticks) if ticks else None
 
 
 def _versions() -> dict:
