@@ -321,6 +321,16 @@ def _sidecar_rows(cdir):
     return pq.read_table(cdir / "000000.parquet").to_pylist()
 
 
+def run_until_writing(root, unit: str, cdir):
+    """`cache run UNIT` in a subprocess, returned once it is writing its first latent shard."""
+    proc = subprocess.Popen([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(root), unit],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(cdir.glob(".000000-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return proc
+
+
 def test_write_failure_fails_the_unit_loudly_and_its_rerun_is_clean(cache_root, tmp_path):
     """A real file-size limit (RLIMIT_FSIZE, as a quota or a full disk would) on the running unit.
 
@@ -333,11 +343,7 @@ def test_write_failure_fails_the_unit_loudly_and_its_rerun_is_clean(cache_root, 
     cfg = write_config(tmp_path, "m", clips_per_unit=100)
     unit, = plan(cache_root, cfg)
     cdir = cache_root / "latents" / "t"
-    proc = subprocess.Popen([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not any(cdir.glob(".000000-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
+    proc = run_until_writing(cache_root, unit, cdir)
     resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "cannot write" in err and "File too large" in err, err[-2000:]
@@ -360,11 +366,7 @@ def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path
     cfg = write_config(tmp_path, "m", clips_per_unit=100)
     unit, = plan(cache_root, cfg)
     cdir = cache_root / "latents" / "t"
-    first = subprocess.Popen([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not any(cdir.glob(".000000-00.tar.tmp*")) and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)                            # the first run holds the lease and is writing
+    first = run_until_writing(cache_root, unit, cdir)   # it holds the lease and is writing
     assert first.poll() is None, first.communicate()
     second = subprocess.run([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
                             capture_output=True, text=True, timeout=120)
