@@ -242,15 +242,18 @@ def _record(run: Path, rank: int, pid: int, host: str) -> dict:
 
 
 # A stand-in for ssh to another node that is this machine. It does what sshd does with a command:
-# the words after the host joined by spaces, run by the login shell with -c. So the path a remote
-# node takes (GNU parallel's ssh wrapper, our own held session, the quoting of the agent through
-# both) is exercised without an ssh server.
+# SHELL set to the user's login shell (GNU parallel's remote worker execs $SHELL; CI runs with no
+# SHELL in its environment, sshd always sets it) and the words after the host joined by spaces, run
+# by that shell with -c. So the path a remote node takes (GNU parallel's ssh wrapper, our own held
+# session, the quoting of the agent through both) is exercised without an ssh server.
 FAKE_SSH = """#!/bin/bash
 echo "$*" >> "$(dirname "$0")/ssh.log"
 while [ $# -gt 0 ]; do case "$1" in -l|-p|-o) shift 2;; -*) shift;; *) break;; esac; done
 shift
 [ "$1" = "--" ] && shift
-exec bash -c "$*"
+SHELL="$(getent passwd "$(id -u)" | cut -d: -f7)"
+export SHELL="${SHELL:-/bin/sh}"
+exec "$SHELL" -c "$*"
 """
 
 

@@ -98,7 +98,8 @@ def run_agents(jobs: dict[str, dict], python: str, timeout: float) -> dict[str, 
             return
         res = _result(so)
         out[login] = (res, "" if res is not None else
-                      (se.strip() or so.strip() or f"parallel exited {p.returncode}")[-400:])
+                      (se.strip() or so.strip()
+                       or f"the agent printed nothing (parallel exited {p.returncode})")[-400:])
 
     threads = [threading.Thread(target=collect, args=item) for item in procs.items()]
     for t in threads:
