@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -55,3 +56,18 @@ def test_stages_import_only_catalog_and_the_root():
             for other in re.findall(r"reelcache\.(\w+)", path.read_text()):
                 if other in allowed and other != stage:
                     assert other in ok, f"{path.relative_to(REPO)} imports reelcache.{other}"
+
+
+def test_root_cli_only_assembles_the_stages():
+    """A stage owns its commands (<stage>/cli.py: add_commands, add_demo); reelcache/cli.py registers
+    them in pipeline order and runs them, naming no stage module and declaring no stage argument."""
+    import re
+
+    from reelcache.cli import STAGES, build_parser
+
+    src = (REPO / "reelcache/cli.py").read_text()
+    assert not re.findall(r"reelcache\.(?:ingest|catalog|cache|train|eval)\b", src)
+    assert src.count("add_argument(") == 1                # --version
+    assert set(STAGES) == {p.name for p in REPO.iterdir() if (p / "cli.py").exists()} - {"reelcache"}
+    top = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert {"ingest", "catalog", "cache", "train", "loader", "cluster", "eval", "demo"} <= set(top.choices)

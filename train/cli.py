@@ -1,4 +1,6 @@
-"""``reelcache train``: the train stage's command-line arguments (reelcache/cli.py only assembles).
+"""``reelcache train``, ``reelcache loader simulate``, ``reelcache cluster`` and ``reelcache demo train``:
+the train stage's command-line arguments (reelcache/cli.py only assembles). Nothing heavy is imported
+here: the parser builds without torch.
 
 The same arguments work under a launcher: ``torchrun --nproc_per_node 8 -m reelcache.train ...``
 or ``colossalai run --nproc_per_node 8 --hostfile nodes.txt -m reelcache.train ...``.
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from reelcache import UserError
 
 EXAMPLES = """\
 examples:
@@ -22,6 +26,46 @@ examples:
 
 Any config field can be overridden after the file: --optim.lr=2e-4 --run.name=stage1-try2 --run.epochs=3
 """
+
+SIMULATE_EXAMPLES = """\
+examples:
+  reelcache loader simulate --root /data/rc --manifest stage3-openvid --manifest stage3-mira --weight 0.3 \\
+      --buckets configs/buckets/opensora12-stage1.toml --world-size 16 --workers 8 --seed 42 --epochs 2 \\
+      --out consumed.parquet --save-at 1000 --resume-world-size 24
+  reelcache catalog sql --root /data/rc "SELECT epoch, count(DISTINCT clip_id), count(*) FROM 'consumed.parquet'
+      WHERE NOT pad GROUP BY 1"
+"""
+
+
+def add_commands(top) -> None:
+    """``train``, ``loader simulate`` and ``cluster`` under the top-level ``reelcache`` parser."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    tr = top.add_parser("train", help="train a stage (STDiT3 + rectified flow) on the latent cache",
+                        epilog=EXAMPLES, formatter_class=fmt)
+    add_arguments(tr)
+    tr.set_defaults(fn=run, takes_overrides=True)
+
+    ld = top.add_parser("loader", help="the streaming loader: simulate a stage's data order without GPUs")
+    sub = ld.add_subparsers(dest="cmd", required=True)
+    sim = sub.add_parser("simulate", help="plan every rank's batches (no model, no reads), optionally resume",
+                         formatter_class=fmt, epilog=SIMULATE_EXAMPLES)
+    sim.add_argument("--root", help="data root (manifest names resolve to ROOT/manifests/NAME-*.parquet)")
+    sim.add_argument("--manifest", dest="manifests", action=_ManifestArg, required=True,
+                     help="loader manifest name or path; repeat to mix")
+    sim.add_argument("--weight", action=_ManifestArg, help="share of the preceding --manifest (0..1)")
+    sim.add_argument("--buckets", required=True, help="bucket config TOML (batch size per resolution/frames)")
+    sim.add_argument("--world-size", type=int, required=True)
+    sim.add_argument("--workers", type=int, default=1, help="data workers per rank (recorded; order is independent)")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--epochs", type=int, default=1)
+    sim.add_argument("--out", help="write (epoch, step, rank, worker, clip_id, bucket, pad) parquet")
+    sim.add_argument("--save-at", type=int, help="save the data state at this global step, then resume")
+    sim.add_argument("--resume-world-size", type=int, help="world size to resume on (default: the same)")
+    sim.set_defaults(fn=_simulate)
+
+    from reelcache.train import cluster
+
+    cluster.add_commands(top)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +94,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(a, overrides: list[str]) -> None:
-    from reelcache import UserError
     from reelcache.train.config import load_config
 
     bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
@@ -79,6 +122,39 @@ def run(a, overrides: list[str]) -> None:
         Trainer(cfg, a.root, load=load, init_from=init_from, reset_data=a.reset_data).train()
     except DivergedError as e:
         raise UserError(str(e)) from None
+
+
+class _ManifestArg(argparse.Action):
+    """--manifest NAME [--weight W] pairs, in the order given."""
+
+    def __call__(self, parser, ns, value, option=None):
+        pairs = getattr(ns, "manifests", None) or []
+        if option == "--manifest":
+            pairs.append((value, None))
+        elif not pairs or pairs[-1][1] is not None:
+            parser.error("--weight must follow the --manifest it applies to")
+        else:
+            pairs[-1] = (pairs[-1][0], float(value))
+        ns.manifests = pairs
+
+
+def _simulate(a) -> None:
+    from reelcache.catalog.buckets import BucketConfig
+    from reelcache.train.simulate import simulate
+
+    given = [w for _, w in a.manifests if w is not None]
+    if sum(given) > 1 or (len(given) == len(a.manifests) > 1 and abs(sum(given) - 1) > 1e-6):
+        raise UserError(f"--weight values {given} must add up to 1 (unweighted manifests share the rest)")
+    rest = (1 - sum(given)) / max(1, sum(1 for _, w in a.manifests if w is None))
+    manifests = [(m, w if w is not None else rest) for m, w in a.manifests]
+    try:
+        simulate(manifests, BucketConfig.from_toml(a.buckets), root=a.root, world_size=a.world_size,
+                 workers=a.workers, seed=a.seed, epochs=a.epochs, out=a.out, save_at=a.save_at,
+                 resume_world_size=a.resume_world_size)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    if a.out:
+        print(a.out)
 
 
 def add_demo(sub) -> None:

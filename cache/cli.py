@@ -1,0 +1,47 @@
+"""``reelcache cache plan|run``: the cache stage's arguments (reelcache/cli.py only assembles).
+Nothing heavy is imported here: the parser builds without torch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+PLAN_EXAMPLES = """\
+examples:
+  reelcache cache plan --root /data/rc --config configs/cache/wan-stage1.toml > units.txt
+  parallel --sshloginfile gpu-nodes.txt -j 8 --joblog cache.log \\
+      CUDA_VISIBLE_DEVICES='$(({%}-1))' reelcache cache run --root /data/rc {} :::: units.txt
+  reelcache catalog merge --root /data/rc
+  reelcache catalog sql --root /data/rc "SELECT cache, bucket, count(*) FROM latents GROUP BY ALL"
+"""
+
+
+def add_commands(top) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    ca = top.add_parser("cache", help="VAE and text latents, precomputed once per stage across GPU nodes")
+    sub = ca.add_subparsers(dest="cmd", required=True)
+    cp = sub.add_parser("plan", help="assign buckets, fix the cache identity, print units", formatter_class=fmt,
+                        epilog=PLAN_EXAMPLES)
+    cp.add_argument("--root", required=True)
+    cp.add_argument("--config", required=True, help="cache config TOML, e.g. configs/cache/tiny.toml")
+    cp.set_defaults(fn=_plan)
+    cr = sub.add_parser("run", help="decode and encode one or more units printed by `cache plan`")
+    cr.add_argument("--root", required=True)
+    cr.add_argument("units", nargs="+", metavar="UNIT", help="e.g. wan-stage1/000012")
+    cr.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
+    cr.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")
+    cr.set_defaults(fn=_run)
+
+
+def _plan(a) -> None:
+    from reelcache.cache.plan import CacheConfig, make_plan
+
+    units = make_plan(a.root, CacheConfig.from_toml(a.config))
+    sys.stdout.write("".join(u + "\n" for u in units))
+
+
+def _run(a) -> None:
+    from reelcache.cache.run import run_unit
+
+    for unit in a.units:
+        run_unit(a.root, unit, device=a.device, wait=a.wait)

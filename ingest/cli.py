@@ -1,0 +1,122 @@
+"""``reelcache ingest plan|run`` and ``reelcache demo generate``: the ingest stage's arguments
+(reelcache/cli.py only assembles). Nothing heavy is imported here: the parser builds without av."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from reelcache import UserError
+
+PLAN_EXAMPLES = """\
+examples:
+  reelcache ingest plan --root /data/rc --source openvid --meta OpenVid-1M.csv --videos /data/openvid > units.txt
+  reelcache ingest plan --root /data/rc --source miradata --caption dense --meta miradata_v1_330k.csv \\
+      --videos /data/miradata --config configs/ingest/opensora12.toml > mira-units.txt
+  reelcache ingest plan --root /data/rc --source folder --name mine --videos /data/my-clips > units.txt
+
+Prints one unit per line on stdout, ready for GNU parallel:
+  parallel --sshloginfile nodes.txt --joblog ingest.log reelcache ingest run --root /data/rc {} :::: units.txt
+  reelcache catalog merge --root /data/rc
+"""
+
+RUN_EXAMPLES = """\
+examples:
+  reelcache ingest run --root /data/rc openvid/000012
+  parallel -j 8 --joblog ingest.log reelcache ingest run --root /data/rc {} :::: units.txt
+
+A finished unit (its sidecar parquet exists) is skipped; a killed one is cleaned and redone.
+"""
+
+
+def add_commands(top) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    ing = top.add_parser("ingest", help="probe videos, reject bad rows with a reason, write raw shards")
+    sub = ing.add_subparsers(dest="cmd", required=True)
+    pl = sub.add_parser("plan", help="read a source table once and print its work units",
+                        epilog=PLAN_EXAMPLES, formatter_class=fmt)
+    pl.add_argument("--root", required=True, help="data root (catalog, shards, manifests live here)")
+    pl.add_argument("--source", required=True, choices=["openvid", "miradata", "csv", "parquet", "folder"],
+                    help="format of the input table")
+    pl.add_argument("--meta", help="the table: OpenVid/MiraData CSV, or a path,text csv/parquet")
+    pl.add_argument("--videos", required=True, help="folder that the table's paths are relative to")
+    pl.add_argument("--name", help="source name in the catalog (default: the format)")
+    pl.add_argument("--caption", help="MiraData: which caption trains (short, dense, background, "
+                                      "main_object, style, camera); all are kept")
+    pl.add_argument("--config", help="TOML with any of these settings, e.g. configs/ingest/opensora12.toml")
+    pl.add_argument("--rows-per-unit", type=int, help="input rows per work unit (default 1000)")
+    pl.add_argument("--shard-mb", type=float, help="cap on one shard's size in MB (default 1000)")
+    pl.add_argument("--verify", choices=["header", "decode"],
+                    help="header (default): headers, packets, first frame; decode: decode every frame")
+    pl.add_argument("--probe-timeout", type=float, help="seconds per file before it is a 'timeout' reject (30)")
+    pl.add_argument("--decode-timeout", type=float, help="seconds per file with --verify decode (600)")
+    pl.add_argument("--workers", type=int, help="probe processes per unit (default 1)")
+    pl.add_argument("--worker-memory-mb", type=int, help="address-space cap per probe process")
+    pl.add_argument("--tagger", choices=["pattern", "spacy"], help="part-of-speech tagger for noun_count")
+    pl.add_argument("--max-file-mb", type=float, help="reject files larger than this ('too_large')")
+    pl.add_argument("--min-frames", type=int, help="reject clips with fewer frames ('too_short', default 17)")
+    pl.add_argument("--min-seconds", type=float, help="reject clips shorter than this ('too_short')")
+    pl.add_argument("--replace", action="store_true",
+                    help="the source was planned differently before: delete its shards and plan anew")
+    pl.set_defaults(fn=_plan)
+    rn = sub.add_parser("run", help="process one or more units printed by `ingest plan`",
+                        epilog=RUN_EXAMPLES, formatter_class=fmt)
+    rn.add_argument("--root", required=True)
+    rn.add_argument("units", nargs="+", metavar="UNIT", help="e.g. openvid/000012")
+    rn.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")
+    rn.set_defaults(fn=_run)
+
+
+def add_demo(sub) -> None:
+    """``reelcache demo generate``: the bundled demo's videos and table."""
+    g = sub.add_parser("generate", help="write a small OpenVid-format dataset with some broken files")
+    g.add_argument("--out", required=True)
+    g.add_argument("--clips", type=int, default=240)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--workers", type=int, default=2)
+    g.set_defaults(fn=_demo_generate)
+
+
+def _plan(a) -> None:
+    import dataclasses
+    import tomllib
+
+    from reelcache.ingest.filters import Thresholds
+    from reelcache.ingest.plan import IngestConfig, make_plan
+
+    conf = {}
+    if a.config:
+        with open(a.config, "rb") as f:
+            conf = tomllib.load(f)
+    thresholds = {**conf.pop("thresholds", {})}
+    known = {f.name for f in dataclasses.fields(IngestConfig)} | {f.name for f in dataclasses.fields(Thresholds)}
+    if unknown := set(conf) - known:
+        raise UserError(f"{a.config}: unknown keys {sorted(unknown)}")
+    for k in [f.name for f in dataclasses.fields(Thresholds)]:
+        if k in conf:
+            thresholds[k] = conf.pop(k)
+        if getattr(a, k) is not None:
+            thresholds[k] = getattr(a, k)
+    for k in ("caption", "rows_per_unit", "shard_mb", "verify", "probe_timeout", "decode_timeout",
+              "workers", "worker_memory_mb", "tagger"):
+        if getattr(a, k) is not None:
+            conf[k] = getattr(a, k)
+    cfg = IngestConfig(source=a.name or a.source, format=a.source, videos=str(Path(a.videos).resolve()),
+                       meta=a.meta and str(Path(a.meta).resolve()),
+                       thresholds=Thresholds(**thresholds), **conf)
+    units = make_plan(a.root, cfg, replace=a.replace)
+    sys.stdout.write("".join(u + "\n" for u in units))
+
+
+def _run(a) -> None:
+    from reelcache.ingest.run import run_unit
+
+    for unit in a.units:
+        run_unit(a.root, unit, wait=a.wait)
+
+
+def _demo_generate(a) -> None:
+    from reelcache.ingest.demo import generate
+
+    print(generate(a.out, n=a.clips, seed=a.seed, workers=a.workers))
