@@ -146,6 +146,7 @@ def decoded(jobs: list[dict], root: str, *, workers: int, timeout: float, memory
 
     t = threading.Thread(target=feed, name="cache-decode-feeder", daemon=True)
     t.start()
+    handed = set()
     try:
         while (item := q.get()) is not END:
             if item[0] == "feeder":
@@ -155,6 +156,7 @@ def decoded(jobs: list[dict], root: str, *, workers: int, timeout: float, memory
                 _unlink_shared(job["shm"])
             elif isinstance(res, tuple):
                 res = SharedFrames(*res)
+                handed.add(job["shm"])
             yield job, res
     finally:
         stop.set()
@@ -166,6 +168,12 @@ def decoded(jobs: list[dict], root: str, *, workers: int, timeout: float, memory
             if item is not END and item[0] != "feeder":
                 _free(item)
         t.join()
+        # The workers are gone now. A block they wrote whose name never reached us (a result still in
+        # the pipe, one finished out of order, one being written when the worker was stopped) has only
+        # its name left: a shared-memory block outlives its process, so remove each one not handed out.
+        for job in jobs:
+            if job["shm"] not in handed:
+                _unlink_shared(job["shm"])
 
 
 def _preload():

@@ -105,6 +105,29 @@ def test_decoded_window_equals_frames_of_a_full_decode(tmp_path):
         decode_window(str(path), frames=9, interval=3, height=144, width=240, start=110)
 
 
+def test_closing_the_decode_stream_early_frees_every_block(tmp_path):
+    """A unit that stops early (an encoder error, a kill) closes the stream: the window handed out is
+    the consumer's to release; every other block (queued, finished out of order, or being written
+    by a worker when it was stopped) is gone from /dev/shm."""
+    from reelcache.cache.run import decode_clip, decoded
+    from reelcache.ingest.demo import ClipSpec, write_clip
+
+    jobs = []
+    for i in range(10):
+        write_clip(tmp_path / f"c{i}.mp4", ClipSpec(f"c{i}.mp4", 320, 180, Fraction(30), 2.0))
+        jobs.append(dict(clip_id=f"c{i}", raw_shard=f"c{i}.mp4", raw_offset=0,
+                         file_size=(tmp_path / f"c{i}.mp4").stat().st_size, num_frames=17, interval=1,
+                         height=144, width=256, window_start=0, fps=30.0))
+    stream = decoded(jobs, str(tmp_path), workers=2, timeout=60, memory_mb=None, prefetch=2)
+    job, frames = next(stream)
+    assert np.array_equal(frames.array, decode_clip(job, str(tmp_path)))
+    time.sleep(1.0)                         # the workers run ahead: queued, in the pipe, in flight
+    stream.close()
+    assert [p.name for p in Path("/dev/shm").glob(f"rc{os.getpid()}-*")] == [frames.shm.name.lstrip("/")]
+    frames.release()
+    assert not [p for p in Path("/dev/shm").glob(f"rc{os.getpid()}-*")]
+
+
 # -- the cache end to end ------------------------------------------------------------------
 def write_config(tmp_path, manifest, **over) -> Path:
     vals = {"name": "t", "kind": "ltx", "seed": 0, "clips_per_unit": 6, "text_kind": "t5"} | over
