@@ -111,6 +111,7 @@ class Evaluator:
         self.tag = self.preset if self.weights == "ema" else f"{self.preset}-model"
         self.out = self.run_dir / "eval"
         self._encoders = None
+        self._prompt_text = None
         self._manifest = None
         self._given_up: set[str] = set()
 
@@ -215,9 +216,9 @@ class Evaluator:
             from reelcache.eval.samples import PRESETS, sample
             from reelcache.eval.video import write_mp4
 
-            video_enc, text_enc = self.encoders()
+            video_enc, text = self.encoders()[0], self.prompt_text()
             p = PRESETS[self.preset]
-            videos, frames = sample(model, text_enc, video_enc, self.prompts, p, device=dev, dtype=dtype,
+            videos, frames = sample(model, text, video_enc, p, device=dev, dtype=dtype,
                                     progress=_Progress(f"{ckpt.name} sampling {len(self.prompts)} prompts, "
                                                        f"{p.steps} steps, batches of {p.batch}"))
             result["videos"] = [str(write_mp4(v, d / f"sample_{i}.mp4", fps=p.fps)) for i, v in enumerate(videos)]
@@ -379,6 +380,12 @@ class Evaluator:
             self._encoders = (VideoEncoder(specs["video_encoder"], self.device),
                               TextEncoder(specs["text_encoder"], self.device))
         return self._encoders
+
+    def prompt_text(self) -> list:
+        """The prompts through the cache's text encoder, once for every checkpoint this evaluator sees."""
+        if self._prompt_text is None:
+            self._prompt_text = self.encoders()[1].encode(self.prompts)
+        return self._prompt_text
 
     # -- wandb -----------------------------------------------------------------------------
     def _log_wandb(self, result: dict) -> None:

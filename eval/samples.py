@@ -25,6 +25,7 @@ ours do not, so prompts are used as written.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -65,8 +66,9 @@ def read_prompts(path) -> list[str]:
     return prompts
 
 
+@functools.cache
 def _spatial_factor(encoder) -> int:
-    """Pixels per latent along H and W, measured once on a small input (any VAE, tiny or real)."""
+    """Pixels per latent along H and W, measured once per encoder on a small input (any VAE, tiny or real)."""
     from reelcache.cache.encoders import spatial_multiple, temporal_ratio
 
     m = spatial_multiple(encoder.spec)
@@ -95,21 +97,21 @@ def latent_shape(encoder, channels: int, frames: int, height: int, width: int) -
 
 
 @torch.no_grad()
-def sample(model, text_encoder, video_encoder, prompts: list[str], preset: Preset, *, device, dtype=torch.float32,
+def sample(model, text: list[torch.Tensor], video_encoder, preset: Preset, *, device, dtype=torch.float32,
            progress=None) -> tuple[list[torch.Tensor], int]:
-    """Videos for ``prompts``: a list of uint8 [T, H, W, 3], and the frame count used.
+    """Videos for the prompts whose text-encoder outputs are ``text`` (one [L, D] each, as the
+    cache's TextEncoder.encode returns them): a list of uint8 [T, H, W, 3], and the frame count used.
 
     ``progress(done_steps, total_steps)`` is called after each sampler batch."""
     from reelcache.train.flow import euler_sample
 
     shape, frames, height, width = latent_shape(video_encoder, model.config.in_channels, preset.frames,
                                                 preset.height, preset.width)
-    text = text_encoder.encode(prompts)
     maxlen = model.config.model_max_length
     videos = []
-    batches = math.ceil(len(prompts) / preset.batch)
+    batches = math.ceil(len(text) / preset.batch)
     for k in range(batches):
-        idx = list(range(k * preset.batch, min(len(prompts), (k + 1) * preset.batch)))
+        idx = list(range(k * preset.batch, min(len(text), (k + 1) * preset.batch)))
         lens = [min(text[i].shape[0], maxlen) for i in idx]
         y = torch.zeros((len(idx), max(lens), text[idx[0]].shape[1]))
         mask = torch.zeros((len(idx), max(lens)), dtype=torch.bool)
