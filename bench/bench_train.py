@@ -60,12 +60,11 @@ def online() -> dict:
 
     from reelcache.cache.encoders import TextEncoder, VideoEncoder
     from reelcache.cache.plan import load_cache
-    from reelcache.cache.run import _config, decode_clip
+    from reelcache.cache.run import decode_clip
     from reelcache.catalog.buckets import BucketConfig
     from reelcache.train.trainer import Trainer
 
-    plan, _ = load_cache(ROOT, "tiny")
-    cfg_cache = _config(plan["config"])
+    _, cfg_cache, _ = load_cache(ROOT, "tiny")
     frame_interval = BucketConfig.from_toml(cfg_cache.buckets).frame_interval
     jobs = {r["clip_id"]: r for r in pq.read_table(ROOT / "latents/tiny/_plan/input.parquet").to_pylist()}
     video, text = VideoEncoder(cfg_cache.video_encoder, "cpu"), TextEncoder(cfg_cache.text_encoder, "cpu")

@@ -46,15 +46,18 @@ class CacheConfig:
     extra: dict = field(default_factory=dict)
 
     @classmethod
+    def from_dict(cls, doc: dict, where: str) -> "CacheConfig":
+        """From a config file's table or the plan's recorded ``config`` (``where`` names it in errors)."""
+        try:
+            return cls(**{**doc, "video_encoder": EncoderSpec(**doc["video_encoder"]),
+                          "text_encoder": EncoderSpec(**doc["text_encoder"])})
+        except (KeyError, TypeError) as e:
+            raise UserError(f"{where}: {e}") from e
+
+    @classmethod
     def from_toml(cls, path) -> "CacheConfig":
         with open(path, "rb") as f:
-            doc = tomllib.load(f)
-        try:
-            doc["video_encoder"] = EncoderSpec(**doc["video_encoder"])
-            doc["text_encoder"] = EncoderSpec(**doc["text_encoder"])
-            cfg = cls(**doc)
-        except (KeyError, TypeError) as e:
-            raise UserError(f"{path}: {e}") from e
+            cfg = cls.from_dict(tomllib.load(f), str(path))
         buckets = Path(cfg.buckets)        # relative to the working directory, else to the config file
         if not buckets.is_absolute() and not buckets.exists() and (Path(path).resolve().parent / buckets).exists():
             cfg.buckets = str(Path(path).resolve().parent / buckets)
@@ -90,14 +93,15 @@ def diff(a, b, prefix="") -> list[str]:
     return [] if a == b else [f"{prefix.rstrip('.')}: {json.dumps(a)[:80]} != {json.dumps(b)[:80]}"]
 
 
-def load_cache(root, name: str):
+def load_cache(root, name: str) -> tuple[dict, CacheConfig, dict]:
+    """A planned cache: (its plan.json, the CacheConfig it was planned with, its cache.json identity)."""
     cdir = cache_dir(root, name)
     try:
         plan = json.loads((cdir / "_plan" / "plan.json").read_text())
         ident = json.loads((cdir / "cache.json").read_text())
     except FileNotFoundError:
         raise UserError(f"no cache {name!r} under {root}: run `reelcache cache plan` first") from None
-    return plan, ident
+    return plan, CacheConfig.from_dict(plan["config"], str(cdir / "_plan" / "plan.json")), ident
 
 
 def make_plan(root, cfg: CacheConfig) -> list[str]:

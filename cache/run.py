@@ -183,8 +183,7 @@ def _preload():
 
 def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False) -> dict:
     name, index = parse_unit(unit)
-    plan, ident = load_cache(root, name)
-    cfg = _config(plan["config"])
+    plan, cfg, ident = load_cache(root, name)
     if not 0 <= index < plan["num_units"]:
         raise UserError(f"{unit}: cache {name!r} has units 0..{plan['num_units'] - 1}")
     buckets = BucketConfig.from_toml(cfg.buckets)
@@ -323,11 +322,3 @@ def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, c
     say(projection(cdir, plan["num_clips"]))
     return {"unit": unit, "clips": len(rows), "ok": ok, "seconds": dt}
 
-
-def _config(doc: dict) -> CacheConfig:
-    from reelcache.cache.encoders import EncoderSpec
-
-    doc = dict(doc)
-    doc["video_encoder"] = EncoderSpec(**doc["video_encoder"])
-    doc["text_encoder"] = EncoderSpec(**doc["text_encoder"])
-    return CacheConfig(**doc)

@@ -148,7 +148,7 @@ class Evaluator:
             except ValueError as e:
                 raise UserError(f"--val-manifest {self.val_manifest}: {e}") from e
         if self.prompts:
-            self._cache_ident()
+            self._cache()
 
     def serve(self, poll: float = 60.0, every: int = 1, latest_only: bool = False, exit_idle: float = 0.0) -> None:
         """Evaluate checkpoints as they appear, forever (or until idle for ``exit_idle`` seconds)."""
@@ -300,7 +300,7 @@ class Evaluator:
         except OSError:
             pass
         try:
-            return int(self._cache_ident()[1]["buckets"]["frame_interval"])
+            return int(self._cache()[2]["buckets"]["frame_interval"])
         except (UserError, KeyError):
             say(f"  no bucket config ({cfg.data.buckets}) nor cache identity here: fps conditioning "
                 "assumes frame_interval = 1")
@@ -355,7 +355,7 @@ class Evaluator:
                 return parts[parts.index("latents") + 1]
         raise UserError("cannot tell which latent cache's encoders to use: pass --cache NAME")
 
-    def _cache_ident(self):
+    def _cache(self):
         from reelcache.cache.plan import load_cache
 
         return load_cache(self.root, self._cache_name())
@@ -363,11 +363,11 @@ class Evaluator:
     def encoders(self):
         """(VideoEncoder, TextEncoder) rebuilt from the cache's plan, checked against its cache.json."""
         if self._encoders is None:
-            from reelcache.cache.encoders import EncoderSpec, TextEncoder, VideoEncoder, spec_identity
+            from reelcache.cache.encoders import TextEncoder, VideoEncoder, spec_identity
             from reelcache.cache.plan import diff
 
-            plan, ident = self._cache_ident()
-            specs = {k: EncoderSpec(**plan["config"][k]) for k in ("video_encoder", "text_encoder")}
+            _, cfg, ident = self._cache()
+            specs = {"video_encoder": cfg.video_encoder, "text_encoder": cfg.text_encoder}
             for k, spec in specs.items():
                 mine, theirs = spec_identity(spec), ident[k]
                 if d := diff({**mine, "versions": None}, {**theirs, "versions": None}):
