@@ -25,9 +25,9 @@ ours do not, so prompts are used as written.
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -66,16 +66,19 @@ def read_prompts(path) -> list[str]:
     return prompts
 
 
-@functools.cache
+_FACTORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # encoder -> factor; no model kept alive
+
+
 def _spatial_factor(encoder) -> int:
     """Pixels per latent along H and W, measured once per encoder on a small input (any VAE, tiny or real)."""
     from reelcache.cache.encoders import spatial_multiple, temporal_ratio
 
-    m = spatial_multiple(encoder.spec)
-    t = 1 + temporal_ratio(encoder.spec) if not encoder.opensora else 1
-    x = torch.zeros((1, t, 2 * m, 2 * m, 3), dtype=torch.uint8)
-    h = encoder.encode(x)["mean"].shape[-1]
-    return (2 * m) // h
+    if encoder not in _FACTORS:
+        m = spatial_multiple(encoder.spec)
+        t = 1 + temporal_ratio(encoder.spec) if not encoder.opensora else 1
+        x = torch.zeros((1, t, 2 * m, 2 * m, 3), dtype=torch.uint8)
+        _FACTORS[encoder] = (2 * m) // encoder.encode(x)["mean"].shape[-1]
+    return _FACTORS[encoder]
 
 
 def latent_shape(encoder, channels: int, frames: int, height: int, width: int) -> tuple[tuple, int, int, int]:
