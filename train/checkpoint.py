@@ -6,8 +6,8 @@
       optimizer/   Adam moments: ColossalAI's sharded checkpoint under ZeRO (resharded on load),
                    safetensors by parameter name + JSON hyper-parameters under DDP (absent before
                    the first optimizer step)
-      state.json   step, epoch, loader state, lr-schedule step, data fingerprint, guard window,
-                   wandb run id, world size, library versions
+      state.json   global and optimizer steps, the loader's state (epoch, position, data
+                   fingerprint), guard window, wandb run id, world size, library versions
       config.json  the resolved config that trained it
 
 Every rank writes into ``.tmp-ckpt-<step>``; after a barrier, rank 0 renames it to ``ckpt-<step>``.

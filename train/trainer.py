@@ -355,9 +355,9 @@ class Trainer:
         masters = par.gather_full(par.master_chunks(self.model, self.optimizer), self.shapes)
         ema = par.gather_full(self.ema, self.shapes) if self.ema is not None else None
         model_state = {**self.frozen, **masters} if self.rank0 else None
-        state = {"global_step": self.global_step, "opt_steps": self.opt_steps, "epoch": self.loader.epoch,
-                 "loader": self.loader.state_dict(), "data_fingerprint": self.loader.fingerprint,
-                 "lr_schedule": {"kind": self.cfg.optim.schedule, "step": self.opt_steps},
+        # The epoch and the data fingerprint are the loader's (its state says the next epoch at a boundary);
+        # the learning rate follows from opt_steps and config.json's optim section.
+        state = {"global_step": self.global_step, "opt_steps": self.opt_steps, "loader": self.loader.state_dict(),
                  "guard": self.guard.state_dict(), "wandb_id": self.log.run_id if self.rank0 else None,
                  "run": self.cfg.run.name, "world_size": par.world, "model_preset": self.cfg.model.preset,
                  "init_from": self.loaded_from, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
