@@ -110,15 +110,16 @@ class Parallel:
 
     def sum(self, values: list[float] | torch.Tensor) -> torch.Tensor:
         """Sum over ranks of a small float64 vector (one collective for all of them)."""
-        t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t.cpu()
+        return self._all_reduce(values, dist.ReduceOp.SUM)
 
-    def max(self, values) -> torch.Tensor:
+    def max(self, values: list[float] | torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over ranks of a small float64 vector."""
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, values, op) -> torch.Tensor:
         t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
         if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=op)
         return t.cpu()
 
     def gather_objects(self, obj) -> list:
