@@ -86,18 +86,16 @@ def log_eval(run_dir, tag: str, result: dict, prompts: list[str], mode: str | No
     for i, path in enumerate(result.get("videos", [])):
         data[f"eval/{tag}/video_{i}"] = wandb.Video(path, caption=prompts[i], format="mp4")
 
-    common = dict(console="off", x_disable_stats=True, quiet=True, x_label="eval")
-    if mode == "online":
-        settings = wandb.Settings(mode="shared", x_primary=False, x_update_finish_state=False, **common)
-        kw = {}
-    else:
-        settings = wandb.Settings(mode="offline", **common)
-        kw = {"resume": "allow"}
+    from reelcache.train.runlog import wandb_settings
+
+    offline = mode != "online"
+    if offline:
         wait = _last_init + 1.0 - time.time()          # offline-run-<second>-<id>: one folder per init
         if wait > 0:
             time.sleep(wait)
     _last_init = time.time()
-    run = wandb.init(project=info["project"], id=info["id"], dir=str(run_dir), settings=settings, **kw)
+    run = wandb.init(project=info["project"], id=info["id"], dir=str(run_dir), resume="allow" if offline else None,
+                     settings=wandb_settings(mode, label="eval", primary=False))
     try:
         run.define_metric("eval/global_step")
         run.define_metric("eval/*", step_metric="eval/global_step")

@@ -33,6 +33,22 @@ from pathlib import Path
 from reelcache.progress import fmt_eta, say
 
 
+def wandb_settings(mode: str, *, label: str, primary: bool):
+    """wandb.Settings for one writer of a run (the trainer, or an evaluator beside it), quiet.
+
+    Online, the run is wandb's multi-writer "shared" mode, so `reelcache eval serve` logs into the
+    training run while it trains: training is the primary writer (it owns the run's metadata,
+    files and finish state); a secondary writer leaves those alone. Offline, each writer writes
+    its own offline run with the run's id (see eval/runlog.py)."""
+    import wandb
+
+    common = dict(console="off", x_disable_stats=True, quiet=True, x_label=label)
+    if mode == "online":
+        secondary = {} if primary else {"x_update_finish_state": False}
+        return wandb.Settings(mode="shared", x_primary=primary, **secondary, **common)
+    return wandb.Settings(mode=mode, **common)
+
+
 class RunLog:
     def __init__(self, run_dir, *, enabled: bool, project: str, mode: str, name: str, config: dict,
                  run_id: str | None, generation: int, total_steps: int):
@@ -49,12 +65,9 @@ class RunLog:
             import wandb
 
             self.run_id = run_id or uuid.uuid4().hex[:12]
-            # Online, the run is wandb's multi-writer "shared" mode with training as the primary
-            # writer, so `reelcache eval serve` can log into the same run while it trains.
-            extra = dict(mode="shared", x_primary=True, x_label="train") if mode == "online" else {}
             self.wandb = wandb.init(project=project, name=name, id=self.run_id, resume="allow",
-                                    mode=None if extra else mode, dir=str(self.run_dir), config=config,
-                                    settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True, **extra))
+                                    dir=str(self.run_dir), config=config,
+                                    settings=wandb_settings(mode, label="train", primary=True))
             self.wandb.define_metric("global_step")
             for prefix in ("train/*", "buckets/*"):
                 self.wandb.define_metric(prefix, step_metric="global_step")
