@@ -58,9 +58,7 @@ class CacheConfig:
     def from_toml(cls, path) -> "CacheConfig":
         with open(path, "rb") as f:
             cfg = cls.from_dict(tomllib.load(f), str(path))
-        buckets = Path(cfg.buckets)        # relative to the working directory, else to the config file
-        if not buckets.is_absolute() and not buckets.exists() and (Path(path).resolve().parent / buckets).exists():
-            cfg.buckets = str(Path(path).resolve().parent / buckets)
+        cfg.buckets = BucketConfig.path_from(path, cfg.buckets)
         if cfg.store not in ("posterior", "sample"):
             raise UserError(f"{path}: store must be 'posterior' or 'sample'")
         return cfg

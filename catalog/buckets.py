@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 # Pixel budgets (DATASETS.md): the 16:9 (or square) size of each resolution.
 RESOLUTIONS = {"144p": 36_864, "240p": 102_240, "360p": 230_400, "480p": 409_920, "720p": 921_600,
@@ -95,6 +96,16 @@ class BucketConfig:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
         return cls.from_dict(doc["buckets"], doc.get("frame_interval", 1), doc.get("default_batch_size"))
+
+    @staticmethod
+    def path_from(config_file, value: str) -> str:
+        """A stage config's ``buckets = "..."``: relative to the working directory, else to that
+        config file's folder (so configs/cache/x.toml may say "../buckets/y.toml")."""
+        p = Path(value)
+        beside = Path(config_file).resolve().parent / p
+        if value and not p.is_absolute() and not p.exists() and beside.exists():
+            return str(beside)
+        return value
 
     def key(self) -> str:
         return repr((self.table, self.frame_interval, self.default_batch_size))

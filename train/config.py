@@ -210,10 +210,9 @@ def load_config(path, overrides: list[str] = ()) -> TrainConfig:
     cfg = _build(TrainConfig, doc, path.name)
     if not cfg.run.name:
         cfg.run.name = path.stem
-    buckets = Path(cfg.data.buckets)            # relative to the working directory, else to the config file
-    if cfg.data.buckets and not buckets.is_absolute() and not buckets.exists() \
-            and (path.resolve().parent / buckets).exists():
-        cfg.data.buckets = str(path.resolve().parent / buckets)
+    from reelcache.catalog.buckets import BucketConfig
+
+    cfg.data.buckets = BucketConfig.path_from(path, cfg.data.buckets)
     return cfg.validate()
 
 
