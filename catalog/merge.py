@@ -59,14 +59,11 @@ def _merge_stage(con, root: Path, stage: str, sidecars: dict[str, Path], pbar) -
     if missing := sorted({u.split("/")[0] for u in gone} - {u.split("/")[0] for u in vanished}):
         say(f"warning: {', '.join(f'{STAGES[stage][0]}/{m}' for m in missing)} not found (not mounted?): "
             "its rows stay in the catalog; to drop a removed source, delete catalog.duckdb and merge again")
-    if vanished:                                              # the catalog mirrors the sidecars on disk
-        con.execute(f"DELETE FROM {table} WHERE unit IN (SELECT unnest(?))", [vanished])
-        con.execute("DELETE FROM units WHERE stage = ? AND unit IN (SELECT unnest(?))", [stage, vanished])
+    # The catalog mirrors the sidecars on disk: vanished units lose their rows, re-run units replace them.
+    if drop := vanished + [u for u, _ in items if u in known]:
+        con.execute(f"DELETE FROM {table} WHERE unit IN (SELECT unnest(?))", [drop])
+        con.execute("DELETE FROM units WHERE stage = ? AND unit IN (SELECT unnest(?))", [stage, drop])
     if items:
-        rerun = [u for u, _ in items if u in known]           # re-run units replace their rows
-        if rerun:
-            con.execute(f"DELETE FROM {table} WHERE unit IN (SELECT unnest(?))", [rerun])
-            con.execute("DELETE FROM units WHERE stage = ? AND unit IN (SELECT unnest(?))", [stage, rerun])
         batch = 512  # sidecars per INSERT: few statements (fast), bounded file lists, visible progress
         for i in range(0, len(items), batch):
             chunk = items[i:i + batch]
@@ -90,15 +87,15 @@ def merge(root: str | Path) -> dict:
     t0 = time.monotonic()
     sidecars = {stage: find_sidecars(root, stage) for stage in STAGES}
     con = open_catalog(root, write=True)
-    merged, vanished, orphans, gone_ingest = {}, [], [], []
+    merged, removed, orphans = {}, {}, []
     try:
         con.execute("BEGIN TRANSACTION")
         with bar(sum(map(len, sidecars.values())), "merging units", "unit") as pbar:
             for stage in STAGES:
-                n, gone, orph = _merge_stage(con, root, stage, sidecars[stage], pbar)
-                merged[stage], vanished, orphans = n, vanished + gone, orphans + orph
-                gone_ingest = gone if stage == "ingest" else gone_ingest
-        if merged["ingest"] or gone_ingest:
+                merged[stage], removed[stage], orph = _merge_stage(con, root, stage, sidecars[stage], pbar)
+                orphans += orph
+        vanished = [u for stage in STAGES for u in removed[stage]]
+        if merged["ingest"] or removed["ingest"]:
             dup = con.execute("SELECT clip_id, count(*) FROM clips GROUP BY 1 HAVING count(*) > 1 LIMIT 3").fetchall()
             if dup:
                 raise UserError(f"clip ids appear twice in the catalog, e.g. {dup}: two sources share a --name? "
