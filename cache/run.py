@@ -293,6 +293,16 @@ def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, c
             for b in list(pending):
                 flush(b)
         writer.close()
+
+        schema = pa.schema([("clip_id", pa.string()), ("cache", pa.string()), ("unit", pa.string()),
+                            ("status", pa.string()), ("reject_reason", pa.string()), ("reject_detail", pa.string()),
+                            ("bucket", pa.string()), ("num_frames", pa.int32()), ("height", pa.int32()),
+                            ("width", pa.int32()), ("window_start", pa.int64()), ("shape", pa.list_(pa.int32())),
+                            ("text_len", pa.int32()), ("shard", pa.string()), ("shard_offset", pa.int64())])
+        table = pa.Table.from_pylist(list(out.values()), schema=schema).replace_schema_metadata(
+            {"encode_seconds": str(stats["encode_s"]), "encoded_clips": str(stats["clips"])})
+        with atomic_path(sidecar) as tmp:      # last: the unit is now visible as finished
+            pq.write_table(table, tmp)
     except BaseException:
         writer.abort()           # no sidecar will name its shards: remove them
         raise
@@ -301,20 +311,6 @@ def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, c
         for batch in pending.values():
             for _, frames in batch:
                 frames.release()
-
-    schema = pa.schema([("clip_id", pa.string()), ("cache", pa.string()), ("unit", pa.string()),
-                        ("status", pa.string()), ("reject_reason", pa.string()), ("reject_detail", pa.string()),
-                        ("bucket", pa.string()), ("num_frames", pa.int32()), ("height", pa.int32()),
-                        ("width", pa.int32()), ("window_start", pa.int64()), ("shape", pa.list_(pa.int32())),
-                        ("text_len", pa.int32()), ("shard", pa.string()), ("shard_offset", pa.int64())])
-    table = pa.Table.from_pylist(list(out.values()), schema=schema).replace_schema_metadata(
-        {"encode_seconds": str(stats["encode_s"]), "encoded_clips": str(stats["clips"])})
-    try:
-        with atomic_path(sidecar) as tmp:      # last: the unit is now visible as finished
-            pq.write_table(table, tmp)
-    except BaseException:
-        writer.abort()
-        raise
     dt = time.monotonic() - t0
     ok = stats["clips"]
     say(f"{unit}: {len(rows)} clips, {ok} encoded, {len(rows) - ok} rejected; {stats['frames'] / dt:.0f} frames/s, "

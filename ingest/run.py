@@ -120,18 +120,14 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, sidecar: Path) -> d
                     if r["status"] == "ok":
                         nbytes += r["file_size"]
         writer.close()
-    except BaseException:
-        writer.abort()
-        raise
 
-    ok = [r for r in rows if r["status"] == "ok"]
-    if ok:
-        for r, n in zip(ok, count_nouns([r["text"] for r in ok], cfg.tagger)):
-            r["noun_count"], r["noun_tagger"] = n, tagger_name(cfg.tagger)
-    for r in rows:
-        r.pop("row_error", None), r.pop("duplicate_of", None)
-    table = clips_table(rows)
-    try:
+        ok = [r for r in rows if r["status"] == "ok"]
+        if ok:
+            for r, n in zip(ok, count_nouns([r["text"] for r in ok], cfg.tagger)):
+                r["noun_count"], r["noun_tagger"] = n, tagger_name(cfg.tagger)
+        for r in rows:
+            r.pop("row_error", None), r.pop("duplicate_of", None)
+        table = clips_table(rows)
         with atomic_path(sidecar) as tmp:     # last: the unit is now visible as finished
             pq.write_table(table, tmp, compression="zstd")
     except BaseException:
