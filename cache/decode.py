@@ -99,34 +99,46 @@ def decode_window(source, *, frames: int, interval: int, height: int, width: int
     wanted = [start + i * interval for i in range(frames)]
     if out is None:
         out = np.empty((frames, height, width, 3), dtype=np.uint8)
-    container = av.open(source, metadata_errors="ignore")
+    container, vs = _open(source)
     try:
-        vs = container.streams.video[0]
-        vs.thread_type = "AUTO"
         rate = float(vs.average_rate or vs.guessed_rate or fps or 25)
         if start / rate > 1.0 and _constant_rate(vs):
             back = 1.0
             while start / rate - back > 0.0:
+                container.seek((vs.start_time or 0) + int((start / rate - back) / vs.time_base), stream=vs,
+                               backward=True)
                 try:
-                    got = _fill(container.decode(vs), out, wanted, height, width, _sar(vs), _pts_index(vs, rate),
-                                seek=(container, vs, start / rate - back))
+                    got = _fill(container.decode(vs), out, wanted, height, width, _sar(vs), _pts_index(vs, rate))
                 except _Fallback:
                     break
                 if got is not None:
                     _complete(got, frames, start)
                     return out
                 back *= 4                   # landed past the window's first frame: seek further back
-        container.close()
-        if hasattr(source, "seek"):
-            source.seek(0)
-        container = av.open(source, metadata_errors="ignore")
-        vs = container.streams.video[0]
-        vs.thread_type = "AUTO"
+            container.close()               # the seeks failed: count frames from the start, freshly opened
+            if hasattr(source, "seek"):
+                source.seek(0)
+            container, vs = _open(source)
         got = _fill(container.decode(vs), out, wanted, height, width, _sar(vs), None)
         _complete(got, frames, start)
         return out
     finally:
         container.close()
+
+
+def _open(source):
+    """(container, its video stream as ingest probed it) with threaded decoding."""
+    import av
+
+    from reelcache.media import video_stream
+
+    container = av.open(source, metadata_errors="ignore")
+    vs = video_stream(container)
+    if vs is None:
+        container.close()
+        raise ValueError("no video stream (only attached pictures or none)")
+    vs.thread_type = "AUTO"
+    return container, vs
 
 
 def _constant_rate(vs) -> bool:
@@ -148,19 +160,14 @@ def _pts_index(vs, rate: float):
 
 
 def _sar(vs) -> float:
-    """Sample aspect ratio (the container's, else the codec's; 1 when unset)."""
-    for sar in (vs.sample_aspect_ratio, vs.codec_context.sample_aspect_ratio):
-        if sar and float(sar) > 0:
-            return float(sar)
-    return 1.0
+    from reelcache.media import sample_aspect_ratio
+
+    return float(sample_aspect_ratio(vs))
 
 
-def _fill(frames_iter, out, wanted, height, width, sar, index, seek=None):
+def _fill(frames_iter, out, wanted, height, width, sar, index):
     """Decode into out[k] the frames whose index is wanted[k]; return how many were filled, or
     None when a seek landed past wanted[0]. `index` maps a frame to its index (None: count)."""
-    if seek is not None:
-        container, vs, t = seek
-        container.seek((vs.start_time or 0) + int(t / vs.time_base), stream=vs, backward=True)
     got, k, prev, geometry = 0, 0, None, None
     for frame in frames_iter:
         idx = k if index is None else index(frame)

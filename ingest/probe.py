@@ -27,6 +27,7 @@ import os
 from fractions import Fraction
 
 from reelcache.ingest.filters import Reason, Rejected
+from reelcache.media import sample_aspect_ratio, video_stream
 
 # Containers whose sample table gives an exact frame count without reading packets.
 INDEXED_FORMATS = ("mov", "mp4")
@@ -39,14 +40,6 @@ def _bit_depth(pix_fmt: str | None) -> int | None:
         return max(c.bits for c in av.VideoFormat(pix_fmt).components)
     except Exception:
         return None
-
-
-def _sar(stream) -> Fraction:
-    """Sample aspect ratio as ffprobe guesses it: the container's, else the bitstream's, else 1."""
-    for sar in (stream.sample_aspect_ratio, stream.codec_context.sample_aspect_ratio):
-        if sar and sar > 0:
-            return Fraction(sar)
-    return Fraction(1)
 
 
 def _frame_rate(stream) -> Fraction | None:
@@ -125,12 +118,11 @@ def probe(path: str, *, max_file_mb: float | None = None, verify: str = "header"
 def _probe_open(container, path: str, size: int, verify: str) -> dict:
     import av
 
-    videos = [s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic]
-    if not videos:
+    vs = video_stream(container)
+    if vs is None:
         kinds = sorted({s.type if s.type != "video" else "video (attached picture)"
                         for s in container.streams}) or ["none"]
         raise Rejected(Reason.no_video_stream, f"streams: {', '.join(kinds)}")
-    vs = videos[0]
     cc = vs.codec_context
     if cc is None or not cc.name:
         raise Rejected(Reason.undecodable, f"no decoder for this video stream ({container.format.name})")
@@ -195,7 +187,7 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
 
     rotation = int(first.rotation or 0) % 360
     cw, ch = cc.width or first.width, cc.height or first.height
-    sar = _sar(vs)
+    sar = sample_aspect_ratio(vs)
     dw = max(1, round(cw * sar))                       # displayed, before rotation: stretch the width
     w, h = (ch, dw) if rotation in (90, 270) else (dw, ch)
     duration = header_duration if header_duration else (float(num_frames / rate) if rate else None)

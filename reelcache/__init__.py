@@ -2,7 +2,8 @@
 
 Stages live in their own top-level folders and are imported as ``reelcache.ingest``,
 ``reelcache.catalog``, ``reelcache.cache`` and ``reelcache.train``. This root package
-holds only what every stage shares: the CLI, errors and progress reporting.
+holds only what every stage shares: the CLI, errors, progress reporting, isolated workers
+and how a video container is read (``media``).
 """
 
 __version__ = "0.1.0"
