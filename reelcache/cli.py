@@ -37,18 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_command(fn) -> int:
-    """Run a command: a UserError is a message and exit status 2, never a traceback."""
+    """Run a command: its exit status is what it returns (None: 0); a UserError is a message and
+    exit status 2, never a traceback."""
     import warnings
 
     warnings.formatwarning = lambda msg, category, *a, **k: f"warning: {msg}\n"
     try:
-        fn()
+        return fn() or 0
     except UserError as e:
         print(f"reelcache: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

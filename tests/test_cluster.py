@@ -257,6 +257,19 @@ exec "$SHELL" -c "$*"
 """
 
 
+def test_a_node_that_never_answers_costs_its_timeout_not_more(tmp_path):
+    """An ssh that hangs (a dead node behind a live jump host) holds parallel's pipes: the node is
+    reported unreachable after --timeout, with parallel and its ssh killed together."""
+    ssh = tmp_path / "ssh"
+    ssh.write_text("#!/bin/bash\nsleep 60\n")
+    ssh.chmod(0o755)
+    (tmp_path / "nodes").write_text("node-hung\n")
+    t0 = time.monotonic()
+    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--timeout", 2, env={**os.environ, "PARALLEL_SSH": str(ssh)})
+    assert time.monotonic() - t0 < 30, "the command waited for the hung ssh"
+    assert p.returncode == 1 and "no answer within 2 s" in p.stdout, p.stdout + p.stderr
+
+
 def test_remote_nodes_go_through_ssh(tmp_path):
     ssh = tmp_path / "ssh"
     ssh.write_text(FAKE_SSH)

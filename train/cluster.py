@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -80,10 +82,10 @@ def _result(stdout: str):
 def run_agents(jobs: dict[str, dict], python: str, timeout: float) -> dict[str, tuple]:
     """Run the agent with each login's request through ``parallel --nonall -S LOGIN``, all at once.
     Returns login -> (result or None, error text)."""
-    try:
+    try:       # a session of its own: on a timeout, parallel and its ssh (which holds the pipes) die together
         procs = {login: subprocess.Popen(["parallel", "--nonall", "-S", login, agent_shell(req, python)],
                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True) for login, req in jobs.items()}
+                                         text=True, start_new_session=True) for login, req in jobs.items()}
     except FileNotFoundError:
         raise UserError("GNU parallel is not installed here (apt-get install parallel)") from None
     out = {}
@@ -92,7 +94,10 @@ def run_agents(jobs: dict[str, dict], python: str, timeout: float) -> dict[str, 
         try:
             so, se = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            p.kill()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             so, se = p.communicate()
             out[login] = (None, f"no answer within {timeout:.0f} s")
             return
@@ -225,7 +230,7 @@ def add_commands(top) -> None:
     g.add_argument("--expect-idle", action="store_true", help="exit 1 if any GPU process runs (stale jobs)")
     g.add_argument("--reads", type=int, default=5, help="power reads to average (5)")
     common(g)
-    g.set_defaults(fn=lambda a: _exit(cmd_gpus(a)))
+    g.set_defaults(fn=cmd_gpus)
     c = sub.add_parser("clocks", help="offset vs this node, sync daemon state, a clock that went back",
                        epilog=EXAMPLES, formatter_class=fmt)
     c.add_argument("--hostfile", required=True)
@@ -234,7 +239,7 @@ def add_commands(top) -> None:
     c.add_argument("--samples", type=int, default=16, help="round trips per node; the shortest counts (16)")
     c.add_argument("--reads", type=int, default=200_000, help="tight-loop clock reads per node (200000)")
     common(c)
-    c.set_defaults(fn=lambda a: _exit(_clocks().cmd_clocks(a)))
+    c.set_defaults(fn=lambda a: _clocks().cmd_clocks(a))
     d = sub.add_parser("dump", help="py-spy dump of every recorded rank of a run into RUN/dumps/<time>/",
                        epilog=EXAMPLES, formatter_class=fmt)
     d.add_argument("--run", required=True, help="the run directory, e.g. ROOT/runs/stage1")
@@ -245,14 +250,14 @@ def add_commands(top) -> None:
     d.add_argument("--python", default=sys.executable, help="Python on the nodes that runs the agent")
     d.add_argument("--hostfile", help="sshloginfile whose lines say how to reach the recorded hosts "
                                       "(user@host, ssh -p ...); default: ssh to the recorded host name")
-    d.set_defaults(fn=lambda a: _exit(_procs().cmd_dump(a)))
+    d.set_defaults(fn=lambda a: _procs().cmd_dump(a))
     s = sub.add_parser("stop", help="SIGTERM, then SIGKILL after --grace, to exactly a run's recorded pids",
                        epilog=EXAMPLES, formatter_class=fmt)
     s.add_argument("--run", required=True)
     s.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL (30)")
     s.add_argument("--python", default=sys.executable, help="Python on the nodes that runs the agent")
     s.add_argument("--hostfile", help="sshloginfile whose lines say how to reach the recorded hosts")
-    s.set_defaults(fn=lambda a: _exit(_procs().cmd_stop(a)))
+    s.set_defaults(fn=lambda a: _procs().cmd_stop(a))
 
 
 def _clocks():
@@ -265,8 +270,3 @@ def _procs():
     from reelcache.train import cluster_procs
 
     return cluster_procs
-
-
-def _exit(code: int) -> None:
-    if code:
-        raise SystemExit(code)

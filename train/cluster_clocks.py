@@ -29,6 +29,7 @@ import socket
 import subprocess
 import time
 
+from reelcache import UserError
 from reelcache.train.cluster import _result, agent_code, agent_shell, node_name, read_hostfile
 
 
@@ -164,6 +165,8 @@ def clock_check(logins: list[str], python: str, samples: int = 16, reads: int = 
 
 
 def cmd_clocks(a) -> int:
+    if a.samples < 1:
+        raise UserError("--samples must be >= 1 (round trips a node; the shortest counts)")
     logins = read_hostfile(a.hostfile)
     print(f"clocks vs {socket.gethostname()} (offset > 0: the node is ahead); {a.samples} round trips a node, "
           f"the shortest kept; {a.reads} reads for steps back")

@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.train.cluster import run_agents
+from reelcache.train.cluster import read_hostfile, run_agents
 
 FIELDS = ("rank", "pid", "proc_start", "boot_id", "stacks")
 
@@ -57,8 +57,6 @@ def by_login(recs: list[dict], logins: list[str] = ()) -> dict[str, list[dict]]:
 
 
 def _logins(a) -> list[str]:
-    from reelcache.train.cluster import read_hostfile
-
     return read_hostfile(a.hostfile) if a.hostfile else []
 
 
