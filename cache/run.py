@@ -129,20 +129,12 @@ def decoded(jobs: list[dict], root: str, *, workers: int, timeout: float, memory
                     except queue.Full:
                         continue
                 if stop.is_set():
-                    _free(item)
                     break
         except BaseException as e:      # noqa: BLE001 - handed to the consumer, which re-raises it
             q.put(("feeder", e))
         finally:
             gen.close()
             q.put(END)
-
-    def _free(item):
-        job, res = item
-        if isinstance(res, tuple):
-            _unlink_shared(res[0])
-        elif isinstance(res, Failed):       # a worker killed mid-clip may have left its block
-            _unlink_shared(job["shm"])
 
     t = threading.Thread(target=feed, name="cache-decode-feeder", daemon=True)
     t.start()
@@ -160,17 +152,15 @@ def decoded(jobs: list[dict], root: str, *, workers: int, timeout: float, memory
             yield job, res
     finally:
         stop.set()
-        while t.is_alive() or not q.empty():
+        while t.is_alive() or not q.empty():    # drained, so the feeder's last put returns
             try:
-                item = q.get(timeout=0.1)
+                q.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if item is not END and item[0] != "feeder":
-                _free(item)
         t.join()
-        # The workers are gone now. A block they wrote whose name never reached us (a result still in
-        # the pipe, one finished out of order, one being written when the worker was stopped) has only
-        # its name left: a shared-memory block outlives its process, so remove each one not handed out.
+        # The workers are gone now. A block they wrote that was not handed out (queued here, still in
+        # the pipe, finished out of order, being written when its worker was stopped or killed) has
+        # only its name left: a shared-memory block outlives its process, so remove each such name.
         for job in jobs:
             if job["shm"] not in handed:
                 _unlink_shared(job["shm"])
