@@ -66,10 +66,15 @@ def _evaluator(a, max_attempts: int = 3):
     from reelcache.eval.evaluate import Evaluator
     from reelcache.eval.samples import read_prompts
 
+    from reelcache import UserError
+
+    try:
+        prompts = read_prompts(a.prompts) if a.prompts else []
+    except (OSError, ValueError) as e:
+        raise UserError(f"--prompts: {e}") from None
     device = a.device or default_device()
     dtype = a.dtype or ("bf16" if device.startswith("cuda") else "fp32")
-    return Evaluator(root=a.root, run_dir=a.run, preset=a.preset,
-                     prompts=read_prompts(a.prompts) if a.prompts else [], val_manifest=a.val_manifest,
+    return Evaluator(root=a.root, run_dir=a.run, preset=a.preset, prompts=prompts, val_manifest=a.val_manifest,
                      weights=a.weights, device=device, dtype=dtype,
                      cache=a.cache, val_batch=a.val_batch, val_max_clips=a.val_max_clips, wandb_mode=a.wandb_mode,
                      max_attempts=max_attempts)
@@ -81,28 +86,19 @@ def _serve(a) -> None:
     if a.every < 1:
         raise UserError("--every must be >= 1")
     ev = _evaluator(a, a.max_attempts)
-    if not ev.prompts and not ev.val_manifest:
-        raise UserError("nothing to evaluate: give --prompts and/or --val-manifest")
     ev.serve(poll=a.poll, every=a.every, latest_only=a.latest_only, exit_idle=a.exit_idle)
 
 
 def _once(a) -> None:
-    from pathlib import Path
-
     from reelcache import UserError
     from reelcache.train.checkpoint import list_checkpoints
 
     ev = _evaluator(a)
-    if not ev.prompts and not ev.val_manifest:
-        raise UserError("nothing to evaluate: give --prompts and/or --val-manifest")
     ev.check()
-    if a.checkpoint == "latest":
+    ckpt = a.checkpoint                        # a path, or ckpt-<step> of the run (evaluate finds it)
+    if ckpt == "latest":
         found = list_checkpoints(ev.run_dir)
         if not found:
             raise UserError(f"no complete checkpoint in {ev.run_dir}")
         ckpt = found[-1]
-    else:
-        ckpt = Path(a.checkpoint)
-        if not ckpt.exists():
-            ckpt = ev.run_dir / a.checkpoint
     ev.evaluate(ckpt)

@@ -112,7 +112,7 @@ class Evaluator:
         self.out = self.run_dir / "eval"
         self._encoders = None
         self._prompt_text = None
-        self._manifest = None
+        self._manifest = self._manifest_fp = self._cache_doc = None
         self._given_up: set[str] = set()
 
     # -- what to do ------------------------------------------------------------------------
@@ -140,6 +140,8 @@ class Evaluator:
 
     def check(self) -> None:
         """Settings errors stop the command before any checkpoint (they would fail every one of them)."""
+        if not self.prompts and not self.val_manifest:
+            raise UserError("nothing to evaluate: give --prompts and/or --val-manifest")
         if self.val_manifest:
             from reelcache.train.loader import load_source
 
@@ -269,14 +271,21 @@ class Evaluator:
                 raise UserError(f"--val-manifest: {e}") from e
         return self._manifest
 
+    def manifest_fingerprint(self) -> str:
+        """The val manifest's fingerprint, read once (its file name carries it: it cannot change)."""
+        if self._manifest_fp is None:
+            from reelcache.catalog.manifest import read_manifest
+
+            self._manifest_fp = read_manifest(self.manifest())[1]
+        return self._manifest_fp
+
     def _val_loss(self, ckpt: Path, model, step: int, used: str) -> dict:
         import torch
 
-        from reelcache.catalog.manifest import read_manifest
         from reelcache.eval.valloss import validation_loss
 
         path = self.out / ckpt.name / ("val_loss.json" if used == "ema" else f"val_loss-{used}.json")
-        _, fp = read_manifest(self.manifest())
+        fp = self.manifest_fingerprint()
         if path.exists():
             doc = json.loads(path.read_text())
             if doc.get("manifest_fingerprint") == fp and doc.get("max_clips") == self.val_max_clips:
@@ -356,9 +365,12 @@ class Evaluator:
         raise UserError("cannot tell which latent cache's encoders to use: pass --cache NAME")
 
     def _cache(self):
-        from reelcache.cache.plan import load_cache
+        """(plan, CacheConfig, identity) of the cache whose encoders this evaluator uses, read once."""
+        if self._cache_doc is None:
+            from reelcache.cache.plan import load_cache
 
-        return load_cache(self.root, self._cache_name())
+            self._cache_doc = load_cache(self.root, self._cache_name())
+        return self._cache_doc
 
     def encoders(self):
         """(VideoEncoder, TextEncoder) rebuilt from the cache's plan, checked against its cache.json."""
