@@ -55,12 +55,14 @@ def cached() -> dict:
 
 def online() -> dict:
     """Open-Sora's data path in front of the same trainer step."""
+    import numpy as np
     import pyarrow.parquet as pq
     import torch
 
     from reelcache.cache.encoders import TextEncoder, VideoEncoder
     from reelcache.cache.plan import load_cache
     from reelcache.cache.run import decode_clip
+    from reelcache.train.loader import pad_text
     from reelcache.catalog.buckets import BucketConfig
     from reelcache.train.trainer import Trainer
 
@@ -81,15 +83,11 @@ def online() -> dict:
             t0 = time.monotonic()
             frames = [decode_clip(dict(jobs[c], interval=frame_interval), str(ROOT)) for c in batch["clip_id"]]
             t1 = time.monotonic()
-            lat = video.encode(torch.as_tensor(__import__("numpy").stack(frames)))
+            lat = video.encode(torch.as_tensor(np.stack(frames)))
             caps = text.encode([jobs[c]["text"] or "" for c in batch["clip_id"]])
             eps = torch.randn(lat["mean"].shape)
             x = (lat["mean"].float() + torch.exp(0.5 * lat["logvar"].float()) * eps)
-            lens = [c.shape[0] for c in caps]
-            y = torch.zeros(len(caps), max(lens), caps[0].shape[1])
-            mask = torch.zeros(len(caps), max(lens), dtype=torch.bool)
-            for i, c in enumerate(caps):
-                y[i, :lens[i]], mask[i, :lens[i]] = c.float(), True
+            y, mask, _ = pad_text(caps)
             t2 = time.monotonic()
             out = tr.step({**batch, "x": x, "text": y, "text_mask": mask,
                            "fps": torch.tensor([float(jobs[c]["fps"] or 24) for c in batch["clip_id"]])})

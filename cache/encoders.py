@@ -23,6 +23,8 @@ is reused only when it matches.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 import os
@@ -187,6 +189,16 @@ class VideoEncoder:
 
     def identity(self) -> dict:
         return spec_identity(self.spec)
+
+    @functools.cached_property
+    def spatial_factor(self) -> int:
+        """Pixels per latent along H and W, measured once on a small input (any VAE, tiny or real)."""
+        import torch
+
+        m = spatial_multiple(self.spec)
+        t = 1 + temporal_ratio(self.spec) if not self.opensora else 1
+        x = torch.zeros((1, t, 2 * m, 2 * m, 3), dtype=torch.uint8)
+        return (2 * m) // self.encode(x)["mean"].shape[-1]
 
     def encode(self, frames) -> dict:
         """uint8 [B, T, H, W, 3] -> {'mean', 'logvar'}: [B, C, t, h, w], normalized, on CPU in bf16."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import sys
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -66,28 +65,13 @@ def read_prompts(path) -> list[str]:
     return prompts
 
 
-_FACTORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # encoder -> factor; no model kept alive
-
-
-def _spatial_factor(encoder) -> int:
-    """Pixels per latent along H and W, measured once per encoder on a small input (any VAE, tiny or real)."""
-    from reelcache.cache.encoders import spatial_multiple, temporal_ratio
-
-    if encoder not in _FACTORS:
-        m = spatial_multiple(encoder.spec)
-        t = 1 + temporal_ratio(encoder.spec) if not encoder.opensora else 1
-        x = torch.zeros((1, t, 2 * m, 2 * m, 3), dtype=torch.uint8)
-        _FACTORS[encoder] = (2 * m) // encoder.encode(x)["mean"].shape[-1]
-    return _FACTORS[encoder]
-
-
 def latent_shape(encoder, channels: int, frames: int, height: int, width: int) -> tuple[tuple, int, int, int]:
     """((C, t, h, w), pixel frames, pixel height, pixel width) the VAE actually produces/decodes."""
     from reelcache.cache.encoders import spatial_multiple, temporal_ratio
 
     m = spatial_multiple(encoder.spec)
     height, width = height - height % m, width - width % m
-    f = _spatial_factor(encoder)
+    f = encoder.spatial_factor
     if encoder.opensora:
         from reelcache.cache.opensora_vae import latent_frames
 
@@ -107,6 +91,7 @@ def sample(model, text: list[torch.Tensor], video_encoder, preset: Preset, *, de
 
     ``progress(done_steps, total_steps)`` is called after each sampler batch."""
     from reelcache.train.flow import euler_sample
+    from reelcache.train.loader import pad_text
 
     shape, frames, height, width = latent_shape(video_encoder, model.config.in_channels, preset.frames,
                                                 preset.height, preset.width)
@@ -115,12 +100,7 @@ def sample(model, text: list[torch.Tensor], video_encoder, preset: Preset, *, de
     batches = math.ceil(len(text) / preset.batch)
     for k in range(batches):
         idx = list(range(k * preset.batch, min(len(text), (k + 1) * preset.batch)))
-        lens = [min(text[i].shape[0], maxlen) for i in idx]
-        y = torch.zeros((len(idx), max(lens), text[idx[0]].shape[1]))
-        mask = torch.zeros((len(idx), max(lens)), dtype=torch.bool)
-        for j, i in enumerate(idx):
-            y[j, :lens[j]] = text[i][:lens[j]].float()
-            mask[j, :lens[j]] = True
+        y, mask, _ = pad_text([text[i][:maxlen] for i in idx])
         z = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(preset.seed + i)) for i in idx])
         b = len(idx)
         out = euler_sample(model, z.to(device), y.to(device, dtype), mask.to(device), height=[height] * b,

@@ -35,7 +35,9 @@ TIMESTEPS = 10
 
 
 def eval_timesteps(k: int = TIMESTEPS) -> list[float]:
-    return [(i + 0.5) * 1000.0 / k for i in range(k)]
+    from reelcache.train.flow import NUM_TIMESTEPS
+
+    return [(i + 0.5) * float(NUM_TIMESTEPS) / k for i in range(k)]
 
 
 def _latent(sample: dict) -> torch.Tensor:
@@ -50,7 +52,7 @@ def validation_loss(model, manifest, root, *, device, dtype=torch.float32, frame
 
     ``progress(done, total)`` is called after each batch."""
     from reelcache.train.flow import training_losses
-    from reelcache.train.loader import load_source, read_sample, shard_path
+    from reelcache.train.loader import load_source, pad_text, read_sample, shard_path
     from reelcache.train.trainer import bucket_geometry, stable_seed
 
     src = load_source(manifest)
@@ -73,12 +75,7 @@ def validation_loss(model, manifest, root, *, device, dtype=torch.float32, frame
             for i in part:
                 samples.append(read_sample(shard_path(root, str(src.shard[i])), int(src.offset[i])))
             x0 = torch.stack([_latent(smp) for smp in samples]).to(device)
-            lens = [smp["text"].shape[0] for smp in samples]
-            y = torch.zeros((len(part), max(lens), samples[0]["text"].shape[1]))
-            mask = torch.zeros((len(part), max(lens)), dtype=torch.bool)
-            for j, smp in enumerate(samples):
-                y[j, :lens[j]] = smp["text"].float()
-                mask[j, :lens[j]] = True
+            y, mask, _ = pad_text([smp["text"] for smp in samples])
             fps = torch.from_numpy(np.nan_to_num(src.fps[part].astype(np.float64), nan=default_fps)).float()
             b = len(part)
             kwargs = {"y": y.to(device, dtype), "mask": mask.to(device),

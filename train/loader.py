@@ -280,13 +280,22 @@ def collate(samples: list[dict], seed: int, epoch: int, positions) -> dict:
             xs.append((mean + torch.exp(0.5 * s["logvar"].float()) * eps).to(s["mean"].dtype))
         else:
             xs.append(s["sample"])
-    lens = [s["text"].shape[0] for s in samples]
-    text = torch.zeros((len(samples), max(lens), samples[0]["text"].shape[1]), dtype=samples[0]["text"].dtype)
-    mask = torch.zeros((len(samples), max(lens)), dtype=torch.bool)
-    for i, s in enumerate(samples):
-        text[i, :lens[i]] = s["text"]
-        mask[i, :lens[i]] = True
+    text, mask, lens = pad_text([s["text"] for s in samples])
     return {"x": torch.stack(xs), "text": text, "text_mask": mask, "text_len": torch.tensor(lens)}
+
+
+def pad_text(texts: list) -> tuple:
+    """Per-sample text-encoder outputs [L_i, D] -> (zero-padded [B, max L, D] in their dtype, bool
+    key mask [B, max L], the lengths): the caption batch every STDiT3 forward takes."""
+    import torch
+
+    lens = [t.shape[0] for t in texts]
+    text = torch.zeros((len(texts), max(lens), texts[0].shape[1]), dtype=texts[0].dtype)
+    mask = torch.zeros((len(texts), max(lens)), dtype=torch.bool)
+    for i, t in enumerate(texts):
+        text[i, :lens[i]] = t
+        mask[i, :lens[i]] = True
+    return text, mask, lens
 
 
 class ConsumedLog:
