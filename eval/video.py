@@ -8,7 +8,6 @@ after a kill) never sees half an mp4.
 
 from __future__ import annotations
 
-import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -29,19 +28,16 @@ def write_mp4(frames, path, fps: float = 24.0, crf: int = 18) -> Path:
     if t == 0 or h2 == 0 or w2 == 0:
         raise ValueError(f"cannot write an mp4 of shape {frames.shape}")
     frames = frames[:, :h2, :w2]
+    from reelcache.catalog.shards import atomic_path
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     rate = Fraction(fps).limit_denominator(1001)
-    try:
-        with av.open(str(tmp), mode="w", format="mp4") as out:
-            stream = out.add_stream("libx264", rate=rate)
-            stream.width, stream.height, stream.pix_fmt = w2, h2, "yuv420p"
-            stream.options = {"crf": str(crf), "preset": "medium"}
-            for f in frames:
-                out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")))
-            out.mux(stream.encode(None))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_path(path) as tmp, av.open(str(tmp), mode="w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = w2, h2, "yuv420p"
+        stream.options = {"crf": str(crf), "preset": "medium"}
+        for f in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")))
+        out.mux(stream.encode(None))
     return path
