@@ -89,7 +89,7 @@ def training_losses(model, x0: torch.Tensor, model_kwargs: dict, noise: torch.Te
     kwargs = dict(model_kwargs)
     if x_mask is not None:
         x_mask = x_mask.to(x0.device).bool()
-        x_t = torch.where(x_mask[:, None, :, None, None], x_t, add_noise(x0, noise, torch.zeros_like(t)))
+        x_t = torch.where(x_mask[:, None, :, None, None], x_t, x0)      # add_noise at t = 0 is x0
         kwargs["x_mask"] = x_mask
     out = model(x_t, t, **kwargs)
     sq = (out[:, : x0.shape[1]] - (x0 - noise)).pow(2)
@@ -250,7 +250,7 @@ def euler_sample(model, z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | N
     if x_mask is not None:
         x_mask = x_mask.to(dev).bool()
         kwargs["x_mask"] = _double(x_mask) if guided else x_mask
-        x_ref = z.clone()
+        x_ref = z                       # z is rebound below, never changed in place
 
     ts = [torch.full((b,), (1.0 - i / steps) * NUM_TIMESTEPS, dtype=torch.float32, device=dev) for i in range(steps)]
     if use_timestep_transform:
