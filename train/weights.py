@@ -30,6 +30,7 @@ of the folder layouts above back into one dict.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ def save_sharded(state_dict: dict[str, torch.Tensor], folder, max_shard_bytes: f
 def _torch_load(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - old pickles with non-tensor objects (args, optimizers)
+    except pickle.UnpicklingError as e:     # old pickles with non-tensor objects (args, optimizers)
         warnings.warn(f"{path.name}: not loadable with weights_only=True ({type(e).__name__}); loading it "
                       f"as a full pickle, which runs code from the file: use only checkpoints you trust",
                       stacklevel=3)
@@ -187,14 +188,11 @@ class LoadReport:
 # loading
 
 
-def _apply(model: torch.nn.Module, state: dict[str, torch.Tensor], report: LoadReport, strict: bool,
-           base: dict[str, torch.Tensor] | None = None) -> LoadReport:
-    """Check ``state`` against the model, then copy what fits. ``base`` (optional) is applied first
-    and its keys count as loaded (the model/ under an EMA overlay)."""
+def _apply(model: torch.nn.Module, state: dict[str, torch.Tensor], report: LoadReport, strict: bool) -> LoadReport:
+    """Check ``state`` against the model, then copy what fits."""
     own = model.state_dict()
-    merged = {**(base or {}), **state}
-    report.universe = set(own) | set(merged)
-    for key, t in merged.items():
+    report.universe = set(own) | set(state)
+    for key, t in state.items():
         if key not in own:
             report.unexpected.append(key)
         elif tuple(t.shape) != tuple(own[key].shape):
@@ -209,7 +207,7 @@ def _apply(model: torch.nn.Module, state: dict[str, torch.Tensor], report: LoadR
         warnings.warn(f"{report.source}: {len(report.mismatched)} tensors have other shapes and stay fresh",
                       stacklevel=3)
     with torch.no_grad():
-        model.load_state_dict({k: merged[k] for k in report.loaded}, strict=False)
+        model.load_state_dict({k: state[k] for k in report.loaded}, strict=False)
     return report
 
 
@@ -317,7 +315,7 @@ def load_weights(model: torch.nn.Module, path, *, strict: bool | None = None, wh
             ema = read_sharded(path / "ema")
             report.notes.append(f"{len(ema)} tensors from ema/, the other {len(set(base) - set(ema))} "
                                 f"(frozen parameters, buffers) from model/")
-            return _apply(model, ema, report, strict, base=base)
+            return _apply(model, {**base, **ema}, report, strict)      # model/ under the EMA overlay
         return _apply(model, base, LoadReport(src, "reelcache checkpoint, model/"), strict)
 
     raise FileNotFoundError(f"{path}: not a weight file or a known checkpoint folder (expected *.safetensors, "
