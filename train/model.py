@@ -19,9 +19,9 @@ Where this differs from upstream's implementation (not its result):
     so captions can be (B,L,D) trimmed to the batch's longest caption.
   * Frame masking (x_mask) selects the modulation *vectors* per frame (t or t=0) and modulates
     once, instead of modulating twice and selecting tokens; elementwise, so the result is the same.
-  * Caption dropout is drawn by the caller (``caption_drop``) so a run is reproducible and
-    resumable; the model never draws random numbers. ``class_dropout_prob`` is kept for the
-    trainer to read.
+  * Caption dropout is drawn by the caller (``caption_drop``; the trainer's probability is
+    ``flow.caption_dropout``) so a run is reproducible and resumable; the model never draws
+    random numbers. Upstream's ``class_dropout_prob`` config key is ignored on load.
   * ``mask=None`` means "every token of each sample is valid"; upstream then lets every sample
     attend to all samples' captions (an upstream quirk, never used by training).
   * The pos-embedding scale is computed with tensor ops (no ``.item()``, no host sync on GPU).
@@ -59,9 +59,6 @@ class STDiT3Config:
     """Attention heads (head_dim = hidden_size / num_heads, must be even for RoPE)."""
     mlp_ratio: float = 4.0
     """MLP hidden width / hidden_size."""
-    class_dropout_prob: float = 0.1
-    """Caption dropout probability. The model does not draw it: the trainer reads it and passes
-    ``caption_drop`` to forward (reproducible, resumable)."""
     pred_sigma: bool = True
     """Output 2*in_channels channels (upstream's layout; only the first in_channels are used)."""
     drop_path: float = 0.0
@@ -95,8 +92,6 @@ class STDiT3Config:
             raise ValueError("hidden_size must be a multiple of 4 (2D sin-cos positions: sin|cos per axis)")
         if self.mlp_ratio <= 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
-        if not 0.0 <= self.class_dropout_prob < 1.0:
-            raise ValueError(f"class_dropout_prob must be in [0, 1), got {self.class_dropout_prob}")
         if self.drop_path != 0.0:
             raise ValueError("drop_path > 0 is not supported (no Open-Sora 1.2 config uses it); set 0.0")
 
@@ -435,7 +430,7 @@ class STDiT3(nn.Module):
         return y, key_mask, has.to(y.dtype)[:, None, None, None]
 
     def forward(self, x, timestep, y, mask=None, x_mask=None, fps=None, height=None, width=None,
-                caption_drop=None, **_ignored):
+                caption_drop=None, **_upstream):      # upstream's model_kwargs also carry num_frames, ar
         cfg = self.config
         if fps is None or height is None or width is None:
             raise ValueError("STDiT3.forward needs fps, height and width (B,) tensors (pixel size)")
