@@ -78,24 +78,9 @@ def throughput(results: dict) -> None:
             n += len(b["clip_id"])
         assert n == N
 
-    def one_thread(fn):
-        # The main process keeps torch's default intra-op threads; on a busy box their spinning
-        # costs more than the tiny per-sample ops gain (workers already run single-threaded).
-        import torch
-
-        def run():
-            before = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                fn()
-            finally:
-                torch.set_num_threads(before)
-        return run
-
     rates = {}
     for name, fn in [("cat > /dev/null", cat), ("tarfile loop", tar_loop),
-                     ("LatentLoader, 0 workers", lambda: loader(0)),
-                     ("  same, 1 torch thread", one_thread(lambda: loader(0))),
+                     ("LatentLoader, 0 workers", lambda: loader(0)),     # batches made on 1 torch thread
                      ("LatentLoader, 2 workers", lambda: loader(2))]:
         fn()                                   # warm the page cache and the plan cache
         t0 = time.perf_counter()
