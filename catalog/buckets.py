@@ -26,6 +26,7 @@ read the same config.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass
@@ -120,17 +121,23 @@ class BucketConfig:
         raise ValueError(f"bucket {bucket!r} has no batch size in the bucket config "
                          f"(resolutions {sorted({r for r, *_ in self.table})}) and no default_batch_size")
 
-    def assign(self, clip_id: str, height: int, width: int, num_frames: int, seed: int = 0) -> Assignment:
+    @functools.cached_property
+    def _by_resolution(self) -> list[tuple[str, list[tuple[int, float, float]]]]:
+        """[(resolution, [(T, p_res, p_t), ...] longest first), ...], largest resolution first: the
+        order assign() tries them in, built once (assign runs once per clip of a manifest)."""
         by_res: dict[str, list] = {}
         for res, t, keep, keep_t, _ in self.table:
             by_res.setdefault(res, []).append((t, keep, keep_t))
+        return [(res, sorted(by_res[res], reverse=True)) for res in sorted(by_res, key=lambda r: -RESOLUTIONS[r])]
+
+    def assign(self, clip_id: str, height: int, width: int, num_frames: int, seed: int = 0) -> Assignment:
         sized = fitted = False
-        for res in sorted(by_res, key=lambda r: -RESOLUTIONS[r]):
+        for res, lengths in self._by_resolution:
             if height * width < 0.8 * RESOLUTIONS[res]:
                 continue
             sized = True
             chosen = None
-            for t, keep, keep_t in sorted(by_res[res], reverse=True):        # the longest length first
+            for t, keep, keep_t in lengths:
                 fits = (t == 1 and num_frames == 1) or (t > 1 and num_frames > t * self.frame_interval)
                 if not fits:
                     continue
