@@ -122,8 +122,7 @@ def read_holder(path: Path) -> Holder | None:
 def is_stale(holder: Holder) -> bool:
     if holder.token == "unreadable":
         return holder.age_s > GUARD_S
-    me = _me()
-    if holder.host == me["host"] and holder.boot_id == me["boot_id"]:
+    if holder.host == socket.gethostname() and holder.boot_id == boot_id():     # this machine, this boot
         return not _pid_alive(holder.pid, holder.pid_start)
     return holder.age_s > TTL_S
 
