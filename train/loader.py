@@ -160,7 +160,7 @@ class LatentLoader:
             plan = self.plan()
         sched = self.schedule()
         maker = _BatchMaker(self, plan, sched)
-        it = maker.in_process() if (not self.read or self.workers == 0) else iter(maker.dataloader())
+        it = iter(maker) if not self.read else maker.in_process() if self.workers == 0 else iter(maker.dataloader())
         for batch in it:
             self.consumed = min(plan.num_batches, self.consumed + self.world_size)
             self.step += 1
@@ -188,12 +188,9 @@ class _BatchMaker:
     def in_process(self):
         """Batches made in the calling process, with torch on one thread while making them: the
         per-sample ops are tiny, and intra-op threads only contend (16x slower on a busy box)."""
-        for k in range(len(self.sched)):
-            if not self.read:
-                yield self.make(*self.sched[k])
-                continue
-            import torch
+        import torch
 
+        for k in range(len(self.sched)):
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
