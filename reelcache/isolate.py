@@ -110,11 +110,22 @@ def isolated_map(fn: Callable[[Any], Any], items: Iterable, *, workers: int = 1,
     depth = 2
     try:
         while todo or any(s.jobs for s in slots):
-            for s in slots:
-                while todo and len(s.jobs) < depth:
+            for i in range(len(slots)):
+                while todo and len(slots[i].jobs) < depth:
+                    s = slots[i]
                     seq, item = todo.popleft()
-                    s.conn.send((seq, item))
+                    try:
+                        s.conn.send((seq, item))
+                    except OSError:             # the worker died already: this item is not to blame
+                        todo.appendleft((seq, item))
+                        if s.jobs:
+                            break               # its head is reported crashed below, the rest redone
+                        s.kill()                # it died idle, holding nothing: a new one takes the item
+                        slots[i] = _Slot(ctx, fn, memory_mb, init)
+                        slots[i].wait_ready()
+                        continue
                     s.jobs.append([seq, item, None])
+                s = slots[i]
                 if s.jobs and s.jobs[0][2] is None:
                     s.jobs[0][2] = time.monotonic() + timeout
             busy = [s for s in slots if s.jobs]
