@@ -3,18 +3,18 @@
     ckpt-00002210/
       model/       fp32 master weights (trainable) + frozen ones and buffers, safetensors shards + index
       ema/         fp32 EMA, same layout (absent when run.ema_decay = 0)
-      optimizer/   Adam moments: ColossalAI's sharded checkpoint under ZeRO (resharded on load),
-                   safetensors by parameter name + JSON hyper-parameters under DDP (absent before
-                   the first optimizer step)
+      optimizer/   full Adam moments by parameter name (safetensors) + step counts (JSON), the
+                   same for ZeRO and DDP at any world size (absent before the first optimizer step)
       state.json   global and optimizer steps, the loader's state (epoch, position, data
                    fingerprint), guard window, wandb run id, world size, library versions
       config.json  the resolved config that trained it
 
-Every rank writes into ``.tmp-ckpt-<step>``; after a barrier, rank 0 renames it to ``ckpt-<step>``.
-A reader that lists ``ckpt-*`` only ever sees complete checkpoints, and a run killed at any moment
-leaves at most a ``.tmp-*`` folder, which the next run deletes. On GPU the large files (model,
-EMA) are copied to host memory and written by a background thread while training goes on; the
-next checkpoint (or the end of the run) waits for it. After each rename, rank 0 prunes: the
+Every rank takes part in gathering the state into host memory on rank 0 (weights, EMA and
+optimizer moments are collectives under ZeRO); rank 0 then writes it into ``.tmp-ckpt-<step>`` from
+a background thread while training goes on, fsyncs, and renames it to ``ckpt-<step>``. A reader
+that lists ``ckpt-*`` only ever sees complete checkpoints, and a run killed at any moment leaves at
+most a ``.tmp-*`` folder, which the next run deletes. The next checkpoint (or the end of the run)
+waits for the writer; if it failed, every rank raises there. After each rename, rank 0 prunes: the
 newest ``keep_last`` plus every step that is a multiple of ``keep_every`` survive.
 
 Randomness needs no saved generator state: every draw of a step (timesteps, noise, frame
@@ -98,56 +98,50 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         par.barrier()
 
-    def save(self, step: int, model_state: dict, ema_state: dict | None, model, optimizer, state: dict,
-             config: dict) -> Path:
-        """Collective: every rank calls it with the same step. Returns the final path."""
+    def save(self, step: int, model_state: dict | None, ema_state: dict | None, optim_state: tuple | None,
+             state: dict, config: dict) -> Path:
+        """Collective: every rank calls it with the same step, after gathering what rank 0 writes
+        (host copies that the next step cannot change: ``Parallel.gather_full``,
+        ``Parallel.optimizer_state``). Rank 0 writes in a background thread while training goes on;
+        the next save (or ``wait``) joins it, and a failed write makes every rank raise there."""
         self.wait()
         final = self.run_dir / ckpt_name(step)
-        tmp = self.run_dir / f".tmp-{ckpt_name(step)}"
         if self.par.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.par.barrier()
-        if optimizer is not None:                   # None before the first step: ZeRO has no state yet
-            self.par.save_optimizer(optimizer, model, str(tmp / "optimizer"))
-        self.par.barrier()
-        if self.par.rank == 0:
-            self._write(step, tmp, final, model_state, ema_state, state, config)
-        if self.par.device.type != "cuda":
-            self.wait()                             # written in line: a failure stops every rank now
+            self._thread = threading.Thread(target=self._write, name=f"save-{step}", daemon=False,
+                                            args=(step, final, model_state, ema_state, optim_state, state, config))
+            self._thread.start()
         return final
 
-    def _write(self, step, tmp, final, model_state, ema_state, state, config) -> None:
-        """Rank 0: write the big files and rename; in a background thread on CUDA."""
+    def _write(self, step, final, model_state, ema_state, optim_state, state, config) -> None:
+        """Rank 0's writer thread: everything into ``.tmp-ckpt-<step>``, fsync, rename, prune."""
+        from reelcache.train.parallel import write_optimizer
         from reelcache.train.weights import save_sharded
 
-        def write():
+        tmp = self.run_dir / f".tmp-{ckpt_name(step)}"
+        try:
+            t = time.monotonic()
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_sharded(model_state, tmp / "model")
+            if ema_state is not None:
+                save_sharded(ema_state, tmp / "ema")
+            if optim_state is not None:             # None before the first optimizer step
+                write_optimizer(tmp / "optimizer", *optim_state)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+            (tmp / "state.json").write_text(json.dumps({**state, "write_seconds": time.monotonic() - t},
+                                                       indent=2, default=str))
+            _fsync_tree(tmp)
+            if final.exists():                      # a re-run of the same step (after --reset-data, say)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fd = os.open(self.run_dir, os.O_RDONLY)
             try:
-                t = time.monotonic()
-                save_sharded(model_state, tmp / "model")
-                if ema_state is not None:
-                    save_sharded(ema_state, tmp / "ema")
-                (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-                (tmp / "state.json").write_text(json.dumps({**state, "write_seconds": time.monotonic() - t},
-                                                           indent=2, default=str))
-                _fsync_tree(tmp)
-                if final.exists():                  # a re-run of the same step (after --reset-data, say)
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
-                fd = os.open(self.run_dir, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                self.prune()
-            except BaseException as e:          # surfaced by wait(): a failed save must stop the run
-                self._error = e
-
-        if self.par.device.type == "cuda":
-            self._thread = threading.Thread(target=write, name=f"save-{step}", daemon=False)
-            self._thread.start()
-        else:
-            write()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.prune()
+        except BaseException as e:              # surfaced by wait(): a failed save must stop the run
+            self._error = e
 
     def wait(self) -> None:
         """Collective: the previous checkpoint is complete on disk, or every rank raises (rank 0's

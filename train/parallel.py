@@ -2,8 +2,10 @@
 
 On CUDA the model is boosted with ColossalAI's ``LowLevelZeroPlugin`` (ZeRO stage 2: bf16 working
 weights on every rank, fp32 master weights and Adam moments sharded 1/R per rank, gradients
-reduce-scattered) and optimized by ``HybridAdam`` in AdamW mode. On CPU (tests, the demo) it is
-``TorchDDPPlugin`` over gloo with ``torch.optim.AdamW`` in fp32. The training loop sees only the
+reduce-scattered) and optimized by ``HybridAdam`` in AdamW mode. On CPU the default (the demo) is
+``TorchDDPPlugin`` over gloo with ``torch.optim.AdamW`` in fp32; ``run.plugin = "zero2"`` on CPU runs
+the same ZeRO-2 branch over gloo, with the few CUDA assumptions of ColossalAI lifted by
+``train/zero_cpu.py`` (the tests run the users' path this way). The training loop sees only the
 ``Parallel`` object: backward, a global gradient norm, step, sums over ranks, and the fp32
 master values that feed the EMA.
 
@@ -39,8 +41,6 @@ class Parallel:
         """Join the process group that torchrun / ``colossalai run`` describe (or a 1-process one)."""
         cuda = torch.cuda.is_available() and os.environ.get("REELCACHE_DEVICE", "") != "cpu"
         name = ("zero2" if cuda else "ddp") if plugin == "auto" else plugin
-        if name == "zero2" and not cuda:
-            raise RuntimeError("run.plugin = zero2 needs CUDA (ColossalAI's ZeRO kernels); use ddp on CPU")
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(k, v)
         if "MASTER_PORT" not in os.environ:
@@ -58,9 +58,14 @@ class Parallel:
             set_accelerator("cpu")
 
         if name == "zero2":
+            if not cuda:
+                from reelcache.train import zero_cpu
+
+                zero_cpu.enable()
             prec = "bf16" if dtype == "bf16" else "fp32"
+            # overlap_communication records the flat gradients on a CUDA stream: CUDA only.
             plug = LowLevelZeroPlugin(stage=2, precision=prec, initial_scale=2 ** 16, max_norm=grad_clip,
-                                      reduce_bucket_size_in_m=20)
+                                      reduce_bucket_size_in_m=20, overlap_communication=cuda)
         else:
             plug = TorchDDPPlugin()
         wdtype = torch.bfloat16 if (name == "zero2" and dtype == "bf16") else torch.float32
@@ -170,50 +175,58 @@ class Parallel:
         return full
 
     # -- optimizer state ---------------------------------------------------------------------
-    # ZeRO: ColossalAI's sharded optimizer checkpoint (it gathers and re-shards the states, so a
-    # different world size loads too). DDP: every rank holds the full state; rank 0 writes it as
-    # safetensors keyed by parameter name + JSON hyper-parameters (ColossalAI's loader needs a
-    # device synchronize that its CPU accelerator refuses).
-    def save_optimizer(self, optimizer, model, path: str) -> None:
+    # One format for both plugins, so a checkpoint moves between them and between world sizes:
+    # every parameter's full (gathered) Adam moments as safetensors keyed "<name>::<key>", the
+    # step counts and hyper-parameters as JSON. Under ZeRO, ColossalAI gathers the shards
+    # (``state_dict_shard``) and re-partitions them for this world size on load (``load_state_dict``).
+    def optimizer_state(self, optimizer, model) -> tuple[dict, dict] | None:
+        """The full optimizer state in host memory, copies (the next step may not change them), on
+        rank 0; None elsewhere. A collective under ZeRO: every rank calls it."""
+        names = _param_names(model, optimizer)
         if self.zero:
-            self.booster.save_optimizer(optimizer, path, shard=True, size_per_shard=4096)
-        elif self.rank == 0:
-            from safetensors.torch import save_file
-
-            names, sd = _param_names(model, optimizer), optimizer.state_dict()
-            tensors, scalars = {}, {}
-            for idx, st in sd["state"].items():
-                for k, v in st.items():
-                    if torch.is_tensor(v):
-                        tensors[f"{names[idx]}::{k}"] = v.detach().cpu().contiguous()
-                    else:
-                        scalars.setdefault(names[idx], {})[k] = v
-            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-                      for g in sd["param_groups"]]
-            os.makedirs(path, exist_ok=True)
-            save_file(tensors, os.path.join(path, "state.safetensors"))
-            with open(os.path.join(path, "optimizer.json"), "w") as f:
-                json.dump({"param_groups": groups, "scalars": scalars}, f, indent=1)
+            state = {}
+            for block, _ in optimizer.state_dict_shard(max_shard_size=1024, only_on_master=True):
+                state.update(block)
+        else:
+            state = optimizer.state_dict()["state"]
+        if self.rank != 0:
+            return None
+        tensors, scalars = {}, {}
+        for idx, st in state.items():
+            for k, v in st.items():
+                if k == "step":                     # a tensor in torch's AdamW, an int in HybridAdam
+                    scalars.setdefault(names[idx], {})[k] = int(float(v))
+                elif torch.is_tensor(v):
+                    tensors[f"{names[idx]}::{k}"] = v.detach().to("cpu", copy=True).contiguous()
+                else:
+                    scalars.setdefault(names[idx], {})[k] = v
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return tensors, {"format": 2, "optimizer": type(_inner(optimizer)).__name__, "param_groups": groups,
+                         "scalars": scalars}
 
     def load_optimizer(self, optimizer, model, path: str) -> None:
-        if self.zero:
-            self.booster.load_optimizer(optimizer, path)
-            return
-        from safetensors.torch import load_file
-
-        with open(os.path.join(path, "optimizer.json")) as f:
-            meta = json.load(f)
-        tensors = load_file(os.path.join(path, "state.safetensors"))
-        index = {n: i for i, n in _param_names(model, optimizer).items()}
-        if missing := [n for g in meta["param_groups"] for n in g["params"] if n not in index]:
+        """Load a state written by ``write_optimizer`` (by either plugin, at any world size). The
+        hyper-parameters stay this optimizer's (the trainer sets them from the config)."""
+        tensors, meta = read_optimizer(path)
+        names = _param_names(model, optimizer)
+        index = {n: i for i, n in names.items()}
+        saved = {key.rsplit("::", 1)[0] for key in tensors} | set(meta["scalars"])
+        if missing := sorted(saved - index.keys()):
             raise ValueError(f"optimizer state for parameters this model lacks: {missing[:5]}")
-        state = {}
+        if absent := sorted(n for n in index if n not in saved):
+            raise ValueError(f"optimizer state lacks parameters of this model: {absent[:5]}")
+        state: dict[int, dict] = {}
         for key, v in tensors.items():
             name, k = key.rsplit("::", 1)
             state.setdefault(index[name], {})[k] = v
         for name, sc in meta["scalars"].items():
-            state.setdefault(index[name], {}).update(sc)
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+            for k, v in sc.items():     # torch's AdamW wants a tensor step; HybridAdam makes it an int
+                state.setdefault(index[name], {})[k] = torch.tensor(float(v)) if k == "step" else v
+        groups, i = [], 0
+        for g in optimizer.param_groups:
+            n = len(g["params"])
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(i, i + n))})
+            i += n
         optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def close(self) -> None:
@@ -222,10 +235,39 @@ class Parallel:
 
 
 def _param_names(model, optimizer) -> dict[int, str]:
-    """Optimizer state index -> parameter name (torch numbers parameters across groups in order)."""
+    """Optimizer state index -> parameter name (torch numbers parameters across groups in order).
+    ZeRO's optimizer holds fp32 master shards: each is named after the working parameter it updates."""
     by_id = {id(p): n for n, p in model.unwrap().named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    if hasattr(optimizer, "get_master_to_working_map"):
+        working = optimizer.get_master_to_working_map()
+        params = [working[id(p)] for p in params]
     return {i: by_id[id(p)] for i, p in enumerate(params)}
+
+
+def _inner(optimizer):
+    """The torch optimizer under ColossalAI's wrappers (HybridAdam, AdamW)."""
+    while hasattr(optimizer, "optim"):
+        optimizer = optimizer.optim
+    return optimizer
+
+
+def write_optimizer(path, tensors: dict, meta: dict) -> None:
+    """``optimizer/``: state.safetensors (the moments by parameter name) + optimizer.json."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "state.safetensors"))
+    with open(os.path.join(path, "optimizer.json"), "w") as f:
+        json.dump(meta, f, indent=1, default=str)
+
+
+def read_optimizer(path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "optimizer.json")) as f:
+        meta = json.load(f)
+    return load_file(os.path.join(path, "state.safetensors")), meta
 
 
 def _colossalai():
@@ -239,6 +281,10 @@ def _colossalai():
         warnings.simplefilter("ignore")
         from colossalai.booster import Booster
         from colossalai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
+    # What ColossalAI 0.5.0's ZeRO calls in torch 2.x: deprecated names, not a problem of the run.
+    for message in (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+                    r"TypedStorage is deprecated"):
+        warnings.filterwarnings("ignore", message=message)
     return Booster, LowLevelZeroPlugin, TorchDDPPlugin
 
 

@@ -366,10 +366,10 @@ class Trainer:
             self.log.flush()                   # metrics up to this step exist before the checkpoint does
         if self.loader.log:
             self.loader.log.flush()
-        path = self.ckpt.save(self.global_step, model_state, ema, self.model,
-                              self.optimizer if self.opt_steps else None, state, self.cfg.to_dict())
+        optim = par.optimizer_state(self.optimizer, self.model) if self.opt_steps else None
+        path = self.ckpt.save(self.global_step, model_state, ema, optim, state, self.cfg.to_dict())
         if self.rank0:
-            say(f"checkpoint {path.name} ({'writing in the background' if par.device.type == 'cuda' else 'written'})")
+            say(f"checkpoint {path.name} (writing in the background)")
 
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> None:
