@@ -28,7 +28,7 @@ class ModelConfig:
     overrides: dict = field(default_factory=dict)   # STDiT3Config fields over the preset (caption_channels, ...)
     freeze_y_embedder: bool = True     # Open-Sora 1.2 stages freeze the caption projection
     grad_checkpoint: bool = True       # recompute each block in backward (56 blocks at XL/2)
-    dtype: str = "bf16"                # working dtype on GPU: bf16 (fp32 masters) | fp32; CPU always trains fp32
+    dtype: str = "bf16"                # zero2's working dtype: bf16 (fp32 masters) | fp32; ddp always trains fp32
 
 
 @dataclass
@@ -77,7 +77,7 @@ class RunConfig:
     max_steps: int = 0                 # stop after this many optimizer steps in total (0 = all epochs)
     ema_decay: float = 0.99            # fp32 EMA of the master weights; 0 = no EMA
     loss_reduction: str = "sample"     # sample: mean over all ranks' real samples | rank: mean of rank means (Open-Sora)
-    plugin: str = "auto"               # auto (zero2 on CUDA, ddp on CPU) | zero2 | ddp
+    plugin: str = "auto"               # auto (zero2 on CUDA, ddp on CPU) | zero2 (on CPU: train/zero_cpu.py) | ddp
     ckpt_every: int = 100              # steps between checkpoints (0 = only at the end)
     keep_last: int = 3                 # newest checkpoints kept ...
     keep_every: int = 0                # ... plus every checkpoint whose step is a multiple of this (0 = none)

@@ -1,0 +1,131 @@
+"""The ZeRO-2 path GPU nodes run (ColossalAI's LowLevelZeroPlugin stage 2, HybridAdam, fp32 master
+shards, the optimizer checkpoint, the background checkpoint writer), executed on 2 CPU processes over
+gloo in its CPU mode (train/zero_cpu.py). The gradient check and the kill -9 resume of the ZeRO
+path are parametrized into tests/test_train.py beside their DDP twins; here: what only ZeRO has.
+
+References: the checkpoint's own files read independently (safetensors + JSON), the consumed log
+against the manifest, the same run without a slow writer, the DDP and ZeRO runs of each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_train import CONFIG, PLUGINS, REPO, _port, complete, consumed, data_args, metrics, train, weights
+
+from latent_data import write_latents
+
+WRITER = ["tests/writer_faults.py"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> tuple[Path, Path]:
+    r = tmp_path_factory.mktemp("zero-root")
+    return r, write_latents(r, 24, name="train")
+
+
+def manifest_clips(manifest: Path) -> Counter:
+    import pyarrow.parquet as pq
+
+    return Counter(pq.read_table(manifest, columns=["clip_id"]).column("clip_id").to_pylist())
+
+
+def check_optimizer(r: Path, manifest: Path, ckpt: Path, nproc: int, plugin: str = "zero2", dtype: str = "fp32"):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "REELCACHE_PROGRESS": "0"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                        "--master_port", str(_port()), "tests/optimizer_check.py", str(CONFIG), str(r), str(manifest),
+                        str(ckpt), plugin, dtype], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    (out,) = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    return out
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)])
+def test_zero_resumes_on_another_world_size(root, before, after):
+    """A ZeRO checkpoint written by `before` ranks, loaded by `after`: each rank holds exactly its
+    ZeRO share of the saved Adam moments and the saved step counts; the run then finishes the epoch
+    with every clip of the manifest exactly once."""
+    r, manifest = root
+    name = f"ws-{before}to{after}"
+    args = data_args(manifest, "--run.epochs=1", "--run.ckpt_every=2", "--run.keep_last=5", f"--run.name={name}",
+                     *PLUGINS["zero2-fp32"])
+    train(r, args + ["--run.max_steps=2"], nproc=before)
+    ckpt = r / f"runs/{name}/ckpt-00000002"
+    got = check_optimizer(r, manifest, ckpt, after)
+    assert got["world"] == after and got["tensors"] > 100
+    assert got["max_abs_diff"] == 0.0 and got["steps"] == [(2, 2)], got
+    train(r, args + ["--load", "latest"], nproc=after)
+    rows = consumed(r / f"runs/{name}")
+    assert {(e, rank) for e, _, rank, _ in rows} >= {(0, k) for k in range(after)}
+    import duckdb
+
+    clips = Counter(c for (c,) in duckdb.sql(f"""SELECT clip_id FROM '{r}/runs/{name}/consumed/*.parquet'
+        WHERE NOT pad QUALIFY generation = max(generation) OVER (PARTITION BY epoch, step)""").fetchall())
+    assert clips == manifest_clips(manifest)             # no clip twice, none missed in the epoch
+    state = json.loads((r / f"runs/{name}" / sorted(p.name for p in (r / f"runs/{name}").glob("ckpt-*"))[-1]
+                        / "state.json").read_text())
+    assert state["world_size"] == after and state["loader"]["epoch"] == 1
+
+
+def test_background_writer_copies_and_a_failed_write_stops_every_rank(root):
+    """Rank 0 writes each checkpoint in a thread while training goes on: written 2 s late per folder,
+    the checkpoints hold exactly the state of their step (the same bytes as a run without the
+    delay). A write that fails (ENOSPC at step 4) makes both ranks exit non-zero with the reason,
+    and no ckpt-00000004 ever appears: only complete checkpoints are visible."""
+    r, manifest = root
+    args = data_args(manifest, "--run.epochs=1", "--run.ckpt_every=2", "--run.max_steps=4", "--run.keep_last=5",
+                     *PLUGINS["zero2-bf16"])
+    train(r, args + ["--run.name=prompt"], nproc=2)
+    train(r, args + ["--run.name=slow"], nproc=2, entry=WRITER, env={"REELCACHE_TEST_SLOW_WRITE_S": "2"})
+    for step in (2, 4):
+        a, b = r / f"runs/prompt/ckpt-{step:08d}", r / f"runs/slow/ckpt-{step:08d}"
+        assert complete(a) and complete(b)
+        for part in ("model", "ema"):
+            wa, wb = weights(a, part), weights(b, part)
+            assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa), (step, part)
+        assert (a / "optimizer/state.safetensors").read_bytes() == (b / "optimizer/state.safetensors").read_bytes()
+    assert [m["loss"] for m in metrics(r / "runs/prompt").values()] == \
+        [m["loss"] for m in metrics(r / "runs/slow").values()]
+
+    out = train(r, args + ["--run.name=full-disk"], nproc=2, ok=False, entry=WRITER,
+                env={"REELCACHE_TEST_FAIL_WRITE_AT": "4"})
+    run = r / "runs/full-disk"
+    assert "No space left on device" in out                                 # rank 0: the reason
+    assert "rank 0 failed to write a checkpoint" in out                     # rank 1 stops with it
+    assert [p.name for p in run.glob("ckpt-*")] == ["ckpt-00000002"] and complete(run / "ckpt-00000002")
+
+
+@pytest.mark.parametrize("source,target", [("ddp", "zero2-fp32"), ("zero2-fp32", "ddp")])
+def test_checkpoints_move_between_ddp_and_zero(root, source, target):
+    """model/ holds fp32 masters and optimizer/ full moments by name in both: a checkpoint of one
+    path resumes on the other and continues the same trajectory (the Adam moments came along: a
+    reset optimizer would take a first Adam step instead)."""
+    r, manifest = root
+    # eps 1e-8: Open-Sora's 1e-15 turns the key biases' float-noise gradients into full Adam steps,
+    # which two correct optimizers (AdamW vs HybridAdam, two clip roundings) take in different directions.
+    args = data_args(manifest, "--run.epochs=1", "--run.ckpt_every=2", "--run.max_steps=4", "--run.keep_last=5",
+                     "--optim.adam_eps=1e-8")
+    whole = f"cross-{source}"
+    if not (r / f"runs/{whole}/ckpt-00000004").exists():
+        train(r, args + [f"--run.name={whole}", *PLUGINS[source]], nproc=2)
+    moved = f"cross-{source}-to-{target}"
+    train(r, args + [f"--run.name={moved}", "--load", str(r / f"runs/{whole}/ckpt-00000002"), *PLUGINS[target]],
+          nproc=2)
+    a, b = metrics(r / f"runs/{whole}"), metrics(r / f"runs/{moved}")
+    assert sorted(b) == [2, 3]
+    for s in (2, 3):
+        assert b[s]["loss"] == pytest.approx(a[s]["loss"], rel=1e-5), (s, a[s]["loss"], b[s]["loss"])
+    # Steps 3 and 4 from the same masters and moments: the same weights, to a small fraction of how
+    # far those two steps moved them (a reset optimizer takes Adam's first, sign-sized, steps instead).
+    w2, wa = weights(r / f"runs/{whole}/ckpt-00000002"), weights(r / f"runs/{whole}/ckpt-00000004")
+    wb = weights(r / f"runs/{moved}/ckpt-00000004")
+    assert wa.keys() == wb.keys()
+    moved_by = max(float((wa[k] - w2[k]).abs().max()) for k in wa)
+    diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert diff < 1e-3 * moved_by, (diff, moved_by)
