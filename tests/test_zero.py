@@ -59,7 +59,7 @@ def test_zero_resumes_on_another_world_size(root, before, after):
     ckpt = r / f"runs/{name}/ckpt-00000002"
     got = check_optimizer(r, manifest, ckpt, after)
     assert got["world"] == after and got["tensors"] > 100
-    assert got["max_abs_diff"] == 0.0 and got["steps"] == [(2, 2)], got
+    assert got["max_abs_diff"] == 0.0 and got["steps"] == [[2, 2]], got
     train(r, args + ["--load", "latest"], nproc=after)
     rows = consumed(r / f"runs/{name}")
     assert {(e, rank) for e, _, rank, _ in rows} >= {(0, k) for k in range(after)}
@@ -107,10 +107,11 @@ def test_checkpoints_move_between_ddp_and_zero(root, source, target):
     path resumes on the other and continues the same trajectory (the Adam moments came along: a
     reset optimizer would take a first Adam step instead)."""
     r, manifest = root
-    # eps 1e-8: Open-Sora's 1e-15 turns the key biases' float-noise gradients into full Adam steps,
-    # which two correct optimizers (AdamW vs HybridAdam, two clip roundings) take in different directions.
+    # eps 1e-6: Open-Sora's 1e-15 turns the key biases' float-noise gradients (exactly zero in exact
+    # arithmetic) into full Adam steps, which two correct optimizers (torch's AdamW and HybridAdam,
+    # two clip roundings) take in different directions (seen: 0.5% of a step at eps 1e-8).
     args = data_args(manifest, "--run.epochs=1", "--run.ckpt_every=2", "--run.max_steps=4", "--run.keep_last=5",
-                     "--optim.adam_eps=1e-8")
+                     "--optim.adam_eps=1e-6")
     whole = f"cross-{source}"
     if not (r / f"runs/{whole}/ckpt-00000004").exists():
         train(r, args + [f"--run.name={whole}", *PLUGINS[source]], nproc=2)

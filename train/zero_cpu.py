@@ -21,8 +21,9 @@ the GPU nodes do:
 What this cannot show (README, "ZeRO-2 on CPU"): overlapped communication and stream ordering,
 NCCL, HybridAdam's fused CUDA kernel and its build, bf16 GPU numerics, memory.
 
-``enable()`` is called by ``Parallel.setup`` only when the run asks for ``zero2`` and no CUDA
-device is usable; it is idempotent.
+``enable()`` is called by ``Parallel.setup`` only when the run asks for ``zero2`` and trains on the
+CPU (no CUDA device, or ``REELCACHE_DEVICE=cpu``); it patches ColossalAI's CPU accelerator class,
+its CPU-Adam loader and the optimizer's sanity check, none of which a CUDA run touches. Idempotent.
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ def enable() -> None:
     global _enabled
     if _enabled:
         return
-    if torch.cuda.is_available():
-        raise RuntimeError("zero_cpu.enable() is for processes without a CUDA device")
     from colossalai.accelerator.cpu_accelerator import CpuAccelerator
     from colossalai.kernel import kernel_loader
     from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
