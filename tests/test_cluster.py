@@ -245,16 +245,79 @@ def _record(run: Path, rank: int, pid: int, host: str) -> dict:
 # SHELL set to the user's login shell (GNU parallel's remote worker execs $SHELL; CI runs with no
 # SHELL in its environment, sshd always sets it) and the words after the host joined by spaces, run
 # by that shell with -c. So the path a remote node takes (GNU parallel's ssh wrapper, our own held
-# session, the quoting of the agent through both) is exercised without an ssh server.
+# session, the quoting of the agent through both) is exercised without an ssh server. A file
+# <host>.env beside it, if present, is that node's environment (e.g. a clock of its own).
 FAKE_SSH = """#!/bin/bash
 echo "$*" >> "$(dirname "$0")/ssh.log"
 while [ $# -gt 0 ]; do case "$1" in -l|-p|-o) shift 2;; -*) shift;; *) break;; esac; done
+host="${1##*@}"
 shift
 [ "$1" = "--" ] && shift
+if [ -f "$(dirname "$0")/$host.env" ]; then set -a; . "$(dirname "$0")/$host.env"; set +a; fi
 SHELL="$(getent passwd "$(id -u)" | cut -d: -f7)"
 export SHELL="${SHELL:-/bin/sh}"
 exec "$SHELL" -c "$*"
 """
+
+
+# A node's own clock, set by the fake ssh below from a per-host env file: `time.time_ns` (what the
+# agent reads) runs RC_FAKE_CLOCK_AHEAD_NS ahead of this machine's, and after RC_FAKE_CLOCK_BACK_AFTER
+# reads it is stepped back once by RC_FAKE_CLOCK_BACK_NS (an NTP step, as on the replication's node).
+CLOCK_SITECUSTOMIZE = """
+import os, time
+_real, _ahead = time.time_ns, int(os.environ.get("RC_FAKE_CLOCK_AHEAD_NS", "0"))
+_after, _back = int(os.environ.get("RC_FAKE_CLOCK_BACK_AFTER", "0")), int(os.environ.get("RC_FAKE_CLOCK_BACK_NS", "0"))
+_reads = 0
+
+def time_ns():
+    global _reads
+    _reads += 1
+    return _real() + _ahead - (_back if _after and _reads > _after else 0)
+
+time.time_ns = time_ns
+"""
+
+
+def _fake_node(tmp_path, host: str, **env) -> None:
+    """The environment the fake ssh gives commands on `host` (a file it sources)."""
+    shim = tmp_path / "clockshim"
+    shim.mkdir(exist_ok=True)
+    (shim / "sitecustomize.py").write_text(CLOCK_SITECUSTOMIZE)
+    (tmp_path / f"{host}.env").write_text(f"PYTHONPATH={shim}\n" + "".join(f"{k}={v}\n" for k, v in env.items()))
+
+
+def test_clocks_measure_a_node_ahead_and_catch_one_that_steps_back(tmp_path, monkeypatch):
+    """Independent reference: the offset the node's clock was given. A read bracketed by the head's
+    two reads is the head's time + AHEAD + (its place in the bracket), so the measured offset is
+    AHEAD to within the uncertainty, with its sign (> 0: the node is ahead)."""
+    from reelcache.train.cluster_clocks import clock_check
+
+    ssh = tmp_path / "ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    ahead, step = 250_000_000, 5_000_000                     # 250 ms ahead; a 5 ms step back
+    _fake_node(tmp_path, "node-ahead", RC_FAKE_CLOCK_AHEAD_NS=ahead)
+    _fake_node(tmp_path, "node-steps", RC_FAKE_CLOCK_BACK_AFTER=1000, RC_FAKE_CLOCK_BACK_NS=step)
+    monkeypatch.setenv("PARALLEL_SSH", str(ssh))
+    res = clock_check(["node-ahead", "node-steps"], sys.executable, samples=8, reads=20_000)
+    a, s = res["node-ahead"], res["node-steps"]
+    assert "error" not in a and "error" not in s, res
+    assert a["uncertainty_ns"] < 50e6
+    assert abs(a["offset_ns"] - ahead) <= a["uncertainty_ns"] + 1, (a["offset_ns"], a["uncertainty_ns"])
+    assert a["backwards"]["back"] == 0
+    assert abs(s["offset_ns"]) <= s["uncertainty_ns"] + 1          # same clock until the step
+    assert s["backwards"]["back"] == 1 and step - 1e6 < s["backwards"]["worst_ns"] <= step, s["backwards"]
+
+    (tmp_path / "nodes").write_text("node-ahead\nnode-steps\n")
+    p = cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 20_000)
+    assert p.returncode == 1, p.stdout + p.stderr
+    rows = {ln.split()[0]: ln for ln in p.stdout.splitlines() if ln.startswith("node-")}
+    off, _, unc = rows["node-ahead"].split()[1:4]                 # "node-ahead  +250.002 +- 0.004 ms  0 ..."
+    assert abs(float(off) - ahead / 1e6) <= float(unc) + 0.001, p.stdout
+    assert "WARNING: offset +2" in p.stdout and "exceeds --warn-ms 50" in p.stdout
+    back = p.stdout.split("node-steps", 1)[1]
+    assert "ERROR: the realtime clock went back 1 time(s) in 20000 reads (at most 5.0" in back, p.stdout
+    assert "1 error(s)" in p.stdout
 
 
 def test_a_node_that_never_answers_costs_its_timeout_not_more(tmp_path):
