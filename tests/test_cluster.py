@@ -211,6 +211,36 @@ def test_gpus_without_nvidia_smi_says_no_gpu(tmp_path):
     assert "no GPU" in p.stdout
 
 
+# nvidia-smi as the agent calls it (the two queries, csv,noheader,nounits), answering with the
+# documented samples above; the compute-apps query lists what the file apps.csv beside it holds.
+FAKE_NVIDIA_SMI = f"""#!/bin/bash
+case "$*" in
+  *--query-gpu=*) printf '%s' '{GPU_CSV}';;
+  *--query-compute-apps=*) cat "$(dirname "$0")/apps.csv" 2>/dev/null;;
+  *) exit 2;;
+esac
+"""
+
+
+def test_gpus_expect_idle_fails_on_a_gpu_process(tmp_path):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_ / "nvidia-smi").chmod(0o755)
+    (tmp_path / "nodes").write_text(":\n")
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"}
+    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle", "--reads", 2, env=env)
+    assert p.returncode == 0 and "2 x NVIDIA H100 80GB HBM3" in p.stdout and "ERROR" not in p.stdout, p.stdout + p.stderr
+
+    (bin_ / "apps.csv").write_text(APPS_CSV.splitlines()[0] + "\n")       # pid 40213 on GPU 0
+    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle", "--reads", 2, env=env)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "ERROR: 1 GPU process(es) running (--expect-idle)" in p.stdout
+    assert any(ln.split()[:3] == ["0", "40213", "71220"] for ln in p.stdout.splitlines()), p.stdout
+    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--reads", 2, env=env)       # listed, not an error
+    assert p.returncode == 0 and "40213" in p.stdout and "ERROR" not in p.stdout, p.stdout
+
+
 # --- processes: the kernel's view, and rank records as the trainer writes them ----------------
 
 def _port() -> int:
@@ -365,6 +395,41 @@ def test_remote_nodes_go_through_ssh(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_dump_falls_back_to_the_signal_stacks_when_py_spy_fails(tmp_path):
+    """py-spy present but failing (ptrace refused in a container, an unsupported Python): the rank's
+    faulthandler stacks (SIGUSR1, as the trainer registers it) are used, and the py-spy error is noted."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "py-spy").write_text("#!/bin/sh\necho 'Error: Permission denied (os error 13)' >&2\nexit 1\n")
+    (bin_ / "py-spy").chmod(0o755)
+    stacks = tmp_path / "stacks.txt"
+    rank = subprocess.Popen([sys.executable, "-c", f"""
+import faulthandler, signal, time
+faulthandler.register(signal.SIGUSR1, file=open({str(stacks)!r}, "a"), all_threads=True)
+def waiting_for_the_collective():
+    print("ready", flush=True)
+    time.sleep(300)
+waiting_for_the_collective()
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "ready"
+        run = tmp_path / "run"
+        rec = _record(run, 0, rank.pid, socket.gethostname()) | {"stacks": str(stacks)}
+        (run / "ranks/rank00000.json").write_text(json.dumps(rec))
+        p = cli("dump", "--run", run, "--timeout", 10, env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"})
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "rank 0: py-spy: Error: Permission denied (os error 13); used the SIGUSR1 stacks instead" in p.stdout
+        dump, = (run / "dumps").iterdir()
+        text = (dump / "rank00000.txt").read_text()
+        assert "signal" in text.splitlines()[0] and "(most recent call first)" in text
+        assert "in waiting_for_the_collective" in text
+        assert "waiting_for_the_collective" in (dump / "summary.txt").read_text()
+        assert rank.poll() is None                      # SIGUSR1 only made it write its stacks
+    finally:
+        rank.kill()
+        rank.wait()
 
 
 def test_stop_escalates_to_sigkill_after_the_grace(tmp_path):
