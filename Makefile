@@ -21,9 +21,23 @@ ARGS ?=
 # make cache ROOT=/data/rc CONFIG=configs/cache/wan-stage1.toml [JOBS=<GPUs>]
 CONFIG ?=
 
-.PHONY: install demo ingest cache test bench clean
+# make install-gpu [VENV=.venv-gpu]: the venv for CUDA nodes (README, "GPU nodes"). torch 2.5.1 is the
+# newest ColossalAI 0.5.0 declares (torch<=2.5.1); PyPI's Linux wheel of it is CUDA 12.4. transformers is
+# ColossalAI's own pin; diffusers 0.39.0 is the newest that has AutoencoderKLWan (>= 0.33) and still
+# allows huggingface-hub < 1.0, which transformers 4.51.3 needs; peft at ColossalAI's bound.
+GPU_TORCH ?= 2.5.1
+GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.13.2
+GPU_STAMP := $(VENV)/.installed-gpu
 
+.PHONY: install install-gpu gpu-kernels demo ingest cache test bench clean
+
+# A venv made by install-gpu stays a GPU venv: `make test|cache|demo VENV=...` never puts the CPU torch in it.
+ifneq ($(wildcard $(GPU_STAMP)),)
+install: $(GPU_STAMP)
+	@touch $(STAMP)
+else
 install: $(STAMP)
+endif
 
 # torch is pinned (an unpinned one pulls gigabytes of CUDA wheels); colossalai 0.5.0 pins an old
 # torch, so it goes in with --no-deps plus the few modules it imports, never via pyproject.
@@ -36,6 +50,62 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q psutil einops peft accelerate bitsandbytes fabric
 	$(BIN)/pip install -q diffusers
 	touch $@
+
+install-gpu: $(GPU_STAMP)
+	@$(MAKE) --no-print-directory gpu-kernels VENV=$(VENV)
+
+# Every resolving install names the pins, so nothing moves torch; colossalai goes in last with
+# --no-deps (pip checks no declared requirements then, so no false "dependency resolver" error).
+$(GPU_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip setuptools wheel
+	$(BIN)/pip install -q torch==$(GPU_TORCH)
+	$(BIN)/pip install -q -e '.[dev,train]' $(GPU_PINS)
+	$(BIN)/pip install -q $(GPU_PINS) psutil einops accelerate bitsandbytes fabric ninja
+	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
+	touch $@ $(STAMP)
+
+# Builds (or, once built, loads) HybridAdam's two kernels, cpu_adam_x86 and fused_optim_cuda, with
+# ColossalAI's own loaders into ~/.cache/colossalai/torch_extensions/, where every rank of a launch
+# finds them. fused_optim is compiled for the visible GPU's compute capability: run it on a GPU node.
+define GPU_KERNELS_PY
+import os, subprocess, sys
+import torch
+from torch.utils.cpp_extension import CUDA_HOME
+cuda = torch.version.cuda
+if cuda is None:
+    sys.exit(f"gpu-kernels: torch {torch.__version__} is a CPU build; make install-gpu VENV=... makes a CUDA venv")
+nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
+if not nvcc or not os.path.exists(nvcc):
+    print(f"gpu-kernels: no nvcc (PATH, CUDA_HOME): HybridAdam's kernels not built; with a CUDA {cuda} toolkit, "
+          "run make gpu-kernels on a GPU node, or each node compiles them when the run starts")
+    sys.exit(0)
+out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+release = next((line.split("release", 1)[1].split(",")[0].strip() for line in out.splitlines() if "release" in line), "?")
+gpu = torch.cuda.is_available()
+if release.split(".")[0] != cuda.split(".")[0]:
+    msg = (f"gpu-kernels: nvcc {release} (CUDA_HOME={CUDA_HOME}) does not match torch's CUDA {cuda}: "
+           f"export CUDA_HOME=<a CUDA {cuda.split('.')[0]}.x toolkit> and run make gpu-kernels")
+    if gpu:
+        sys.exit(msg)
+    print(msg + " on a GPU node")
+    sys.exit(0)
+if not gpu:
+    print(f"gpu-kernels: nvcc {release} found but no GPU visible: HybridAdam's kernels not built; "
+          "run make gpu-kernels on a GPU node (fused_optim is compiled for its compute capability)")
+    sys.exit(0)
+from colossalai.kernel.extensions.base_extension import _Extension
+from colossalai.kernel.kernel_loader import CPUAdamLoader, FusedOptimizerLoader
+CPUAdamLoader().load()
+FusedOptimizerLoader().load()
+print(f"gpu-kernels: HybridAdam's kernels ready for torch {torch.__version__} (CUDA {cuda}, nvcc {release}) "
+      f"in {_Extension.get_jit_extension_folder_path()}")
+endef
+export GPU_KERNELS_PY
+
+gpu-kernels:
+	@[ -x $(BIN)/python ] || { echo "gpu-kernels: no venv at $(VENV); make install-gpu VENV=$(VENV)"; exit 2; }
+	@$(BIN)/python -c "$$GPU_KERNELS_PY"
 
 demo: install
 	@[ -f $(DEMO_DATA)/OpenVid-demo.csv ] || $(BIN)/reelcache demo generate --out $(DEMO_DATA)
