@@ -19,6 +19,9 @@ down:
    assignment is a pure function of (seed, clip id, config), reproducible on any node in any order;
 4. the aspect ratio is the nearest key of the table: |H/W - key| smallest.
 
+Every entry is checked as it is read (``Bucket``'s rules: a known resolution, probabilities in
+[0, 1], a batch size >= 0), so a bad one is one line naming the file and its key.
+
 A clip that fits nowhere gets no bucket and a reason (too_small, too_short, not_kept); the
 cache records it instead of losing it. Both the cache (assignment) and the loader (batch sizes)
 read the same config.
@@ -31,6 +34,9 @@ import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from reelcache import UserError
+from reelcache.settings import build, check, setting
 
 # Pixel budgets (DATASETS.md): the 16:9 (or square) size of each resolution.
 RESOLUTIONS = {"144p": 36_864, "240p": 102_240, "360p": 230_400, "480p": 409_920, "720p": 921_600,
@@ -57,6 +63,24 @@ def _uniform(seed: int, clip_id: str, resolution: str, frames: int, which: str =
     return int.from_bytes(h, "big") / 2 ** 64
 
 
+def _row(res, t, spec) -> tuple:
+    """One TOML entry ``T = batch | [keep, batch] | [[p_res, p_t], batch]`` of ``[buckets.<res>]``."""
+    key = f"buckets.{res}.{t}"
+    if not str(t).isdigit():
+        raise UserError(f"{key}: the keys of [buckets.{res}] are frame counts")
+    keep, batch = spec if isinstance(spec, (list, tuple)) else (1.0, spec)
+    if isinstance(spec, (list, tuple)) and (len(spec) != 2 or isinstance(keep, (list, tuple)) and len(keep) != 2):
+        raise UserError(f"{key} = {spec!r}: expected a batch size, [keep, batch] or [[p_res, p_t], batch]")
+    p_res, p_t = keep if isinstance(keep, (list, tuple)) else (keep, 1.0)
+    if batch is None:
+        batch = 0                              # upstream's (0.0, None): never kept
+    b = build(Bucket, {"resolution": str(res), "num_frames": int(t), "keep": p_res, "keep_t": p_t, "batch": batch},
+              key)
+    # floats as floats (the table's repr is part of fingerprints); a never-kept length demotes every
+    # clip that reaches it, whatever its keep probability says
+    return b.resolution, b.num_frames, float(b.keep) if b.batch > 0 else 0.0, float(b.keep_t), b.batch
+
+
 @dataclass(frozen=True)
 class Assignment:
     bucket: str | None          # "<resolution>/<T>/<ar key>", None when the clip fits no bucket
@@ -68,35 +92,59 @@ class Assignment:
 
 
 @dataclass(frozen=True)
+class Bucket:
+    """One (resolution, num_frames) entry of a bucket config: a row of ``BucketConfig.table``."""
+
+    resolution: str = setting("240p", "pixel budget (RESOLUTIONS)", choices=RESOLUTIONS)
+    num_frames: int = setting(1, "frames T (1: the image bucket)", ge=1)
+    keep: float = setting(1.0, "p_res: probability to keep a clip at this resolution, else demote it", ge=0, le=1)
+    keep_t: float = setting(1.0, "p_t: probability that this length is offered at all", ge=0, le=1)
+    batch: int = setting(0, "per-GPU batch size; 0: never kept (upstream's (0.0, None))", ge=0)
+
+
+@dataclass(frozen=True)
 class BucketConfig:
-    # ((resolution, num_frames, keep p_res, length p_t, batch size), ...); batch 0: never kept
-    table: tuple = ()
-    frame_interval: int = 1
-    default_batch_size: int | None = None
+    table: tuple = setting((), "(resolution, num_frames, keep, keep_t, batch) rows, sorted", rows=Bucket)
+    frame_interval: int = setting(1, "pixel frames between two sampled frames", ge=1)
+    default_batch_size: int | None = setting(None, "batch size of a bucket the table lacks (None: an error)", ge=1)
+
+    def __post_init__(self):
+        check(self)
 
     @classmethod
     def from_dict(cls, buckets: dict, frame_interval: int = 1, default_batch_size: int | None = None):
         """{resolution: {T: batch | [keep, batch] | [[p_res, p_t], batch]}}; batch 0 = never kept."""
+        if not isinstance(buckets, dict):
+            raise UserError(f"buckets = {buckets!r}: expected a table {{resolution: {{frames: batch size}}}}")
         rows = []
         for res, frames in buckets.items():
-            if str(res) not in RESOLUTIONS:
-                raise ValueError(f"unknown resolution {res!r}; known: {', '.join(RESOLUTIONS)}")
+            if not isinstance(frames, dict):
+                raise UserError(f"buckets.{res} = {frames!r}: expected a table {{frames: batch size}}")
             for t, spec in frames.items():
-                keep, batch = (spec if isinstance(spec, (list, tuple)) else (1.0, spec))
-                p_res, p_t = (keep if isinstance(keep, (list, tuple)) else (keep, 1.0))
-                batch = int(batch or 0)
-                rows.append((str(res), int(t), float(p_res) if batch > 0 else 0.0, float(p_t), batch))
+                rows.append(_row(res, t, spec))
         if not any(r[4] > 0 for r in rows):
-            raise ValueError("the bucket config has no (resolution, num_frames) with a batch size > 0")
-        return cls(tuple(sorted(rows)), int(frame_interval), default_batch_size)
+            raise UserError("the bucket config has no (resolution, num_frames) with a batch size > 0")
+        return cls(tuple(sorted(rows)), frame_interval, default_batch_size)
 
     @classmethod
     def from_toml(cls, path) -> "BucketConfig":
+        """A bucket config file; a bad value is one line naming the file and the key. A missing
+        file raises FileNotFoundError (its readers decide what that means)."""
         import tomllib
 
         with open(path, "rb") as f:
-            doc = tomllib.load(f)
-        return cls.from_dict(doc["buckets"], doc.get("frame_interval", 1), doc.get("default_batch_size"))
+            try:
+                doc = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise UserError(f"{path}: {e}") from None
+        try:
+            if unknown := sorted(set(doc) - {"buckets", "frame_interval", "default_batch_size"}):
+                raise UserError(f"unknown keys {unknown}; known: buckets, frame_interval, default_batch_size")
+            if "buckets" not in doc:
+                raise UserError("no [buckets] table")
+            return cls.from_dict(doc["buckets"], doc.get("frame_interval", 1), doc.get("default_batch_size"))
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
 
     @staticmethod
     def path_from(config_file, value: str) -> str:
