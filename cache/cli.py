@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from reelcache.settings import existing_dir, existing_file
+
 PLAN_EXAMPLES = """\
 examples:
   reelcache cache plan --root /data/rc --config configs/cache/wan-stage1.toml > units.txt
@@ -22,11 +24,12 @@ def add_commands(top) -> None:
     sub = ca.add_subparsers(dest="cmd", required=True)
     cp = sub.add_parser("plan", help="assign buckets, fix the cache identity, print units", formatter_class=fmt,
                         epilog=PLAN_EXAMPLES)
-    cp.add_argument("--root", required=True)
-    cp.add_argument("--config", required=True, help="cache config TOML, e.g. configs/cache/tiny.toml")
+    cp.add_argument("--root", required=True, type=existing_dir, help="data root (its catalog manifests)")
+    cp.add_argument("--config", required=True, type=existing_file,
+                    help="cache config TOML, e.g. configs/cache/tiny.toml")
     cp.set_defaults(fn=_plan)
     cr = sub.add_parser("run", help="decode and encode one or more units printed by `cache plan`")
-    cr.add_argument("--root", required=True)
+    cr.add_argument("--root", required=True, type=existing_dir)
     cr.add_argument("units", nargs="+", metavar="UNIT", help="e.g. wan-stage1/000012")
     cr.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
     cr.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")

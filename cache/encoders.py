@@ -28,10 +28,11 @@ import functools
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.settings import TEXT, check, setting
 
 TINY_VIDEO = {
     # Tiny models carry latent statistics that are not 0/1, so a normalization that is skipped shows.
@@ -142,15 +143,17 @@ def temporal_ratio(spec: "EncoderSpec") -> int:
 
 @dataclass
 class EncoderSpec:
-    kind: str
-    path: str | None = None
-    tiny: bool = False
-    dtype: str = "bfloat16"
-    seed: int = 0                   # tiny models: weights are randomly initialized from this seed
-    max_tokens: int = 300           # text encoders
-    extra: dict = field(default_factory=dict)      # opensora-v1.2: {spatial, temporal} sizes other than the published
+    kind: str = setting(doc="video: wan, cogvideox, hunyuan, ltx, opensora-v1.2, sd-per-frame; text: t5",
+                        choices=(*TINY_VIDEO, "t5"))
+    path: str | None = setting(None, "a local weights folder (or the Open-Sora VAE's file)", pattern=TEXT)
+    tiny: bool = setting(False, "seeded random weights of a tiny configuration (tests, the demo)")
+    dtype: str = setting("bfloat16", "the encoder's dtype", choices=("bfloat16", "float16", "float32"))
+    seed: int = setting(0, "tiny models: weights are randomly initialized from this seed", ge=0)
+    max_tokens: int = setting(300, "text encoders: caption tokens", ge=1)
+    extra: dict = setting(doc="opensora-v1.2: {spatial, temporal} sizes other than the published", factory=dict)
 
     def __post_init__(self):
+        check(self)
         if not self.tiny and not self.path:
             raise UserError(f"encoder {self.kind!r}: give `path` (a local weights folder) or `tiny = true`")
 

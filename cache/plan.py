@@ -13,54 +13,60 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.cache.encoders import EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
+from reelcache.cache.encoders import TINY_VIDEO, EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.catalog.shards import atomic_path
 from reelcache.progress import say
+from reelcache.settings import NAME, TEXT, build, load_toml, setting
 
 CACHE_VERSION = 1
 
 
 @dataclass
 class CacheConfig:
-    name: str                          # the cache: ROOT/latents/<name>
-    manifest: str                      # catalog manifest name (ROOT/manifests/<name>-*.parquet) or path
-    buckets: str                       # bucket config TOML
-    video_encoder: EncoderSpec
-    text_encoder: EncoderSpec
-    seed: int = 0                      # bucket keep-probability draws and temporal windows
-    clips_per_unit: int = 256          # one unit = one GPU job
-    batch_size: int = 8                # clips per VAE call (same bucket)
-    text_batch_size: int = 64          # captions per text-encoder call
-    workers: int = 4                   # decode processes per unit, overlapping decode with encode
-    decode_timeout: float = 120.0      # seconds per clip
-    worker_memory_mb: int | None = None
-    shard_mb: float = 1000.0
-    store: str = "posterior"           # posterior: mean + logvar (sampled at load); sample: one draw
-    extra: dict = field(default_factory=dict)
+    name: str = setting(doc="the cache: ROOT/latents/<name>", pattern=NAME)
+    manifest: str = setting(doc="catalog manifest name (ROOT/manifests/<name>-*.parquet) or path", pattern=TEXT)
+    buckets: str = setting(doc="bucket config TOML", pattern=TEXT)
+    video_encoder: EncoderSpec = setting(doc="[video_encoder]: the VAE")
+    text_encoder: EncoderSpec = setting(doc="[text_encoder]: the caption encoder (t5)")
+    seed: int = setting(0, "bucket keep-probability draws and temporal windows", ge=0)
+    clips_per_unit: int = setting(256, "one unit = one GPU job", ge=1)
+    batch_size: int = setting(8, "clips per VAE call (same bucket)", ge=1)
+    text_batch_size: int = setting(64, "captions per text-encoder call", ge=1)
+    workers: int = setting(4, "decode processes per unit, overlapping decode with encode", ge=1)
+    decode_timeout: float = setting(120.0, "seconds per clip", gt=0)
+    worker_memory_mb: int | None = setting(None, "address-space cap per decode process (None: no cap)", ge=1)
+    shard_mb: float = setting(1000.0, "cap on one latent shard's size", gt=0)
+    store: str = setting("posterior", "posterior: mean + logvar (sampled at load); sample: one draw",
+                         choices=("posterior", "sample"))
+    extra: dict = setting(doc="free-form, recorded with the plan", factory=dict)
+
+    def __post_init__(self):
+        if self.video_encoder.kind not in TINY_VIDEO:
+            raise UserError(f"video_encoder.kind = {self.video_encoder.kind!r}: expected one of "
+                            f"{', '.join(map(repr, TINY_VIDEO))}")
+        if self.text_encoder.kind != "t5":
+            raise UserError(f"text_encoder.kind = {self.text_encoder.kind!r}: expected 't5'")
 
     @classmethod
     def from_dict(cls, doc: dict, where: str) -> "CacheConfig":
         """From a config file's table or the plan's recorded ``config`` (``where`` names it in errors)."""
-        try:
-            return cls(**{**doc, "video_encoder": EncoderSpec(**doc["video_encoder"]),
-                          "text_encoder": EncoderSpec(**doc["text_encoder"])})
-        except (KeyError, TypeError) as e:
-            raise UserError(f"{where}: {e}") from e
+        return build(cls, doc, source=where)
 
     @classmethod
     def from_toml(cls, path) -> "CacheConfig":
-        with open(path, "rb") as f:
-            cfg = cls.from_dict(tomllib.load(f), str(path))
+        """A cache config file, every value checked; its bucket file is read too (before any work)."""
+        cfg = cls.from_dict(load_toml(path), str(path))
         cfg.buckets = BucketConfig.path_from(path, cfg.buckets)
-        if cfg.store not in ("posterior", "sample"):
-            raise UserError(f"{path}: store must be 'posterior' or 'sample'")
+        try:
+            BucketConfig.from_toml(cfg.buckets)
+        except FileNotFoundError:
+            raise UserError(f"{path}: buckets = {cfg.buckets!r}: no such file") from None
         return cfg
 
 

@@ -291,9 +291,7 @@ def build(cls, doc, where: str = "", *, source=None):
         try:
             return cls(**kw)
         except (TypeError, ValueError) as e:      # the class's own checks (__post_init__)
-            if isinstance(e, UserError):
-                raise
-            raise UserError(f"{where or cls.__name__}: {e}") from None
+            raise UserError(f"{where}: {e}" if where else str(e)) from None
     except UserError as e:
         if source is None:
             raise
