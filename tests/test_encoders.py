@@ -87,6 +87,32 @@ CASES = {
 }
 
 
+def posterior(vae, kind, x):
+    """The diffusers VAE's own ``encode(x).latent_dist`` (mean, logvar); an image VAE sees each frame alone."""
+    with torch.no_grad():
+        if kind == "sd-per-frame":
+            b, c, t, h, w = x.shape
+            dist = vae.encode(x.transpose(1, 2).reshape(b * t, c, h, w)).latent_dist
+            return tuple(v.reshape(b, t, *v.shape[1:]).transpose(1, 2) for v in (dist.mean, dist.logvar))
+        dist = vae.encode(x).latent_dist
+        return dist.mean, dist.logvar
+
+
+def assert_normalized_posterior(got, vae, rule, x):
+    mean, logvar = posterior(vae, kind_of(vae), x)
+    want_mean, scale = rule(vae, vae.config, mean)
+    want_logvar = logvar + 2 * torch.log(scale)
+    assert got["mean"].dtype == torch.bfloat16 and got["mean"].shape == want_mean.shape
+    torch.testing.assert_close(got["mean"].float(), want_mean, **BF16)
+    torch.testing.assert_close(got["logvar"].float(), want_logvar.expand_as(logvar), **BF16)
+    # the statistics matter here: without them the stored values would be far off
+    assert (want_mean - mean).abs().max() > 0.05
+
+
+def kind_of(vae) -> str:
+    return {"AutoencoderKL": "sd-per-frame"}.get(type(vae).__name__, "video")
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_video_latents_are_the_pipelines_normalized_posterior(case, tmp_path):
     import diffusers
@@ -103,33 +129,32 @@ def test_video_latents_are_the_pipelines_normalized_posterior(case, tmp_path):
 
     enc = VideoEncoder(EncoderSpec(kind, path=str(tmp_path / "vae"), dtype="float32"))
     f = frames()
-    got = enc.encode(f)
-
     ref = getattr(diffusers, cls_name).from_pretrained(tmp_path / "vae").eval()
-    x = as_input(f)
-    with torch.no_grad():
-        if kind == "sd-per-frame":       # the image VAE sees every frame on its own
-            b, c, t, h, w = x.shape
-            dist = ref.encode(x.transpose(1, 2).reshape(b * t, c, h, w)).latent_dist
-            mean, logvar = (v.reshape(b, t, *v.shape[1:]).transpose(1, 2) for v in (dist.mean, dist.logvar))
-        else:
-            dist = ref.encode(x).latent_dist
-            mean, logvar = dist.mean, dist.logvar
-    want_mean, scale = rule(ref, ref.config, mean)
-    want_logvar = logvar + 2 * torch.log(scale)
-    assert got["mean"].dtype == torch.bfloat16 and got["mean"].shape == want_mean.shape
-    torch.testing.assert_close(got["mean"].float(), want_mean, **BF16)
-    torch.testing.assert_close(got["logvar"].float(), want_logvar.expand_as(logvar), **BF16)
-    # the statistics matter here: without them the stored values would be far off
-    assert (want_mean - mean).abs().max() > 0.05
+    assert_normalized_posterior(enc.encode(f), ref, rule, as_input(f))
 
 
-def test_tiny_configs_normalize_with_nontrivial_statistics():
+# The statistics each tiny VAE must carry, read from the VAE's own config (LTX: its buffers), so
+# that a skipped normalization shows: a rule with a shift needs one that is not all 0, and no scale is 1.
+TINY_STATS = {
+    "wan": lambda m, c: (c.latents_mean, [1 / s for s in c.latents_std]),
+    "ltx": lambda m, c: (m.latents_mean.tolist(), [c.scaling_factor / s for s in m.latents_std.tolist()]),
+    "hunyuan": lambda m, c: ([], [c.scaling_factor]),
+    "cogvideox": lambda m, c: ([], [c.scaling_factor]),
+    "sd-per-frame": lambda m, c: ([c.shift_factor], [c.scaling_factor]),
+}
+
+
+@pytest.mark.parametrize("kind", list(TINY_STATS))
+def test_tiny_configs_normalize_with_nontrivial_statistics(kind):
+    """The tiny encoders (tests, the demo) store the pipeline's normalization of their own VAE's
+    posterior, with statistics that are not 0/1 (read from the VAE's config and buffers)."""
     from reelcache.cache.encoders import EncoderSpec, VideoEncoder
 
-    for kind in ("wan", "ltx", "hunyuan", "cogvideox", "sd-per-frame"):
-        enc = VideoEncoder(EncoderSpec(kind, tiny=True, dtype="float32"))
-        assert any(s != 0 for s in enc.shift) or any(abs(s - 1) > 1e-3 for s in enc.scale), kind
+    enc = VideoEncoder(EncoderSpec(kind, tiny=True, dtype="float32"))
+    shift, scale = TINY_STATS[kind](enc.model, enc.model.config)
+    assert (not shift or any(abs(s) > 1e-3 for s in shift)) and all(abs(s - 1) > 1e-3 for s in scale), (shift, scale)
+    f = frames()
+    assert_normalized_posterior(enc.encode(f), enc.model, CASES[kind][3], as_input(f))
 
 
 def test_t5_stores_each_captions_own_hidden_states(tmp_path):
@@ -175,14 +200,31 @@ def test_opensora_encoder_stores_the_published_normalization():
 
 # -- decoding (VideoEncoder.decode, the inverse of encode) ----------------------------------------------------------------------------------------------
 
+def assert_exported_like_the_pipeline(got, video):
+    """`got` (uint8 [B, T, H, W, 3]) is what diffusers' pipelines export for the VAE output `video`
+    ([B, 3, T, H, W] in [-1, 1]): ``VideoProcessor.postprocess_video(output_type="pil")``, i.e.
+    (x * 0.5 + 0.5).clamp(0, 1) * 255, rounded. Exactly, except within 1e-3 of a rounding tie, where
+    float order (ours (x + 1) * 127.5) may decide either way."""
+    from diffusers.video_processor import VideoProcessor
+
+    vp = VideoProcessor()
+    want = np.stack([np.stack([np.asarray(im) for im in clip]) for clip in vp.postprocess_video(video, output_type="pil")])
+    exact = vp.postprocess_video(video, output_type="np") * 255
+    tie = np.abs(exact - np.floor(exact) - 0.5) < 1e-3
+    got = got.numpy()
+    assert got.dtype == np.uint8 and got.shape == want.shape
+    assert np.array_equal(got[~tie], want[~tie]), f"{np.mean(got != want):.1%} of values differ"
+    assert np.abs(got.astype(int) - want).max() <= 1
+
+
 def test_ltx_decode_equals_the_pipeline_denormalize_then_vae_decode():
-    """VideoEncoder.decode(z') against diffusers' own LTXPipeline._denormalize_latents + vae.decode, and the
-    round trip video -> cache normalization -> decode equals decoding the raw posterior mean."""
+    """VideoEncoder.decode(z') against diffusers' own LTXPipeline._denormalize_latents + vae.decode and
+    its export to uint8 frames, and the round trip video -> cache normalization -> decode against
+    decoding the raw posterior mean."""
     import torch
     from diffusers import LTXPipeline
 
     from reelcache.cache.encoders import EncoderSpec, VideoEncoder
-    from reelcache.cache.encoders import to_uint8
 
     enc = VideoEncoder(EncoderSpec("ltx", tiny=True, dtype="float32"))
     vae = enc.model
@@ -190,23 +232,28 @@ def test_ltx_decode_equals_the_pipeline_denormalize_then_vae_decode():
     zn = torch.randn((2, 4, 3, 4, 5), generator=g)
     raw = LTXPipeline._denormalize_latents(zn, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
     with torch.no_grad():
-        want = to_uint8(vae.decode(raw).sample)
+        video = vae.decode(raw).sample
     got = enc.decode(zn, num_frames=5)
     assert got.shape == (2, 5, 32, 40, 3) and got.dtype == torch.uint8
-    assert (got.int() - want[:, :5].int()).abs().max() <= 1
+    assert_exported_like_the_pipeline(got, video[:, :, :5])
 
     frames = torch.randint(0, 256, (1, 5, 32, 40, 3), dtype=torch.uint8, generator=g)
     x = frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+    stored = enc.encode(frames)["mean"]
     with torch.no_grad():
         mean = vae.encode(x).latent_dist.mean
-        want = to_uint8(vae.decode(mean).sample)
-    got = enc.decode(enc.encode(frames)["mean"].float(), num_frames=5)
-    assert (got.int() - want.int()).abs().float().mean() < 1.0      # the cache stores bf16: small rounding
+        exact = vae.decode(mean).sample
+        video = vae.decode(LTXPipeline._denormalize_latents(stored.float(), vae.latents_mean, vae.latents_std,
+                                                            vae.config.scaling_factor)).sample
+    got = enc.decode(stored.float(), num_frames=5)
+    assert_exported_like_the_pipeline(got, video)
+    # the cache stores bf16: decoding it stays close to decoding the float posterior mean
+    assert (got.float() / 127.5 - 1 - exact.permute(0, 2, 3, 4, 1).clamp(-1, 1)).abs().mean() < 1 / 127.5
 
 
 def test_per_frame_decode_matches_the_sd3_pipeline_formula():
     """sd-per-frame: z = z' / scaling_factor + shift_factor (diffusers' SD3 pipeline before vae.decode),
-    every frame decoded on its own."""
+    every frame decoded on its own and exported as the pipeline's image processor exports it."""
     import torch
 
     from reelcache.cache.encoders import EncoderSpec, VideoEncoder
@@ -215,8 +262,7 @@ def test_per_frame_decode_matches_the_sd3_pipeline_formula():
     vae = enc.model
     zn = torch.randn((1, 4, 3, 4, 4), generator=torch.Generator().manual_seed(1))
     got = enc.decode(zn, num_frames=3)
-    for t in range(3):
-        with torch.no_grad():
-            img = vae.decode(zn[:, :, t] / vae.config.scaling_factor + vae.config.shift_factor).sample
-        want = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
-        assert (got[:, t].int() - want.int()).abs().max() <= 1
+    with torch.no_grad():
+        video = torch.stack([vae.decode(zn[:, :, t] / vae.config.scaling_factor + vae.config.shift_factor).sample
+                             for t in range(3)], dim=2)
+    assert_exported_like_the_pipeline(got, video)
