@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from reelcache import UserError
+from reelcache.settings import arg, existing_dir, existing_file, option
 
 PLAN_EXAMPLES = """\
 examples:
@@ -39,30 +39,36 @@ def add_commands(top) -> None:
     pl.add_argument("--root", required=True, help="data root (catalog, shards, manifests live here)")
     pl.add_argument("--source", required=True, choices=["openvid", "miradata", "csv", "parquet", "folder"],
                     help="format of the input table")
-    pl.add_argument("--meta", help="the table: OpenVid/MiraData CSV, or a path,text csv/parquet")
-    pl.add_argument("--videos", required=True, help="folder that the table's paths are relative to")
-    pl.add_argument("--name", help="source name in the catalog (default: the format)")
-    pl.add_argument("--caption", help="MiraData: which caption trains (short, dense, background, "
+    pl.add_argument("--meta", type=existing_file, help="the table: OpenVid/MiraData CSV, or a path,text csv/parquet")
+    pl.add_argument("--videos", required=True, type=existing_dir, help="folder that the table's paths are relative to")
+    pl.add_argument("--name", type=_field("source"), help="source name in the catalog (default: the format)")
+    pl.add_argument("--caption", type=_field("caption"), help="MiraData: which caption trains (short, dense, background, "
                                       "main_object, style, camera); all are kept")
-    pl.add_argument("--config", help="TOML with any of these settings, e.g. configs/ingest/opensora12.toml")
-    pl.add_argument("--rows-per-unit", type=int, help="input rows per work unit (default 1000)")
-    pl.add_argument("--shard-mb", type=float, help="cap on one shard's size in MB (default 1000)")
+    pl.add_argument("--config", type=existing_file,
+                    help="TOML with any of these settings, e.g. configs/ingest/opensora12.toml")
+    pl.add_argument("--rows-per-unit", type=_field("rows_per_unit"), help="input rows per work unit (default 1000)")
+    pl.add_argument("--shard-mb", type=_field("shard_mb"), help="cap on one shard's size in MB (default 1000)")
     pl.add_argument("--verify", choices=["header", "decode"],
                     help="header (default): headers, packets, first frame; decode: decode every frame")
-    pl.add_argument("--probe-timeout", type=float, help="seconds per file before it is a 'timeout' reject (30)")
-    pl.add_argument("--decode-timeout", type=float, help="seconds per file with --verify decode (600)")
-    pl.add_argument("--workers", type=int, help="probe processes per unit (default 1)")
-    pl.add_argument("--worker-memory-mb", type=int, help="address-space cap per probe process")
+    pl.add_argument("--probe-timeout", type=_field("probe_timeout"),
+                    help="seconds per file before it is a 'timeout' reject (30)")
+    pl.add_argument("--decode-timeout", type=_field("decode_timeout"),
+                    help="seconds per file with --verify decode (600)")
+    pl.add_argument("--workers", type=_field("workers"), help="probe processes per unit (default 1)")
+    pl.add_argument("--worker-memory-mb", type=_field("worker_memory_mb"), help="address-space cap per probe process")
     pl.add_argument("--tagger", choices=["pattern", "spacy"], help="part-of-speech tagger for noun_count")
-    pl.add_argument("--max-file-mb", type=float, help="reject files larger than this ('too_large')")
-    pl.add_argument("--min-frames", type=int, help="reject clips with fewer frames ('too_short', default 17)")
-    pl.add_argument("--min-seconds", type=float, help="reject clips shorter than this ('too_short')")
+    pl.add_argument("--max-file-mb", type=_threshold("max_file_mb"),
+                    help="reject files larger than this ('too_large')")
+    pl.add_argument("--min-frames", type=_threshold("min_frames"),
+                    help="reject clips with fewer frames ('too_short', default 17)")
+    pl.add_argument("--min-seconds", type=_threshold("min_seconds"),
+                    help="reject clips shorter than this ('too_short')")
     pl.add_argument("--replace", action="store_true",
                     help="the source was planned differently before: delete its shards and plan anew")
     pl.set_defaults(fn=_plan)
     rn = sub.add_parser("run", help="process one or more units printed by `ingest plan`",
                         epilog=RUN_EXAMPLES, formatter_class=fmt)
-    rn.add_argument("--root", required=True)
+    rn.add_argument("--root", required=True, type=existing_dir)
     rn.add_argument("units", nargs="+", metavar="UNIT", help="e.g. openvid/000012")
     rn.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")
     rn.set_defaults(fn=_run)
@@ -72,29 +78,31 @@ def add_demo(sub) -> None:
     """``reelcache demo generate``: the bundled demo's videos and table."""
     g = sub.add_parser("generate", help="write a small OpenVid-format dataset with some broken files")
     g.add_argument("--out", required=True)
-    g.add_argument("--clips", type=int, default=240)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--workers", type=int, default=2)
+    g.add_argument("--clips", type=arg(int, ge=1), default=240)
+    g.add_argument("--seed", type=arg(int, ge=0), default=0)
+    g.add_argument("--workers", type=arg(int, ge=1), default=2)
     g.set_defaults(fn=_demo_generate)
+
+
+def _field(name: str):
+    return option(f"reelcache.ingest.plan:IngestConfig.{name}")
+
+
+def _threshold(name: str):
+    return option(f"reelcache.ingest.filters:Thresholds.{name}")
 
 
 def _plan(a) -> None:
     import dataclasses
-    import tomllib
 
     from reelcache.ingest.filters import Thresholds
     from reelcache.ingest.plan import IngestConfig, make_plan
+    from reelcache.settings import build, load_toml
 
-    conf = {}
-    if a.config:
-        with open(a.config, "rb") as f:
-            conf = tomllib.load(f)
-    thresholds = {**conf.pop("thresholds", {})}
-    known = {f.name for f in dataclasses.fields(IngestConfig)} | {f.name for f in dataclasses.fields(Thresholds)}
-    if unknown := set(conf) - known:
-        raise UserError(f"{a.config}: unknown keys {sorted(unknown)}")
-    for k in [f.name for f in dataclasses.fields(Thresholds)]:
-        if k in conf:
+    conf = load_toml(a.config) if a.config else {}
+    thresholds = conf.pop("thresholds", {})
+    for k in [f.name for f in dataclasses.fields(Thresholds)] if isinstance(thresholds, dict) else ():
+        if k in conf:                          # flat in the file, or under [thresholds]
             thresholds[k] = conf.pop(k)
         if getattr(a, k) is not None:
             thresholds[k] = getattr(a, k)
@@ -102,10 +110,11 @@ def _plan(a) -> None:
               "workers", "worker_memory_mb", "tagger"):
         if getattr(a, k) is not None:
             conf[k] = getattr(a, k)
-    cfg = IngestConfig(source=a.name or a.source, format=a.source, videos=str(Path(a.videos).resolve()),
-                       meta=a.meta and str(Path(a.meta).resolve()),
-                       thresholds=Thresholds(**thresholds), **conf)
-    units = make_plan(a.root, cfg, replace=a.replace)
+    conf.update(source=a.name or a.source, format=a.source, videos=str(Path(a.videos).resolve()),
+                thresholds=thresholds)
+    if a.meta:
+        conf["meta"] = str(Path(a.meta).resolve())
+    units = make_plan(a.root, build(IngestConfig, conf, source=a.config), replace=a.replace)
     sys.stdout.write("".join(u + "\n" for u in units))
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from reelcache.settings import check, setting
+
 
 class Reason(str, Enum):
     bad_row = "bad_row"                  # the table row itself is malformed (no path, wrong field count)
@@ -41,9 +43,14 @@ class Rejected(Exception):
 
 @dataclass(frozen=True)
 class Thresholds:
-    max_file_mb: float | None = None   # the Open-Sora 1.2 recipe caps at 50 MB; None = no cap
-    min_frames: int = 17               # one temporal-VAE chunk (17 frames -> 5 latent frames)
-    min_seconds: float = 0.0
+    max_file_mb: float | None = setting(None, "reject larger files; the Open-Sora 1.2 recipe caps at 50 MB; "
+                                              "None = no cap", gt=0)
+    min_frames: int = setting(17, "reject shorter clips; one temporal-VAE chunk (17 frames -> 5 latent frames)",
+                              ge=0)
+    min_seconds: float = setting(0.0, "reject clips shorter than this many seconds", ge=0)
+
+    def __post_init__(self):
+        check(self)
 
 
 def bad_row(row, t):

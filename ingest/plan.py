@@ -15,45 +15,44 @@ import dataclasses
 import hashlib
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.catalog.levels import TAGGERS
 from reelcache.catalog.shards import atomic_path
 from reelcache.ingest.filters import Thresholds
+from reelcache.ingest.sources import FORMATS, MIRADATA_CAPTIONS
 from reelcache.progress import say
+from reelcache.settings import NAME, TEXT, build, check, setting
 
 PLAN_VERSION = 1
+
+
+CAPTIONS = tuple(c.removesuffix("_caption") for c in MIRADATA_CAPTIONS) + tuple(MIRADATA_CAPTIONS)
 
 
 @dataclass
 class IngestConfig:
     """Everything a unit needs, resolved once at plan time and written to plan.json."""
 
-    source: str                       # name of this source in the catalog (default: the format)
-    format: str                       # openvid | miradata | csv | parquet | folder
-    videos: str                       # folder that relative paths resolve against
-    meta: str | None = None           # the table (not used by the folder format)
-    caption: str | None = None        # MiraData: which caption column is `text`
-    rows_per_unit: int = 1000         # input rows per work unit (one retryable job)
-    shard_mb: float = 1000.0          # cap on one tar shard's size
-    verify: str = "header"            # header: headers + first frame; decode: full decode
-    probe_timeout: float = 30.0       # seconds per file (header probe)
-    decode_timeout: float = 600.0     # seconds per file with --verify decode
-    workers: int = 1                  # probe processes per unit (GNU parallel gives the rest)
-    worker_memory_mb: int | None = None  # address-space cap per probe process
-    tagger: str = "pattern"           # part-of-speech tagger for noun_count
-    thresholds: Thresholds = field(default_factory=Thresholds)
+    source: str = setting(doc="name of this source in the catalog (default: the format)", pattern=NAME)
+    format: str = setting(doc="the input table's format", choices=FORMATS)
+    videos: str = setting(doc="folder that relative paths resolve against", pattern=TEXT)
+    meta: str | None = setting(None, "the table (not used by the folder format)", pattern=TEXT)
+    caption: str | None = setting(None, "MiraData: which caption column is `text`", choices=CAPTIONS)
+    rows_per_unit: int = setting(1000, "input rows per work unit (one retryable job)", ge=1)
+    shard_mb: float = setting(1000.0, "cap on one tar shard's size", gt=0)
+    verify: str = setting("header", "header: headers + first frame; decode: full decode", choices=("header", "decode"))
+    probe_timeout: float = setting(30.0, "seconds per file (header probe)", gt=0)
+    decode_timeout: float = setting(600.0, "seconds per file with --verify decode", gt=0)
+    workers: int = setting(1, "probe processes per unit (GNU parallel gives the rest)", ge=1)
+    worker_memory_mb: int | None = setting(None, "address-space cap per probe process (None: no cap)", ge=1)
+    tagger: str = setting("pattern", "part-of-speech tagger for noun_count", choices=TAGGERS)
+    thresholds: Thresholds = setting(doc="[thresholds]: which probed clips are rejects", factory=Thresholds)
 
     def __post_init__(self):
-        if isinstance(self.thresholds, dict):
-            self.thresholds = Thresholds(**self.thresholds)
-        if self.verify not in ("header", "decode"):
-            raise UserError(f"--verify must be 'header' or 'decode', not {self.verify!r}")
-        if self.rows_per_unit < 1 or self.shard_mb <= 0:
-            raise UserError("--rows-per-unit and --shard-mb must be positive")
-        if not self.source.replace("-", "").replace("_", "").isalnum():
-            raise UserError(f"--name {self.source!r}: use letters, digits, '-' and '_' only")
+        check(self)
 
 
 def source_dir(root, source: str) -> Path:
@@ -75,7 +74,7 @@ def load_plan(root, source: str) -> tuple[IngestConfig, dict]:
     doc = json.loads(path.read_text())
     if doc.get("plan_version") != PLAN_VERSION:
         raise UserError(f"{path} was written by another reelcache version; re-run `ingest plan --replace`")
-    return IngestConfig(**doc["config"]), doc
+    return build(IngestConfig, doc["config"], source=path), doc
 
 
 def _fingerprint(cfg: IngestConfig, table) -> str:
