@@ -1,7 +1,7 @@
 """STDiT3, the Open-Sora 1.2 video diffusion transformer, as a plain torch module.
 
 Same computation and the same parameter names as Open-Sora's ``opensora/models/stdit/stdit3.py``
-(facts in ../shared/OPENSORA12.md §1), so an Open-Sora / published STDiT3 state dict loads with
+(facts in docs/OPENSORA12.md §1), so an Open-Sora / published STDiT3 state dict loads with
 ``strict=True`` and the fixture outputs of Open-Sora's own class are reproduced (tests/test_model.py).
 
     x (B,4,T,H,W) -> PatchEmbed3D (Conv3d, zero-pad to the patch grid) -> tokens (B, T, S, C)
