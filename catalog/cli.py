@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from reelcache.settings import arg, existing_dir
+
 EXAMPLES = """\
 examples:
   reelcache catalog merge --root /data/rc
@@ -22,28 +24,28 @@ def add_commands(top) -> None:
                          epilog=EXAMPLES, formatter_class=fmt)
     sub = cat.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="load finished units' sidecars (idempotent), recompute levels")
-    m.add_argument("--root", required=True)
+    m.add_argument("--root", required=True, type=existing_dir)
     m.set_defaults(fn=_merge)
     q = sub.add_parser("sql", help="run SQL on the catalog (read-only); print or write csv/json/parquet",
                        epilog=EXAMPLES, formatter_class=fmt)
-    q.add_argument("--root", required=True)
+    q.add_argument("--root", required=True, type=existing_dir)
     q.add_argument("query")
     q.add_argument("--out", help="write the result to FILE.csv, .json or .parquet instead of printing")
-    q.add_argument("--limit", type=int, default=50, help="rows to print (default 50; --out writes all)")
+    q.add_argument("--limit", type=arg(int, ge=0), default=50, help="rows to print (default 50; --out writes all)")
     q.set_defaults(fn=_sql)
     s = sub.add_parser("stats", help="text summary and PNG histograms")
-    s.add_argument("--root", required=True)
+    s.add_argument("--root", required=True, type=existing_dir)
     s.add_argument("--out", help="folder for the PNGs (default ROOT/stats)")
     s.set_defaults(fn=_stats)
     mf = sub.add_parser("manifest", help="freeze a selection of ok clips into a fingerprinted parquet")
-    mf.add_argument("--root", required=True)
+    mf.add_argument("--root", required=True, type=existing_dir)
     mf.add_argument("--name", required=True)
     mf.add_argument("--where", default="true", help="SQL condition on clips (status='ok' is implied)")
     mf.add_argument("--cache", help="keep clips this cache encoded and add their latent shard/offset/bucket: "
                                     "the manifest the training loader reads")
     mf.set_defaults(fn=_manifest)
     ex = sub.add_parser("export", help="write the selection as a table another trainer reads")
-    ex.add_argument("--root", required=True)
+    ex.add_argument("--root", required=True, type=existing_dir)
     ex.add_argument("--format", default="opensora", choices=["opensora"])
     ex.add_argument("--where", default="true", help="SQL condition on clips (status='ok' is implied)")
     ex.add_argument("--out", required=True)

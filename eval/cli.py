@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from reelcache.settings import arg, existing_dir, existing_file
+
 EXAMPLES = """\
 examples:
   # beside training, on a GPU of its own (a box that mounts the data root and the run directory)
@@ -23,14 +25,15 @@ ROOT/runs/<run>/eval/val_loss.parquet, and the run's own wandb run (eval/* again
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--root", required=True, help="data root (manifests, latents, runs)")
+    p.add_argument("--root", required=True, type=existing_dir, help="data root (manifests, latents, runs)")
     p.add_argument("--run", required=True, help="the run directory: runs/<name> (relative to ROOT) or a path")
     p.add_argument("--preset", default="low4s", choices=["low4s", "high4s", "low16s", "debug"],
                    help="sampling preset (Open-Sora 1.2's inference server; debug: tiny, CPU)")
-    p.add_argument("--prompts", help="text file, one prompt per line (no samples without it)")
+    p.add_argument("--prompts", type=existing_file, help="text file, one prompt per line (no samples without it)")
     p.add_argument("--val-manifest", help="loader manifest (catalog manifest --cache) for the validation loss")
-    p.add_argument("--val-batch", type=int, default=4, help="clips per validation forward pass")
-    p.add_argument("--val-max-clips", type=int, help="only the first N clips (clip-id order) of the manifest")
+    p.add_argument("--val-batch", type=arg(int, ge=1), default=4, help="clips per validation forward pass")
+    p.add_argument("--val-max-clips", type=arg(int, ge=1),
+                   help="only the first N clips (clip-id order) of the manifest")
     p.add_argument("--weights", default="ema", choices=["ema", "model"], help="EMA (default) or the training weights")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="model dtype (default: bf16 on cuda, fp32 on cpu)")
@@ -48,12 +51,14 @@ def add_commands(top) -> None:
                        epilog=EXAMPLES, formatter_class=fmt)
     _common(s)
     which = s.add_mutually_exclusive_group()
-    which.add_argument("--every", type=int, default=1, help="every N-th save of the run (steps on N x ckpt_every)")
+    which.add_argument("--every", type=arg(int, ge=1), default=1,
+                       help="every N-th save of the run (steps on N x ckpt_every)")
     which.add_argument("--latest-only", action="store_true", help="only the newest pending checkpoint per poll")
-    s.add_argument("--poll", type=float, default=60.0, help="seconds between looks at the run directory")
-    s.add_argument("--exit-idle", type=float, default=0.0,
+    s.add_argument("--poll", type=arg(float, gt=0), default=60.0, help="seconds between looks at the run directory")
+    s.add_argument("--exit-idle", type=arg(float, ge=0), default=0.0,
                    help="stop after this many seconds with nothing new (0: never)")
-    s.add_argument("--max-attempts", type=int, default=3, help="tries per checkpoint before it is left alone")
+    s.add_argument("--max-attempts", type=arg(int, ge=1), default=3,
+                   help="tries per checkpoint before it is left alone")
     s.set_defaults(fn=_serve)
     o = iev.add_parser("once", help="evaluate one checkpoint", epilog=EXAMPLES, formatter_class=fmt)
     _common(o)
@@ -81,10 +86,6 @@ def _evaluator(a, max_attempts: int = 3):
 
 
 def _serve(a) -> None:
-    from reelcache import UserError
-
-    if a.every < 1:
-        raise UserError("--every must be >= 1")
     ev = _evaluator(a, a.max_attempts)
     ev.serve(poll=a.poll, every=a.every, latest_only=a.latest_only, exit_idle=a.exit_idle)
 

@@ -31,19 +31,24 @@ from dataclasses import dataclass
 
 import torch
 
+from reelcache.settings import check, setting
+
 __all__ = ["PRESETS", "Preset", "latent_shape", "read_prompts", "sample"]
 
 
 @dataclass(frozen=True)
 class Preset:
-    frames: int
-    height: int
-    width: int
-    batch: int
-    steps: int = 30
-    cfg_scale: float = 7.0
-    fps: float = 24.0
-    seed: int = 42
+    frames: int = setting(doc="pixel frames (rounded down to what the VAE encodes)", ge=1)
+    height: int = setting(doc="pixel height (rounded down to the VAE's spatial multiple)", ge=1)
+    width: int = setting(doc="pixel width (rounded down to the VAE's spatial multiple)", ge=1)
+    batch: int = setting(doc="prompts per sampler call", ge=1)
+    steps: int = setting(30, "Euler steps", ge=1)
+    cfg_scale: float = setting(7.0, "classifier-free guidance scale (1: none, 0: the null caption only)", ge=0)
+    fps: float = setting(24.0, "the model's fps input", gt=0)
+    seed: int = setting(42, "prompt i starts from noise seeded with seed + i", ge=0)
+
+    def __post_init__(self):
+        check(self)
 
 
 PRESETS = {

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.settings import arg, existing_dir, existing_file, option
 
 EXAMPLES = """\
 examples:
@@ -49,18 +50,22 @@ def add_commands(top) -> None:
     sub = ld.add_subparsers(dest="cmd", required=True)
     sim = sub.add_parser("simulate", help="plan every rank's batches (no model, no reads), optionally resume",
                          formatter_class=fmt, epilog=SIMULATE_EXAMPLES)
-    sim.add_argument("--root", help="data root (manifest names resolve to ROOT/manifests/NAME-*.parquet)")
+    sim.add_argument("--root", type=existing_dir,
+                     help="data root (manifest names resolve to ROOT/manifests/NAME-*.parquet)")
     sim.add_argument("--manifest", dest="manifests", action=_ManifestArg, required=True,
                      help="loader manifest name or path; repeat to mix")
-    sim.add_argument("--weight", action=_ManifestArg, help="share of the preceding --manifest (0..1)")
-    sim.add_argument("--buckets", required=True, help="bucket config TOML (batch size per resolution/frames)")
-    sim.add_argument("--world-size", type=int, required=True)
-    sim.add_argument("--workers", type=int, default=1, help="data workers per rank (recorded; order is independent)")
-    sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--epochs", type=int, default=1)
+    sim.add_argument("--weight", action=_ManifestArg, type=arg(float, ge=0, le=1),
+                     help="share of the preceding --manifest (0..1)")
+    sim.add_argument("--buckets", required=True, type=existing_file,
+                     help="bucket config TOML (batch size per resolution/frames)")
+    sim.add_argument("--world-size", type=arg(int, ge=1), required=True)
+    sim.add_argument("--workers", type=arg(int, ge=0), default=1,
+                     help="data workers per rank (recorded; order is independent)")
+    sim.add_argument("--seed", type=arg(int, ge=0), default=0)
+    sim.add_argument("--epochs", type=arg(int, ge=1), default=1)
     sim.add_argument("--out", help="write (epoch, step, rank, worker, clip_id, bucket, pad) parquet")
-    sim.add_argument("--save-at", type=int, help="save the data state at this global step, then resume")
-    sim.add_argument("--resume-world-size", type=int, help="world size to resume on (default: the same)")
+    sim.add_argument("--save-at", type=arg(int, ge=0), help="save the data state at this global step, then resume")
+    sim.add_argument("--resume-world-size", type=arg(int, ge=1), help="world size to resume on (default: the same)")
     sim.set_defaults(fn=_simulate)
 
     from reelcache.train import cluster
@@ -70,7 +75,8 @@ def add_commands(top) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="stage config TOML, e.g. configs/train/opensora12/stage1.toml")
-    p.add_argument("--root", required=True, help="data root: manifests, latents; runs go to ROOT/runs/<run.name>")
+    p.add_argument("--root", required=True, type=existing_dir,
+                   help="data root: manifests, latents; runs go to ROOT/runs/<run.name>")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--load", metavar="CKPT", help="resume everything from a checkpoint of ours: a ckpt-<step> "
                                                    "folder (path, or relative to ROOT) or 'latest' of this run")
@@ -82,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when given): the flag for a job that is requeued after a crash")
     p.add_argument("--reset-data", action="store_true",
                    help="with --load: keep model, EMA, optimizer and schedule, restart the data position")
-    p.add_argument("--run", help="run name (= run.name; default: the config file's stem)")
+    p.add_argument("--run", type=option("reelcache.train.config:RunConfig.name"),
+                   help="run name (= run.name; default: the config file's stem)")
     p.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], help="= run.wandb_mode")
 
 
@@ -134,7 +141,7 @@ class _ManifestArg(argparse.Action):
         elif not pairs or pairs[-1][1] is not None:
             parser.error("--weight must follow the --manifest it applies to")
         else:
-            pairs[-1] = (pairs[-1][0], float(value))
+            pairs[-1] = (pairs[-1][0], value)
         ns.manifests = pairs
 
 
@@ -161,8 +168,8 @@ def add_demo(sub) -> None:
     """``reelcache demo train``: two tiny stages on CPU, one run killed and resumed."""
     d = sub.add_parser("train", help="train two tiny stages on the demo cache with 2 CPU processes, killing and "
                                      "resuming the first (after `make demo`'s data steps)")
-    d.add_argument("--root", required=True)
-    d.add_argument("--nproc", type=int, default=2)
+    d.add_argument("--root", required=True, type=existing_dir)
+    d.add_argument("--nproc", type=arg(int, ge=1), default=2)
     d.set_defaults(fn=_demo_train)
 
 
