@@ -1,22 +1,19 @@
-"""Rectified flow against Open-Sora 1.2's own numbers (../shared/fixtures/opensora12, README §2),
+"""Rectified flow against Open-Sora 1.2's own numbers (tests/fixtures/opensora12, README §2),
 and the sampler and mask generator properties."""
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from opensora_fixtures import FIX
 from reelcache.train.flow import (MASK_NAMES, MaskGenerator, add_noise, euler_sample, sample_timesteps,
                                   timestep_transform, training_losses)
 from reelcache.train.model import STDiT3, STDiT3Config
 
-FIX = Path(os.environ.get("OPENSORA12_FIXTURES", Path(__file__).resolve().parents[2] / "shared/fixtures/opensora12"))
-needs_fixtures = pytest.mark.skipif(not (FIX / "rflow_cases.safetensors").exists(), reason="no Open-Sora fixtures")
 
 STAGE1 = {"random": 0.05, "intepolate": 0.005, "quarter_random": 0.005, "quarter_head": 0.005,
           "quarter_tail": 0.005, "quarter_head_tail": 0.005, "image_random": 0.025, "image_head": 0.05,
@@ -40,7 +37,6 @@ def rf():
     return load_file(FIX / "rflow_cases.safetensors")
 
 
-@needs_fixtures
 def test_timestep_transform_table():
     table = json.loads((FIX / "rflow_timestep_transform.json").read_text())
     for row in table["rows"]:
@@ -51,7 +47,6 @@ def test_timestep_transform_table():
         torch.testing.assert_close(out, ref, atol=0, rtol=0, equal_nan=True, msg=str(row))
 
 
-@needs_fixtures
 def test_losses_and_intermediates(tiny, rf):
     t = timestep_transform(rf["t_raw"], rf["height"], rf["width"], rf["num_frames"])
     torch.testing.assert_close(t, rf["t"], atol=0, rtol=1e-6)
@@ -157,7 +152,6 @@ def _sampler_inputs(model):
                 height=[64.0, 64.0], width=[96.0, 96.0], num_frames=[17.0, 17.0], fps=[24.0, 24.0])
 
 
-@needs_fixtures
 def test_sampler_first_and_last_steps_are_euler_updates(tiny):
     inp = _sampler_inputs(tiny)
     calls = []
@@ -190,7 +184,6 @@ def test_sampler_first_and_last_steps_are_euler_updates(tiny):
                                atol=1e-5, rtol=1e-5)
 
 
-@needs_fixtures
 def test_sampler_cfg_one_equals_unguided_and_holds_condition_frames(tiny):
     inp = _sampler_inputs(tiny)
     guided = euler_sample(tiny, **inp, steps=3, cfg_scale=1.0)

@@ -1,4 +1,4 @@
-"""cache/opensora_vae.py against Open-Sora 1.2's own outputs (../shared/fixtures/opensora12/vae_*).
+"""cache/opensora_vae.py against Open-Sora 1.2's own outputs (tests/fixtures/opensora12/vae_*).
 
 The fixtures were made by the fork's own VideoAutoencoderPipeline on a tiny seeded config
 (README.md there, section 3): we build our modules from the same sizes, load the same state dict
@@ -9,16 +9,12 @@ README's tolerances (latents 1e-5, decoded video 1e-4).
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
+from opensora_fixtures import FIX
 
-FIX = Path(os.environ.get("OPENSORA12_FIXTURES", Path(__file__).resolve().parents[2] / "shared/fixtures/opensora12"))
 LAT = dict(atol=1e-5, rtol=1e-5)
-
-pytestmark = pytest.mark.skipif(not (FIX / "vae_tiny.safetensors").exists(), reason=f"no fixtures in {FIX}")
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +86,15 @@ def test_checkpoint_buffers_are_checked_and_every_key_consumed(upstream, tmp_pat
     missing = {k: v for k, v in state.items() if not k.startswith("temporal_vae.decoder.conv_out")}
     with pytest.raises(RuntimeError, match="conv_out"):
         OpenSoraVAE(spatial=spatial, temporal=temporal).load_upstream(missing)
+
+
+def test_fixtures_are_the_published_ones():
+    """Every fixture the README lists is here, byte for byte (the suite's references are not edited)."""
+    import hashlib
+
+    from opensora_fixtures import checksums
+
+    sums = checksums()
+    assert len(sums) == 8
+    for name, digest in sums.items():
+        assert hashlib.sha256((FIX / name).read_bytes()).hexdigest() == digest, name
