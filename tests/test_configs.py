@@ -13,7 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from reelcache.cache.plan import CacheConfig
 from reelcache.catalog.buckets import BucketConfig
+from reelcache.ingest.plan import IngestConfig
+from reelcache.settings import build
 from reelcache.train.config import load_config
 from reelcache.train.flow import MaskGenerator
 from reelcache.train.loader import weight_schedule
@@ -121,6 +124,20 @@ def test_config_loads_and_its_parts_are_valid(path):
     STDiT3Config.preset(cfg.model.preset, **cfg.model.overrides)  # overrides are real model fields
     for m in cfg.data.manifests:
         assert weight_schedule(m.weight)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("[bci]*/*.toml")), ids=lambda p: p.stem)
+def test_every_bucket_cache_and_ingest_config_reads_with_every_value_checked(path):
+    kind = path.parent.name
+    if kind == "buckets":
+        BucketConfig.from_toml(path)
+    elif kind == "cache":
+        cfg = CacheConfig.from_toml(path)
+        assert Path(cfg.buckets).is_file()
+    else:          # what `ingest plan --config` adds to the command line's source, format and videos
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+        build(IngestConfig, {**doc, "source": "s", "format": "csv", "videos": "."})
 
 
 def test_run_names_are_unique():
