@@ -213,3 +213,147 @@ def test_once_with_the_training_weights(trained):
     assert model["weights"] == "model" and ema["weights"] == "ema" and "videos" not in model
     assert model["val_loss"]["clips"] == 2 and model["val_loss"]["overall"] != ema["val_loss"]["overall"]
     assert json.loads((out / "val_loss-model.json").read_text())["overall"] == model["val_loss"]["overall"]
+
+
+# -- references computed from the definitions, not from eval/'s helpers ---------------------------
+#
+# These tests own a copy of the run (runs/<name>, checkpoints copied) so their eval/ files never meet
+# the server test's. The model is built from the checkpoint's config.json and weights; the clip's
+# latent is read straight from its shard with tarfile + safetensors.
+
+
+def _run_copy(root: Path, name: str, steps=(2, 4)) -> str:
+    dst = root / "runs" / name
+    shutil.rmtree(dst, ignore_errors=True)
+    for s in steps:
+        shutil.copytree(root / "runs" / RUN / f"ckpt-{s:08d}", dst / f"ckpt-{s:08d}")
+    return f"runs/{name}"
+
+
+def _stdit(ckpt: Path, which: str = "model"):
+    from reelcache.train.config import from_dict
+    from reelcache.train.model import STDiT3
+    from reelcache.train.weights import load_weights
+
+    cfg = from_dict(json.loads((ckpt / "config.json").read_text()))
+    model = STDiT3(cfg.model_config())
+    load_weights(model, ckpt, which=which)
+    return model.float().eval(), cfg
+
+
+def _shift(t: float, height: int, width: int, frames: int) -> float:
+    """Open-Sora 1.2's timestep_transform (OPENSORA12.md §2), one sample."""
+    ratio = math.sqrt(height * width / 512**2) * math.sqrt(1 if frames == 1 else frames // 17 * 5)
+    tn = t / 1000
+    return 1000 * ratio * tn / (1 + (ratio - 1) * tn)
+
+
+def _luma_psnr(a, b) -> float:
+    """PSNR of BT.601 luma: yuv420p halves chroma in both directions, and the tiny random VAE's
+    frames are noise-like, so an RGB PSNR is ~17 dB even for the very same frames (luma: ~35 dB)."""
+    import numpy as np
+
+    w = np.array([0.299, 0.587, 0.114])
+    mse = np.mean((np.asarray(a, np.float64) @ w - np.asarray(b, np.float64) @ w) ** 2)
+    return 10 * math.log10(255**2 / mse)
+
+
+@pytest.fixture(scope="module")
+def once_ref(trained) -> tuple[Path, str]:
+    """`eval once` of ckpt-00000002's training weights on a run copy: the first clip's validation
+    loss and the debug preset's two sample videos. Returns (root, run)."""
+    run = _run_copy(trained, "evalref", steps=(2,))
+    assert main(["eval", "once", "--root", str(trained), "--run", run, "--checkpoint", "ckpt-00000002",
+                 "--preset", "debug", "--weights", "model", "--prompts", str(PROMPTS), "--val-manifest", "lat",
+                 "--val-max-clips", "1", "--val-batch", "1", "--device", "cpu", "--wandb-mode", "disabled"]) == 0
+    return trained, run
+
+
+def test_validation_loss_of_one_clip_from_its_definition(once_ref):
+    """README / eval/valloss.py: the first clip in clip-id order, t = 50, 150, ..., 950 WITHOUT the
+    resolution shift, the posterior MEAN, noise from blake2b("val-noise|<clip id>|<k>"), loss =
+    mean over C, T, H, W of (v - (x0 - eps))^2 with x_t = (1 - t/1000) x0 + t/1000 eps."""
+    import hashlib
+    import tarfile
+    import tomllib
+
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors.torch import load as load_safetensors
+
+    from reelcache.catalog.buckets import bucket_hw
+    from reelcache.catalog.manifest import resolve_manifest
+
+    root, run = once_ref
+    ckpt = root / run / "ckpt-00000002"
+    reported = json.loads((root / run / "eval/ckpt-00000002/val_loss-model.json").read_text())
+    model, cfg = _stdit(ckpt)
+    clip = min(pq.read_table(resolve_manifest(root, "lat")).to_pylist(), key=lambda r: r["clip_id"])
+    with tarfile.open(root / clip["shard"]) as tar:
+        member = next(m for m in tar.getmembers() if m.offset_data == clip["shard_offset"])
+        latent = load_safetensors(tar.extractfile(member).read())
+    x0 = latent["mean"].float()[None]
+    assert latent["logvar"].float().exp().mean() > 0.1        # a posterior draw would move the loss a lot
+    res, frames, ar = clip["bucket"].split("/")
+    height, width = bucket_hw(res, ar)
+    interval = tomllib.loads((REPO / cfg.data.buckets).read_text()).get("frame_interval", 1)
+    fps = cfg.data.default_fps if math.isnan(clip["fps"]) else clip["fps"]
+    y = latent["text"].float()[None]
+    kwargs = {"y": y, "mask": torch.ones(1, y.shape[1], dtype=torch.bool), "fps": torch.tensor([float(fps // interval)]),
+              "height": torch.tensor([float(height)]), "width": torch.tensor([float(width)])}
+    mine = {}
+    with torch.no_grad():
+        for k in range(10):
+            t = (k + 0.5) * 100
+            h = hashlib.blake2b(f"val-noise|{clip['clip_id']}|{k}".encode(), digest_size=8).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(h, "big") & (2**63 - 1))
+            eps = torch.randn(x0.shape[1:], generator=gen)[None]
+            x_t = (1 - t / 1000) * x0 + t / 1000 * eps
+            v = model(x_t, torch.tensor([t]), **kwargs)[:, : x0.shape[1]]
+            mine[f"{t:g}"] = float((v - (x0 - eps)).pow(2).mean())
+    assert reported["clips"] == 1 and reported["buckets"] == {clip["bucket"]: {"loss": reported["overall"], "clips": 1}}
+    assert reported["timesteps"] == pytest.approx(mine, rel=1e-5)
+    assert reported["overall"] == pytest.approx(sum(mine.values()) / 10, rel=1e-5)
+    # the shift would move t noticeably in this bucket: t = 500 -> about 456
+    assert abs(_shift(500, height, width, int(frames)) - 500) > 20
+
+
+def test_sample_video_is_the_guided_euler_sampler_decoded(once_ref):
+    """The debug preset's sample_1.mp4 (prompt 1: seed 42 + 1) against the definition: z ~ N(0, 1)
+    from a CPU generator seeded 43; t_i = (1 - i/4) * 1000 shifted for 17 x 72 x 128; Euler
+    z += dt v with dt = (t_i - t_{i+1}) / 1000, the last dt = t_3 / 1000; v = v_u + 7 (v_c - v_u),
+    where v_u takes the model's null caption y_embedding[:L] under the prompt's own mask; fps 24;
+    then the cache's VAE decodes it (VideoEncoder.decode, tested in test_encoders.py)."""
+    import av
+    import numpy as np
+    import torch
+
+    from reelcache.cache.encoders import TextEncoder, VideoEncoder
+    from reelcache.cache.plan import load_cache
+
+    root, run = once_ref
+    model, _ = _stdit(root / run / "ckpt-00000002")
+    _, cache_cfg, _ = load_cache(root, "t")
+    vae, t5 = VideoEncoder(cache_cfg.video_encoder, "cpu"), TextEncoder(cache_cfg.text_encoder, "cpu")
+    prompts = [ln for ln in PROMPTS.read_text().splitlines() if ln and not ln.startswith("#")]
+    i, frames, height, width, steps, guidance = 1, 17, 72, 128, 4, 7.0
+    y = t5.encode(prompts)[i].float()[None]
+    null = model.y_embedder.y_embedding[: y.shape[1]][None]
+    shape = vae.encode(np.zeros((1, frames, height, width, 3), np.uint8))["mean"].shape[1:]
+    kwargs = {"mask": torch.ones(1, y.shape[1], dtype=torch.bool), "fps": torch.tensor([24.0]),
+              "height": torch.tensor([float(height)]), "width": torch.tensor([float(width)])}
+    ts = [_shift((1 - n / steps) * 1000, height, width, frames) for n in range(steps)]
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(42 + i))[None]
+    with torch.no_grad():
+        for n, t in enumerate(ts):
+            v_c = model(z, torch.tensor([t]), y=y, **kwargs)[:, :4]
+            v_u = model(z, torch.tensor([t]), y=null, **kwargs)[:, :4]
+            z = z + (t - ts[n + 1] if n < steps - 1 else t) / 1000 * (v_u + guidance * (v_c - v_u))
+    ref = vae.decode(z, frames)[0].numpy()
+    with av.open(str(root / run / f"eval/ckpt-00000002/debug-model/sample_{i}.mp4")) as c:
+        video = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+    assert video.shape == ref.shape == (frames, height, width, 3)
+    # crf 18 keeps ~35 dB of luma here; guidance off gives ~21 dB, the unshifted schedule ~29 dB,
+    # another seed ~22 dB
+    psnr = _luma_psnr(video, ref)
+    assert psnr > 32, f"sample_{i}.mp4 vs the reference: luma PSNR {psnr:.1f} dB"
