@@ -119,7 +119,7 @@ def _bounds(rule: Rule | None) -> str:
 
 def describe(hint, rule: Rule | None = None, many: bool = False) -> str:
     """What a value of this hint under this rule is, in words: 'a number in [0, 1]', 'a list of 2 numbers'."""
-    parts = [p for p in (_describe(m, rule, many) for m in _members(hint) if m is not type(None))]
+    parts = [_describe(m, rule, many) for m in _members(hint) if m is not type(None)]
     return " or ".join(dict.fromkeys(parts))
 
 
@@ -216,7 +216,7 @@ def _fail(key: str, v, allowed: str):
     raise UserError(f"{key} = {v!r}: expected {allowed}")
 
 
-def check_value(v, hint, rule: Rule | None, key: str) -> None:
+def _check_value(v, hint, rule: Rule | None, key: str) -> None:
     """Raise the one-line UserError for a value of a field: ``key = value: expected ...``."""
     sub, many = _dataclass_of(hint)
     if rule is not None and rule.rows is not None and isinstance(v, (list, tuple)):
@@ -225,7 +225,7 @@ def check_value(v, hint, rule: Rule | None, key: str) -> None:
             if not isinstance(row, (list, tuple)) or len(row) != len(names):
                 _fail(f"{key}[{i}]", row, f"a row [{', '.join(f.name for f in names)}]")
             for f, x in zip(names, row):
-                check_value(x, hints(rule.rows)[f.name], rule_of(f), f"{key}[{i}].{f.name}")
+                _check_value(x, hints(rule.rows)[f.name], rule_of(f), f"{key}[{i}].{f.name}")
         return
     if sub is not None and not many and isinstance(v, sub):
         check(v, key)
@@ -242,9 +242,9 @@ def check_value(v, hint, rule: Rule | None, key: str) -> None:
 
 def check(obj, where: str = ""):
     """Check every field of a dataclass instance, nested sections too; returns ``obj``."""
-    types_ = hints(type(obj))
+    declared = hints(type(obj))
     for f in dataclasses.fields(obj):
-        check_value(getattr(obj, f.name), types_[f.name], rule_of(f), _key(where, f.name))
+        _check_value(getattr(obj, f.name), declared[f.name], rule_of(f), _key(where, f.name))
     return obj
 
 
@@ -276,10 +276,10 @@ def read(cls, doc, where: str = "") -> dict:
     for name, v in doc.items():
         hint, rule, key = hints(cls)[name], rule_of(fields[name]), _key(where, name)
         if _dataclass_of(hint)[0] is None:         # checked as given; sections are checked as they are built
-            check_value(v, hint, rule, key)
+            _check_value(v, hint, rule, key)
         kw[name] = _convert(v, hint, rule, key)
         if _dataclass_of(hint)[0] is not None:
-            check_value(kw[name], hint, rule, key)
+            _check_value(kw[name], hint, rule, key)
     return kw
 
 
