@@ -41,7 +41,10 @@ def run_command(fn) -> int:
     exit status 2, never a traceback."""
     import warnings
 
+    from reelcache.progress import quiet_libraries
+
     warnings.formatwarning = lambda msg, category, *a, **k: f"warning: {msg}\n"
+    quiet_libraries()
     try:
         return fn() or 0
     except UserError as e:

@@ -40,3 +40,23 @@ def fmt_eta(seconds: float) -> str:
     if h:
         return f"{h}h{m:02d}m"
     return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+# Libraries whose import-time and internal chatter is not about the run: bitsandbytes (imported by
+# peft, which diffusers imports when installed) warns that an optional CPU kernel cannot be fetched
+# from a hub; ColossalAI logs each plugin's set-up; ZeRO 0.5.0 calls torch names torch 2.x deprecates.
+QUIET_LOGGERS = ("bitsandbytes", "colossalai")
+QUIET_WARNINGS = (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+                  r"TypedStorage is deprecated")
+
+
+def quiet_libraries() -> None:
+    """Keep libraries' noise off the console: errors still show. Call before they are imported."""
+    import logging
+    import warnings
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+

@@ -272,19 +272,15 @@ def read_optimizer(path) -> tuple[dict, dict]:
 
 def _colossalai():
     """ColossalAI's booster and plugins, without the import-time noise about optional CUDA kernels."""
-    import logging
     import warnings
 
-    for name in ("bitsandbytes", "colossalai"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    from reelcache.progress import quiet_libraries
+
+    quiet_libraries()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from colossalai.booster import Booster
         from colossalai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
-    # What ColossalAI 0.5.0's ZeRO calls in torch 2.x: deprecated names, not a problem of the run.
-    for message in (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
-                    r"TypedStorage is deprecated"):
-        warnings.filterwarnings("ignore", message=message)
     return Booster, LowLevelZeroPlugin, TorchDDPPlugin
 
 
