@@ -182,13 +182,36 @@ def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root, plugin):
     assert all((ea[k] == eb[k]).all() for k in ea)
 
 
+def checkpoints(run_dir: Path) -> dict[int, Path]:
+    """step -> the run's checkpoint folder, as listed on disk."""
+    return {int(c.name.removeprefix("ckpt-")): c for c in run_dir.glob("ckpt-*")}
+
+
+def ema_rule_error(before: Path, after: Path) -> float:
+    """How far the EMA of checkpoint `after` (one optimizer step after `before`) is from
+    ema = d * ema_before + (1 - d) * w_after (w: model/, d: run.ema_decay), relative to the
+    update's size: ~1e-4 from float rounding; 0.9 with d = 0.9, 9 with 0.999, 1 with no update."""
+    import torch
+
+    d = json.loads((after / "config.json").read_text())["run"]["ema_decay"]
+    e0, e1, w1 = weights(before, "ema"), weights(after, "ema"), weights(after, "model")
+    assert e0.keys() == e1.keys() and 0 < d < 1
+    moved = torch.cat([(e1[k] - e0[k]).flatten() for k in e1])
+    rule = torch.cat([((1 - d) * (w1[k] - e0[k])).flatten() for k in e1])
+    assert rule.norm() > 1e-3                      # lr > 0: the weights moved away from the EMA
+    return float((moved - rule).norm() / rule.norm())
+
+
 def test_init_from_load_and_reset_data(root):
     r, manifest = root
-    args = data_args(manifest, "--run.ckpt_every=2", "--run.keep_last=5")
+    args = data_args(manifest, "--run.ckpt_every=1", "--run.keep_last=10")
     train(r, args + ["--run.name=a", "--run.max_steps=4"])
     a4 = r / "runs/a/ckpt-00000004"
     state = json.loads((a4 / "state.json").read_text())
     assert (state["global_step"], state["loader"]["epoch"], state["loader"]["consumed"]) == (4, 0, 4)
+    a = checkpoints(r / "runs/a")
+    errs = [ema_rule_error(a[k - 1], a[k]) for k in (2, 3, 4)]
+    assert max(errs) < 1e-2, errs                  # observed <= 3.4e-4
 
     # --init-from: weights only. With lr 0 the weights stay as loaded; the EMA starts as them.
     train(r, args + ["--run.name=b", "--run.max_steps=1", "--optim.lr=0.0", "--init-from", str(a4)])
@@ -201,10 +224,13 @@ def test_init_from_load_and_reset_data(root):
 
     assert all(torch.allclose(eb[k], wa[k], rtol=1e-6, atol=1e-7) for k in eb)   # 0.99 x + 0.01 x, rounded
 
-    # --load: everything, the data position included.
+    # --load: everything, the data position and the EMA included (its update rule holds across the resume).
     train(r, args + ["--run.name=a", "--run.max_steps=6", "--load", "latest"])
     s6 = json.loads((r / "runs/a/ckpt-00000006/state.json").read_text())
     assert (s6["global_step"], s6["opt_steps"], s6["loader"]["consumed"], s6["loader"]["generation"]) == (6, 6, 6, 1)
+    a = checkpoints(r / "runs/a")
+    errs = [ema_rule_error(a[k - 1], a[k]) for k in (5, 6)]
+    assert max(errs) < 1e-2, errs
 
     # --load --reset-data: optimizer and schedule continue, the data restarts at epoch 0.
     train(r, args + ["--run.name=c", "--run.max_steps=5", "--load", str(a4), "--reset-data"])
@@ -216,11 +242,20 @@ def test_init_from_load_and_reset_data(root):
     s6 = json.loads((r / "runs/e/ckpt-00000006/state.json").read_text())
     assert (s6["global_step"], s6["world_size"], s6["loader"]["consumed"]) == (6, 2, 4 + 2 * 2)
     assert weights(r / "runs/e/ckpt-00000006", "ema").keys() == weights(a4, "ema").keys()
+    e = checkpoints(r / "runs/e")      # the 1-rank EMA, cut into 2 ranks' chunks, updated, gathered
+    errs = [ema_rule_error(a4, e[5]), ema_rule_error(e[5], e[6])]
+    assert max(errs) < 1e-2, errs
 
     # Another manifest: refused, naming the flag that resets the data.
     other = write_latents(r, 20, name="other", seed=3)
     out = train(r, data_args(other, "--run.name=d", "--load", str(a4)), ok=False)
     assert "--reset-data" in out and "refusing to resume" in out
+    # Other batch sizes (144p/17: 4 -> 3), same manifest: refused the same way.
+    buckets = r / "buckets-bs3.toml"
+    buckets.write_text((REPO / "configs/buckets/tiny.toml").read_text().replace("17 = [1.0, 4]", "17 = [1.0, 3]"))
+    assert buckets.read_text() != (REPO / "configs/buckets/tiny.toml").read_text()
+    out = train(r, args + ["--run.name=d", "--run.max_steps=5", "--load", str(a4), f'--data.buckets="{buckets}"'], ok=False)
+    assert "--reset-data" in out and "refusing to resume" in out and "batch sizes" in out
     # A run directory with checkpoints is never trained over by accident.
     out = train(r, args + ["--run.name=a"], ok=False)
     assert "--load latest" in out
