@@ -24,9 +24,10 @@ CONFIG ?=
 # make install-gpu [VENV=.venv-gpu]: the venv for CUDA nodes (README, "GPU nodes"). torch 2.5.1 is the
 # newest ColossalAI 0.5.0 declares (torch<=2.5.1); PyPI's Linux wheel of it is CUDA 12.4. transformers is
 # ColossalAI's own pin; diffusers 0.39.0 is the newest that has AutoencoderKLWan (>= 0.33) and still
-# allows huggingface-hub < 1.0, which transformers 4.51.3 needs; peft at ColossalAI's bound.
+# allows huggingface-hub < 1.0, which transformers 4.51.3 needs. diffusers >= 0.35 refuses to import
+# beside a peft < 0.17 (colossalai imports peft), so peft is 0.17.1, not ColossalAI's <= 0.13.2 (LoRA only).
 GPU_TORCH ?= 2.5.1
-GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.13.2
+GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.17.1
 GPU_STAMP := $(VENV)/.installed-gpu
 
 .PHONY: install install-gpu gpu-kernels demo ingest cache test bench clean
