@@ -183,17 +183,39 @@ def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
     assert not lease.exists()
 
 
+def _lease_pid(lease: Path):
+    try:
+        return json.loads(lease.read_text())["pid"]
+    except (OSError, ValueError, KeyError):        # not there, or being written
+        return None
+
+
 def test_two_runs_of_one_unit_at_once_leave_one_clean_result(demo_dataset, ingested, tmp_path):
+    """The runs provably overlap: the first is paused (SIGSTOP) as soon as its lease file names it, and
+    the second starts then. The lease rule: the second exits 2 naming the first and touches nothing;
+    the first, resumed, writes the clean result."""
     root = tmp_path / "r"
     _plan(root, demo_dataset)
-    procs = [_run(root, UNIT), _run(root, UNIT)]
-    outs = [p.communicate(timeout=180) for p in procs]
-    codes = sorted(p.returncode for p in procs)
-    assert codes in ([0, 0], [0, 2]), outs
-    if codes == [0, 2]:
-        assert "is being run by" in next(e for (_, e), p in zip(outs, procs) if p.returncode == 2)
+    src = root / "raw/openvid"
+    lease = src / "000000.lease"
+    first = _run(root, UNIT)
+    try:
+        deadline = time.monotonic() + 120
+        while _lease_pid(lease) != first.pid:
+            assert first.poll() is None and time.monotonic() < deadline, "the first run never held the lease"
+            time.sleep(0.002)
+        first.send_signal(signal.SIGSTOP)
+        files = {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()}
+        second = _run(root, UNIT)
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2 and "is being run by" in err and f"pid {first.pid}" in err, err
+        assert {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()} == files, "the second run touched files"
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, err = first.communicate(timeout=180)
+    assert first.returncode == 0, err
     _same_as_clean(root, ingested)
-    assert not list((root / "raw/openvid").glob(".*tmp*")) and not (root / "raw/openvid/000000.lease").exists()
+    assert not list(src.glob(".*tmp*")) and not lease.exists()
 
 
 def test_a_run_that_lost_its_lease_does_not_publish(tmp_path):
