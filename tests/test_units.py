@@ -183,6 +183,50 @@ def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
     assert not lease.exists()
 
 
+# `ingest run` with a heartbeat every 0.05 s (30 s in production) and a unit slowed by 2 s before
+# its work, so that a test sees many heartbeats while the unit runs.
+HEARTBEAT_RUN = """
+import sys, time
+from reelcache.catalog import lease
+from reelcache.ingest import run
+lease.HEARTBEAT_S = 0.05
+rows = run.unit_rows
+run.unit_rows = lambda *a: time.sleep(2) or rows(*a)
+from reelcache.cli import main
+sys.exit(main(["ingest", "run", "--root", sys.argv[1], sys.argv[2]]))
+"""
+
+
+def test_a_held_leases_heartbeat_advances_while_the_unit_runs(demo_dataset, ingested, tmp_path):
+    """What another host judges staleness by: the lease file's mtime, refreshed by the holder's heartbeat
+    thread. Set back 1000 s, it is brought back to now, and keeps advancing, while the unit runs."""
+    root = tmp_path / "r"
+    _plan(root, demo_dataset)
+    lease = root / "raw/openvid/000000.lease"
+    proc = subprocess.Popen([sys.executable, "-c", HEARTBEAT_RUN, str(root), UNIT], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while _lease_pid(lease) != proc.pid:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.002)
+        token = json.loads(lease.read_text())["token"]
+        old = time.time() - 1000
+        os.utime(lease, (old, old))
+        beats = []
+        for _ in range(20):
+            time.sleep(0.05)
+            beats.append(lease.stat().st_mtime)
+        assert proc.poll() is None, "the unit ended before its heartbeats were seen"
+        assert beats[-1] > time.time() - 2, f"the heartbeat did not refresh the lease: {time.time() - beats[-1]:.0f} s old"
+        assert len(set(beats)) >= 5 and beats == sorted(beats), beats          # it keeps advancing
+        assert json.loads(lease.read_text())["token"] == token                   # refreshed, not replaced
+    finally:
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert not lease.exists()
+
+
 def _lease_pid(lease: Path):
     try:
         return json.loads(lease.read_text())["pid"]
