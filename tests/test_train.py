@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -292,6 +293,87 @@ def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):
     assert (r / "runs/logged/wandb_id").read_text() in str(next((r / "runs/logged/wandb").glob("offline-run-*")))
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "configs/train").rglob("*.toml")),
+                         ids=lambda p: str(p.relative_to(REPO / "configs/train").with_suffix("")))
+def test_every_stage_clips_gradients_at_1(path):
+    """README: grad clip 1.0, in every stage (opensora12/, opensora12-original/) and its debug twin."""
+    from reelcache.train.config import load_config
+
+    assert load_config(path).optim.grad_clip == 1.0
+
+
+def adam_step_gradient(before: Path | None, after: Path) -> torch.Tensor:
+    """The gradient the optimizer stepped with between two consecutive checkpoints (None: the first
+    step), from AdamW's first moments m_k = b1 m_(k-1) + (1 - b1) g_k, all parameters flattened."""
+    import torch
+    from safetensors.torch import load_file
+
+    b1 = json.loads((after / "config.json").read_text())["optim"]["betas"][0]
+    m1 = {k: v for k, v in load_file(after / "optimizer/state.safetensors").items() if k.endswith("::exp_avg")}
+    m0 = load_file(before / "optimizer/state.safetensors") if before else {k: torch.zeros_like(v) for k, v in m1.items()}
+    assert len(m1) > 80
+    return torch.cat([((m1[k] - b1 * m0[k]) / (1 - b1)).flatten() for k in sorted(m1)])
+
+
+CONSOLE = re.compile(r"^step (\d+)/(\d+) ep (\d+) \| loss (\S+) \| lr (\S+) \| gnorm (\S+) \| (\S+) samples/s \| "
+                     r"step (\S+)s, data (\d+)% \| ETA (\d+[smhd]\S*)$", re.M)
+
+
+def console_lines(out: str, rows: dict[int, dict], total: int) -> list[int]:
+    """The steps of the console lines in a run's output, each checked field by field against its
+    metrics row (README: loss, lr, grad norm, samples/s, step time, data-wait share, ETA; no MFU on CPU)."""
+    steps = []
+    for m in CONSOLE.finditer(out):
+        step, t, ep, loss, lr, gnorm, sps, step_s, share, _ = m.groups()
+        row = rows[int(step) - 1]
+        assert (int(t), int(ep)) == (total, row["epoch"]), m.group(0)
+        assert (loss, lr, gnorm) == (f"{row['loss']:.4f}", f"{row['lr']:.2e}", f"{row['grad_norm']:.3f}"), m.group(0)
+        assert (sps, step_s, share) == (f"{row['samples_per_s']:.1f}", f"{row['step_s']:.2f}",
+                                        f"{100 * row['data_share']:.0f}"), m.group(0)
+        steps.append(int(step) - 1)
+    assert "mfu" not in out
+    return steps
+
+
+def test_requeued_run_resumes_prunes_logs_one_wandb_run_and_clips_at_1(root):
+    """A job started with --resume, stopped after step 2 and started again the same way, as the
+    README's requeued job (with --init-from /nowhere: used only while the run has no checkpoint):
+    keep-last 2 plus keep-every 3 pruning, one wandb run across both launches, the console line's
+    fields, and the debug stage's own grad clip 1.0: every step's gradient norm is logged before
+    clipping (observed 3.8-6.3) while AdamW's moments show it stepped with norm 1."""
+    r, manifest = root
+    run = r / "runs/requeued"
+    nowhere = r / "no-such-weights"
+    args = data_args(manifest, "--run.name=requeued", "--run.ckpt_every=1", "--run.keep_last=2",
+                     "--run.keep_every=3", "--run.wandb_mode=offline", "--resume")
+    out = train(r, args + ["--run.max_steps=2", "--init-from", str(nowhere)], ok=False)   # no checkpoint: --init-from
+    assert f"cannot load weights from {nowhere}" in out
+    first = train(r, args + ["--run.max_steps=2"])                        # no checkpoint: a fresh start
+    assert "resumed from" not in first
+    norms = {k: adam_step_gradient(run / f"ckpt-{k - 1:08d}" if k > 1 else None, run / f"ckpt-{k:08d}").norm()
+             for k in (1, 2)}
+    assert sorted(checkpoints(run)) == [1, 2]
+    second = train(r, args + ["--run.max_steps=5", "--init-from", str(nowhere)])   # a checkpoint: resumed
+    assert f"resumed from {run / 'ckpt-00000002'}: step 2" in second
+    assert sorted(checkpoints(run)) == [3, 4, 5]          # the last 2, and 3 as a multiple of keep_every
+    norms |= {k: adam_step_gradient(run / f"ckpt-{k - 1:08d}", run / f"ckpt-{k:08d}").norm() for k in (4, 5)}
+
+    rows = metrics(run)
+    assert sorted(rows) == [0, 1, 2, 3, 4] and [rows[s]["generation"] for s in rows] == [0, 0, 1, 1, 1]
+    state = json.loads((run / "ckpt-00000005/state.json").read_text())
+    assert (state["global_step"], state["opt_steps"], state["loader"]["consumed"]) == (5, 5, 5)
+    assert all(rows[k - 1]["grad_norm"] > 1.5 for k in norms), [rows[s]["grad_norm"] for s in rows]   # before clipping
+    assert all(abs(n - 1.0) < 1e-3 for n in norms.values()), norms      # stepped: clipped to 1 (observed 0.99998)
+    assert console_lines(first, rows, 2) == [0, 1] and console_lines(second, rows, 5) == [2, 3, 4]
+
+    files = run_files(run)
+    wandb_id = (run / "wandb_id").read_text()
+    assert len(files) == 2 and {f.name for f in files} == {f"run-{wandb_id}.wandb"} and state["wandb_id"] == wandb_id
+    logged = [history(f) for f in files]
+    assert [[row["global_step"] for row in h] for h in logged] == [[0, 1], [2, 3, 4]]
+    assert [row["train/loss"] for h in logged for row in h] == [rows[s]["loss"] for s in range(5)]
+
+
 @pytest.mark.parametrize("plugin,dtypes", [("ddp", ["fp32"]), ("zero2", ["fp32", "bf16"])])
 def test_step_gradient_and_clipped_step_match_plain_torch(root, plugin, dtypes):
     """2 ranks with different buckets, then with a padding rank, both loss reductions: the gradient
@@ -404,6 +486,29 @@ def test_watchdog_writes_every_ranks_stack_when_a_read_hangs(root):
     for p in reports:
         text = p.read_text()
         assert "Thread" in text and "reelcache" in text and "train" in text     # a real Python stack
+
+
+def test_watchdog_limit_ends_a_stuck_run_with_a_message(root):
+    """run.watchdog_limit_s: a step that lasts longer (every read sleeps 8 s) ends the run after the
+    limit, not when the read returns, saying why and where the stacks are."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    r, manifest = root
+    rows = pq.read_table(manifest).to_pylist()
+    for row in rows:        # the shell's stderr goes away, so the sleeper left behind does not hold our pipe
+        row["shard"] = f"pipe:exec 2>/dev/null; sleep 8; cat {r / row['shard']}"
+    path = r / "manifests/stuck.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    p = launch(r, data_args(path, "--run.name=stuck", "--run.max_steps=1", "--data.workers=0",
+                            "--run.watchdog_limit_s=2"))
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 3, out[-3000:]
+    assert "step 0 exceeded the hard limit" in out and "run.watchdog_limit_s = 2 s" in out, out[-3000:]
+    (report,) = (r / "runs/stuck/hangs/step-00000000").glob("rank*.txt")
+    assert str(report) in out
+    info = json.loads(report.read_text().splitlines()[0])
+    assert 2 < info["elapsed_s"] < 8 and info["waiting_for_data"], info     # before the read returned
 
 
 @pytest.mark.gpu
