@@ -488,6 +488,16 @@ def test_watchdog_writes_every_ranks_stack_when_a_read_hangs(root):
         assert "Thread" in text and "reelcache" in text and "train" in text     # a real Python stack
 
 
+def test_debug_stage_losses_equal_the_regression_record(tmp_path):
+    """tests/regression.py's reference run of the debug stage (2 ranks, 8 steps) against its committed
+    per-step losses, exactly. A meant change: `.venv/bin/python tests/regression.py --update`, and
+    the commit says why the losses moved."""
+    import regression
+
+    diff = regression.differences(json.loads(regression.RECORD.read_text()), regression.run(tmp_path))
+    assert not diff, "\n".join(["the debug stage's losses moved (tests/regression.py):", *diff])
+
+
 def test_watchdog_limit_ends_a_stuck_run_with_a_message(root):
     """run.watchdog_limit_s: a step that lasts longer (every read sleeps 8 s) ends the run after the
     limit, not when the read returns, saying why and where the stacks are."""
