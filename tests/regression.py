@@ -53,8 +53,8 @@ def run(work: Path) -> dict:
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
         raise RuntimeError(f"the reference run failed:\n{(p.stdout + p.stderr)[-4000:]}")
-    rows = sorted((r for f in (work / "runs/regression/metrics").glob("*.parquet") for r in pq.read_table(f).to_pylist()),
-                  key=lambda r: r["step"])
+    parts = sorted((work / "runs/regression/metrics").glob("*.parquet"))
+    rows = sorted((r for f in parts for r in pq.read_table(f).to_pylist()), key=lambda r: r["step"])
     assert [r["step"] for r in rows] == list(range(STEPS)), [r["step"] for r in rows]
     return {"torch": torch.__version__, "ranks": RANKS, "losses": [r["loss"] for r in rows]}
 

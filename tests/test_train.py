@@ -255,7 +255,8 @@ def test_init_from_load_and_reset_data(root):
     buckets = r / "buckets-bs3.toml"
     buckets.write_text((REPO / "configs/buckets/tiny.toml").read_text().replace("17 = [1.0, 4]", "17 = [1.0, 3]"))
     assert buckets.read_text() != (REPO / "configs/buckets/tiny.toml").read_text()
-    out = train(r, args + ["--run.name=d", "--run.max_steps=5", "--load", str(a4), f'--data.buckets="{buckets}"'], ok=False)
+    out = train(r, args + ["--run.name=d", "--run.max_steps=5", "--load", str(a4), f'--data.buckets="{buckets}"'],
+                ok=False)
     assert "--reset-data" in out and "refusing to resume" in out and "batch sizes" in out
     # A run directory with checkpoints is never trained over by accident.
     out = train(r, args + ["--run.name=a"], ok=False)
@@ -310,7 +311,7 @@ def adam_step_gradient(before: Path | None, after: Path) -> torch.Tensor:
 
     b1 = json.loads((after / "config.json").read_text())["optim"]["betas"][0]
     m1 = {k: v for k, v in load_file(after / "optimizer/state.safetensors").items() if k.endswith("::exp_avg")}
-    m0 = load_file(before / "optimizer/state.safetensors") if before else {k: torch.zeros_like(v) for k, v in m1.items()}
+    m0 = load_file(before / "optimizer/state.safetensors") if before else {k: 0 * v for k, v in m1.items()}
     assert len(m1) > 80
     return torch.cat([((m1[k] - b1 * m0[k]) / (1 - b1)).flatten() for k in sorted(m1)])
 
