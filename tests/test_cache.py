@@ -137,7 +137,7 @@ def write_config(tmp_path, manifest, **over) -> Path:
     p.write_text(f"""
 name = "{vals['name']}"
 manifest = "{manifest}"
-buckets = "{REPO / 'configs/buckets/demo.toml'}"
+buckets = "{vals.get('buckets', REPO / 'configs/buckets/demo.toml')}"
 clips_per_unit = {vals['clips_per_unit']}
 batch_size = 2
 workers = 1
@@ -203,6 +203,39 @@ def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
 
     batches = list(LatentLoader(["lat"], BucketConfig.from_toml(REPO / "configs/buckets/demo.toml"), root=cache_root))
     assert sorted(c for b in batches for c in b["clip_id"]) == [r[0] for r in rows]
+
+
+def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
+    """Clips share two captions: the text encoder sees each caption once in the unit (across its VAE
+    batches too), and every clip stores its caption's embedding."""
+    import torch
+
+    from reelcache.cache.encoders import TextEncoder
+    from reelcache.catalog.db import open_catalog
+    from reelcache.catalog.manifest import make_manifest
+    from reelcache.train.loader import read_sample
+
+    con = open_catalog(fresh_root, write=True)
+    try:
+        con.execute("UPDATE clips SET text = CASE WHEN hash(clip_id) % 2 = 0 THEN 'a dog runs' "
+                    "ELSE 'a red car drives through the city at night' END")
+    finally:
+        con.close()
+    make_manifest(fresh_root, "m", "true")
+    (tmp_path / "b.toml").write_text("[buckets.144p]\n9 = [1.0, 2]\n")      # short windows: a quick unit
+    unit = plan(fresh_root, write_config(tmp_path, "m", clips_per_unit=4, buckets=tmp_path / "b.toml"))[0]
+    seen = []
+    encode = TextEncoder.encode
+    monkeypatch.setattr(TextEncoder, "encode", lambda self, texts: seen.extend(texts) or encode(self, texts))
+    assert main(["cache", "run", "--root", str(fresh_root), unit]) == 0
+    ok = [r for r in _sidecar_rows(fresh_root / "latents/t") if r["status"] == "ok"]
+    captions = dict(sql(fresh_root, "SELECT clip_id, text FROM clips"))
+    assert len(ok) > 2                                   # more clips than captions, over several batches of 2
+    assert sorted(seen) == sorted({captions[r["clip_id"]] for r in ok}), seen
+    by_caption = {}
+    for r in ok:
+        text = read_sample(str(fresh_root / r["shard"]), r["shard_offset"])["text"]
+        assert torch.equal(by_caption.setdefault(captions[r["clip_id"]], text), text)
 
 
 def test_identity_mismatch_is_refused_with_the_difference(cache_root, tmp_path, capsys):
