@@ -299,7 +299,8 @@ def test_validation_loss_of_one_clip_from_its_definition(once_ref):
     interval = tomllib.loads((REPO / cfg.data.buckets).read_text()).get("frame_interval", 1)
     fps = cfg.data.default_fps if math.isnan(clip["fps"]) else clip["fps"]
     y = latent["text"].float()[None]
-    kwargs = {"y": y, "mask": torch.ones(1, y.shape[1], dtype=torch.bool), "fps": torch.tensor([float(fps // interval)]),
+    kwargs = {"y": y, "mask": torch.ones(1, y.shape[1], dtype=torch.bool),
+              "fps": torch.tensor([float(fps // interval)]),       # the trainer's floor(fps / frame_interval)
               "height": torch.tensor([float(height)]), "width": torch.tensor([float(width)])}
     mine = {}
     with torch.no_grad():
@@ -357,3 +358,133 @@ def test_sample_video_is_the_guided_euler_sampler_decoded(once_ref):
     # another seed ~22 dB
     psnr = _luma_psnr(video, ref)
     assert psnr > 32, f"sample_{i}.mp4 vs the reference: luma PSNR {psnr:.1f} dB"
+
+
+# -- README "Evaluation beside training": --latest-only, pruned checkpoints, presets ----------------
+
+
+def _serve_in_process(root: Path, run: str, *extra: str) -> int:
+    """`eval serve` (validation loss of the first clip, debug tag) in this process, until idle."""
+    return main(["eval", "serve", "--root", str(root), "--run", run, "--val-manifest", "lat", "--val-max-clips", "1",
+                 "--preset", "debug", "--device", "cpu", "--wandb-mode", "disabled", "--poll", "0.05",
+                 "--exit-idle", "0.3", *extra])
+
+
+def _started(log: str) -> list[str]:
+    """The checkpoints the server took up, in order (its "eval: ckpt-... (N pending)" lines)."""
+    return [ln.split()[1] for ln in log.splitlines() if ln.startswith("eval: ckpt-") and "pending)" in ln]
+
+
+@pytest.mark.parametrize("latest_only", [True, False])
+def test_serve_latest_only_takes_the_newest_pending_first(trained, capsys, monkeypatch, latest_only):
+    """--latest-only: each poll takes only the newest pending checkpoint, so ckpt-4 goes before ckpt-2,
+    and ckpt-6, written while ckpt-4 is evaluated, goes next; ckpt-2, still pending, comes last
+    (it is not skipped). Without the flag: step order. Only the choice is under test here, so
+    evaluate() is a recorder that finishes the checkpoint as the real one does (done.json last)."""
+    from reelcache.eval.evaluate import Evaluator
+
+    run = _run_copy(trained, f"latest-{latest_only}")
+
+    def evaluate(self, ckpt):
+        if ckpt.name == "ckpt-00000004":          # the trainer saves step 6 meanwhile
+            shutil.copytree(ckpt, ckpt.with_name("ckpt-00000006"), dirs_exist_ok=True)
+        (self.out / ckpt.name / self.tag).mkdir(parents=True)
+        (self.out / ckpt.name / self.tag / "done.json").write_text("{}")
+
+    monkeypatch.setattr(Evaluator, "evaluate", evaluate)
+    assert _serve_in_process(trained, run, *(["--latest-only"] if latest_only else [])) == 0
+    log = capsys.readouterr().err
+    steps = [2, 4, 6] if not latest_only else [4, 6, 2]
+    assert _started(log) == [f"ckpt-{s:08d}" for s in steps], log[-3000:]
+    assert ("(2 pending)" in log) != latest_only
+
+
+def test_serve_skips_a_checkpoint_pruned_before_its_turn(trained, capsys, monkeypatch):
+    """The trainer's keep_last pruning removes ckpt-2 right after the server listed it: the real
+    evaluate() finds no checkpoint, and the server says so and skips it: no error file, no FAILED,
+    no retry, exit status 0."""
+    from reelcache.eval.evaluate import Evaluator
+
+    run = _run_copy(trained, "pruned", steps=(2,))
+    listed = Evaluator.pending
+
+    def pending_then_prune(self, *a, **k):
+        todo = listed(self, *a, **k)
+        if todo and todo[0].exists():
+            shutil.rmtree(todo[0])                # Checkpointer's pruning, between the listing and the read
+        return todo
+
+    monkeypatch.setattr(Evaluator, "pending", pending_then_prune)
+    assert _serve_in_process(trained, run) == 0
+    log = capsys.readouterr().err
+    assert "ckpt-00000002 was removed" in log and "skipped" in log, log[-3000:]
+    assert "FAILED" not in log and not list((trained / run / "eval").glob("**/error-*.txt"))
+    assert _started(log) == ["ckpt-00000002"]                   # taken up once, never retried
+
+
+# Open-Sora 1.2's inference-server presets (OPENSORA12.md §8, README): frames, height, width, batch,
+# steps; all with guidance 7, fps 24, seed 42 + prompt index. debug is the CPU preset.
+PRESET_TABLE = {"low4s": (102, 360, 640, 8, 30), "high4s": (102, 720, 1280, 2, 30),
+                "low16s": (408, 360, 640, 2, 30), "debug": (17, 72, 128, 2, 4)}
+
+
+def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tmp_path):
+    """`eval once --preset P` for every preset, with the sampler, the VAE decoder and the mp4 writer
+    replaced by recorders (720p x 102 frames does not sample on a CPU): each sampler batch gets the
+    preset's batch size, steps, guidance, pixel size, frame count (rounded to 1 + k x the VAE's
+    temporal ratio) and fps, and starts from the seed 42 + i noise; the videos are written at 24 fps."""
+    import pyarrow.parquet as pq
+    import torch
+
+    import reelcache.eval.video
+    import reelcache.train.flow
+    from reelcache.cache.encoders import VideoEncoder
+    from reelcache.catalog.manifest import resolve_manifest
+
+    run = _run_copy(trained, "presets", steps=(2,))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS.read_text() + "a dog and a cyclist on the beach\n")        # 3 prompts
+    # the tiny VAE's ratios, from the cache: a 33-frame 192 x 192 clip has 17 x 24 x 24 latents
+    clip = min(pq.read_table(resolve_manifest(trained, "lat")).to_pylist(), key=lambda r: r["clip_id"])
+    assert clip["bucket"] == "144p/33/1.00" and clip["shape"][1:] == [17, 24, 24]
+    r, f = 2, 8
+
+    sampled, decoded, written = [], [], []
+
+    def euler_sample(model, z, y, mask, **kw):
+        sampled.append((z.clone(), kw))
+        return z
+
+    def decode(self, z, num_frames):
+        decoded.append(num_frames)
+        return torch.zeros((z.shape[0], num_frames, 2, 2, 3), dtype=torch.uint8)
+
+    def write_mp4(frames, path, fps=24.0, crf=18):
+        written.append((Path(path).name, fps))
+        return Path(path)
+
+    monkeypatch.setattr(reelcache.train.flow, "euler_sample", euler_sample)
+    monkeypatch.setattr(VideoEncoder, "decode", decode)
+    monkeypatch.setattr(reelcache.eval.video, "write_mp4", write_mp4)
+    for name, (frames, height, width, batch, steps) in PRESET_TABLE.items():
+        for record in (sampled, decoded, written):
+            record.clear()
+        assert main(["eval", "once", "--root", str(trained), "--run", run, "--checkpoint", "ckpt-00000002",
+                     "--preset", name, "--prompts", str(prompts), "--cache", "t", "--device", "cpu",
+                     "--wandb-mode", "disabled"]) == 0
+        n = 1 + (frames - 1) // r * r                 # every preset size is a multiple of the tiny VAE's 8
+        assert [len(z) for z, _ in sampled] == [min(batch, 3 - i) for i in range(0, 3, batch)], name
+        i = 0
+        for z, kw in sampled:
+            b = len(z)
+            assert (kw["steps"], kw["cfg_scale"]) == (steps, 7.0), name
+            got = {k: torch.as_tensor(kw[k]).tolist() for k in ("height", "width", "num_frames", "fps")}
+            assert got == {"height": [height] * b, "width": [width] * b, "num_frames": [n] * b, "fps": [24.0] * b}, name
+            for zj in z:
+                noise = torch.randn((4, 1 + (n - 1) // r, height // f, width // f),
+                                    generator=torch.Generator().manual_seed(42 + i))
+                assert torch.equal(zj, noise), (name, i)
+                i += 1
+        assert decoded == [n] * 3 and written == [(f"sample_{j}.mp4", 24.0) for j in range(3)], name
+        done = json.loads((trained / run / f"eval/ckpt-00000002/{name}/done.json").read_text())
+        assert (done["preset"], done["frames"], len(done["videos"])) == (name, n, 3)
