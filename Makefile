@@ -30,7 +30,22 @@ GPU_TORCH ?= 2.5.1
 GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.17.1
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: install install-gpu gpu-kernels demo ingest cache test bench clean
+.PHONY: sysdeps install install-gpu gpu-kernels demo ingest cache test bench clean
+
+# The programs the pipeline runs besides Python: ffmpeg (the tests' reference decoder) and GNU parallel
+# (ingest and cache units, cluster checks). Installed once, with apt-get as root or through sudo;
+# anywhere else, one line says what to install.
+SYSDEPS := ffmpeg parallel
+sysdeps:
+	@missing=""; for c in $(SYSDEPS); do command -v $$c >/dev/null || missing="$$missing $$c"; done; \
+	[ -z "$$missing" ] && exit 0; \
+	if ! command -v apt-get >/dev/null; then \
+	    echo "reelcache needs$$missing: install them with your system's package manager, then run make again"; exit 2; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null; then sudo="sudo"; else \
+	    echo "reelcache needs$$missing: run 'apt-get install -y$$missing' as root, then make again"; exit 2; fi; \
+	echo "installing$$missing (apt-get)"; \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends$$missing >/dev/null
 
 # A venv made by install-gpu stays a GPU venv: `make test|cache|demo VENV=...` never puts the CPU torch in it.
 ifneq ($(wildcard $(GPU_STAMP)),)
@@ -41,15 +56,14 @@ install: $(STAMP)
 endif
 
 # torch is pinned (an unpinned one pulls gigabytes of CUDA wheels); colossalai 0.5.0 pins an old
-# torch, so it goes in with --no-deps plus the few modules it imports, never via pyproject.
+# torch, so it goes in with --no-deps plus the few modules it imports, never via pyproject. It goes in
+# last: a resolving install after it would print pip's false "dependency resolver" error about its pins.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,train]'
+	$(BIN)/pip install -q -e '.[dev,train]' diffusers psutil einops peft accelerate bitsandbytes fabric
 	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
-	$(BIN)/pip install -q psutil einops peft accelerate bitsandbytes fabric
-	$(BIN)/pip install -q diffusers
 	touch $@
 
 install-gpu: $(GPU_STAMP)
@@ -108,7 +122,7 @@ gpu-kernels:
 	@[ -x $(BIN)/python ] || { echo "gpu-kernels: no venv at $(VENV); make install-gpu VENV=$(VENV)"; exit 2; }
 	@$(BIN)/python -c "$$GPU_KERNELS_PY"
 
-demo: install
+demo: sysdeps install
 	@[ -f $(DEMO_DATA)/OpenVid-demo.csv ] || $(BIN)/reelcache demo generate --out $(DEMO_DATA)
 	$(MAKE) --no-print-directory ingest ROOT=$(DEMO_ROOT) SOURCE=openvid META=$(DEMO_DATA)/OpenVid-demo.csv \
 	    VIDEOS=$(DEMO_DATA)/videos ARGS="--config configs/ingest/demo.toml"
@@ -132,7 +146,7 @@ demo: install
 	    "runs $(DEMO_ROOT)/runs/debug-stage{1,2}, loss plot $(DEMO_ROOT)/runs/demo-loss.png," \
 	    "samples $(DEMO_ROOT)/runs/debug-stage2/eval/"
 
-ingest: install
+ingest: sysdeps install
 	@[ -n "$(ROOT)" ] && [ -n "$(SOURCE)" ] && [ -n "$(VIDEOS)" ] || \
 	    { echo "usage: make ingest ROOT=... SOURCE=openvid|miradata|csv|parquet|folder META=... VIDEOS=... [NAME=] [ARGS=]"; exit 2; }
 	mkdir -p $(ROOT)
@@ -142,14 +156,14 @@ ingest: install
 	    $(BIN)/reelcache ingest run --root $(ROOT) {} :::: $(ROOT)/units-$(NAME).txt
 	$(BIN)/reelcache catalog merge --root $(ROOT)
 
-cache: install
+cache: sysdeps install
 	@[ -n "$(ROOT)" ] && [ -n "$(CONFIG)" ] || { echo "usage: make cache ROOT=... CONFIG=configs/cache/....toml [JOBS=]"; exit 2; }
 	$(BIN)/reelcache cache plan --root $(ROOT) --config $(CONFIG) > $(ROOT)/units-cache-$(notdir $(basename $(CONFIG))).txt
 	parallel --will-cite $$([ -t 2 ] && echo --bar) -j $(JOBS) --joblog $(ROOT)/cache-$(notdir $(basename $(CONFIG))).joblog \
 	    $(BIN)/reelcache cache run --root $(ROOT) {} :::: $(ROOT)/units-cache-$(notdir $(basename $(CONFIG))).txt
 	$(BIN)/reelcache catalog merge --root $(ROOT)
 
-test: install
+test: sysdeps install
 	$(BIN)/pytest -q
 
 bench: install
