@@ -1,6 +1,6 @@
 """The stage configs under configs/: they load, and they say what Open-Sora 1.2 and its replication did.
 
-References are typed here from ../shared/OPENSORA12.md (section 3 mask ratios, section 5 bucket
+References are typed here from docs/OPENSORA12.md (section 3 mask ratios, section 5 bucket
 tables B1-B3 and the verified lr values), never taken from the code under test.
 """
 

@@ -15,15 +15,13 @@ wrong normalization moves values by 10-300%.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from opensora_fixtures import FIX
 
 BF16 = dict(rtol=2 ** -8, atol=1e-6)
-FIX = Path(os.environ.get("OPENSORA12_FIXTURES", Path(__file__).resolve().parents[2] / "shared/fixtures/opensora12"))
 
 
 def frames(t=5, h=32, w=32, b=2, seed=0):
@@ -179,7 +177,6 @@ def test_t5_stores_each_captions_own_hidden_states(tmp_path):
     assert len(got[0]) < len(got[1])
 
 
-@pytest.mark.skipif(not (FIX / "vae_tiny.safetensors").exists(), reason=f"no fixtures in {FIX}")
 def test_opensora_encoder_stores_the_published_normalization():
     from reelcache.cache.encoders import EncoderSpec, VideoEncoder
 

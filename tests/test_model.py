@@ -1,21 +1,16 @@
-"""STDiT3 against Open-Sora 1.2's own outputs (../shared/fixtures/opensora12, README §1), plus
+"""STDiT3 against Open-Sora 1.2's own outputs (tests/fixtures/opensora12, README §1), plus
 the properties the fixtures do not pin: trimmed captions, caption dropout, checkpointing, init,
 and the weight loaders of train/weights.py."""
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
+from opensora_fixtures import FIX
 
 from reelcache.train.model import PRESETS, RMSNorm, STDiT3, STDiT3Config, flops_per_sample
-
-FIX = Path(os.environ.get("OPENSORA12_FIXTURES", Path(__file__).resolve().parents[2] / "shared/fixtures/opensora12"))
-
-pytestmark = pytest.mark.skipif(not (FIX / "stdit3_tiny.safetensors").exists(), reason="no Open-Sora fixtures")
 
 
 def fixture_config() -> STDiT3Config:

@@ -122,7 +122,7 @@ PRESETS: dict[str, STDiT3Config] = {
     # train.py injects caption_channels=4096 (T5-XXL) and model_max_length=300 into both.
     "STDiT3-XL/2": STDiT3Config(hidden_size=1152, depth=28, num_heads=16),
     "STDiT3-3B/2": STDiT3Config(hidden_size=1872, depth=28, num_heads=26),
-    # the fixture's config (../shared/fixtures/opensora12/stdit3_config.json): CPU tests, debug runs
+    # the fixture's config (tests/fixtures/opensora12/stdit3_config.json): CPU tests, debug runs
     "tiny": STDiT3Config(hidden_size=64, depth=2, num_heads=4, caption_channels=32, model_max_length=16),
 }
 
