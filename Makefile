@@ -168,6 +168,7 @@ test: sysdeps install
 
 bench: install
 	@[ -f $(DEMO_ROOT)/latents/tiny/cache.json ] || $(MAKE) --no-print-directory demo
+	$(BIN)/python bench/bench_gpu_projection.py
 	$(BIN)/python bench/bench_ingest.py
 	$(BIN)/python bench/bench_loader.py
 	$(BIN)/python bench/bench_cache.py
