@@ -12,7 +12,9 @@
 3. Storage per clip: text embeddings trimmed to their tokens vs padded to 300 x 4096 in bf16
    (2.46 MB), using the token counts of the demo captions; latent bytes per bucket.
 
-Every contender runs once untimed first (page cache, imports, ffmpeg's own binary), then timed.
+Every contender runs once untimed first (page cache, imports, ffmpeg's own binary), then in
+interleaved rounds with the other contenders (bench/interleave.py: the order rotates, so load from
+elsewhere hits them alike); a ratio is the median of the per-round ratios, printed with their range.
 
 No GPU here: encoder throughput at real sizes is not measured by this script.
 """
@@ -25,7 +27,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from interleave import Ratio, median, rounds, table_note
+
 OUT = Path(os.environ.get("BENCH_OUT", "bench-out"))
+REPS = int(os.environ.get("BENCH_REPS", 5))           # decode rounds; each decodes 1/REPS of the clips
+DELIVERY_REPS = int(os.environ.get("BENCH_REPS", 3))  # delivery rounds; each delivers all the windows
 
 
 def clips(n=60):
@@ -61,12 +67,12 @@ def bench_decode(results):
     items = clips()
     jobs = [(p, window_start(p, 0, m["num_frames"], T), m) for p, m in items]
 
-    def ours():
-        for p, s, m in jobs:
+    def ours(part):
+        for p, s, m in part:
             decode_window(p, frames=T, interval=1, height=H, width=W, start=s)
 
-    def ffmpeg():
-        for p, s, m in jobs:
+    def ffmpeg(part):
+        for p, s, m in part:
             scale = max(H / m["height"], W / m["width"])
             sw, sh = -(-int(m["width"] * scale * 1000) // 1000), -(-int(m["height"] * scale * 1000) // 1000)
             sw, sh = max(W, sw + sw % 2), max(H, sh + sh % 2)
@@ -75,9 +81,9 @@ def bench_decode(results):
                                   "-pix_fmt", "rgb24", "-"], check=True, capture_output=True).stdout
             np.frombuffer(out, np.uint8)
 
-    def full_decode_torch():
+    def full_decode_torch(part):
         torch.set_num_threads(2)
-        for p, s, m in jobs:
+        for p, s, m in part:
             with av.open(p) as c:
                 frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
             x = torch.from_numpy(np.stack(frames[s:s + T])).permute(0, 3, 1, 2).float() / 255
@@ -87,24 +93,28 @@ def bench_decode(results):
             y0, x0 = (x.shape[2] - H) // 2, (x.shape[3] - W) // 2
             x[:, :, y0:y0 + H, x0:x0 + W].contiguous()
 
-    rates = {}
-    contenders = [("reelcache decode_window", ours), ("ffmpeg scale+crop to raw", ffmpeg),
-                  ("full decode + torch float resize", full_decode_torch)]
-    for _, fn in contenders:          # warm every contender: page cache, imports, binaries
-        fn()
-    for name, fn in contenders:
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        rates[name] = {"clips_per_s": len(jobs) / dt, "frames_per_s": len(jobs) * T / dt}
-    base = rates["reelcache decode_window"]["clips_per_s"]
-    results["decode"] = {"clips": len(jobs), "bucket": f"{H}x{W}x{T}", "rates": rates,
-                         "vs_ffmpeg": base / rates["ffmpeg scale+crop to raw"]["clips_per_s"],
-                         "vs_full_decode": base / rates["full decode + torch float resize"]["clips_per_s"]}
-    print(f"\n== decode for a bucket ({len(jobs)} demo clips -> {T} x {H} x {W} RGB, seeded windows)")
+    # Round r decodes every REPS-th clip from the r-th: all the clips once per contender, as one
+    # timed pass did, in REPS interleaved slices of a similar mix of sizes. The warm-up reads every
+    # file (page cache) and runs each contender on a few clips (imports, ffmpeg's own binary).
+    for p, _, _ in jobs:
+        Path(p).read_bytes()
+    parts = {r: jobs[r::REPS] if r >= 0 else jobs[:3] for r in range(-1, REPS)}
+    names = {"reelcache decode_window": ours, "ffmpeg scale+crop to raw": ffmpeg,
+             "full decode + torch float resize": full_decode_torch}
+    secs = rounds({k: (lambda r, fn=fn: fn(parts[r])) for k, fn in names.items()}, reps=REPS)
+    per_round = {k: [len(parts[r]) / dt for r, dt in enumerate(v)] for k, v in secs.items()}
+    rates = {k: {"clips_per_s": len(jobs) / sum(v), "frames_per_s": len(jobs) * T / sum(v)} for k, v in secs.items()}
+    base = "reelcache decode_window"
+    ratios = {k: Ratio.of(per_round[base], v) for k, v in per_round.items()}
+    results["decode"] = {"clips": len(jobs), "bucket": f"{H}x{W}x{T}", "rates": rates, "rounds": REPS,
+                         "vs_ffmpeg": ratios["ffmpeg scale+crop to raw"].as_dict(),
+                         "vs_full_decode": ratios["full decode + torch float resize"].as_dict()}
+    print(f"\n== decode for a bucket ({len(jobs)} demo clips -> {T} x {H} x {W} RGB, seeded windows; "
+          f"{REPS} interleaved rounds, each on every {REPS}th clip)")
+    print(table_note(REPS))
     for k, v in rates.items():
         print(f"  {k:34s} {v['clips_per_s']:7.1f} clips/s {v['frames_per_s']:8.0f} frames/s   "
-              f"reelcache/this = {base / v['clips_per_s']:5.2f}x")
+              f"reelcache/this = {ratios[k].short()}")
 
 
 def bench_delivery(results, workers=2, batch=8, gpu_ms_per_clip=60):
@@ -150,22 +160,30 @@ def bench_delivery(results, workers=2, batch=8, gpu_ms_per_clip=60):
         for f in pending:
             f.release()
 
-    rates = {}
-    pickled(False), shared(False)       # warm
-    for gpu in (False, True):
-        for name, fn in (("pickled through the pipe", pickled), ("shared memory + feeder", shared)):
-            t0 = time.perf_counter()
-            fn(gpu)
-            rates[f"{name}{' + GPU stand-in' if gpu else ''}"] = len(jobs) / (time.perf_counter() - t0)
+    pickled(False), shared(False)       # warm (not timed): imports, worker start, page cache
+    # All four interleaved: a round runs each once over all the windows (a worker pool's start is
+    # part of what is measured, so the windows are not split across rounds).
+    secs = rounds({f"{name}{' + GPU stand-in' if gpu else ''}": (lambda r, fn=fn, gpu=gpu: fn(gpu))
+                   for gpu in (False, True)
+                   for name, fn in (("pickled through the pipe", pickled), ("shared memory + feeder", shared))},
+                  reps=DELIVERY_REPS, warmup=0)
+    per_round = {k: [len(jobs) / dt for dt in v] for k, v in secs.items()}
+    rates = {k: median(v) for k, v in per_round.items()}
+    gains = {label: Ratio.of(per_round[f"shared memory + feeder{tag}"], per_round[f"pickled through the pipe{tag}"])
+             for label, tag in (("no encoder", ""), ("with the GPU stand-in", " + GPU stand-in"))}
     serial = 1 / (1 / rates["pickled through the pipe"] + gpu_ms_per_clip / 1000)
     results["delivery"] = {"clips": len(jobs), "workers": workers, "batch": batch, "window_mb": T * H * W * 3 / 1e6,
-                           "gpu_ms_per_clip": gpu_ms_per_clip, "clips_per_s": rates,
+                           "gpu_ms_per_clip": gpu_ms_per_clip, "rounds": DELIVERY_REPS, "clips_per_s": rates,
+                           "shared_vs_pickled": {k: v.as_dict() for k, v in gains.items()},
                            "no_overlap_bound": serial, "full_overlap_bound": min(rates["shared memory + feeder"],
                                                                                  1000 / gpu_ms_per_clip)}
     print(f"\n== frames to the encoder ({len(jobs)} windows of {T * H * W * 3 / 1e6:.1f} MB, {workers} isolated "
-          f"workers, batches of {batch}; GPU stand-in {gpu_ms_per_clip} ms/clip)")
+          f"workers, batches of {batch}; GPU stand-in {gpu_ms_per_clip} ms/clip; medians of {DELIVERY_REPS} "
+          f"interleaved rounds [min-max])")
     for k, v in rates.items():
-        print(f"  {k:44s} {v:6.1f} clips/s")
+        print(f"  {k:44s} {v:6.1f} clips/s [{min(per_round[k]):.1f}-{max(per_round[k]):.1f}]")
+    for k, g in gains.items():
+        print(f"  shared memory vs pickled, {k}: {g.describe(what='interleaved rounds')}")
     print(f"  (with the GPU stand-in: no overlap would give {serial:.1f} clips/s, full overlap "
           f"{results['delivery']['full_overlap_bound']:.1f})")
 

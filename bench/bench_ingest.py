@@ -9,7 +9,9 @@
    curriculum query (bucket + level + hardest-0.01% cut), manifest build; peak RSS of each.
 
 Files are in the page cache for every contender (each is run once to warm up first): the
-numbers compare tools, not disks. Results: stdout, bench-out/results.json, bench-out/bench.png.
+numbers compare tools, not disks. Contenders run in interleaved rounds (bench/interleave.py), so
+load from elsewhere hits them alike; a ratio is the median of the per-round ratios, printed with
+their range. Results: stdout, bench-out/results.json, bench-out/bench.png.
 """
 
 from __future__ import annotations
@@ -22,18 +24,13 @@ import sys
 import time
 from pathlib import Path
 
+from interleave import Ratio, median, rounds, table_note
+
 OUT = Path(os.environ.get("BENCH_OUT", "bench-out"))
 ROWS = int(os.environ.get("BENCH_ROWS", 1_300_000))
+PROBE_REPS = int(os.environ.get("BENCH_REPS", 5))     # interleaved rounds; each probes 1/PROBE_REPS of the files
+SHARD_REPS = int(os.environ.get("BENCH_REPS", 4))     # interleaved rounds of a whole shard write each
 RESULTS: dict[str, dict] = {}
-
-
-def timed(fn, *a, repeat=2):
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn(*a)
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def run_measured(cmd: list[str]) -> tuple[float, int]:
@@ -68,67 +65,95 @@ def clips() -> list[str]:
     return good
 
 
+def per_file(fn, part: list[str], min_s: float = 0.5) -> float:
+    """Files per second of fn over part; a quick fn goes over it again until min_s have passed, so
+    that a round of a cheap contender is not a timer's resolution."""
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn(part)
+        n += len(part)
+        dt = time.perf_counter() - t0
+        if dt >= min_s:
+            return n / dt
+
+
 def bench_probe(files: list[str]) -> None:
     import av
 
     from reelcache.isolate import isolated_map
     from reelcache.ingest.probe import preload, probe
 
-    def ours():
-        for f in files:
+    def ours(part):
+        for f in part:
             probe(f)
 
     # A unit as `ingest run` sees it: the default 1000 rows, one worker process started per unit
     # (its ~0.3 s start is paid once per unit, as in production, not once per 243 files).
-    unit = (files * -(-1000 // len(files)))[:1000]
-
-    def ours_isolated():
+    def ours_isolated(part, size=1000):
+        unit = (part * -(-size // len(part)))[:size]
         for _, r in isolated_map(probe, unit, workers=1, timeout=30, init=preload):
             assert isinstance(r, dict), r
+        return len(unit)
 
-    def ffprobe(extra=()):
-        for f in files:
+    def ffprobe(part, extra=()):
+        for f in part:
             subprocess.run(["ffprobe", "-v", "error", *extra, "-show_streams", "-show_format", "-of", "json", f],
                            check=True, capture_output=True)
 
-    def pyav_open():
-        for f in files:
+    def pyav_open(part):
+        for f in part:
             with av.open(f, metadata_errors="ignore") as c:
                 c.streams.video[0].codec_context.name
 
-    def open_read():
-        for f in files:
+    def open_read(part):
+        for f in part:
             with open(f, "rb") as fh:
                 fh.read(65536)
 
     sub = files[:: max(1, len(files) // 40)]
 
-    def full_decode():
-        for f in sub:
+    def full_decode(part):
+        for f in part:
             with av.open(f) as c:
                 for _ in c.decode(video=0):
                     pass
 
-    n = len(files)
-    rates = {
-        "reelcache probe (in-process)": n / timed(ours),
-        "reelcache probe (isolated worker)": len(unit) / timed(ours_isolated),
-        "ffprobe per file": n / timed(ffprobe),
-        "ffprobe -count_packets per file": n / timed(ffprobe, ["-count_packets"]),
-        "full decode (PyAV)": len(sub) / timed(full_decode, repeat=1),
-        "PyAV open + stream info only": n / timed(pyav_open),
-        "open + 64 KB read (floor)": n / timed(open_read),
+    # Round r probes every PROBE_REPS-th file from the r-th (full decode: of the 40-file subset),
+    # so the rounds together cost one pass over the files per contender, as one timed pass did;
+    # the isolated worker gets a whole 1000-file unit of its round's files every round. Warm-up:
+    # a few files each (imports, ffprobe's binary); the files are page-cached by clips() already.
+    def part(fs, r):
+        return fs[r::PROBE_REPS] if r >= 0 else fs[:2]
+
+    def isolated(r):
+        t0 = time.perf_counter()
+        n = ours_isolated(part(files, r), 1000 if r >= 0 else 20)
+        return n / (time.perf_counter() - t0)
+
+    contenders = {
+        "reelcache probe (in-process)": lambda r: per_file(ours, part(files, r)),
+        "reelcache probe (isolated worker)": isolated,
+        "ffprobe per file": lambda r: per_file(ffprobe, part(files, r)),
+        "ffprobe -count_packets per file": lambda r: per_file(lambda p: ffprobe(p, ["-count_packets"]), part(files, r)),
+        "full decode (PyAV)": lambda r: per_file(full_decode, part(sub, r)),
+        "PyAV open + stream info only": lambda r: per_file(pyav_open, part(files, r)),
+        "open + 64 KB read (floor)": lambda r: per_file(open_read, part(files, r)),
     }
-    base = rates["reelcache probe (isolated worker)"]       # what `ingest run` does: the headline
-    RESULTS["probe"] = {"files": n, "files_per_s": rates, "headline": "reelcache probe (isolated worker)",
-                        "speedup_vs_ffprobe": base / rates["ffprobe per file"],
-                        "speedup_vs_ffprobe_count_packets": base / rates["ffprobe -count_packets per file"],
-                        "speedup_vs_full_decode": base / rates["full decode (PyAV)"],
-                        "fraction_of_pyav_open": base / rates["PyAV open + stream info only"]}
+    per_round = rounds(contenders, reps=PROBE_REPS)
+    head = "reelcache probe (isolated worker)"       # what `ingest run` does: the headline
+    ratios = {k: Ratio.of(per_round[head], v) for k, v in per_round.items()}
+    rates = {k: median(v) for k, v in per_round.items()}
+    n = len(files)
+    RESULTS["probe"] = {"files": n, "files_per_s": rates, "headline": head, "rounds": PROBE_REPS,
+                        "speedup_vs_ffprobe": ratios["ffprobe per file"].as_dict(),
+                        "speedup_vs_ffprobe_count_packets": ratios["ffprobe -count_packets per file"].as_dict(),
+                        "speedup_vs_full_decode": ratios["full decode (PyAV)"].as_dict(),
+                        "fraction_of_pyav_open": ratios["PyAV open + stream info only"].as_dict()}
     print(f"\n== probe ({n} demo clips, 240p-720p, page-cached; ratios are of the isolated worker `ingest run` "
-          f"uses, over a {len(unit)}-file unit)")
+          f"uses, over a 1000-file unit; files/s: medians of {PROBE_REPS} rounds)")
+    print(table_note(PROBE_REPS))
     for k, v in rates.items():
-        print(f"  {k:36s} {v:9.1f} files/s   reelcache/this = {base / v:6.2f}x")
+        print(f"  {k:36s} {v:9.1f} files/s   reelcache/this = {ratios[k].short()}")
 
 
 def bench_shards() -> None:
@@ -162,20 +187,18 @@ def bench_shards() -> None:
                                          ("txt", b"a caption", None)])
         w.close()
 
-    RESULTS["shards"] = {"bytes": total}
-    print(f"\n== shard writing ({total / 1e6:.0f} MB in {len(files)} files)")
-    for sync in (False, True):
-        best = {cat: float("inf"), writer: float("inf")}
-        for _ in range(4):              # interleaved, best of 4: disk write-back is noisy
-            for fn in best:
-                t0 = time.perf_counter()
-                fn(sync)
-                best[fn] = min(best[fn], time.perf_counter() - t0)
-        cat_mb, ours_mb = total / 1e6 / best[cat], total / 1e6 / best[writer]
+    RESULTS["shards"] = {"bytes": total, "rounds": SHARD_REPS}
+    print(f"\n== shard writing ({total / 1e6:.0f} MB in {len(files)} files; {SHARD_REPS} interleaved rounds after "
+          f"a warm-up, MB/s are medians)")
+    for sync in (False, True):          # interleaved: disk write-back is noisy
+        secs = rounds({"cat": lambda r: cat(sync), "writer": lambda r: writer(sync)}, reps=SHARD_REPS)
+        cat_mb, ours_mb = ([total / 1e6 / dt for dt in secs[k]] for k in ("cat", "writer"))
+        ratio = Ratio.of(ours_mb, cat_mb)
         tag = "fsynced" if sync else "page cache"
-        RESULTS["shards"][tag] = {"cat_MBps": cat_mb, "shardwriter_MBps": ours_mb, "ratio": ours_mb / cat_mb}
-        print(f"  {tag:10s}  cat > file {cat_mb:7.0f} MB/s   ShardWriter {ours_mb:7.0f} MB/s   "
-              f"ratio {ours_mb / cat_mb:.2f}x (goal >= 0.8x)")
+        RESULTS["shards"][tag] = {"cat_MBps": median(cat_mb), "shardwriter_MBps": median(ours_mb),
+                                  "ratio": ratio.as_dict()}
+        print(f"  {tag:10s}  cat > file {median(cat_mb):7.0f} MB/s   ShardWriter {median(ours_mb):7.0f} MB/s   "
+              f"ratio {ratio.describe()} (goal >= 0.8x)")
     shutil.rmtree(dst, ignore_errors=True)
 
 

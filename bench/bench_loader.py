@@ -2,7 +2,9 @@
 
 1. Throughput: LatentLoader samples/s and MB/s (ranged reads, safetensors decode, posterior
    sampling, collate), with 0 and 2 workers, vs ``cat shards > /dev/null`` and a plain
-   ``tarfile`` loop over the same bytes, in the same run (page-cached for every contender).
+   ``tarfile`` loop over the same bytes, in the same run (page-cached for every contender): REPS
+   interleaved rounds of whole epochs (bench/interleave.py), each ratio the median of the
+   per-round ratios with their range.
 2. Plan construction and resume for 1.3M samples (one manifest, and a mix of two where one is
    upsampled) at the start and deep in the epoch (the goal: about a second, independent of
    position), the peak RSS of a process doing it, and an audit of the plan: micro-batches that
@@ -17,13 +19,15 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
+
+from interleave import Ratio, median, rounds, table_note
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench-out"))
 N = int(os.environ.get("BENCH_LOADER_SAMPLES", 3000))
 ROWS = int(os.environ.get("BENCH_ROWS", 1_300_000))
 REPO = Path(__file__).resolve().parents[1]
+REPS = int(os.environ.get("BENCH_REPS", 3))        # interleaved rounds; each reads all N samples per contender
 PARTS = os.environ.get("BENCH_LOADER_PARTS", "throughput,plan").split(",")   # e.g. plan: only part 2
 
 
@@ -72,27 +76,35 @@ def throughput(results: dict) -> None:
                 for m in tf:
                     tf.extractfile(m).read()
 
-    def loader(workers):
+    def loader(workers, limit=None):
         n = 0
         for b in LatentLoader([manifest], sizes, root=root, seed=0, workers=workers, prefetch=4):
             n += len(b["clip_id"])
+            if limit and n >= limit:
+                return
         assert n == N
 
-    rates = {}
-    for name, fn in [("cat > /dev/null", cat), ("tarfile loop", tar_loop),
-                     ("LatentLoader, 0 workers", lambda: loader(0)),     # batches made on 1 torch thread
-                     ("LatentLoader, 2 workers", lambda: loader(2))]:
-        fn()                                   # warm the page cache and the plan cache
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        rates[name] = {"MBps": total / 1e6 / dt, "samples_per_s": N / dt}
-    results["throughput"] = {"samples": N, "bytes": total, "rates": rates}
-    print(f"\n== loader throughput ({N} samples, {total / 1e6:.0f} MB of latent shards, page-cached)")
-    base = rates["tarfile loop"]["MBps"]
+    # Warm-up (not timed): cat fills the page cache for all contenders; each loader builds the
+    # plan and imports what it uses on a few batches (a whole epoch each would cost a round).
+    contenders = {"cat > /dev/null": lambda r: cat(),
+                  "tarfile loop": lambda r: tar_loop(),
+                  "LatentLoader, 0 workers": lambda r: loader(0, None if r >= 0 else 64),   # 1 torch thread
+                  "LatentLoader, 2 workers": lambda r: loader(2, None if r >= 0 else 64)}
+    secs = rounds(contenders, reps=REPS)
+    rates = {k: [N / dt for dt in v] for k, v in secs.items()}
+    ratios = {k: {"vs_tarfile": Ratio.of(v, rates["tarfile loop"]), "vs_cat": Ratio.of(v, rates["cat > /dev/null"])}
+              for k, v in rates.items()}
+    results["throughput"] = {
+        "samples": N, "bytes": total, "rounds": REPS,
+        "rates": {k: {"MBps": total / N * median(v) / 1e6, "samples_per_s": median(v)} for k, v in rates.items()},
+        "ratios": {k: {m: r.as_dict() for m, r in v.items()} for k, v in ratios.items()}}
+    print(f"\n== loader throughput ({N} samples, {total / 1e6:.0f} MB of latent shards, page-cached; "
+          f"medians of {REPS} rounds)")
+    print(table_note(REPS))
     for k, v in rates.items():
-        print(f"  {k:26s} {v['MBps']:8.0f} MB/s {v['samples_per_s']:9.0f} samples/s   "
-              f"vs tarfile loop {v['MBps'] / base:5.2f}x   vs cat {v['MBps'] / rates['cat > /dev/null']['MBps']:5.2f}x")
+        sps = median(v)
+        print(f"  {k:26s} {total / N * sps / 1e6:8.0f} MB/s {sps:9.0f} samples/s   "
+              f"vs tarfile loop {ratios[k]['vs_tarfile'].short()}   vs cat {ratios[k]['vs_cat'].short()}")
     shutil.rmtree(root, ignore_errors=True)
 
 
