@@ -49,12 +49,18 @@ def launch(root: Path, args: list[str], nproc: int = 1, entry: list[str] = ("-m"
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_port())]
     return subprocess.Popen(cmd + [*entry, str(CONFIG), "--root", str(root), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            **kw)
 
 
 def train(root: Path, args: list[str], nproc: int = 1, ok: bool = True, timeout: float = 240, **kw) -> str:
     p = launch(root, args, nproc, **kw)
-    out, _ = p.communicate(timeout=timeout)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:           # the launcher and every rank go, not just the launcher
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"training did not finish in {timeout:.0f} s:\n{out[-4000:]}")
     if ok:
         assert p.returncode == 0, out[-4000:]
     else:
