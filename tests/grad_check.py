@@ -32,6 +32,15 @@ from reelcache.train.trainer import Trainer, bucket_geometry
 CLIP = 0.05
 
 
+def debug_stage_config(config, manifest, plugin: str, dtype: str, *extra: str):
+    """The debug stage pointed at a test root's manifest (8-wide captions, tiny buckets, no data
+    workers, no wandb) on the given plugin and working dtype, plus overrides."""
+    return load_config(config, [f'data.manifests=[{{name="{manifest}"}}]', 'data.buckets="configs/buckets/tiny.toml"',
+                                "model.overrides={caption_channels=8, model_max_length=300}", "data.workers=0",
+                                'run.wandb_mode="disabled"', f'run.plugin="{plugin}"', f'model.dtype="{dtype}"',
+                                *extra])
+
+
 def reference_losses(trainer, module, batch):
     d = trainer.draws(batch)
     frames, h, w = bucket_geometry(batch["bucket"])
@@ -72,14 +81,11 @@ def rel_err(got: dict, want: dict) -> float:
 
 
 def check(config, root, manifest, plugin, dtype):
-    cfg = load_config(config, [f'data.manifests=[{{name="{manifest}"}}]', 'data.buckets="configs/buckets/tiny.toml"',
-                               "model.overrides={caption_channels=8, model_max_length=300}", "data.workers=0",
-                               "run.wandb_mode=\"disabled\"", f'run.name="grad-{plugin}-{dtype}"',
-                               f'run.plugin="{plugin}"', f'model.dtype="{dtype}"', f"optim.grad_clip={CLIP}",
-                               "model.grad_checkpoint=false", "optim.schedule=\"constant\"",
-                               # eps 1e-15 (Open-Sora's) turns the key biases' float-noise gradients into
-                               # full-size Adam steps: the clipping check would compare noise.
-                               "optim.adam_eps=1e-8"])
+    cfg = debug_stage_config(config, manifest, plugin, dtype, f'run.name="grad-{plugin}-{dtype}"',
+                           f"optim.grad_clip={CLIP}", "model.grad_checkpoint=false", "optim.schedule=\"constant\"",
+                           # eps 1e-15 (Open-Sora's) turns the key biases' float-noise gradients into
+                           # full-size Adam steps: the clipping check would compare noise.
+                           "optim.adam_eps=1e-8")
     tr = Trainer(cfg, root)
     rank = tr.par.rank
     # Two batches of different buckets, read by a one-rank loader over the same manifest.

@@ -12,17 +12,14 @@ import json
 import sys
 from pathlib import Path
 
+from grad_check import debug_stage_config
 from safetensors.torch import load_file
 
-from reelcache.train.config import load_config
 from reelcache.train.trainer import Trainer
 
 
 def main(config, root, manifest, ckpt, plugin, dtype):
-    cfg = load_config(config, [f'data.manifests=[{{name="{manifest}"}}]', 'data.buckets="configs/buckets/tiny.toml"',
-                               "model.overrides={caption_channels=8, model_max_length=300}", "data.workers=0",
-                               "run.wandb_mode=\"disabled\"", f'run.name="optcheck-{Path(ckpt).parent.name}"',
-                               f'run.plugin="{plugin}"', f'model.dtype="{dtype}"'])
+    cfg = debug_stage_config(config, manifest, plugin, dtype, f'run.name="optcheck-{Path(ckpt).parent.name}"')
     tr = Trainer(cfg, root, load=ckpt)
     par = tr.par
     saved = load_file(str(Path(ckpt) / "optimizer/state.safetensors"))

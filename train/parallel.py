@@ -182,7 +182,6 @@ class Parallel:
     def optimizer_state(self, optimizer, model) -> tuple[dict, dict] | None:
         """The full optimizer state in host memory, copies (the next step may not change them), on
         rank 0; None elsewhere. A collective under ZeRO: every rank calls it."""
-        names = _param_names(model, optimizer)
         if self.zero:
             state = {}
             for block, _ in optimizer.state_dict_shard(max_shard_size=1024, only_on_master=True):
@@ -191,6 +190,7 @@ class Parallel:
             state = optimizer.state_dict()["state"]
         if self.rank != 0:
             return None
+        names = _param_names(model, optimizer)
         tensors, scalars = {}, {}
         for idx, st in state.items():
             for k, v in st.items():
