@@ -30,7 +30,7 @@ GPU_TORCH ?= 2.5.1
 GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.17.1
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: sysdeps install install-gpu gpu-kernels demo ingest cache test bench clean
+.PHONY: sysdeps install install-gpu gpu-kernels demo ingest cache lint format test bench clean
 
 # The programs the pipeline runs besides Python: ffmpeg (the tests' reference decoder) and GNU parallel
 # (ingest and cache units, cluster checks). Installed once, with apt-get as root or through sudo;
@@ -163,7 +163,16 @@ cache: sysdeps install
 	    $(BIN)/reelcache cache run --root $(ROOT) {} :::: $(ROOT)/units-cache-$(notdir $(basename $(CONFIG))).txt
 	$(BIN)/reelcache catalog merge --root $(ROOT)
 
-test: sysdeps install
+# The formatter's and the linter's verdict (pyproject.toml [tool.ruff]); `make format` applies both fixes.
+lint: install
+	$(BIN)/ruff format --check --quiet . || { echo "make lint: run 'make format' to reformat"; exit 1; }
+	$(BIN)/ruff check --quiet .
+
+format: install
+	$(BIN)/ruff check --fix --quiet .
+	$(BIN)/ruff format --quiet .
+
+test: sysdeps install lint
 	$(BIN)/pytest -q
 
 bench: install

@@ -30,7 +30,7 @@ from pathlib import Path
 from interleave import Ratio, median, rounds, table_note
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench-out"))
-REPS = int(os.environ.get("BENCH_REPS", 5))           # decode rounds; each decodes 1/REPS of the clips
+REPS = int(os.environ.get("BENCH_REPS", 5))  # decode rounds; each decodes 1/REPS of the clips
 DELIVERY_REPS = int(os.environ.get("BENCH_REPS", 3))  # delivery rounds; each delivers all the windows
 
 
@@ -68,7 +68,7 @@ def bench_decode(results):
     jobs = [(p, window_start(p, 0, m["num_frames"], T), m) for p, m in items]
 
     def ours(part):
-        for p, s, m in part:
+        for p, s, _ in part:
             decode_window(p, frames=T, interval=1, height=H, width=W, start=s)
 
     def ffmpeg(part):
@@ -76,22 +76,42 @@ def bench_decode(results):
             scale = max(H / m["height"], W / m["width"])
             sw, sh = -(-int(m["width"] * scale * 1000) // 1000), -(-int(m["height"] * scale * 1000) // 1000)
             sw, sh = max(W, sw + sw % 2), max(H, sh + sh % 2)
-            out = subprocess.run(["ffmpeg", "-v", "error", "-ss", f"{s / m['fps']:.4f}", "-i", p, "-frames:v", str(T),
-                                  "-vf", f"scale={sw}:{sh}:flags=area,crop={W}:{H}", "-f", "rawvideo",
-                                  "-pix_fmt", "rgb24", "-"], check=True, capture_output=True).stdout
+            out = subprocess.run(
+                [
+                    "ffmpeg",
+                    "-v",
+                    "error",
+                    "-ss",
+                    f"{s / m['fps']:.4f}",
+                    "-i",
+                    p,
+                    "-frames:v",
+                    str(T),
+                    "-vf",
+                    f"scale={sw}:{sh}:flags=area,crop={W}:{H}",
+                    "-f",
+                    "rawvideo",
+                    "-pix_fmt",
+                    "rgb24",
+                    "-",
+                ],
+                check=True,
+                capture_output=True,
+            ).stdout
             np.frombuffer(out, np.uint8)
 
     def full_decode_torch(part):
         torch.set_num_threads(2)
-        for p, s, m in part:
+        for p, s, _ in part:
             with av.open(p) as c:
                 frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
-            x = torch.from_numpy(np.stack(frames[s:s + T])).permute(0, 3, 1, 2).float() / 255
+            x = torch.from_numpy(np.stack(frames[s : s + T])).permute(0, 3, 1, 2).float() / 255
             scale = max(H / x.shape[2], W / x.shape[3])
-            x = torch.nn.functional.interpolate(x, size=(max(H, round(x.shape[2] * scale)),
-                                                         max(W, round(x.shape[3] * scale))), mode="area")
+            x = torch.nn.functional.interpolate(
+                x, size=(max(H, round(x.shape[2] * scale)), max(W, round(x.shape[3] * scale))), mode="area"
+            )
             y0, x0 = (x.shape[2] - H) // 2, (x.shape[3] - W) // 2
-            x[:, :, y0:y0 + H, x0:x0 + W].contiguous()
+            x[:, :, y0 : y0 + H, x0 : x0 + W].contiguous()
 
     # Round r decodes every REPS-th clip from the r-th: all the clips once per contender, as one
     # timed pass did, in REPS interleaved slices of a similar mix of sizes. The warm-up reads every
@@ -99,22 +119,34 @@ def bench_decode(results):
     for p, _, _ in jobs:
         Path(p).read_bytes()
     parts = {r: jobs[r::REPS] if r >= 0 else jobs[:3] for r in range(-1, REPS)}
-    names = {"reelcache decode_window": ours, "ffmpeg scale+crop to raw": ffmpeg,
-             "full decode + torch float resize": full_decode_torch}
+    names = {
+        "reelcache decode_window": ours,
+        "ffmpeg scale+crop to raw": ffmpeg,
+        "full decode + torch float resize": full_decode_torch,
+    }
     secs = rounds({k: (lambda r, fn=fn: fn(parts[r])) for k, fn in names.items()}, reps=REPS)
     per_round = {k: [len(parts[r]) / dt for r, dt in enumerate(v)] for k, v in secs.items()}
     rates = {k: {"clips_per_s": len(jobs) / sum(v), "frames_per_s": len(jobs) * T / sum(v)} for k, v in secs.items()}
     base = "reelcache decode_window"
     ratios = {k: Ratio.of(per_round[base], v) for k, v in per_round.items()}
-    results["decode"] = {"clips": len(jobs), "bucket": f"{H}x{W}x{T}", "rates": rates, "rounds": REPS,
-                         "vs_ffmpeg": ratios["ffmpeg scale+crop to raw"].as_dict(),
-                         "vs_full_decode": ratios["full decode + torch float resize"].as_dict()}
-    print(f"\n== decode for a bucket ({len(jobs)} demo clips -> {T} x {H} x {W} RGB, seeded windows; "
-          f"{REPS} interleaved rounds, each on every {REPS}th clip)")
+    results["decode"] = {
+        "clips": len(jobs),
+        "bucket": f"{H}x{W}x{T}",
+        "rates": rates,
+        "rounds": REPS,
+        "vs_ffmpeg": ratios["ffmpeg scale+crop to raw"].as_dict(),
+        "vs_full_decode": ratios["full decode + torch float resize"].as_dict(),
+    }
+    print(
+        f"\n== decode for a bucket ({len(jobs)} demo clips -> {T} x {H} x {W} RGB, seeded windows; "
+        f"{REPS} interleaved rounds, each on every {REPS}th clip)"
+    )
     print(table_note(REPS))
     for k, v in rates.items():
-        print(f"  {k:34s} {v['clips_per_s']:7.1f} clips/s {v['frames_per_s']:8.0f} frames/s   "
-              f"reelcache/this = {ratios[k].short()}")
+        print(
+            f"  {k:34s} {v['clips_per_s']:7.1f} clips/s {v['frames_per_s']:8.0f} frames/s   "
+            f"reelcache/this = {ratios[k].short()}"
+        )
 
 
 def bench_delivery(results, workers=2, batch=8, gpu_ms_per_clip=60):
@@ -127,11 +159,23 @@ def bench_delivery(results, workers=2, batch=8, gpu_ms_per_clip=60):
     from reelcache.isolate import Failed, isolated_map
 
     H, W, T = 240, 424, 33
-    jobs = [dict(raw_shard=os.path.abspath(p), raw_offset=0, file_size=os.path.getsize(p), num_frames=T, interval=1, height=H,
-                 width=W, window_start=window_start(p, 0, m["num_frames"], T), fps=m["fps"]) for p, m in clips()]
+    jobs = [
+        dict(
+            raw_shard=os.path.abspath(p),
+            raw_offset=0,
+            file_size=os.path.getsize(p),
+            num_frames=T,
+            interval=1,
+            height=H,
+            width=W,
+            window_start=window_start(p, 0, m["num_frames"], T),
+            fps=m["fps"],
+        )
+        for p, m in clips()
+    ]
 
     def encode(batch, gpu):
-        x = np.stack(batch)             # what cache run hands the encoder
+        x = np.stack(batch)  # what cache run hands the encoder
         if gpu:
             time.sleep(gpu_ms_per_clip / 1000 * len(batch))
         return x
@@ -160,32 +204,50 @@ def bench_delivery(results, workers=2, batch=8, gpu_ms_per_clip=60):
         for f in pending:
             f.release()
 
-    pickled(False), shared(False)       # warm (not timed): imports, worker start, page cache
+    pickled(False), shared(False)  # warm (not timed): imports, worker start, page cache
     # All four interleaved: a round runs each once over all the windows (a worker pool's start is
     # part of what is measured, so the windows are not split across rounds).
-    secs = rounds({f"{name}{' + GPU stand-in' if gpu else ''}": (lambda r, fn=fn, gpu=gpu: fn(gpu))
-                   for gpu in (False, True)
-                   for name, fn in (("pickled through the pipe", pickled), ("shared memory + feeder", shared))},
-                  reps=DELIVERY_REPS, warmup=0)
+    secs = rounds(
+        {
+            f"{name}{' + GPU stand-in' if gpu else ''}": (lambda r, fn=fn, gpu=gpu: fn(gpu))
+            for gpu in (False, True)
+            for name, fn in (("pickled through the pipe", pickled), ("shared memory + feeder", shared))
+        },
+        reps=DELIVERY_REPS,
+        warmup=0,
+    )
     per_round = {k: [len(jobs) / dt for dt in v] for k, v in secs.items()}
     rates = {k: median(v) for k, v in per_round.items()}
-    gains = {label: Ratio.of(per_round[f"shared memory + feeder{tag}"], per_round[f"pickled through the pipe{tag}"])
-             for label, tag in (("no encoder", ""), ("with the GPU stand-in", " + GPU stand-in"))}
+    gains = {
+        label: Ratio.of(per_round[f"shared memory + feeder{tag}"], per_round[f"pickled through the pipe{tag}"])
+        for label, tag in (("no encoder", ""), ("with the GPU stand-in", " + GPU stand-in"))
+    }
     serial = 1 / (1 / rates["pickled through the pipe"] + gpu_ms_per_clip / 1000)
-    results["delivery"] = {"clips": len(jobs), "workers": workers, "batch": batch, "window_mb": T * H * W * 3 / 1e6,
-                           "gpu_ms_per_clip": gpu_ms_per_clip, "rounds": DELIVERY_REPS, "clips_per_s": rates,
-                           "shared_vs_pickled": {k: v.as_dict() for k, v in gains.items()},
-                           "no_overlap_bound": serial, "full_overlap_bound": min(rates["shared memory + feeder"],
-                                                                                 1000 / gpu_ms_per_clip)}
-    print(f"\n== frames to the encoder ({len(jobs)} windows of {T * H * W * 3 / 1e6:.1f} MB, {workers} isolated "
-          f"workers, batches of {batch}; GPU stand-in {gpu_ms_per_clip} ms/clip; medians of {DELIVERY_REPS} "
-          f"interleaved rounds [min-max])")
+    results["delivery"] = {
+        "clips": len(jobs),
+        "workers": workers,
+        "batch": batch,
+        "window_mb": T * H * W * 3 / 1e6,
+        "gpu_ms_per_clip": gpu_ms_per_clip,
+        "rounds": DELIVERY_REPS,
+        "clips_per_s": rates,
+        "shared_vs_pickled": {k: v.as_dict() for k, v in gains.items()},
+        "no_overlap_bound": serial,
+        "full_overlap_bound": min(rates["shared memory + feeder"], 1000 / gpu_ms_per_clip),
+    }
+    print(
+        f"\n== frames to the encoder ({len(jobs)} windows of {T * H * W * 3 / 1e6:.1f} MB, {workers} isolated "
+        f"workers, batches of {batch}; GPU stand-in {gpu_ms_per_clip} ms/clip; medians of {DELIVERY_REPS} "
+        f"interleaved rounds [min-max])"
+    )
     for k, v in rates.items():
         print(f"  {k:44s} {v:6.1f} clips/s [{min(per_round[k]):.1f}-{max(per_round[k]):.1f}]")
     for k, g in gains.items():
         print(f"  shared memory vs pickled, {k}: {g.describe(what='interleaved rounds')}")
-    print(f"  (with the GPU stand-in: no overlap would give {serial:.1f} clips/s, full overlap "
-          f"{results['delivery']['full_overlap_bound']:.1f})")
+    print(
+        f"  (with the GPU stand-in: no overlap would give {serial:.1f} clips/s, full overlap "
+        f"{results['delivery']['full_overlap_bound']:.1f})"
+    )
 
 
 def bench_storage(results):
@@ -200,15 +262,26 @@ def bench_storage(results):
     padded = 300 * 4096 * 2
     mean_len = sum(lens) / len(lens) if lens else 120
     trimmed = mean_len * 4096 * 2
-    lat = {f"{res} x 51 frames -> {t}x{h}x{w}": 2 * 4 * t * h * w * 2
-           for res, t, h, w in (("240p", 15, 30, 53), ("360p", 15, 45, 80), ("720p", 15, 90, 160))}
-    results["storage"] = {"text_tokens_mean": mean_len, "t5xxl_padded_bytes": padded,
-                          "t5xxl_trimmed_bytes": trimmed, "ratio": trimmed / padded, "posterior_bytes": lat}
-    print(f"\n== storage per clip (T5-XXL, d=4096, bf16; mean {mean_len:.1f} caption tokens"
-          f"{' in the demo cache' if lens else ' (OpenVid-like assumption)'})")
+    lat = {
+        f"{res} x 51 frames -> {t}x{h}x{w}": 2 * 4 * t * h * w * 2
+        for res, t, h, w in (("240p", 15, 30, 53), ("360p", 15, 45, 80), ("720p", 15, 90, 160))
+    }
+    results["storage"] = {
+        "text_tokens_mean": mean_len,
+        "t5xxl_padded_bytes": padded,
+        "t5xxl_trimmed_bytes": trimmed,
+        "ratio": trimmed / padded,
+        "posterior_bytes": lat,
+    }
+    print(
+        f"\n== storage per clip (T5-XXL, d=4096, bf16; mean {mean_len:.1f} caption tokens"
+        f"{' in the demo cache' if lens else ' (OpenVid-like assumption)'})"
+    )
     print(f"  text padded to 300 tokens   {padded / 1e6:6.2f} MB")
-    print(f"  text trimmed to its tokens  {trimmed / 1e6:6.2f} MB   ({trimmed / padded:.2f}x; "
-          f"saves {(padded - trimmed) * 1.3e6 / 1e12:.1f} TB over 1.3M clips)")
+    print(
+        f"  text trimmed to its tokens  {trimmed / 1e6:6.2f} MB   ({trimmed / padded:.2f}x; "
+        f"saves {(padded - trimmed) * 1.3e6 / 1e12:.1f} TB over 1.3M clips)"
+    )
     for k, v in lat.items():
         print(f"  posterior mean+logvar {k:30s} {v / 1e6:5.2f} MB")
 

@@ -28,8 +28,8 @@ from interleave import Ratio, median, rounds, table_note
 
 OUT = Path(os.environ.get("BENCH_OUT", "bench-out"))
 ROWS = int(os.environ.get("BENCH_ROWS", 1_300_000))
-PROBE_REPS = int(os.environ.get("BENCH_REPS", 5))     # interleaved rounds; each probes 1/PROBE_REPS of the files
-SHARD_REPS = int(os.environ.get("BENCH_REPS", 4))     # interleaved rounds of a whole shard write each
+PROBE_REPS = int(os.environ.get("BENCH_REPS", 5))  # interleaved rounds; each probes 1/PROBE_REPS of the files
+SHARD_REPS = int(os.environ.get("BENCH_REPS", 4))  # interleaved rounds of a whole shard write each
 RESULTS: dict[str, dict] = {}
 
 
@@ -80,8 +80,8 @@ def per_file(fn, part: list[str], min_s: float = 0.5) -> float:
 def bench_probe(files: list[str]) -> None:
     import av
 
-    from reelcache.isolate import isolated_map
     from reelcache.ingest.probe import preload, probe
+    from reelcache.isolate import isolated_map
 
     def ours(part):
         for f in part:
@@ -97,13 +97,16 @@ def bench_probe(files: list[str]) -> None:
 
     def ffprobe(part, extra=()):
         for f in part:
-            subprocess.run(["ffprobe", "-v", "error", *extra, "-show_streams", "-show_format", "-of", "json", f],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["ffprobe", "-v", "error", *extra, "-show_streams", "-show_format", "-of", "json", f],
+                check=True,
+                capture_output=True,
+            )
 
     def pyav_open(part):
         for f in part:
             with av.open(f, metadata_errors="ignore") as c:
-                c.streams.video[0].codec_context.name
+                _ = c.streams.video[0].codec_context.name  # opening the codec context is the probe
 
     def open_read(part):
         for f in part:
@@ -140,17 +143,24 @@ def bench_probe(files: list[str]) -> None:
         "open + 64 KB read (floor)": lambda r: per_file(open_read, part(files, r)),
     }
     per_round = rounds(contenders, reps=PROBE_REPS)
-    head = "reelcache probe (isolated worker)"       # what `ingest run` does: the headline
+    head = "reelcache probe (isolated worker)"  # what `ingest run` does: the headline
     ratios = {k: Ratio.of(per_round[head], v) for k, v in per_round.items()}
     rates = {k: median(v) for k, v in per_round.items()}
     n = len(files)
-    RESULTS["probe"] = {"files": n, "files_per_s": rates, "headline": head, "rounds": PROBE_REPS,
-                        "speedup_vs_ffprobe": ratios["ffprobe per file"].as_dict(),
-                        "speedup_vs_ffprobe_count_packets": ratios["ffprobe -count_packets per file"].as_dict(),
-                        "speedup_vs_full_decode": ratios["full decode (PyAV)"].as_dict(),
-                        "fraction_of_pyav_open": ratios["PyAV open + stream info only"].as_dict()}
-    print(f"\n== probe ({n} demo clips, 240p-720p, page-cached; ratios are of the isolated worker `ingest run` "
-          f"uses, over a 1000-file unit; files/s: medians of {PROBE_REPS} rounds)")
+    RESULTS["probe"] = {
+        "files": n,
+        "files_per_s": rates,
+        "headline": head,
+        "rounds": PROBE_REPS,
+        "speedup_vs_ffprobe": ratios["ffprobe per file"].as_dict(),
+        "speedup_vs_ffprobe_count_packets": ratios["ffprobe -count_packets per file"].as_dict(),
+        "speedup_vs_full_decode": ratios["full decode (PyAV)"].as_dict(),
+        "fraction_of_pyav_open": ratios["PyAV open + stream info only"].as_dict(),
+    }
+    print(
+        f"\n== probe ({n} demo clips, 240p-720p, page-cached; ratios are of the isolated worker `ingest run` "
+        f"uses, over a 1000-file unit; files/s: medians of {PROBE_REPS} rounds)"
+    )
     print(table_note(PROBE_REPS))
     for k, v in rates.items():
         print(f"  {k:36s} {v:9.1f} files/s   reelcache/this = {ratios[k].short()}")
@@ -183,22 +193,31 @@ def bench_shards() -> None:
         dst.mkdir()
         w = ShardWriter(dst, "000000", 1 << 30, fsync=sync)
         for i, p in enumerate(files):
-            w.write_sample(f"{i:020x}", [("mp4", str(p), p.stat().st_size), ("json", b'{"a": 1}', None),
-                                         ("txt", b"a caption", None)])
+            w.write_sample(
+                f"{i:020x}",
+                [("mp4", str(p), p.stat().st_size), ("json", b'{"a": 1}', None), ("txt", b"a caption", None)],
+            )
         w.close()
 
     RESULTS["shards"] = {"bytes": total, "rounds": SHARD_REPS}
-    print(f"\n== shard writing ({total / 1e6:.0f} MB in {len(files)} files; {SHARD_REPS} interleaved rounds after "
-          f"a warm-up, MB/s are medians)")
-    for sync in (False, True):          # interleaved: disk write-back is noisy
-        secs = rounds({"cat": lambda r: cat(sync), "writer": lambda r: writer(sync)}, reps=SHARD_REPS)
+    print(
+        f"\n== shard writing ({total / 1e6:.0f} MB in {len(files)} files; {SHARD_REPS} interleaved rounds after "
+        f"a warm-up, MB/s are medians)"
+    )
+    for sync in (False, True):  # interleaved: disk write-back is noisy
+        secs = rounds({"cat": lambda r, s=sync: cat(s), "writer": lambda r, s=sync: writer(s)}, reps=SHARD_REPS)
         cat_mb, ours_mb = ([total / 1e6 / dt for dt in secs[k]] for k in ("cat", "writer"))
         ratio = Ratio.of(ours_mb, cat_mb)
         tag = "fsynced" if sync else "page cache"
-        RESULTS["shards"][tag] = {"cat_MBps": median(cat_mb), "shardwriter_MBps": median(ours_mb),
-                                  "ratio": ratio.as_dict()}
-        print(f"  {tag:10s}  cat > file {median(cat_mb):7.0f} MB/s   ShardWriter {median(ours_mb):7.0f} MB/s   "
-              f"ratio {ratio.describe()} (goal >= 0.8x)")
+        RESULTS["shards"][tag] = {
+            "cat_MBps": median(cat_mb),
+            "shardwriter_MBps": median(ours_mb),
+            "ratio": ratio.as_dict(),
+        }
+        print(
+            f"  {tag:10s}  cat > file {median(cat_mb):7.0f} MB/s   ShardWriter {median(ours_mb):7.0f} MB/s   "
+            f"ratio {ratio.describe()} (goal >= 0.8x)"
+        )
     shutil.rmtree(dst, ignore_errors=True)
 
 
@@ -217,25 +236,33 @@ def synth_sidecars(root: Path, rows: int, per_unit: int = 1000) -> None:
     for u in range(-(-rows // per_unit)):
         n = min(per_unit, rows - u * per_unit)
         idx = np.arange(u * per_unit, u * per_unit + n)
-        h = rng.choice(heights, n, p=[.15, .25, .2, .3, .1])
+        h = rng.choice(heights, n, p=[0.15, 0.25, 0.2, 0.3, 0.1])
         w = np.where(rng.random(n) < 0.85, (h * 16) // 9, (h * 9) // 16)
         fps = rng.choice([24.0, 25.0, 30.0, 60.0], n)
         nf = rng.integers(30, 3000, n)
         ok = rng.random(n) > 0.03
         cols = {
-            "clip_id": pa.array([f"{i:020x}" for i in idx]), "source": pa.array(["synth"] * n),
-            "unit": pa.array([f"synth/{u:06d}"] * n), "row": pa.array(idx),
-            "path": pa.array([f"/data/v/{i}.mp4" for i in idx]), "text": pa.array(["a caption"] * n),
+            "clip_id": pa.array([f"{i:020x}" for i in idx]),
+            "source": pa.array(["synth"] * n),
+            "unit": pa.array([f"synth/{u:06d}"] * n),
+            "row": pa.array(idx),
+            "path": pa.array([f"/data/v/{i}.mp4" for i in idx]),
+            "text": pa.array(["a caption"] * n),
             "status": pa.array(np.where(ok, "ok", "rejected")),
             "reject_reason": pa.array(np.where(ok, None, "truncated")),
-            "num_frames": pa.array(nf), "fps": pa.array(fps), "duration": pa.array(nf / fps),
-            "width": pa.array(w.astype(np.int32)), "height": pa.array(h.astype(np.int32)),
-            "aspect_ratio": pa.array(h / w), "resolution": pa.array((h * w).astype(np.int64)),
+            "num_frames": pa.array(nf),
+            "fps": pa.array(fps),
+            "duration": pa.array(nf / fps),
+            "width": pa.array(w.astype(np.int32)),
+            "height": pa.array(h.astype(np.int32)),
+            "aspect_ratio": pa.array(h / w),
+            "resolution": pa.array((h * w).astype(np.int64)),
             "file_size": pa.array(rng.integers(1 << 20, 50 << 20, n)),
             "noun_count": pa.array(rng.poisson(6, n).astype(np.int32)),
             "noun_tagger": pa.array(["textblob-pattern"] * n),
             "shard": pa.array([f"raw/synth/{u:06d}-{k // 128:02d}.tar" for k in range(n)]),
-            "shard_offset": pa.array(rng.integers(0, 1 << 30, n)), "ext": pa.array(["mp4"] * n),
+            "shard_offset": pa.array(rng.integers(0, 1 << 30, n)),
+            "ext": pa.array(["mp4"] * n),
         }
         arrays = [cols[f.name].cast(f.type) if f.name in cols else pa.nulls(n, f.type) for f in schema]
         pq.write_table(pa.Table.from_arrays(arrays, schema=schema), sdir / f"{u:06d}.parquet", compression="zstd")
@@ -259,8 +286,19 @@ def bench_catalog() -> None:
     rc = [sys.executable, "-m", "reelcache"]
     merge_s, merge_mb = run_measured(rc + ["catalog", "merge", "--root", str(root)])
     remerge_s, _ = run_measured(rc + ["catalog", "merge", "--root", str(root)])
-    manifest_s, manifest_mb = run_measured(rc + ["catalog", "manifest", "--root", str(root), "--name", "bench",
-                                                 "--where", "level <= 4 AND noun_pct < 99.99 AND height >= 360"])
+    manifest_s, manifest_mb = run_measured(
+        rc
+        + [
+            "catalog",
+            "manifest",
+            "--root",
+            str(root),
+            "--name",
+            "bench",
+            "--where",
+            "level <= 4 AND noun_pct < 99.99 AND height >= 360",
+        ]
+    )
     start_s, _ = run_measured(rc + ["catalog", "sql", "--root", str(root), "SELECT 1"])
     con = duckdb.connect(str(root / "catalog.duckdb"), read_only=True)
     q_times = []
@@ -269,10 +307,17 @@ def bench_catalog() -> None:
         con.execute(CURRICULUM).fetchall()
         q_times.append(time.perf_counter() - t0)
     con.close()
-    RESULTS["catalog"] = {"rows": ROWS, "synth_sidecars_s": gen, "merge_s": merge_s, "merge_peak_MB": merge_mb,
-                          "remerge_noop_s": remerge_s, "curriculum_query_s": min(q_times),
-                          "manifest_s": manifest_s, "manifest_peak_MB": manifest_mb,
-                          "cli_sql_roundtrip_s": start_s}
+    RESULTS["catalog"] = {
+        "rows": ROWS,
+        "synth_sidecars_s": gen,
+        "merge_s": merge_s,
+        "merge_peak_MB": merge_mb,
+        "remerge_noop_s": remerge_s,
+        "curriculum_query_s": min(q_times),
+        "manifest_s": manifest_s,
+        "manifest_peak_MB": manifest_mb,
+        "cli_sql_roundtrip_s": start_s,
+    }
     print(f"\n== catalog at {ROWS:,} rows ({-(-ROWS // 1000)} sidecars; wall time includes process start)")
     print(f"  merge                    {merge_s:7.2f} s   peak RSS {merge_mb} MB")
     print(f"  merge again (no-op)      {remerge_s:7.2f} s")

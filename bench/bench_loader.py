@@ -27,8 +27,8 @@ OUT = Path(os.environ.get("BENCH_OUT", "bench-out"))
 N = int(os.environ.get("BENCH_LOADER_SAMPLES", 3000))
 ROWS = int(os.environ.get("BENCH_ROWS", 1_300_000))
 REPO = Path(__file__).resolve().parents[1]
-REPS = int(os.environ.get("BENCH_REPS", 3))        # interleaved rounds; each reads all N samples per contender
-PARTS = os.environ.get("BENCH_LOADER_PARTS", "throughput,plan").split(",")   # e.g. plan: only part 2
+REPS = int(os.environ.get("BENCH_REPS", 3))  # interleaved rounds; each reads all N samples per contender
+PARTS = os.environ.get("BENCH_LOADER_PARTS", "throughput,plan").split(",")  # e.g. plan: only part 2
 
 
 def write_shards(root: Path) -> tuple[Path, int]:
@@ -48,8 +48,11 @@ def write_shards(root: Path) -> tuple[Path, int]:
     for i in range(N):
         b = buckets[i % 3]
         t = 5 if "/17/" in b else 9
-        x = {"mean": torch.randn(4, t, 30, 53).bfloat16(), "logvar": torch.randn(4, t, 30, 53).bfloat16(),
-             "text": torch.randn(int(rng.integers(20, 120)), 1024).bfloat16()}
+        x = {
+            "mean": torch.randn(4, t, 30, 53).bfloat16(),
+            "logvar": torch.randn(4, t, 30, 53).bfloat16(),
+            "text": torch.randn(int(rng.integers(20, 120)), 1024).bfloat16(),
+        }
         shard, off = w.write_sample(f"{i:020x}", [(LATENT_EXT, encode(x), None)])
         rows.append({"clip_id": f"{i:020x}", "bucket": b, "shard": f"latents/{shard}", "shard_offset": off[LATENT_EXT]})
     w.close()
@@ -58,8 +61,8 @@ def write_shards(root: Path) -> tuple[Path, int]:
 
 
 def throughput(results: dict) -> None:
-    from reelcache.train.loader import LatentLoader
     from reelcache.catalog.buckets import BucketConfig
+    from reelcache.train.loader import LatentLoader
 
     root = OUT / "loader-root"
     shutil.rmtree(root, ignore_errors=True)
@@ -86,25 +89,36 @@ def throughput(results: dict) -> None:
 
     # Warm-up (not timed): cat fills the page cache for all contenders; each loader builds the
     # plan and imports what it uses on a few batches (a whole epoch each would cost a round).
-    contenders = {"cat > /dev/null": lambda r: cat(),
-                  "tarfile loop": lambda r: tar_loop(),
-                  "LatentLoader, 0 workers": lambda r: loader(0, None if r >= 0 else 64),   # 1 torch thread
-                  "LatentLoader, 2 workers": lambda r: loader(2, None if r >= 0 else 64)}
+    contenders = {
+        "cat > /dev/null": lambda r: cat(),
+        "tarfile loop": lambda r: tar_loop(),
+        "LatentLoader, 0 workers": lambda r: loader(0, None if r >= 0 else 64),  # 1 torch thread
+        "LatentLoader, 2 workers": lambda r: loader(2, None if r >= 0 else 64),
+    }
     secs = rounds(contenders, reps=REPS)
     rates = {k: [N / dt for dt in v] for k, v in secs.items()}
-    ratios = {k: {"vs_tarfile": Ratio.of(v, rates["tarfile loop"]), "vs_cat": Ratio.of(v, rates["cat > /dev/null"])}
-              for k, v in rates.items()}
+    ratios = {
+        k: {"vs_tarfile": Ratio.of(v, rates["tarfile loop"]), "vs_cat": Ratio.of(v, rates["cat > /dev/null"])}
+        for k, v in rates.items()
+    }
     results["throughput"] = {
-        "samples": N, "bytes": total, "rounds": REPS,
+        "samples": N,
+        "bytes": total,
+        "rounds": REPS,
         "rates": {k: {"MBps": total / N * median(v) / 1e6, "samples_per_s": median(v)} for k, v in rates.items()},
-        "ratios": {k: {m: r.as_dict() for m, r in v.items()} for k, v in ratios.items()}}
-    print(f"\n== loader throughput ({N} samples, {total / 1e6:.0f} MB of latent shards, page-cached; "
-          f"medians of {REPS} rounds)")
+        "ratios": {k: {m: r.as_dict() for m, r in v.items()} for k, v in ratios.items()},
+    }
+    print(
+        f"\n== loader throughput ({N} samples, {total / 1e6:.0f} MB of latent shards, page-cached; "
+        f"medians of {REPS} rounds)"
+    )
     print(table_note(REPS))
     for k, v in rates.items():
         sps = median(v)
-        print(f"  {k:26s} {total / N * sps / 1e6:8.0f} MB/s {sps:9.0f} samples/s   "
-              f"vs tarfile loop {ratios[k]['vs_tarfile'].short()}   vs cat {ratios[k]['vs_cat'].short()}")
+        print(
+            f"  {k:26s} {total / N * sps / 1e6:8.0f} MB/s {sps:9.0f} samples/s   "
+            f"vs tarfile loop {ratios[k]['vs_tarfile'].short()}   vs cat {ratios[k]['vs_cat'].short()}"
+        )
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -119,7 +133,8 @@ rng = np.random.default_rng(0)
 buckets = np.array([f"{r}/{t}/0.56" for r in ("240p", "360p", "480p", "720p") for t in (17, 34, 51)], dtype=object)
 def source(name, lo, hi, weight):
     k = hi - lo
-    return Source(name * 64, np.array([f"{i:020x}" for i in range(lo, hi)], dtype=object), buckets[rng.integers(0, 12, k)],
+    ids = np.array([f"{i:020x}" for i in range(lo, hi)], dtype=object)
+    return Source(name * 64, ids, buckets[rng.integers(0, 12, k)],
                   np.array([f"latents/{name}/{i // 2000:06d}-00.tar" for i in range(lo, hi)], dtype=object),
                   rng.integers(0, 1 << 30, k).astype(np.int64), weight)
 # mix: a 1.0M-clip source downsampled to 60% and a 0.3M one upsampled to 40% (1.73 copies per clip)
@@ -148,7 +163,9 @@ def plan_cost(results: dict) -> None:
     out = {}
     for mix in ("one", "mix"):
         for frac in (0.0, 0.9):
-            proc = subprocess.Popen([sys.executable, "-c", PLAN_CHILD, str(ROWS), str(frac), mix], stdout=subprocess.PIPE)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", PLAN_CHILD, str(ROWS), str(frac), mix], stdout=subprocess.PIPE
+            )
             _, status, ru = os.wait4(proc.pid, 0)
             assert status == 0
             r = json.loads(proc.stdout.read())
@@ -157,9 +174,12 @@ def plan_cost(results: dict) -> None:
     results["plan"] = {"rows": ROWS, **out}
     print(f"\n== plan + resume, {ROWS:,} samples, rank 5 of 192 (mix: 1.0M clips at weight 0.6 + 0.3M at 0.4)")
     for k, r in out.items():
-        print(f"  {k:24s} plan+resume {r['plan_and_resume_s']:5.2f} s (CPU {r['plan_and_resume_cpu_s']:4.2f} s)  ({r['micro_batches']} micro-batches, "
-              f"{r['steps_left']} steps left, {r['batches_with_duplicate']} with a clip twice, closest copies "
-              f"{r['min_copy_gap']} micro-batches apart)   peak RSS {r['peak_rss_MB']} MB (incl. the test manifest)")
+        print(
+            f"  {k:24s} plan+resume {r['plan_and_resume_s']:5.2f} s (CPU {r['plan_and_resume_cpu_s']:4.2f} s)  "
+            f"({r['micro_batches']} micro-batches, "
+            f"{r['steps_left']} steps left, {r['batches_with_duplicate']} with a clip twice, closest copies "
+            f"{r['min_copy_gap']} micro-batches apart)   peak RSS {r['peak_rss_MB']} MB (incl. the test manifest)"
+        )
 
 
 def main() -> None:

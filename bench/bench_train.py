@@ -37,18 +37,27 @@ from interleave import Ratio, rounds
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = Path(os.environ.get("DEMO_ROOT", REPO / "demo-root"))
-STEPS = int(os.environ.get("BENCH_TRAIN_STEPS", 30))          # per contender, warm-up included
-BLOCK = int(os.environ.get("BENCH_TRAIN_BLOCK", 1))           # steps per contender per pair
-WARMUP = 3                     # DataLoader workers starting and the allocator warming up
-SOLO = 8                       # cached steps alone after the pairs, for the data wait
+STEPS = int(os.environ.get("BENCH_TRAIN_STEPS", 30))  # per contender, warm-up included
+BLOCK = int(os.environ.get("BENCH_TRAIN_BLOCK", 1))  # steps per contender per pair
+WARMUP = 3  # DataLoader workers starting and the allocator warming up
+SOLO = 8  # cached steps alone after the pairs, for the data wait
 CONFIG = REPO / "configs/train/debug/stage1.toml"
 
 
 def config(name: str):
     from reelcache.train.config import load_config
 
-    return load_config(CONFIG, [f'run.name="{name}"', f"run.max_steps={STEPS}", 'run.wandb_mode="disabled"',
-                                "run.ckpt_every=0", "run.epochs=100", "run.log_every=1"])
+    return load_config(
+        CONFIG,
+        [
+            f'run.name="{name}"',
+            f"run.max_steps={STEPS}",
+            'run.wandb_mode="disabled"',
+            "run.ckpt_every=0",
+            "run.epochs=100",
+            "run.log_every=1",
+        ],
+    )
 
 
 def trainer(name: str):
@@ -105,7 +114,7 @@ def online(tr):
     frame_interval = BucketConfig.from_toml(cfg_cache.buckets).frame_interval
     jobs = {r["clip_id"]: r for r in pq.read_table(ROOT / "latents/tiny/_plan/input.parquet").to_pylist()}
     video, text = VideoEncoder(cfg_cache.video_encoder, "cpu"), TextEncoder(cfg_cache.text_encoder, "cpu")
-    tr.loader.read = False                 # the plan's clip ids and buckets only: the data comes from video
+    tr.loader.read = False  # the plan's clip ids and buckets only: the data comes from video
     for batch, _ in batches(tr):
         t0 = time.monotonic()
         frames = [decode_clip(dict(jobs[c], interval=frame_interval), str(ROOT)) for c in batch["clip_id"]]
@@ -113,12 +122,19 @@ def online(tr):
         lat = video.encode(torch.as_tensor(np.stack(frames)))
         caps = text.encode([jobs[c]["text"] or "" for c in batch["clip_id"]])
         eps = torch.randn(lat["mean"].shape)
-        x = (lat["mean"].float() + torch.exp(0.5 * lat["logvar"].float()) * eps)
+        x = lat["mean"].float() + torch.exp(0.5 * lat["logvar"].float()) * eps
         y, mask, _ = pad_text(caps)
         t2 = time.monotonic()
-        out = tr.step({**batch, "x": x, "text": y, "text_mask": mask,
-                       "fps": torch.tensor([float(jobs[c]["fps"] or 24) for c in batch["clip_id"]])})
-        sync(tr)                           # as the trainer does: a step ends when the device is done
+        out = tr.step(
+            {
+                **batch,
+                "x": x,
+                "text": y,
+                "text_mask": mask,
+                "fps": torch.tensor([float(jobs[c]["fps"] or 24) for c in batch["clip_id"]]),
+            }
+        )
+        sync(tr)  # as the trainer does: a step ends when the device is done
         t3 = time.monotonic()
         tr.global_step += 1
         yield {"samples": out["samples"], "decode": t1 - t0, "encode": t2 - t1, "step": t3 - t2}
@@ -147,13 +163,18 @@ def main() -> int:
     # Batches the DataLoader holds in flight: the first solo steps get them ready-made.
     ahead = tr_a.cfg.data.workers * tr_a.cfg.data.prefetch
     try:
-        res = rounds({"cached": lambda r: block(steps_a, WARMUP if r < 0 else BLOCK),
-                      "online": lambda r: block(steps_b, WARMUP if r < 0 else BLOCK)}, reps=reps)
+        res = rounds(
+            {
+                "cached": lambda r: block(steps_a, WARMUP if r < 0 else BLOCK),
+                "online": lambda r: block(steps_b, WARMUP if r < 0 else BLOCK),
+            },
+            reps=reps,
+        )
         block(steps_a, ahead)
         solo = block(steps_a, SOLO)
     finally:
-        steps_a.close(), steps_b.close()   # stops the cached loader's DataLoader workers
-        tr_a.par.close()                   # one process group, shared by both trainers
+        steps_a.close(), steps_b.close()  # stops the cached loader's DataLoader workers
+        tr_a.par.close()  # one process group, shared by both trainers
     a, b = res["cached"], res["online"]
     sps_a = [x["samples"] / x["step_s"] for x in a]
     sps_b = [x["samples"] / (x["decode"] + x["encode"] + x["step"]) for x in b]
@@ -166,14 +187,20 @@ def main() -> int:
     n = reps * BLOCK
     time_a, time_b = tot(a, "step_s"), tot(b, "decode", "encode", "step")
     turns = f"{BLOCK}-step turns" if BLOCK > 1 else "single-step turns"
-    print(f"\n== training step: cached latents vs Open-Sora's online VAE + T5 ({n} timed steps each after {WARMUP} "
-          f"warm-up, in {reps} interleaved pairs of {turns}; 1 process, CPU)")
-    print(f"cached (reelcache): {tot(a, 'samples') / time_a:.2f} samples/s, {time_a / n * 1e3:.0f} ms/step, "
-          f"data wait {100 * solo['wait_s'] / solo['step_s']:.1f}% of step time (over {SOLO} steps alone after the "
-          f"pairs; {100 * tot(a, 'wait_s') / time_a:.1f}% in them, its prefetch refilled during the other's turn)")
-    print(f"online (Open-Sora): {tot(b, 'samples') / time_b:.2f} samples/s, {time_b / n * 1e3:.0f} ms/step "
-          f"(decode {100 * tot(b, 'decode') / time_b:.0f}%, VAE + T5 {100 * tot(b, 'encode') / time_b:.0f}%, "
-          f"model step {100 * tot(b, 'step') / time_b:.0f}%)")
+    print(
+        f"\n== training step: cached latents vs Open-Sora's online VAE + T5 ({n} timed steps each after {WARMUP} "
+        f"warm-up, in {reps} interleaved pairs of {turns}; 1 process, CPU)"
+    )
+    print(
+        f"cached (reelcache): {tot(a, 'samples') / time_a:.2f} samples/s, {time_a / n * 1e3:.0f} ms/step, "
+        f"data wait {100 * solo['wait_s'] / solo['step_s']:.1f}% of step time (over {SOLO} steps alone after the "
+        f"pairs; {100 * tot(a, 'wait_s') / time_a:.1f}% in them, its prefetch refilled during the other's turn)"
+    )
+    print(
+        f"online (Open-Sora): {tot(b, 'samples') / time_b:.2f} samples/s, {time_b / n * 1e3:.0f} ms/step "
+        f"(decode {100 * tot(b, 'decode') / time_b:.0f}%, VAE + T5 {100 * tot(b, 'encode') / time_b:.0f}%, "
+        f"model step {100 * tot(b, 'step') / time_b:.0f}%)"
+    )
     print(f"cached vs online: {ratio.describe()}")
     print(f"cached vs online with its decode fully hidden in workers: {hidden.describe()}")
     return 0

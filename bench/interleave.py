@@ -41,7 +41,7 @@ def rounds(contenders: dict[str, Callable[[int], object]], reps: int, warmup: in
     names = list(contenders)
     out: dict[str, list] = {n: [] for n in names}
     for r in range(-warmup, reps):
-        k = r % len(names)                       # rotate: every contender leads as often as the others
+        k = r % len(names)  # rotate: every contender leads as often as the others
         for name in names[k:] + names[:k]:
             t0 = time.perf_counter()
             res = contenders[name](r)
@@ -58,7 +58,7 @@ class Ratio:
     values: list[float]
 
     @classmethod
-    def of(cls, num: list[float], den: list[float]) -> "Ratio":
+    def of(cls, num: list[float], den: list[float]) -> Ratio:
         """num[i] / den[i] for each round i (both lists from the same `rounds` call)."""
         assert len(num) == len(den) and num, (len(num), len(den))
         return cls([a / b for a, b in zip(num, den)])
@@ -100,12 +100,20 @@ class Ratio:
         """'1.90x (median of 7 interleaved pairs, range 1.70-2.10x)', with the IQR from IQR_FROM pairs."""
         iqr = f"IQR {num(self.spread[0])}-{num(self.spread[1])}x, " if len(self.values) >= IQR_FROM else ""
         flag = f"; spread over {NOISY}x wide: {busy()}" if self.noisy else ""
-        return (f"{num(self.median)}x (median of {len(self.values)} {what}, {iqr}"
-                f"range {num(self.lo)}-{num(self.hi)}x{flag})")
+        return (
+            f"{num(self.median)}x (median of {len(self.values)} {what}, {iqr}"
+            f"range {num(self.lo)}-{num(self.hi)}x{flag})"
+        )
 
     def as_dict(self) -> dict:
-        return {"median": self.median, "min": self.lo, "max": self.hi, "spread": list(self.spread),
-                "rounds": len(self.values), "per_round": self.values}
+        return {
+            "median": self.median,
+            "min": self.lo,
+            "max": self.hi,
+            "spread": list(self.spread),
+            "rounds": len(self.values),
+            "per_round": self.values,
+        }
 
 
 def median(xs: list[float]) -> float:
@@ -125,5 +133,7 @@ def busy() -> str:
 def table_note(reps: int) -> str:
     """The line a table of short ratios prints under its header."""
     what = "interquartile range" if reps >= IQR_FROM else "min-max"
-    return (f"  (ratios: median of the per-round ratios over {reps} interleaved rounds, contenders in rotating "
-            f"order; [{what}] of those ratios)")
+    return (
+        f"  (ratios: median of the per-round ratios over {reps} interleaved rounds, contenders in rotating "
+        f"order; [{what}] of those ratios)"
+    )

@@ -22,11 +22,13 @@ def add_commands(top) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     ca = top.add_parser("cache", help="VAE and text latents, precomputed once per stage across GPU nodes")
     sub = ca.add_subparsers(dest="cmd", required=True)
-    cp = sub.add_parser("plan", help="assign buckets, fix the cache identity, print units", formatter_class=fmt,
-                        epilog=PLAN_EXAMPLES)
+    cp = sub.add_parser(
+        "plan", help="assign buckets, fix the cache identity, print units", formatter_class=fmt, epilog=PLAN_EXAMPLES
+    )
     cp.add_argument("--root", required=True, type=existing_dir, help="data root (its catalog manifests)")
-    cp.add_argument("--config", required=True, type=existing_file,
-                    help="cache config TOML, e.g. configs/cache/tiny.toml")
+    cp.add_argument(
+        "--config", required=True, type=existing_file, help="cache config TOML, e.g. configs/cache/tiny.toml"
+    )
     cp.set_defaults(fn=_plan)
     cr = sub.add_parser("run", help="decode and encode one or more units printed by `cache plan`")
     cr.add_argument("--root", required=True, type=existing_dir)

@@ -87,14 +87,22 @@ class _Fallback(Exception):
     """Seek-based indexing cannot be trusted for this clip: decode from the start, counting."""
 
 
-def decode_window(source, *, frames: int, interval: int, height: int, width: int, start: int = 0,
-                  fps: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
+def decode_window(
+    source,
+    *,
+    frames: int,
+    interval: int,
+    height: int,
+    width: int,
+    start: int = 0,
+    fps: float | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """uint8 [frames, height, width, 3]: frames start, start+interval, ... resized and centre-cropped.
 
     `source` is a path or a seekable file-like object (FileSlice). `out`, if given, receives the
     frames (e.g. a shared-memory array). Raises ValueError if the clip cannot fill the window.
     """
-    import av
 
     wanted = [start + i * interval for i in range(frames)]
     if out is None:
@@ -105,8 +113,9 @@ def decode_window(source, *, frames: int, interval: int, height: int, width: int
         if start / rate > 1.0 and _constant_rate(vs):
             back = 1.0
             while start / rate - back > 0.0:
-                container.seek((vs.start_time or 0) + int((start / rate - back) / vs.time_base), stream=vs,
-                               backward=True)
+                container.seek(
+                    (vs.start_time or 0) + int((start / rate - back) / vs.time_base), stream=vs, backward=True
+                )
                 try:
                     got = _fill(container.decode(vs), out, wanted, height, width, _sar(vs), _pts_index(vs, rate))
                 except _Fallback:
@@ -114,8 +123,8 @@ def decode_window(source, *, frames: int, interval: int, height: int, width: int
                 if got is not None:
                     _complete(got, frames, start)
                     return out
-                back *= 4                   # landed past the window's first frame: seek further back
-            container.close()               # the seeks failed: count frames from the start, freshly opened
+                back *= 4  # landed past the window's first frame: seek further back
+            container.close()  # the seeks failed: count frames from the start, freshly opened
             if hasattr(source, "seek"):
                 source.seek(0)
             container, vs = _open(source)
@@ -153,9 +162,10 @@ def _pts_index(vs, rate: float):
         if frame.pts is None:
             raise _Fallback
         x = float((frame.pts - t0) * tb) * rate
-        if abs(x - round(x)) > 0.25:        # off the constant-rate grid: not a CFR stream after all
+        if abs(x - round(x)) > 0.25:  # off the constant-rate grid: not a CFR stream after all
             raise _Fallback
         return round(x)
+
     return index
 
 
@@ -175,7 +185,7 @@ def _fill(frames_iter, out, wanted, height, width, sar, index):
         if prev is None and idx > wanted[0]:
             return None
         if prev is not None and idx != prev + 1:
-            raise _Fallback                 # a missing or repeated index: counting is the only truth
+            raise _Fallback  # a missing or repeated index: counting is the only truth
         prev = idx
         if idx != wanted[got]:
             continue
@@ -186,7 +196,7 @@ def _fill(frames_iter, out, wanted, height, width, sar, index):
         if rot:
             rgb = np.rot90(rgb, k=rot // 90)
         y, x = (rgb.shape[0] - height) // 2, (rgb.shape[1] - width) // 2
-        out[got] = rgb[y:y + height, x:x + width]
+        out[got] = rgb[y : y + height, x : x + width]
         got += 1
         if got == len(wanted):
             break

@@ -24,7 +24,6 @@ is reused only when it matches.
 from __future__ import annotations
 
 import functools
-
 import hashlib
 import json
 import os
@@ -36,35 +35,89 @@ from reelcache.settings import TEXT, check, setting
 
 TINY_VIDEO = {
     # Tiny models carry latent statistics that are not 0/1, so a normalization that is skipped shows.
-    "wan": ("AutoencoderKLWan", dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
-                                     temperal_downsample=[False, True], latents_mean=[0.3, -0.2, 0.1, -0.4],
-                                     latents_std=[1.5, 0.7, 2.0, 0.9])),
-    "cogvideox": ("AutoencoderKLCogVideoX", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
-                                                 down_block_types=("CogVideoXDownBlock3D",) * 2, norm_num_groups=4,
-                                                 up_block_types=("CogVideoXUpBlock3D",) * 2)),
-    "hunyuan": ("AutoencoderKLHunyuanVideo", dict(block_out_channels=(16, 32, 32), latent_channels=4, layers_per_block=1,
-                                                  down_block_types=("HunyuanVideoDownBlock3D",) * 3, norm_num_groups=4,
-                                                  up_block_types=("HunyuanVideoUpBlock3D",) * 3,
-                                                  spatial_compression_ratio=4, temporal_compression_ratio=4)),
-    "ltx": ("AutoencoderKLLTXVideo", dict(block_out_channels=(16, 32), decoder_block_out_channels=(16, 32),
-                                          down_block_types=("LTXVideoDownBlock3D",) * 2, layers_per_block=(1, 1, 1),
-                                          decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, False),
-                                          decoder_spatio_temporal_scaling=(True, False), upsample_residual=(False, False),
-                                          decoder_inject_noise=(False, False, False), upsample_factor=(1, 1),
-                                          latent_channels=4, patch_size=4, patch_size_t=1, scaling_factor=1.3)),
+    "wan": (
+        "AutoencoderKLWan",
+        dict(
+            base_dim=16,
+            z_dim=4,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.3, -0.2, 0.1, -0.4],
+            latents_std=[1.5, 0.7, 2.0, 0.9],
+        ),
+    ),
+    "cogvideox": (
+        "AutoencoderKLCogVideoX",
+        dict(
+            block_out_channels=(16, 32),
+            latent_channels=4,
+            layers_per_block=1,
+            down_block_types=("CogVideoXDownBlock3D",) * 2,
+            norm_num_groups=4,
+            up_block_types=("CogVideoXUpBlock3D",) * 2,
+        ),
+    ),
+    "hunyuan": (
+        "AutoencoderKLHunyuanVideo",
+        dict(
+            block_out_channels=(16, 32, 32),
+            latent_channels=4,
+            layers_per_block=1,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+            norm_num_groups=4,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+            spatial_compression_ratio=4,
+            temporal_compression_ratio=4,
+        ),
+    ),
+    "ltx": (
+        "AutoencoderKLLTXVideo",
+        dict(
+            block_out_channels=(16, 32),
+            decoder_block_out_channels=(16, 32),
+            down_block_types=("LTXVideoDownBlock3D",) * 2,
+            layers_per_block=(1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1),
+            spatio_temporal_scaling=(True, False),
+            decoder_spatio_temporal_scaling=(True, False),
+            upsample_residual=(False, False),
+            decoder_inject_noise=(False, False, False),
+            upsample_factor=(1, 1),
+            latent_channels=4,
+            patch_size=4,
+            patch_size_t=1,
+            scaling_factor=1.3,
+        ),
+    ),
     "opensora-v1.2": ("OpenSoraVAE", {"layout": "hpcai-tech/OpenSora-VAE-v1.2 encoder", "tiny": True}),
-    "sd-per-frame": ("AutoencoderKL", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
-                                           down_block_types=("DownEncoderBlock2D",) * 2, norm_num_groups=4,
-                                           up_block_types=("UpDecoderBlock2D",) * 2, scaling_factor=0.18215,
-                                           shift_factor=0.0609)),
+    "sd-per-frame": (
+        "AutoencoderKL",
+        dict(
+            block_out_channels=(16, 32),
+            latent_channels=4,
+            layers_per_block=1,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            norm_num_groups=4,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            scaling_factor=0.18215,
+            shift_factor=0.0609,
+        ),
+    ),
 }
 # LTX keeps its statistics as buffers of the VAE, not in its config: tiny values set after init.
 TINY_LTX_STATS = {"latents_mean": [0.25, -0.5, 0.0, 0.75], "latents_std": [0.5, 1.25, 2.0, 0.8]}
 # Temporal compression of the real models: a clip's frame count must be 1 + a multiple of it.
 TEMPORAL_RATIO = {"wan": 4, "cogvideox": 4, "hunyuan": 4, "ltx": 8, "sd-per-frame": 1, "opensora-v1.2": 1}
 # Height and width must be multiples of this (spatial compression x patch size), real and tiny.
-SPATIAL_MULTIPLE = {"wan": (8, 4), "cogvideox": (8, 2), "hunyuan": (8, 4), "ltx": (32, 8), "sd-per-frame": (8, 2),
-                    "opensora-v1.2": (8, 2)}
+SPATIAL_MULTIPLE = {
+    "wan": (8, 4),
+    "cogvideox": (8, 2),
+    "hunyuan": (8, 4),
+    "ltx": (32, 8),
+    "sd-per-frame": (8, 2),
+    "opensora-v1.2": (8, 2),
+}
 
 
 def _versions() -> dict:
@@ -84,11 +137,16 @@ def _dtype(name: str):
 
 def files_hash(path: Path) -> str:
     """sha256 over a model folder's weight and config files, cached beside them by (size, mtime)."""
-    if Path(path).is_file():           # a single checkpoint file (the Open-Sora VAE's model.safetensors)
+    if Path(path).is_file():  # a single checkpoint file (the Open-Sora VAE's model.safetensors)
         files, path = [Path(path)], Path(path).parent
     else:
-        files = sorted(p for p in Path(path).rglob("*") if p.is_file() and p.suffix in
-                       (".safetensors", ".bin", ".json", ".model", ".txt") and not p.name.startswith(".reelcache"))
+        files = sorted(
+            p
+            for p in Path(path).rglob("*")
+            if p.is_file()
+            and p.suffix in (".safetensors", ".bin", ".json", ".model", ".txt")
+            and not p.name.startswith(".reelcache")
+        )
     if not files:
         raise UserError(f"{path} holds no weights (*.safetensors, *.bin)")
     stamp = json.dumps([(str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
@@ -108,11 +166,11 @@ def files_hash(path: Path) -> str:
     try:
         cache.write_text(json.dumps({"stamp": stamp, "sha256": h.hexdigest()}))
     except OSError:
-        pass        # read-only weights folder: hash again next time
+        pass  # read-only weights folder: hash again next time
     return h.hexdigest()
 
 
-def spec_identity(spec: "EncoderSpec") -> dict:
+def spec_identity(spec: EncoderSpec) -> dict:
     """What makes an encoder's outputs what they are, computed without loading the model."""
     if spec.tiny:
         config = TINY_VIDEO[spec.kind][1] if spec.kind in TINY_VIDEO else {"t5": "tiny", "tokenizer": "tiny"}
@@ -121,8 +179,14 @@ def spec_identity(spec: "EncoderSpec") -> dict:
         cfg = Path(spec.path) / "config.json"
         config = json.loads(cfg.read_text()) if cfg.exists() else TINY_VIDEO.get(spec.kind, ("", {}))[0]
         weights = files_hash(Path(spec.path))
-    ident = {"kind": spec.kind, "tiny": spec.tiny, "config": _jsonable(config), "dtype": spec.dtype,
-             "weights_sha256": weights, "versions": _versions()}
+    ident = {
+        "kind": spec.kind,
+        "tiny": spec.tiny,
+        "config": _jsonable(config),
+        "dtype": spec.dtype,
+        "weights_sha256": weights,
+        "versions": _versions(),
+    }
     if spec.kind == "t5":
         ident["max_tokens"] = spec.max_tokens
     if spec.extra:
@@ -130,12 +194,12 @@ def spec_identity(spec: "EncoderSpec") -> dict:
     return ident
 
 
-def spatial_multiple(spec: "EncoderSpec") -> int:
+def spatial_multiple(spec: EncoderSpec) -> int:
     """Crops are rounded down to this: e.g. the 240p 9:16 bucket (240, 426) is encoded as 240 x 424."""
     return SPATIAL_MULTIPLE[spec.kind][1 if spec.tiny else 0]
 
 
-def temporal_ratio(spec: "EncoderSpec") -> int:
+def temporal_ratio(spec: EncoderSpec) -> int:
     if spec.tiny and spec.kind not in ("hunyuan", "sd-per-frame"):
         return 2
     return TEMPORAL_RATIO.get(spec.kind, 1)
@@ -143,8 +207,9 @@ def temporal_ratio(spec: "EncoderSpec") -> int:
 
 @dataclass
 class EncoderSpec:
-    kind: str = setting(doc="video: wan, cogvideox, hunyuan, ltx, opensora-v1.2, sd-per-frame; text: t5",
-                        choices=(*TINY_VIDEO, "t5"))
+    kind: str = setting(
+        doc="video: wan, cogvideox, hunyuan, ltx, opensora-v1.2, sd-per-frame; text: t5", choices=(*TINY_VIDEO, "t5")
+    )
     path: str | None = setting(None, "a local weights folder (or the Open-Sora VAE's file)", pattern=TEXT)
     tiny: bool = setting(False, "seeded random weights of a tiny configuration (tests, the demo)")
     dtype: str = setting("bfloat16", "the encoder's dtype", choices=("bfloat16", "float16", "float32"))
@@ -160,9 +225,8 @@ class EncoderSpec:
 
 class VideoEncoder:
     def __init__(self, spec: EncoderSpec, device: str = "cpu"):
-        import torch
-
         import diffusers
+        import torch
 
         if spec.kind not in TINY_VIDEO:
             raise UserError(f"unknown video encoder {spec.kind!r}; choose one of {', '.join(TINY_VIDEO)}")
@@ -172,8 +236,13 @@ class VideoEncoder:
             from reelcache.cache.opensora_vae import OpenSoraVAE
 
             torch.manual_seed(spec.seed)
-            self.model = OpenSoraVAE(tiny=True) if spec.tiny else OpenSoraVAE.from_checkpoint(
-                spec.path, spatial=spec.extra.get("spatial"), temporal=spec.extra.get("temporal"))
+            self.model = (
+                OpenSoraVAE(tiny=True)
+                if spec.tiny
+                else OpenSoraVAE.from_checkpoint(
+                    spec.path, spatial=spec.extra.get("spatial"), temporal=spec.extra.get("temporal")
+                )
+            )
         elif spec.tiny:
             torch.manual_seed(spec.seed)
             self.model = getattr(diffusers, cls_name)(**tiny_cfg)
@@ -181,13 +250,17 @@ class VideoEncoder:
                 for name, values in TINY_LTX_STATS.items():
                     getattr(self.model, name).copy_(torch.tensor(values))
         else:
-            self.model = getattr(diffusers, cls_name).from_pretrained(spec.path, torch_dtype=self.dtype,
-                                                                       local_files_only=True)
-        self.model = self.model.to(device=device) if spec.tiny and spec.dtype == "float32" else \
-            self.model.to(device=device, dtype=self.dtype)
+            self.model = getattr(diffusers, cls_name).from_pretrained(
+                spec.path, torch_dtype=self.dtype, local_files_only=True
+            )
+        self.model = (
+            self.model.to(device=device)
+            if spec.tiny and spec.dtype == "float32"
+            else self.model.to(device=device, dtype=self.dtype)
+        )
         self.model.eval()
         self.per_frame = spec.kind == "sd-per-frame"
-        self.opensora = spec.kind == "opensora-v1.2"      # normalizes inside its own encode
+        self.opensora = spec.kind == "opensora-v1.2"  # normalizes inside its own encode
         self.shift, self.scale = normalization(spec.kind, self.model)
 
     def identity(self) -> dict:
@@ -208,7 +281,7 @@ class VideoEncoder:
         import torch
 
         x = torch.as_tensor(frames).to(self.device, non_blocking=True)
-        x = x.permute(0, 4, 1, 2, 3).to(self.dtype).div_(127.5).sub_(1.0)          # [B, 3, T, H, W] in [-1, 1]
+        x = x.permute(0, 4, 1, 2, 3).to(self.dtype).div_(127.5).sub_(1.0)  # [B, 3, T, H, W] in [-1, 1]
         with torch.inference_mode():
             if self.opensora:
                 mean, logvar = self.model.encode(x)
@@ -226,7 +299,6 @@ class VideoEncoder:
             mean = (mean.float() - shift) * scale
             logvar = logvar.float() + 2 * torch.log(scale)
         return {"mean": mean.to(torch.bfloat16).cpu(), "logvar": logvar.to(torch.bfloat16).cpu()}
-
 
     def decode(self, z, num_frames: int):
         """Normalized latents [B, C, t, h, w] (as the cache stores them) -> uint8 video [B, T, H, W, 3].
@@ -255,8 +327,10 @@ class VideoEncoder:
                 else:
                     x = self.model.decode(raw).sample
         if x.shape[2] < num_frames:
-            raise ValueError(f"the VAE decoded {x.shape[2]} frames from {z.shape[2]} latent frames, "
-                             f"fewer than the {num_frames} asked for")
+            raise ValueError(
+                f"the VAE decoded {x.shape[2]} frames from {z.shape[2]} latent frames, "
+                f"fewer than the {num_frames} asked for"
+            )
         return to_uint8(x[:, :, :num_frames])
 
 
@@ -273,7 +347,7 @@ def normalization(kind: str, model) -> tuple[list[float], list[float]]:
     pipeline feeds its transformer (the inverse of what it does to latents before ``vae.decode``).
     Files are under diffusers/pipelines/ (diffusers 0.42)."""
     cfg = getattr(model, "config", None)
-    if kind == "opensora-v1.2":          # OpenSoraVAE.encode normalizes itself: (z - shift) / scale
+    if kind == "opensora-v1.2":  # OpenSoraVAE.encode normalizes itself: (z - shift) / scale
         return [0.0], [1.0]
     if kind == "wan":
         # wan/pipeline_wan_i2v.py prepare_latents: (z - latents_mean) * (1 / latents_std), config values;
@@ -310,8 +384,17 @@ class TextEncoder:
         if spec.tiny:
             self.tokenizer = tiny_tokenizer()
             torch.manual_seed(spec.seed)
-            self.model = T5EncoderModel(T5Config(vocab_size=len(self.tokenizer), d_model=32, d_kv=8, d_ff=64,
-                                                 num_layers=2, num_heads=4, pad_token_id=0))
+            self.model = T5EncoderModel(
+                T5Config(
+                    vocab_size=len(self.tokenizer),
+                    d_model=32,
+                    d_kv=8,
+                    d_ff=64,
+                    num_layers=2,
+                    num_heads=4,
+                    pad_token_id=0,
+                )
+            )
         else:
             self.tokenizer = AutoTokenizer.from_pretrained(spec.path, local_files_only=True)
             self.model = T5EncoderModel.from_pretrained(spec.path, torch_dtype=self.dtype, local_files_only=True)
@@ -324,11 +407,11 @@ class TextEncoder:
         """Embeddings trimmed to each caption's real tokens: [L_i, D] bf16 on CPU."""
         import torch
 
-        tok = self.tokenizer(texts, max_length=self.spec.max_tokens, padding=True, truncation=True,
-                             return_tensors="pt")
+        tok = self.tokenizer(texts, max_length=self.spec.max_tokens, padding=True, truncation=True, return_tensors="pt")
         with torch.inference_mode():
-            h = self.model(input_ids=tok.input_ids.to(self.device),
-                           attention_mask=tok.attention_mask.to(self.device)).last_hidden_state
+            h = self.model(
+                input_ids=tok.input_ids.to(self.device), attention_mask=tok.attention_mask.to(self.device)
+            ).last_hidden_state
         lens = tok.attention_mask.sum(1).tolist()
         return [h[i, :n].to(torch.bfloat16).cpu() for i, n in enumerate(lens)]
 
@@ -347,8 +430,10 @@ def tiny_tokenizer():
 
     from reelcache.words import ADJ, CAMERA, PLACES, SUBJECTS, THINGS, VERBS
 
-    text = " ".join(ADJ + PLACES + SUBJECTS + THINGS + VERBS + CAMERA) + " a an the and with in of while next to " \
+    text = (
+        " ".join(ADJ + PLACES + SUBJECTS + THINGS + VERBS + CAMERA) + " a an the and with in of while next to "
         "watches shows camera background . , ' !"
+    )
     words = sorted({w.lower() for w in re.findall(r"\w+|[^\w\s]", text)})
     vocab = {tok: i for i, tok in enumerate(["<pad>", "</s>", "<unk>"] + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -367,4 +452,3 @@ def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "0") != "" else "cpu"
-

@@ -36,11 +36,23 @@ SHIFT = (-0.10, 0.34, 0.27, 0.98)
 SCALE = (3.85, 2.32, 2.33, 3.06)
 MICRO_FRAMES = 17
 MICRO_BATCH = 4
-SPATIAL_SCALE = 0.18215      # VideoAutoencoderKL's own factor, not the SDXL config's 0.13025
-SDXL_VAE = dict(block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
-                up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2, latent_channels=4, sample_size=1024)
-TINY_SPATIAL = dict(block_out_channels=(16, 32), down_block_types=("DownEncoderBlock2D",) * 2,
-                    up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4, norm_num_groups=4)
+SPATIAL_SCALE = 0.18215  # VideoAutoencoderKL's own factor, not the SDXL config's 0.13025
+SDXL_VAE = dict(
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    layers_per_block=2,
+    latent_channels=4,
+    sample_size=1024,
+)
+TINY_SPATIAL = dict(
+    block_out_channels=(16, 32),
+    down_block_types=("DownEncoderBlock2D",) * 2,
+    up_block_types=("UpDecoderBlock2D",) * 2,
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=4,
+)
 # VAE_Temporal_SD: filters 128, 4 res blocks per level, GroupNorm(32).
 TEMPORAL = dict(filters=128, num_res_blocks=4, multipliers=(1, 2, 2, 4), temporal_down=(False, True, True), groups=32)
 TINY_TEMPORAL = dict(filters=8, num_res_blocks=1, multipliers=(1, 2, 2, 4), temporal_down=(False, True, True), groups=4)
@@ -87,7 +99,7 @@ class TemporalEncoder(nn.Module):
                 blocks.append(ResBlock(prev, f, groups))
                 prev = f
             self.block_res_blocks.append(blocks)
-            if i < len(multipliers) - 1:     # time-strided conv where the layout downsamples, else nothing
+            if i < len(multipliers) - 1:  # time-strided conv where the layout downsamples, else nothing
                 self.conv_blocks.append(CausalConv3d(prev, f, stride=(2, 1, 1)) if temporal_down[i] else nn.Identity())
         self.res_blocks = nn.ModuleList(ResBlock(prev, prev, groups) for _ in range(num_res_blocks))
         self.norm1 = nn.GroupNorm(groups, prev)
@@ -139,7 +151,7 @@ class TemporalDecoder(nn.Module):
                 x = b(x)
             if i > 0:
                 x = self.conv_blocks[i - 1](x)
-                if self.temporal_down[i - 1]:        # channel c*2 + s becomes time step t*2 + s
+                if self.temporal_down[i - 1]:  # channel c*2 + s becomes time step t*2 + s
                     b_, c2, t, h, w = x.shape
                     x = x.reshape(b_, c2 // 2, 2, t, h, w).permute(0, 1, 3, 2, 4, 5).reshape(b_, c2 // 2, 2 * t, h, w)
         return self.conv_out(F.silu(self.norm1(x)))
@@ -164,7 +176,7 @@ class TemporalVAE(nn.Module):
 
     def decode(self, z, num_frames: int):
         x = self.decoder(self.post_quant_conv(z))
-        return x[:, :, (-num_frames) % self.time_factor:]
+        return x[:, :, (-num_frames) % self.time_factor :]
 
 
 class OpenSoraVAE(nn.Module):
@@ -178,7 +190,7 @@ class OpenSoraVAE(nn.Module):
         self.register_buffer("scale", torch.tensor(SCALE).view(1, 4, 1, 1, 1), persistent=False)
 
     @classmethod
-    def from_checkpoint(cls, path, spatial: dict | None = None, temporal: dict | None = None) -> "OpenSoraVAE":
+    def from_checkpoint(cls, path, spatial: dict | None = None, temporal: dict | None = None) -> OpenSoraVAE:
         """Load hpcai-tech/OpenSora-VAE-v1.2's model.safetensors (a file, or the folder holding it)."""
         from pathlib import Path
 
@@ -204,12 +216,20 @@ class OpenSoraVAE(nn.Module):
         """
         for name, const in (("scale", SCALE), ("shift", SHIFT)):
             if name in state and not torch.allclose(state[name].float().flatten(), torch.tensor(const), atol=1e-6):
-                raise ValueError(f"{source}: stored {name} {state[name].flatten().tolist()} differs from Open-Sora "
-                                 f"1.2's {list(const)}; latents would be normalized differently")
-        spatial = {k.removeprefix("spatial_vae.module."): v for k, v in state.items() if k.startswith("spatial_vae.module.")}
+                raise ValueError(
+                    f"{source}: stored {name} {state[name].flatten().tolist()} differs from Open-Sora "
+                    f"1.2's {list(const)}; latents would be normalized differently"
+                )
+        spatial = {
+            k.removeprefix("spatial_vae.module."): v for k, v in state.items() if k.startswith("spatial_vae.module.")
+        }
         temporal = {k.removeprefix("temporal_vae."): v for k, v in state.items() if k.startswith("temporal_vae.")}
-        if extra := sorted(set(state) - {"scale", "shift"} - {f"spatial_vae.module.{k}" for k in spatial}
-                           - {f"temporal_vae.{k}" for k in temporal}):
+        if extra := sorted(
+            set(state)
+            - {"scale", "shift"}
+            - {f"spatial_vae.module.{k}" for k in spatial}
+            - {f"temporal_vae.{k}" for k in temporal}
+        ):
             raise ValueError(f"{source}: unexpected keys {extra[:8]}")
         self.spatial.load_state_dict(spatial, strict=True)
         self.temporal.load_state_dict(temporal, strict=True)
@@ -222,18 +242,22 @@ class OpenSoraVAE(nn.Module):
         """
         b, c, t, h, w = x.shape
         frames = x.transpose(1, 2).reshape(b * t, c, h, w)
-        dists = [self.spatial.encode(frames[i:i + MICRO_BATCH]).latent_dist for i in range(0, len(frames), MICRO_BATCH)]
+        dists = [
+            self.spatial.encode(frames[i : i + MICRO_BATCH]).latent_dist for i in range(0, len(frames), MICRO_BATCH)
+        ]
 
-        def video(z):                       # [(B T), C, h, w] -> [B, C, T, h, w]
+        def video(z):  # [(B T), C, h, w] -> [B, C, T, h, w]
             return z.reshape(b, t, *z.shape[1:]).transpose(1, 2)
 
-        out = {"spatial_mean": video(torch.cat([d.mean for d in dists])),
-               "spatial_logvar": video(torch.cat([d.logvar for d in dists]))}
+        out = {
+            "spatial_mean": video(torch.cat([d.mean for d in dists])),
+            "spatial_logvar": video(torch.cat([d.logvar for d in dists])),
+        }
         z = out["spatial_mean"]
         if spatial_eps is not None:
             z = z + torch.exp(0.5 * out["spatial_logvar"]) * spatial_eps
         out["x_z"] = z = z * SPATIAL_SCALE
-        parts = [self.temporal.encode(z[:, :, i:i + MICRO_FRAMES]) for i in range(0, t, MICRO_FRAMES)]
+        parts = [self.temporal.encode(z[:, :, i : i + MICRO_FRAMES]) for i in range(0, t, MICRO_FRAMES)]
         out["temporal_mean"] = mean = torch.cat([m for m, _ in parts], dim=2)
         out["temporal_logvar"] = logvar = torch.cat([lv for _, lv in parts], dim=2)
         zt = mean if temporal_eps is None else mean + torch.exp(0.5 * logvar) * temporal_eps
@@ -255,12 +279,14 @@ class OpenSoraVAE(nn.Module):
         chunk = latent_frames(MICRO_FRAMES)
         parts, left = [], num_frames
         for i in range(0, z.shape[2], chunk):
-            parts.append(self.temporal.decode(z[:, :, i:i + chunk], num_frames=min(MICRO_FRAMES, left)))
+            parts.append(self.temporal.decode(z[:, :, i : i + chunk], num_frames=min(MICRO_FRAMES, left)))
             left -= MICRO_FRAMES
         x = torch.cat(parts, dim=2) / SPATIAL_SCALE
         b, c, t, h, w = x.shape
         flat = x.transpose(1, 2).reshape(b * t, c, h, w)
-        img = torch.cat([self.spatial.decode(flat[i:i + MICRO_BATCH]).sample for i in range(0, len(flat), MICRO_BATCH)])
+        img = torch.cat(
+            [self.spatial.decode(flat[i : i + MICRO_BATCH]).sample for i in range(0, len(flat), MICRO_BATCH)]
+        )
         return img.reshape(b, t, *img.shape[1:]).transpose(1, 2)
 
 

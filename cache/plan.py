@@ -42,24 +42,26 @@ class CacheConfig:
     decode_timeout: float = setting(120.0, "seconds per clip", gt=0)
     worker_memory_mb: int | None = setting(None, "address-space cap per decode process (None: no cap)", ge=1)
     shard_mb: float = setting(1000.0, "cap on one latent shard's size", gt=0)
-    store: str = setting("posterior", "posterior: mean + logvar (sampled at load); sample: one draw",
-                         choices=("posterior", "sample"))
+    store: str = setting(
+        "posterior", "posterior: mean + logvar (sampled at load); sample: one draw", choices=("posterior", "sample")
+    )
     extra: dict = setting(doc="free-form, recorded with the plan", factory=dict)
 
     def __post_init__(self):
         if self.video_encoder.kind not in TINY_VIDEO:
-            raise UserError(f"video_encoder.kind = {self.video_encoder.kind!r}: expected one of "
-                            f"{', '.join(map(repr, TINY_VIDEO))}")
+            raise UserError(
+                f"video_encoder.kind = {self.video_encoder.kind!r}: expected one of {', '.join(map(repr, TINY_VIDEO))}"
+            )
         if self.text_encoder.kind != "t5":
             raise UserError(f"text_encoder.kind = {self.text_encoder.kind!r}: expected 't5'")
 
     @classmethod
-    def from_dict(cls, doc: dict, where: str) -> "CacheConfig":
+    def from_dict(cls, doc: dict, where: str) -> CacheConfig:
         """From a config file's table or the plan's recorded ``config`` (``where`` names it in errors)."""
         return build(cls, doc, source=where)
 
     @classmethod
-    def from_toml(cls, path) -> "CacheConfig":
+    def from_toml(cls, path) -> CacheConfig:
         """A cache config file, every value checked; its bucket file is read too (before any work)."""
         cfg = cls.from_dict(load_toml(path), str(path))
         cfg.buckets = BucketConfig.path_from(path, cfg.buckets)
@@ -75,16 +77,26 @@ def cache_dir(root, name: str) -> Path:
 
 
 def identity(cfg: CacheConfig, buckets: BucketConfig, manifest_fp: str) -> dict:
-    return {"cache_version": CACHE_VERSION, "name": cfg.name,
-            "video_encoder": spec_identity(cfg.video_encoder), "text_encoder": spec_identity(cfg.text_encoder),
-            "buckets": {"table": [list(r) for r in buckets.table], "frame_interval": buckets.frame_interval},
-            "seed": cfg.seed, "store": cfg.store, "manifest_fingerprint": manifest_fp,
-            "spatial_multiple": spatial_multiple(cfg.video_encoder),
-            "preprocess": {"decode": "pyav, frames in presentation order, displayed picture (SAR, rotation)",
-                           "resize": "swscale area, cover", "crop": "centre",
-                           "window": "SeedSequence(blake2b-256(window|seed|clip_id))", "range": [-1, 1],
-                           "latent_dtype": "bfloat16",
-                           "text": "trimmed to real tokens, bfloat16"}}
+    return {
+        "cache_version": CACHE_VERSION,
+        "name": cfg.name,
+        "video_encoder": spec_identity(cfg.video_encoder),
+        "text_encoder": spec_identity(cfg.text_encoder),
+        "buckets": {"table": [list(r) for r in buckets.table], "frame_interval": buckets.frame_interval},
+        "seed": cfg.seed,
+        "store": cfg.store,
+        "manifest_fingerprint": manifest_fp,
+        "spatial_multiple": spatial_multiple(cfg.video_encoder),
+        "preprocess": {
+            "decode": "pyav, frames in presentation order, displayed picture (SAR, rotation)",
+            "resize": "swscale area, cover",
+            "crop": "centre",
+            "window": "SeedSequence(blake2b-256(window|seed|clip_id))",
+            "range": [-1, 1],
+            "latent_dtype": "bfloat16",
+            "text": "trimmed to real tokens, bfloat16",
+        },
+    }
 
 
 def diff(a, b, prefix="") -> list[str]:
@@ -119,8 +131,10 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
     ratio = temporal_ratio(cfg.video_encoder)
     bad = sorted({t for _, t, *_ in buckets.table if t > 1 and (t - 1) % ratio})
     if bad:
-        raise UserError(f"{cfg.video_encoder.kind} encodes 1 + a multiple of {ratio} frames; bucket frame counts "
-                        f"{bad} in {cfg.buckets} are not (e.g. {[1 + ratio * ((t - 1) // ratio) for t in bad]})")
+        raise UserError(
+            f"{cfg.video_encoder.kind} encodes 1 + a multiple of {ratio} frames; bucket frame counts "
+            f"{bad} in {cfg.buckets} are not (e.g. {[1 + ratio * ((t - 1) // ratio) for t in bad]})"
+        )
     mpath = resolve_manifest(root, cfg.manifest)
     table, fp = read_manifest(mpath)
     need = {"clip_id", "shard", "shard_offset", "file_size", "num_frames", "width", "height", "text"}
@@ -131,26 +145,41 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
     if (cdir / "cache.json").exists():
         old = json.loads((cdir / "cache.json").read_text())
         if d := diff(old, ident):
-            raise UserError(f"cache {cfg.name!r} exists with another identity; refusing to mix latents. "
-                            f"Differences (existing != new):\n  " + "\n  ".join(d[:12]) +
-                            "\nUse a new cache name, or delete the cache folder to rebuild it.")
+            raise UserError(
+                f"cache {cfg.name!r} exists with another identity; refusing to mix latents. "
+                f"Differences (existing != new):\n  "
+                + "\n  ".join(d[:12])
+                + "\nUse a new cache name, or delete the cache folder to rebuild it."
+            )
     mult = spatial_multiple(cfg.video_encoder)
     old_plan = cdir / "_plan" / "plan.json"
     if old_plan.exists() and any(cdir.glob("[0-9]*.parquet")):
         prev = json.loads(old_plan.read_text())["config"]
         if d := diff(prev, json.loads(json.dumps(dataclasses.asdict(cfg), default=str))):
-            raise UserError(f"cache {cfg.name!r} has finished units planned with another configuration "
-                            "(unit boundaries would move):\n  " + "\n  ".join(d[:12]))
+            raise UserError(
+                f"cache {cfg.name!r} has finished units planned with another configuration "
+                "(unit boundaries would move):\n  " + "\n  ".join(d[:12])
+            )
     rows = []
     for r in table.to_pylist():
         a = buckets.assign(r["clip_id"], r["height"], r["width"], r["num_frames"], cfg.seed)
         span = (a.num_frames - 1) * buckets.frame_interval + 1 if a.bucket else 0
-        rows.append({"clip_id": r["clip_id"], "raw_shard": r["shard"], "raw_offset": r["shard_offset"],
-                     "file_size": r["file_size"], "fps": r.get("fps"), "text": r["text"], "bucket": a.bucket,
-                     "num_frames": a.num_frames, "height": a.height and a.height - a.height % mult,
-                     "width": a.width and a.width - a.width % mult,
-                     "window_start": window_start(r["clip_id"], cfg.seed, r["num_frames"], span) if a.bucket else None,
-                     "no_bucket": a.reason})
+        rows.append(
+            {
+                "clip_id": r["clip_id"],
+                "raw_shard": r["shard"],
+                "raw_offset": r["shard_offset"],
+                "file_size": r["file_size"],
+                "fps": r.get("fps"),
+                "text": r["text"],
+                "bucket": a.bucket,
+                "num_frames": a.num_frames,
+                "height": a.height and a.height - a.height % mult,
+                "width": a.width and a.width - a.width % mult,
+                "window_start": window_start(r["clip_id"], cfg.seed, r["num_frames"], span) if a.bucket else None,
+                "no_bucket": a.reason,
+            }
+        )
     cdir.mkdir(parents=True, exist_ok=True)
     (cdir / "_plan").mkdir(exist_ok=True)
     with atomic_path(cdir / "_plan" / "input.parquet") as tmp:
@@ -171,8 +200,10 @@ def _report(rows: list[dict], cdir: Path, interval: int) -> None:
     lost = Counter(r["no_bucket"] for r in rows if not r["bucket"])
     frames = sum(r["num_frames"] for r in rows if r["bucket"])
     pixels = sum(r["num_frames"] * r["height"] * r["width"] for r in rows if r["bucket"])
-    say(f"cache plan: {len(rows)} clips, {sum(by_bucket.values())} in {len(by_bucket)} buckets, "
-        f"{sum(lost.values())} fit no bucket" + (f" ({', '.join(f'{k} {v}' for k, v in lost.items())})" if lost else ""))
+    say(
+        f"cache plan: {len(rows)} clips, {sum(by_bucket.values())} in {len(by_bucket)} buckets, "
+        f"{sum(lost.values())} fit no bucket" + (f" ({', '.join(f'{k} {v}' for k, v in lost.items())})" if lost else "")
+    )
     for b, n in sorted(by_bucket.items()):
         say(f"  {b:18s} {n:8d} clips")
     say(f"  {frames:,} frames, {pixels / 1e9:.2f} Gpixels to encode")
@@ -193,5 +224,7 @@ def projection(cdir: Path, clips: int) -> str:
     if not n:
         return "  projection: run a unit to measure clips/s per GPU"
     rate = n / secs
-    return (f"  projection: {rate:.2f} clips/s per GPU measured over {len(done)} unit(s) -> "
-            f"{clips / rate / 3600:.1f} GPU-hours for {clips} clips")
+    return (
+        f"  projection: {rate:.2f} clips/s per GPU measured over {len(done)} unit(s) -> "
+        f"{clips / rate / 3600:.1f} GPU-hours for {clips} clips"
+    )

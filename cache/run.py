@@ -33,11 +33,9 @@ from pathlib import Path
 from reelcache import UserError
 from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, projection
 from reelcache.catalog.buckets import BucketConfig
-from reelcache.catalog.shards import (OutputError, ShardWriter, atomic_path, begin_unit, end_unit, parse_unit,
-                                      unit_rows)
+from reelcache.catalog.shards import OutputError, ShardWriter, atomic_path, begin_unit, end_unit, parse_unit, unit_rows
 from reelcache.isolate import Failed, isolated_map
 from reelcache.progress import bar, say
-
 
 _CALLS = itertools.count()
 
@@ -46,22 +44,31 @@ class FrameBufferError(OSError):
     """The worker could not create the shared memory for a window: our own output failed."""
 
 
-def decode_clip(job: dict, root: str, out=None) -> "object":
+def decode_clip(job: dict, root: str, out=None) -> object:
     """The clip's window as uint8 [T, H, W, 3] (into `out` when given)."""
     from reelcache.cache.decode import FileSlice, decode_window
 
     src = FileSlice(str(Path(root) / job["raw_shard"]), job["raw_offset"], job["file_size"])
     try:
-        return decode_window(src, frames=job["num_frames"], interval=job["interval"], height=job["height"],
-                             width=job["width"], start=job["window_start"], fps=job["fps"], out=out)
+        return decode_window(
+            src,
+            frames=job["num_frames"],
+            interval=job["interval"],
+            height=job["height"],
+            width=job["width"],
+            start=job["window_start"],
+            fps=job["fps"],
+            out=out,
+        )
     finally:
         src.close()
 
 
 def decode_clip_shared(job: dict, root: str) -> tuple:
     """In a worker: decode into the shared-memory block job["shm"]; return (name, shape)."""
-    import numpy as np
     from multiprocessing import shared_memory
+
+    import numpy as np
 
     shape = (job["num_frames"], job["height"], job["width"], 3)
     try:
@@ -82,8 +89,9 @@ class SharedFrames:
     """The parent's handle on a decoded window in shared memory; `release` frees it."""
 
     def __init__(self, name: str, shape):
-        import numpy as np
         from multiprocessing import shared_memory
+
+        import numpy as np
 
         self.shm = shared_memory.SharedMemory(name=name)
         self.array = np.ndarray(shape, np.uint8, buffer=self.shm.buf)
@@ -103,8 +111,9 @@ def _unlink_shared(name: str) -> None:
         pass
 
 
-def decoded(jobs: list[dict], root: str, *, workers: int, timeout: float, memory_mb: int | None,
-            prefetch: int | None = None):
+def decoded(
+    jobs: list[dict], root: str, *, workers: int, timeout: float, memory_mb: int | None, prefetch: int | None = None
+):
     """Yield (job, SharedFrames | Failed | exception) in job order, decoding ahead in isolated workers.
 
     A feeder thread drives the workers, so they keep decoding (up to `prefetch` windows ahead)
@@ -118,8 +127,14 @@ def decoded(jobs: list[dict], root: str, *, workers: int, timeout: float, memory
     END = object()
 
     def feed():
-        gen = isolated_map(functools.partial(decode_clip_shared, root=str(root)), jobs, workers=workers,
-                           timeout=timeout, memory_mb=memory_mb, init=_preload)
+        gen = isolated_map(
+            functools.partial(decode_clip_shared, root=str(root)),
+            jobs,
+            workers=workers,
+            timeout=timeout,
+            memory_mb=memory_mb,
+            init=_preload,
+        )
         try:
             for item in gen:
                 while not stop.is_set():
@@ -130,7 +145,7 @@ def decoded(jobs: list[dict], root: str, *, workers: int, timeout: float, memory
                         continue
                 if stop.is_set():
                     break
-        except BaseException as e:      # noqa: BLE001 - handed to the consumer, which re-raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
             q.put(("feeder", e))
         finally:
             gen.close()
@@ -152,7 +167,7 @@ def decoded(jobs: list[dict], root: str, *, workers: int, timeout: float, memory
             yield job, res
     finally:
         stop.set()
-        while t.is_alive() or not q.empty():    # drained, so the feeder's last put returns
+        while t.is_alive() or not q.empty():  # drained, so the feeder's last put returns
             try:
                 q.get(timeout=0.1)
             except queue.Empty:
@@ -178,8 +193,9 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
         raise UserError(f"{unit}: cache {name!r} has units 0..{plan['num_units'] - 1}")
     buckets = BucketConfig.from_toml(cfg.buckets)
     if d := diff(ident, identity(cfg, buckets, ident["manifest_fingerprint"])):
-        raise UserError(f"{unit}: this node's encoders differ from cache.json; refusing to mix latents:\n  "
-                        + "\n  ".join(d[:12]))
+        raise UserError(
+            f"{unit}: this node's encoders differ from cache.json; refusing to mix latents:\n  " + "\n  ".join(d[:12])
+        )
     cdir = cache_dir(root, name)
     sidecar = begin_unit(cdir, index, wait=wait)
     if sidecar is None:
@@ -191,8 +207,17 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
         end_unit(sidecar)
 
 
-def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, cdir: Path, index: int,
-         sidecar: Path, device: str | None) -> dict:
+def _run(
+    root,
+    unit: str,
+    plan: dict,
+    cfg: CacheConfig,
+    buckets: BucketConfig,
+    cdir: Path,
+    index: int,
+    sidecar: Path,
+    device: str | None,
+) -> dict:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -207,10 +232,18 @@ def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, c
     rows = unit_rows(cdir, index)
     out = {}
     for r in rows:
-        out[r["clip_id"]] = {"clip_id": r["clip_id"], "cache": name, "unit": unit, "status": "rejected",
-                             "reject_reason": f"no_bucket:{r['no_bucket']}" if not r["bucket"] else None,
-                             "bucket": r["bucket"], "num_frames": r["num_frames"], "height": r["height"],
-                             "width": r["width"], "window_start": r["window_start"]}
+        out[r["clip_id"]] = {
+            "clip_id": r["clip_id"],
+            "cache": name,
+            "unit": unit,
+            "status": "rejected",
+            "reject_reason": f"no_bucket:{r['no_bucket']}" if not r["bucket"] else None,
+            "bucket": r["bucket"],
+            "num_frames": r["num_frames"],
+            "height": r["height"],
+            "width": r["width"],
+            "window_start": r["window_start"],
+        }
     jobs = [dict(r, interval=buckets.frame_interval) for r in rows if r["bucket"]]
 
     device = device or default_device()
@@ -235,17 +268,21 @@ def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, c
         latents = video.encode(stacked)
         todo = [j["text"] or "" for j, _ in batch if (j["text"] or "") not in captions]
         for i in range(0, len(todo), cfg.text_batch_size):
-            chunk = list(dict.fromkeys(todo[i:i + cfg.text_batch_size]))
+            chunk = list(dict.fromkeys(todo[i : i + cfg.text_batch_size]))
             captions.update(zip(chunk, text.encode(chunk)))
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         stats["encode_s"] += time.monotonic() - t
-        for k, (job, frames) in enumerate(batch):
+        for k, (job, _frames) in enumerate(batch):
             tensors = {key: v[k].clone() for key, v in latents.items()}
-            if cfg.store == "sample":          # one frozen draw, seeded by (seed, clip id): reruns agree
+            if cfg.store == "sample":  # one frozen draw, seeded by (seed, clip id): reruns agree
                 g = torch.Generator().manual_seed(clip_seed("sample", cfg.seed, job["clip_id"]))
-                tensors = {"sample": (tensors["mean"].float() + torch.exp(0.5 * tensors["logvar"].float())
-                                      * torch.randn(tensors["mean"].shape, generator=g)).bfloat16()}
+                tensors = {
+                    "sample": (
+                        tensors["mean"].float()
+                        + torch.exp(0.5 * tensors["logvar"].float()) * torch.randn(tensors["mean"].shape, generator=g)
+                    ).bfloat16()
+                }
             tensors["text"] = captions[job["text"] or ""]
             if not all(torch.isfinite(v.float()).all() for v in tensors.values()):
                 reject(job["clip_id"], "invalid_latent", "non-finite values in the encoder output")
@@ -253,15 +290,26 @@ def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, c
             data = encode(tensors, clip_id=job["clip_id"], bucket=bucket)
             shard, offsets = writer.write_sample(job["clip_id"], [(LATENT_EXT, data, None)])
             shape = list(tensors.get("mean", tensors.get("sample")).shape)
-            out[job["clip_id"]].update(status="ok", shape=shape, text_len=int(tensors["text"].shape[0]),
-                                       shard=f"latents/{name}/{shard}", shard_offset=offsets[LATENT_EXT])
+            out[job["clip_id"]].update(
+                status="ok",
+                shape=shape,
+                text_len=int(tensors["text"].shape[0]),
+                shard=f"latents/{name}/{shard}",
+                shard_offset=offsets[LATENT_EXT],
+            )
             stats["clips"] += 1
             stats["frames"] += job["num_frames"]
             stats["bytes"] += len(data)
 
     # decode up to a batch ahead (plus a window per worker) while a batch is being encoded
-    frames_in = decoded(jobs, str(root), workers=cfg.workers, timeout=cfg.decode_timeout,
-                        memory_mb=cfg.worker_memory_mb, prefetch=cfg.batch_size + cfg.workers)
+    frames_in = decoded(
+        jobs,
+        str(root),
+        workers=cfg.workers,
+        timeout=cfg.decode_timeout,
+        memory_mb=cfg.worker_memory_mb,
+        prefetch=cfg.batch_size + cfg.workers,
+    )
     try:
         with bar(len(rows), unit, "clip") as pbar:
             pbar.update(len(rows) - len(jobs))
@@ -270,31 +318,51 @@ def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, c
                 if isinstance(res, FrameBufferError):
                     raise OutputError(f"/dev/shm/{job['shm']}", res)
                 if isinstance(res, Failed):
-                    reject(job["clip_id"], res.reason if res.reason in ("timeout", "crashed") else "undecodable",
-                           res.detail)
+                    reject(
+                        job["clip_id"],
+                        res.reason if res.reason in ("timeout", "crashed") else "undecodable",
+                        res.detail,
+                    )
                 elif isinstance(res, BaseException):
                     reject(job["clip_id"], "undecodable", f"{type(res).__name__}: {res}")
                 else:
                     pending[job["bucket"]].append((job, res))
                     if len(pending[job["bucket"]]) >= cfg.batch_size:
                         flush(job["bucket"])
-                        pbar.set_postfix(clips_s=f"{stats['clips'] / max(1e-9, time.monotonic() - t0):.1f}",
-                                         MB_s=f"{stats['bytes'] / 1e6 / max(1e-9, time.monotonic() - t0):.1f}")
+                        pbar.set_postfix(
+                            clips_s=f"{stats['clips'] / max(1e-9, time.monotonic() - t0):.1f}",
+                            MB_s=f"{stats['bytes'] / 1e6 / max(1e-9, time.monotonic() - t0):.1f}",
+                        )
             for b in list(pending):
                 flush(b)
         writer.close()
 
-        schema = pa.schema([("clip_id", pa.string()), ("cache", pa.string()), ("unit", pa.string()),
-                            ("status", pa.string()), ("reject_reason", pa.string()), ("reject_detail", pa.string()),
-                            ("bucket", pa.string()), ("num_frames", pa.int32()), ("height", pa.int32()),
-                            ("width", pa.int32()), ("window_start", pa.int64()), ("shape", pa.list_(pa.int32())),
-                            ("text_len", pa.int32()), ("shard", pa.string()), ("shard_offset", pa.int64())])
+        schema = pa.schema(
+            [
+                ("clip_id", pa.string()),
+                ("cache", pa.string()),
+                ("unit", pa.string()),
+                ("status", pa.string()),
+                ("reject_reason", pa.string()),
+                ("reject_detail", pa.string()),
+                ("bucket", pa.string()),
+                ("num_frames", pa.int32()),
+                ("height", pa.int32()),
+                ("width", pa.int32()),
+                ("window_start", pa.int64()),
+                ("shape", pa.list_(pa.int32())),
+                ("text_len", pa.int32()),
+                ("shard", pa.string()),
+                ("shard_offset", pa.int64()),
+            ]
+        )
         table = pa.Table.from_pylist(list(out.values()), schema=schema).replace_schema_metadata(
-            {"encode_seconds": str(stats["encode_s"]), "encoded_clips": str(stats["clips"])})
-        with atomic_path(sidecar) as tmp:      # last: the unit is now visible as finished
+            {"encode_seconds": str(stats["encode_s"]), "encoded_clips": str(stats["clips"])}
+        )
+        with atomic_path(sidecar) as tmp:  # last: the unit is now visible as finished
             pq.write_table(table, tmp)
     except BaseException:
-        writer.abort()           # no sidecar will name its shards: remove them
+        writer.abort()  # no sidecar will name its shards: remove them
         raise
     finally:
         frames_in.close()
@@ -303,8 +371,9 @@ def _run(root, unit: str, plan: dict, cfg: CacheConfig, buckets: BucketConfig, c
                 frames.release()
     dt = time.monotonic() - t0
     ok = stats["clips"]
-    say(f"{unit}: {len(rows)} clips, {ok} encoded, {len(rows) - ok} rejected; {stats['frames'] / dt:.0f} frames/s, "
-        f"{ok / dt:.2f} clips/s, {stats['bytes'] / 1e6 / dt:.1f} MB/s of latents in {dt:.1f} s on {device}")
+    say(
+        f"{unit}: {len(rows)} clips, {ok} encoded, {len(rows) - ok} rejected; {stats['frames'] / dt:.0f} frames/s, "
+        f"{ok / dt:.2f} clips/s, {stats['bytes'] / 1e6 / dt:.1f} MB/s of latents in {dt:.1f} s on {device}"
+    )
     say(projection(cdir, plan["num_clips"]))
     return {"unit": unit, "clips": len(rows), "ok": ok, "seconds": dt}
-

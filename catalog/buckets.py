@@ -39,12 +39,38 @@ from reelcache import UserError
 from reelcache.settings import build, check, setting
 
 # Pixel budgets (DATASETS.md): the 16:9 (or square) size of each resolution.
-RESOLUTIONS = {"144p": 36_864, "240p": 102_240, "360p": 230_400, "480p": 409_920, "720p": 921_600,
-               "1080p": 2_073_600, "256": 65_536, "512": 262_144, "1024": 1_048_576, "2048": 4_194_304}
+RESOLUTIONS = {
+    "144p": 36_864,
+    "240p": 102_240,
+    "360p": 230_400,
+    "480p": 409_920,
+    "720p": 921_600,
+    "1080p": 2_073_600,
+    "256": 65_536,
+    "512": 262_144,
+    "1024": 1_048_576,
+    "2048": 4_194_304,
+}
 # Aspect-ratio keys (H/W, rounded to 2 decimals) and the exact ratio each stands for.
-ASPECT_RATIOS = {"0.38": 3 / 8, "0.43": 3 / 7, "0.48": 0.48, "0.50": 1 / 2, "0.53": 0.53, "0.54": 0.54,
-                 "0.56": 9 / 16, "0.62": 5 / 8, "0.67": 2 / 3, "0.75": 3 / 4, "1.00": 1.0, "1.33": 4 / 3,
-                 "1.50": 3 / 2, "1.78": 16 / 9, "1.89": 1.89, "2.00": 2.0, "2.08": 2.08}
+ASPECT_RATIOS = {
+    "0.38": 3 / 8,
+    "0.43": 3 / 7,
+    "0.48": 0.48,
+    "0.50": 1 / 2,
+    "0.53": 0.53,
+    "0.54": 0.54,
+    "0.56": 9 / 16,
+    "0.62": 5 / 8,
+    "0.67": 2 / 3,
+    "0.75": 3 / 4,
+    "1.00": 1.0,
+    "1.33": 4 / 3,
+    "1.50": 3 / 2,
+    "1.78": 16 / 9,
+    "1.89": 1.89,
+    "2.00": 2.0,
+    "2.08": 2.08,
+}
 
 
 def bucket_hw(resolution: str, ar_key: str) -> tuple[int, int]:
@@ -60,7 +86,7 @@ def nearest_ratio(height: int, width: int) -> str:
 
 def _uniform(seed: int, clip_id: str, resolution: str, frames: int, which: str = "") -> float:
     h = hashlib.blake2b(f"{seed}|{clip_id}|{resolution}|{frames}{which}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") / 2 ** 64
+    return int.from_bytes(h, "big") / 2**64
 
 
 def _row(res, t, spec) -> tuple:
@@ -73,9 +99,8 @@ def _row(res, t, spec) -> tuple:
         raise UserError(f"{key} = {spec!r}: expected a batch size, [keep, batch] or [[p_res, p_t], batch]")
     p_res, p_t = keep if isinstance(keep, (list, tuple)) else (keep, 1.0)
     if batch is None:
-        batch = 0                              # upstream's (0.0, None): never kept
-    b = build(Bucket, {"resolution": str(res), "num_frames": int(t), "keep": p_res, "keep_t": p_t, "batch": batch},
-              key)
+        batch = 0  # upstream's (0.0, None): never kept
+    b = build(Bucket, {"resolution": str(res), "num_frames": int(t), "keep": p_res, "keep_t": p_t, "batch": batch}, key)
     # floats as floats (the table's repr is part of fingerprints); a never-kept length demotes every
     # clip that reaches it, whatever its keep probability says
     return b.resolution, b.num_frames, float(b.keep) if b.batch > 0 else 0.0, float(b.keep_t), b.batch
@@ -83,12 +108,12 @@ def _row(res, t, spec) -> tuple:
 
 @dataclass(frozen=True)
 class Assignment:
-    bucket: str | None          # "<resolution>/<T>/<ar key>", None when the clip fits no bucket
+    bucket: str | None  # "<resolution>/<T>/<ar key>", None when the clip fits no bucket
     resolution: str | None = None
     num_frames: int | None = None
     height: int | None = None
     width: int | None = None
-    reason: str | None = None   # too_small | too_short | not_kept, when bucket is None
+    reason: str | None = None  # too_small | too_short | not_kept, when bucket is None
 
 
 @dataclass(frozen=True)
@@ -127,7 +152,7 @@ class BucketConfig:
         return cls(tuple(sorted(rows)), frame_interval, default_batch_size)
 
     @classmethod
-    def from_toml(cls, path) -> "BucketConfig":
+    def from_toml(cls, path) -> BucketConfig:
         """A bucket config file; a bad value is one line naming the file and the key. A missing
         file raises FileNotFoundError (its readers decide what that means)."""
         import tomllib
@@ -166,8 +191,10 @@ class BucketConfig:
                 return b
         if self.default_batch_size:
             return self.default_batch_size
-        raise ValueError(f"bucket {bucket!r} has no batch size in the bucket config "
-                         f"(resolutions {sorted({r for r, *_ in self.table})}) and no default_batch_size")
+        raise ValueError(
+            f"bucket {bucket!r} has no batch size in the bucket config "
+            f"(resolutions {sorted({r for r, *_ in self.table})}) and no default_batch_size"
+        )
 
     @functools.cached_property
     def _by_resolution(self) -> list[tuple[str, list[tuple[int, float, float]]]]:

@@ -20,14 +20,22 @@ examples:
 
 def add_commands(top) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
-    cat = top.add_parser("catalog", help="the DuckDB catalog: merge, query, stats, manifests, export",
-                         epilog=EXAMPLES, formatter_class=fmt)
+    cat = top.add_parser(
+        "catalog",
+        help="the DuckDB catalog: merge, query, stats, manifests, export",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
     sub = cat.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="load finished units' sidecars (idempotent), recompute levels")
     m.add_argument("--root", required=True, type=existing_dir)
     m.set_defaults(fn=_merge)
-    q = sub.add_parser("sql", help="run SQL on the catalog (read-only); print or write csv/json/parquet",
-                       epilog=EXAMPLES, formatter_class=fmt)
+    q = sub.add_parser(
+        "sql",
+        help="run SQL on the catalog (read-only); print or write csv/json/parquet",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
     q.add_argument("--root", required=True, type=existing_dir)
     q.add_argument("query")
     q.add_argument("--out", help="write the result to FILE.csv, .json or .parquet instead of printing")
@@ -41,8 +49,11 @@ def add_commands(top) -> None:
     mf.add_argument("--root", required=True, type=existing_dir)
     mf.add_argument("--name", required=True)
     mf.add_argument("--where", default="true", help="SQL condition on clips (status='ok' is implied)")
-    mf.add_argument("--cache", help="keep clips this cache encoded and add their latent shard/offset/bucket: "
-                                    "the manifest the training loader reads")
+    mf.add_argument(
+        "--cache",
+        help="keep clips this cache encoded and add their latent shard/offset/bucket: "
+        "the manifest the training loader reads",
+    )
     mf.set_defaults(fn=_manifest)
     ex = sub.add_parser("export", help="write the selection as a table another trainer reads")
     ex.add_argument("--root", required=True, type=existing_dir)

@@ -36,9 +36,9 @@ from pathlib import Path
 
 from reelcache import UserError
 
-TTL_S = 300.0          # another host's lease without a heartbeat for this long is stale
-HEARTBEAT_S = 30.0     # how often a holder refreshes its leases' mtime
-GUARD_S = 30.0         # a takeover guard (or a lease still being written) older than this is stale
+TTL_S = 300.0  # another host's lease without a heartbeat for this long is stale
+HEARTBEAT_S = 30.0  # how often a holder refreshes its leases' mtime
+GUARD_S = 30.0  # a takeover guard (or a lease still being written) older than this is stale
 
 
 def boot_id() -> str:
@@ -54,7 +54,7 @@ def pid_start(pid: int) -> str | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()     # the command name may contain spaces
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
     return None if fields[0] == "Z" else fields[19]
 
 
@@ -62,7 +62,7 @@ def _pid_alive(pid: int, start: str | None) -> bool:
     if Path("/proc/self/stat").exists():
         now = pid_start(pid)
         return now is not None and (start is None or now == start)
-    try:                                               # no /proc: existence only
+    try:  # no /proc: existence only
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
@@ -90,17 +90,21 @@ class Holder:
     pid_start: str | None
     started_at: str
     token: str
-    age_s: float = 0.0          # seconds since its last heartbeat, by the storage clock
+    age_s: float = 0.0  # seconds since its last heartbeat, by the storage clock
 
     def describe(self) -> str:
-        return (f"host {self.host} pid {self.pid} (started {self.started_at}, "
-                f"heartbeat {self.age_s:.0f} s ago)")
+        return f"host {self.host} pid {self.pid} (started {self.started_at}, heartbeat {self.age_s:.0f} s ago)"
 
 
 def _me() -> dict:
     pid = os.getpid()
-    return {"host": socket.gethostname(), "boot_id": boot_id(), "pid": pid, "pid_start": pid_start(pid),
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "host": socket.gethostname(),
+        "boot_id": boot_id(),
+        "pid": pid,
+        "pid_start": pid_start(pid),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def read_holder(path: Path) -> Holder | None:
@@ -122,7 +126,7 @@ def read_holder(path: Path) -> Holder | None:
 def is_stale(holder: Holder) -> bool:
     if holder.token == "unreadable":
         return holder.age_s > GUARD_S
-    if holder.host == socket.gethostname() and holder.boot_id == boot_id():     # this machine, this boot
+    if holder.host == socket.gethostname() and holder.boot_id == boot_id():  # this machine, this boot
         return not _pid_alive(holder.pid, holder.pid_start)
     return holder.age_s > TTL_S
 
@@ -140,7 +144,7 @@ class Lease:
 
     def __init__(self, path: Path, token: str):
         self.path, self.token = path, token
-        self.owner = os.getpid()      # a forked child inherits this object (and atexit), not the lease
+        self.owner = os.getpid()  # a forked child inherits this object (and atexit), not the lease
 
     def verify(self) -> None:
         """Raise LostLease unless the lease file is still ours (checked before publishing results)."""
@@ -150,8 +154,10 @@ class Lease:
         except (OSError, ValueError):
             pass
         if holder != self.token:
-            raise LostLease(f"lost the lease {self.path} (its heartbeat stopped for longer than {TTL_S:g} s and "
-                            "another run took over): not publishing this run's results")
+            raise LostLease(
+                f"lost the lease {self.path} (its heartbeat stopped for longer than {TTL_S:g} s and "
+                "another run took over): not publishing this run's results"
+            )
 
     def release(self) -> None:
         if os.getpid() != self.owner:
@@ -180,7 +186,7 @@ def _heartbeat() -> None:
             held = list(_HELD.values())
         for lease in held:
             try:
-                os.utime(lease.path)        # no times given: stamped by the storage's clock
+                os.utime(lease.path)  # no times given: stamped by the storage's clock
             except OSError:
                 pass
 
@@ -216,7 +222,7 @@ def _remove_if_stale(path: Path, stale: Holder) -> None:
     except FileExistsError:
         try:
             if _storage_now(path.parent) - guard.stat().st_mtime > GUARD_S:
-                guard.unlink(missing_ok=True)        # a takeover that died half-way
+                guard.unlink(missing_ok=True)  # a takeover that died half-way
         except FileNotFoundError:
             pass
         time.sleep(0.05)
@@ -236,7 +242,7 @@ def acquire(path: Path, *, wait: bool = False, poll_s: float = 1.0, on_wait=None
     told = False
     while True:
         held = _HELD.get(path)
-        if held is not None and held.owner == os.getpid():   # this process holds it (a unit re-run in-process)
+        if held is not None and held.owner == os.getpid():  # this process holds it (a unit re-run in-process)
             return held
         lease = _try_create(path)
         if lease is not None:
@@ -248,7 +254,7 @@ def acquire(path: Path, *, wait: bool = False, poll_s: float = 1.0, on_wait=None
             return lease
         holder = read_holder(path)
         if holder is None:
-            continue                          # released between our create and our read: try again
+            continue  # released between our create and our read: try again
         if is_stale(holder):
             _remove_if_stale(path, holder)
             continue

@@ -41,18 +41,22 @@ def _tagger(name: str):
 
         tagger = PatternTagger()
         return f"textblob-{version('textblob')}-pattern", lambda texts: [
-            sum(1 for _, tag in tagger.tag(t) if tag in NOUN_TAGS) for t in texts]
+            sum(1 for _, tag in tagger.tag(t) if tag in NOUN_TAGS) for t in texts
+        ]
     if name == "spacy":
         try:
             import spacy
 
             nlp = spacy.load("en_core_web_sm", disable=["parser", "ner", "lemmatizer"])
         except (ImportError, OSError) as e:
-            raise UserError("--tagger spacy needs spaCy and its en_core_web_sm model installed "
-                            f"(pip install spacy, then the model package): {e}") from e
+            raise UserError(
+                "--tagger spacy needs spaCy and its en_core_web_sm model installed "
+                f"(pip install spacy, then the model package): {e}"
+            ) from e
         version = f"spacy-{spacy.__version__}-{nlp.meta['name']}-{nlp.meta['version']}"
-        return version, lambda texts: [sum(1 for tok in doc if tok.pos_ in ("NOUN", "PROPN"))
-                                       for doc in nlp.pipe(texts, batch_size=256)]
+        return version, lambda texts: [
+            sum(1 for tok in doc if tok.pos_ in ("NOUN", "PROPN")) for doc in nlp.pipe(texts, batch_size=256)
+        ]
     raise UserError(f"unknown tagger {name!r}; choose one of {', '.join(TAGGERS)}")
 
 

@@ -28,9 +28,25 @@ from reelcache import UserError
 from reelcache.catalog.db import open_catalog
 from reelcache.catalog.shards import atomic_path
 
-MANIFEST_COLUMNS = ["clip_id", "source", "shard", "shard_offset", "ext", "file_size", "num_frames", "fps",
-                    "duration", "width", "height", "aspect_ratio", "resolution", "noun_count", "level",
-                    "noun_pct", "text"]
+MANIFEST_COLUMNS = [
+    "clip_id",
+    "source",
+    "shard",
+    "shard_offset",
+    "ext",
+    "file_size",
+    "num_frames",
+    "fps",
+    "duration",
+    "width",
+    "height",
+    "aspect_ratio",
+    "resolution",
+    "noun_count",
+    "level",
+    "noun_pct",
+    "text",
+]
 # With --cache: the loader's columns (latent shard and offset, bucket) first, the raw ones renamed.
 LATENT_QUERY = """
 SELECT c.clip_id, l.bucket, l.shard, l.shard_offset, l.num_frames AS latent_frames, l.height AS latent_height,
@@ -61,8 +77,8 @@ def _canonical(h, arr) -> None:
         h.update(b"I" + arr.cast(pa.int64()).fill_null(0).to_numpy().astype("<i8").tobytes())
     elif pa.types.is_floating(t) or pa.types.is_decimal(t):
         x = arr.cast(pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
-        if np.all(np.isfinite(x)) and np.all(x == np.round(x)) and np.all(np.abs(x) < 2 ** 53):
-            h.update(b"I" + x.astype("<i8").tobytes())     # 25.0 written by one tool is 25 by another
+        if np.all(np.isfinite(x)) and np.all(x == np.round(x)) and np.all(np.abs(x) < 2**53):
+            h.update(b"I" + x.astype("<i8").tobytes())  # 25.0 written by one tool is 25 by another
         else:
             h.update(b"F" + x.astype("<f8").tobytes())
     elif pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
@@ -71,9 +87,9 @@ def _canonical(h, arr) -> None:
     else:
         text = arr.cast(pa.large_string()).fill_null("")
         h.update(b"S" + pc.binary_length(text).to_numpy().astype("<i8").tobytes())
-        offsets = np.frombuffer(text.buffers()[1], dtype="<i8")[text.offset: text.offset + len(text) + 1]
+        offsets = np.frombuffer(text.buffers()[1], dtype="<i8")[text.offset : text.offset + len(text) + 1]
         if len(text):
-            h.update(memoryview(text.buffers()[2])[offsets[0]:offsets[-1]])
+            h.update(memoryview(text.buffers()[2])[offsets[0] : offsets[-1]])
 
 
 def fingerprint(table) -> str:
@@ -83,10 +99,10 @@ def fingerprint(table) -> str:
     if "clip_id" in table.column_names and table.num_rows > 1:
         ids = table.column("clip_id")
         if not pc.all(pc.less_equal(ids.slice(0, len(ids) - 1), ids.slice(1))).as_py():
-            table = table.sort_by("clip_id")            # rows are a set: fingerprint them in id order
+            table = table.sort_by("clip_id")  # rows are a set: fingerprint them in id order
     h = hashlib.sha256(FINGERPRINT_VERSION)
     h.update(table.num_rows.to_bytes(8, "little"))
-    for name in sorted(n for n in table.column_names if not n.startswith("__")):   # "__": pandas' index
+    for name in sorted(n for n in table.column_names if not n.startswith("__")):  # "__": pandas' index
         h.update(b"\0C" + name.encode() + b"\0")
         col = table.column(name)
         _canonical(h, col.combine_chunks() if col.num_chunks != 1 else col.chunk(0))
@@ -103,8 +119,7 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
     root = Path(root)
     con = open_catalog(root, write=True)
     try:
-        query = (f"SELECT {', '.join(MANIFEST_COLUMNS)} FROM clips WHERE status = 'ok' AND ({where}) "
-                 "ORDER BY clip_id")
+        query = f"SELECT {', '.join(MANIFEST_COLUMNS)} FROM clips WHERE status = 'ok' AND ({where}) ORDER BY clip_id"
         try:
             table = con.sql(query).to_arrow_table()
             selected = table.num_rows
@@ -115,13 +130,17 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
         if selected == 0:
             raise UserError(f"no ok clips match --where {where!r}: no manifest written")
         if table.num_rows == 0:
-            raise UserError(f"none of the {selected} clips matching --where has latents in cache {cache!r}: "
-                            "run `reelcache cache run` on its units and `catalog merge` first")
+            raise UserError(
+                f"none of the {selected} clips matching --where has latents in cache {cache!r}: "
+                "run `reelcache cache run` on its units and `catalog merge` first"
+            )
         if table.num_rows < 0.5 * selected:
             from reelcache.progress import say
 
-            say(f"warning: only {table.num_rows} of {selected} selected clips have latents in cache {cache!r} "
-                f"({100 * table.num_rows / selected:.1f}%)")
+            say(
+                f"warning: only {table.num_rows} of {selected} selected clips have latents in cache {cache!r} "
+                f"({100 * table.num_rows / selected:.1f}%)"
+            )
         fp = fingerprint(table)
         mdir = root / "manifests"
         mdir.mkdir(parents=True, exist_ok=True)
@@ -129,15 +148,24 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
         if not path.exists():
             with atomic_path(path) as tmp:
                 pq.write_table(table, tmp, compression="zstd")
-        info = {"name": name, "fingerprint": fp, "where": where, "cache": cache, "num_clips": table.num_rows,
-                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "path": path.name}
+        info = {
+            "name": name,
+            "fingerprint": fp,
+            "where": where,
+            "cache": cache,
+            "num_clips": table.num_rows,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "path": path.name,
+        }
         with atomic_path(path.with_suffix(".json")) as tmp:
             tmp.write_text(json.dumps(info, indent=2))
         # the newest row of a name is what the name resolves to: making an older selection again re-dates it
-        con.execute("INSERT INTO manifests VALUES (?, ?, ?, ?, ?, now()) ON CONFLICT (name, fingerprint) DO UPDATE "
-                    "SET path = excluded.path, where_sql = excluded.where_sql, num_clips = excluded.num_clips, "
-                    "created_at = excluded.created_at",
-                    [name, fp, str(path.relative_to(root)), where, table.num_rows])
+        con.execute(
+            "INSERT INTO manifests VALUES (?, ?, ?, ?, ?, now()) ON CONFLICT (name, fingerprint) DO UPDATE "
+            "SET path = excluded.path, where_sql = excluded.where_sql, num_clips = excluded.num_clips, "
+            "created_at = excluded.created_at",
+            [name, fp, str(path.relative_to(root)), where, table.num_rows],
+        )
     finally:
         con.close()
     from reelcache.progress import say
@@ -157,10 +185,11 @@ def _from_catalog(root: Path, name: str) -> Path | None:
     try:
         con = duckdb.connect(str(db_path(root)), read_only=True)
     except duckdb.Error:
-        return None                    # a merge holds the file: the file pattern below still answers
+        return None  # a merge holds the file: the file pattern below still answers
     try:
-        row = con.execute("SELECT path FROM manifests WHERE name = ? ORDER BY created_at DESC LIMIT 1",
-                          [name]).fetchone()
+        row = con.execute(
+            "SELECT path FROM manifests WHERE name = ? ORDER BY created_at DESC LIMIT 1", [name]
+        ).fetchone()
     except duckdb.Error:
         row = None
     finally:
@@ -180,10 +209,12 @@ def resolve_manifest(root, name_or_path) -> Path:
     pattern = re.compile(re.escape(name) + r"-[0-9a-f]{16}\.parquet")
     files = [q for q in root.joinpath("manifests").glob(f"{name}-*.parquet") if pattern.fullmatch(q.name)]
     if not files:
-        raise ValueError(f"no manifest {name!r}: not a file, not in {root}'s catalog, and no "
-                         f"{root / 'manifests' / (name + '-<16 hex>.parquet')}")
+        raise ValueError(
+            f"no manifest {name!r}: not a file, not in {root}'s catalog, and no "
+            f"{root / 'manifests' / (name + '-<16 hex>.parquet')}"
+        )
 
-    def made(q: Path) -> float:        # the .json is rewritten each time the manifest is made
+    def made(q: Path) -> float:  # the .json is rewritten each time the manifest is made
         j = q.with_suffix(".json")
         return (j if j.exists() else q).stat().st_mtime
 

@@ -43,8 +43,11 @@ def find_sidecars(root: Path, stage: str = "ingest") -> dict[str, Path]:
 def orphan_shards(root: Path, units: dict[str, Path], stage: str = "ingest") -> list[Path]:
     """Shards with no sidecar: left by a killed unit, deleted when that unit re-runs."""
     done = {(p.parent.name, p.stem) for p in units.values()}
-    return [t for t in sorted((root / STAGES[stage][0]).glob("*/[0-9]*-*.tar"))
-            if (t.parent.name, t.name.split("-")[0]) not in done]
+    return [
+        t
+        for t in sorted((root / STAGES[stage][0]).glob("*/[0-9]*-*.tar"))
+        if (t.parent.name, t.name.split("-")[0]) not in done
+    ]
 
 
 def _merge_stage(con, root: Path, stage: str, sidecars: dict[str, Path], pbar) -> tuple[int, list[str], list[Path]]:
@@ -57,8 +60,10 @@ def _merge_stage(con, root: Path, stage: str, sidecars: dict[str, Path], pbar) -
     gone = sorted(set(known) - set(sidecars))
     vanished = [u for u in gone if (root / STAGES[stage][0] / u.split("/")[0]).is_dir()]
     if missing := sorted({u.split("/")[0] for u in gone} - {u.split("/")[0] for u in vanished}):
-        say(f"warning: {', '.join(f'{STAGES[stage][0]}/{m}' for m in missing)} not found (not mounted?): "
-            "its rows stay in the catalog; to drop a removed source, delete catalog.duckdb and merge again")
+        say(
+            f"warning: {', '.join(f'{STAGES[stage][0]}/{m}' for m in missing)} not found (not mounted?): "
+            "its rows stay in the catalog; to drop a removed source, delete catalog.duckdb and merge again"
+        )
     # The catalog mirrors the sidecars on disk: vanished units lose their rows, re-run units replace them.
     if drop := vanished + [u for u, _ in items if u in known]:
         con.execute(f"DELETE FROM {table} WHERE unit IN (SELECT unnest(?))", [drop])
@@ -66,18 +71,30 @@ def _merge_stage(con, root: Path, stage: str, sidecars: dict[str, Path], pbar) -
     if items:
         batch = 512  # sidecars per INSERT: few statements (fast), bounded file lists, visible progress
         for i in range(0, len(items), batch):
-            chunk = items[i:i + batch]
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet(?, union_by_name = true)",
-                        [[str(p) for _, p in chunk]])
+            chunk = items[i : i + batch]
+            con.execute(
+                f"INSERT INTO {table} BY NAME SELECT * FROM read_parquet(?, union_by_name = true)",
+                [[str(p) for _, p in chunk]],
+            )
             pbar.update(len(chunk))
-        con.register("_merged", pa.table({
-            "unit": [u for u, _ in items], "sidecar": [str(p.relative_to(root)) for _, p in items],
-            "signature": [_signature(p) for _, p in items]}))
-        con.execute(f"""
+        con.register(
+            "_merged",
+            pa.table(
+                {
+                    "unit": [u for u, _ in items],
+                    "sidecar": [str(p.relative_to(root)) for _, p in items],
+                    "signature": [_signature(p) for _, p in items],
+                }
+            ),
+        )
+        con.execute(
+            f"""
             INSERT INTO units
             SELECT ?, m.unit, split_part(m.unit, '/', 1), m.sidecar, m.signature,
                    count(c.unit), count(c.unit) FILTER (c.status = 'ok'), now()
-            FROM _merged m LEFT JOIN {table} c ON c.unit = m.unit GROUP BY ALL""", [stage])
+            FROM _merged m LEFT JOIN {table} c ON c.unit = m.unit GROUP BY ALL""",
+            [stage],
+        )
         con.unregister("_merged")
     return len(items), vanished, orphan_shards(root, sidecars, stage)
 
@@ -98,8 +115,9 @@ def merge(root: str | Path) -> dict:
         if merged["ingest"] or removed["ingest"]:
             dup = con.execute("SELECT clip_id, count(*) FROM clips GROUP BY 1 HAVING count(*) > 1 LIMIT 3").fetchall()
             if dup:
-                raise UserError(f"clip ids appear twice in the catalog, e.g. {dup}: two sources share a --name? "
-                                "Nothing was merged.")
+                raise UserError(
+                    f"clip ids appear twice in the catalog, e.g. {dup}: two sources share a --name? Nothing was merged."
+                )
             recompute_levels(con)
         con.execute("COMMIT")
         rows, ok = con.execute("SELECT count(*), count(*) FILTER (status = 'ok') FROM clips").fetchall()[0]
@@ -113,13 +131,27 @@ def merge(root: str | Path) -> dict:
     finally:
         con.close()
     dt = time.monotonic() - t0
-    say(f"merged {sum(merged.values())} new or changed unit(s) in {dt:.1f} s; catalog: {rows} clips, {ok} ok, "
-        f"{rows - ok} rejected" + (f"; latents: {lat_ok} ok, {lat - lat_ok} rejected" if lat else ""))
+    say(
+        f"merged {sum(merged.values())} new or changed unit(s) in {dt:.1f} s; catalog: {rows} clips, {ok} ok, "
+        f"{rows - ok} rejected" + (f"; latents: {lat_ok} ok, {lat - lat_ok} rejected" if lat else "")
+    )
     if vanished:
-        say(f"{len(vanished)} merged unit(s) have no sidecar any more (e.g. {vanished[0]}): their rows were "
-            "removed from the catalog")
+        say(
+            f"{len(vanished)} merged unit(s) have no sidecar any more (e.g. {vanished[0]}): their rows were "
+            "removed from the catalog"
+        )
     if orphans:
-        say(f"warning: {len(orphans)} shard(s) without a sidecar (unfinished units), e.g. {orphans[0]}: "
-            "re-run those units")
-    return {"merged": merged["ingest"], "merged_by_stage": merged, "clips": rows, "ok": ok, "latents": lat,
-            "orphans": [str(p) for p in orphans], "vanished": vanished, "seconds": dt}
+        say(
+            f"warning: {len(orphans)} shard(s) without a sidecar (unfinished units), e.g. {orphans[0]}: "
+            "re-run those units"
+        )
+    return {
+        "merged": merged["ingest"],
+        "merged_by_stage": merged,
+        "clips": rows,
+        "ok": ok,
+        "latents": lat,
+        "orphans": [str(p) for p in orphans],
+        "vanished": vanished,
+        "seconds": dt,
+    }

@@ -13,14 +13,15 @@ from reelcache import UserError
 from reelcache.catalog.db import open_catalog
 from reelcache.catalog.shards import atomic_path
 
-OPENSORA_COLUMNS = ["path", "text", "num_frames", "height", "width", "aspect_ratio", "resolution", "fps",
-                    "file_size"]
+OPENSORA_COLUMNS = ["path", "text", "num_frames", "height", "width", "aspect_ratio", "resolution", "fps", "file_size"]
 WRITERS = {".csv": "(FORMAT csv, HEADER)", ".json": "(FORMAT json, ARRAY true)", ".parquet": "(FORMAT parquet)"}
 
 
 def _sql_error(e, query):
-    return UserError(f"SQL failed: {str(e).splitlines()[0]}\n  query: {query}\n"
-                     "  (table `clips` has one row per input row; see catalog/schema.sql for columns)")
+    return UserError(
+        f"SQL failed: {str(e).splitlines()[0]}\n  query: {query}\n"
+        "  (table `clips` has one row per input row; see catalog/schema.sql for columns)"
+    )
 
 
 def copy_to(con, query: str, out: str) -> int:
@@ -78,8 +79,10 @@ def export(root, fmt: str, where: str, out: str) -> int:
         raise UserError(f"unknown export format {fmt!r}")
     con = open_catalog(root)
     try:
-        query = (f"SELECT {', '.join(OPENSORA_COLUMNS)} FROM clips WHERE status = 'ok' AND ({where}) "
-                 "ORDER BY source, \"row\"")
+        query = (
+            f"SELECT {', '.join(OPENSORA_COLUMNS)} FROM clips WHERE status = 'ok' AND ({where}) "
+            'ORDER BY source, "row"'
+        )
         n = copy_to(con, query, out)
     finally:
         con.close()

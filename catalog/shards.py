@@ -46,10 +46,14 @@ class OutputError(UserError):
     def __init__(self, path, err: OSError, unit: bool = True):
         code = errno.errorcode.get(err.errno, "") if isinstance(err.errno, int) else ""
         what = err.strerror or str(err)
-        consequence = ("the unit is not finished and none of its clips was recorded; " if unit else "")
-        super().__init__(f"cannot write {path}: {what}" + (f" [errno {err.errno} {code}]" if code else "")
-                         + ". Our own output failed (disk full, quota, file-size limit or I/O error): "
-                         + consequence + "free space and run it again.")
+        consequence = "the unit is not finished and none of its clips was recorded; " if unit else ""
+        super().__init__(
+            f"cannot write {path}: {what}"
+            + (f" [errno {err.errno} {code}]" if code else "")
+            + ". Our own output failed (disk full, quota, file-size limit or I/O error): "
+            + consequence
+            + "free space and run it again."
+        )
         self.path, self.errno = str(path), err.errno
 
 
@@ -60,7 +64,7 @@ class SourceError(OSError):
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 class ShortRead(SourceError):
@@ -129,8 +133,8 @@ class ShardWriter:
         if self.fd is None:
             return
         try:
-            _write_all(self.fd, b"\0" * (2 * BLOCK))   # end-of-archive marker
-            if self.fsync:             # durable before it becomes visible under its final name
+            _write_all(self.fd, b"\0" * (2 * BLOCK))  # end-of-archive marker
+            if self.fsync:  # durable before it becomes visible under its final name
                 os.fsync(self.fd)
             os.close(self.fd)
             self.fd = None
@@ -161,7 +165,7 @@ class ShardWriter:
         start = self.pos
         offsets = {}
         srcs = []
-        try:                                       # sources opened first: a missing one fails before any write
+        try:  # sources opened first: a missing one fails before any write
             for _, d, _ in members:
                 srcs.append(os.open(d, os.O_RDONLY) if not isinstance(d, bytes) else None)
         except OSError as e:
@@ -186,10 +190,10 @@ class ShardWriter:
                 pos += size + len(self._pad(size))
         except BaseException as e:
             try:
-                os.ftruncate(self.fd, start)            # cut the shard back to before this sample
+                os.ftruncate(self.fd, start)  # cut the shard back to before this sample
                 os.lseek(self.fd, start, os.SEEK_SET)
             except OSError:
-                pass                                    # the unit fails anyway; its shards go with it
+                pass  # the unit fails anyway; its shards go with it
             if isinstance(e, OSError) and not isinstance(e, SourceError):
                 raise OutputError(self._tmp(), e) from e
             raise
@@ -257,7 +261,7 @@ def parse_unit(unit: str) -> tuple[str, int]:
 
 
 # sidecar path -> lease, for the units this process is running
-_UNITS: dict[Path, "leases.Lease"] = {}
+_UNITS: dict[Path, leases.Lease] = {}
 
 
 def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Path | None:
@@ -277,22 +281,27 @@ def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Path | Non
     sidecar = directory / f"{stem}.parquet"
     if sidecar.exists():
         return None
-    try:                       # a file-size limit (ulimit -f) is then EFBIG, an OutputError, not a core dump
+    try:  # a file-size limit (ulimit -f) is then EFBIG, an OutputError, not a core dump
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     except (ValueError, AttributeError):
-        pass                   # not the main thread, or no such signal here
+        pass  # not the main thread, or no such signal here
     unit = f"{directory.name}/{stem}"
     try:
-        lease = leases.acquire(directory / f"{stem}.lease", wait=wait,
-                               on_wait=lambda h: say(f"{unit}: waiting for the run of {h.describe()}"))
+        lease = leases.acquire(
+            directory / f"{stem}.lease",
+            wait=wait,
+            on_wait=lambda h: say(f"{unit}: waiting for the run of {h.describe()}"),
+        )
     except leases.Busy as e:
-        raise UserError(f"{unit} is being run by {e.holder.describe()}; not touching its files. Use --wait to "
-                        f"wait for it. If that run is gone on another host, its lease {e.path} goes stale "
-                        f"{max(0, leases.TTL_S - e.holder.age_s):.0f} s from now ({leases.TTL_S:g} s without a "
-                        "heartbeat), or delete that file.") from None
+        raise UserError(
+            f"{unit} is being run by {e.holder.describe()}; not touching its files. Use --wait to "
+            f"wait for it. If that run is gone on another host, its lease {e.path} goes stale "
+            f"{max(0, leases.TTL_S - e.holder.age_s):.0f} s from now ({leases.TTL_S:g} s without a "
+            "heartbeat), or delete that file."
+        ) from None
     except OSError as e:
         raise OutputError(directory / f"{stem}.lease", e) from e
-    if sidecar.exists():       # the run we waited for finished it
+    if sidecar.exists():  # the run we waited for finished it
         lease.release()
         return None
     _UNITS[sidecar] = lease
@@ -316,8 +325,11 @@ def unit_rows(directory: Path, index: int) -> list[dict]:
 def clear_unit(directory: Path, stem: str) -> int:
     """Remove what a killed run of this unit may have left: temporaries and unclaimed shards."""
     n = 0
-    for p in list(directory.glob(f".{stem}-*.tar.tmp*")) + list(directory.glob(f"{stem}-*.tar")) + \
-            list(directory.glob(f".{stem}.parquet.tmp*")):
+    for p in (
+        list(directory.glob(f".{stem}-*.tar.tmp*"))
+        + list(directory.glob(f"{stem}-*.tar"))
+        + list(directory.glob(f".{stem}.parquet.tmp*"))
+    ):
         p.unlink(missing_ok=True)
         n += 1
     return n

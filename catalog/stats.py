@@ -40,10 +40,13 @@ def stats(root, out_dir: str | None = None) -> Path:
             rows = rel.fetchall()
             print(f"\n== {title}")
             print_table(rel.columns, rows, 100) if rows else print("(none)")
-        data = {k: con.sql(q).fetchnumpy() for k, q in {
-            "ok": "SELECT height, duration, fps, aspect_ratio, level FROM clips WHERE status = 'ok'",
-            "rej": "SELECT reject_reason, count(*) AS n FROM clips WHERE status = 'rejected' GROUP BY 1 ORDER BY 2",
-        }.items()}
+        data = {
+            k: con.sql(q).fetchnumpy()
+            for k, q in {
+                "ok": "SELECT height, duration, fps, aspect_ratio, level FROM clips WHERE status = 'ok'",
+                "rej": "SELECT reject_reason, count(*) AS n FROM clips WHERE status = 'rejected' GROUP BY 1 ORDER BY 2",
+            }.items()
+        }
     finally:
         con.close()
     out = Path(out_dir) if out_dir else Path(root) / "stats"
@@ -63,8 +66,12 @@ def _plot(data: dict, png: Path) -> None:
 
     ok = data["ok"]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
-    panels = [("height", "height (px, displayed)", 30), ("duration", "duration (s)", 40),
-              ("fps", "frame rate (fps)", 40), ("aspect_ratio", "aspect ratio (height / width)", 40)]
+    panels = [
+        ("height", "height (px, displayed)", 30),
+        ("duration", "duration (s)", 40),
+        ("fps", "frame rate (fps)", 40),
+        ("aspect_ratio", "aspect ratio (height / width)", 40),
+    ]
     for ax, (col, label, bins) in zip(axes.flat, panels):
         v = np.asarray(ok[col], dtype=float)
         v = v[np.isfinite(v)]

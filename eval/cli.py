@@ -27,38 +27,58 @@ ROOT/runs/<run>/eval/val_loss.parquet, and the run's own wandb run (eval/* again
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", required=True, type=existing_dir, help="data root (manifests, latents, runs)")
     p.add_argument("--run", required=True, help="the run directory: runs/<name> (relative to ROOT) or a path")
-    p.add_argument("--preset", default="low4s", choices=["low4s", "high4s", "low16s", "debug"],
-                   help="sampling preset (Open-Sora 1.2's inference server; debug: tiny, CPU)")
+    p.add_argument(
+        "--preset",
+        default="low4s",
+        choices=["low4s", "high4s", "low16s", "debug"],
+        help="sampling preset (Open-Sora 1.2's inference server; debug: tiny, CPU)",
+    )
     p.add_argument("--prompts", type=existing_file, help="text file, one prompt per line (no samples without it)")
     p.add_argument("--val-manifest", help="loader manifest (catalog manifest --cache) for the validation loss")
     p.add_argument("--val-batch", type=arg(int, ge=1), default=4, help="clips per validation forward pass")
-    p.add_argument("--val-max-clips", type=arg(int, ge=1),
-                   help="only the first N clips (clip-id order) of the manifest")
+    p.add_argument(
+        "--val-max-clips", type=arg(int, ge=1), help="only the first N clips (clip-id order) of the manifest"
+    )
     p.add_argument("--weights", default="ema", choices=["ema", "model"], help="EMA (default) or the training weights")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="model dtype (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--cache", help="latent cache whose encoders decode and encode (default: the val manifest's)")
-    p.add_argument("--wandb-mode", choices=["offline", "online", "disabled"],
-                   help="default: the run's own run.wandb_mode")
+    p.add_argument(
+        "--wandb-mode", choices=["offline", "online", "disabled"], help="default: the run's own run.wandb_mode"
+    )
 
 
 def add_commands(top) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
-    ev = top.add_parser("eval", help="evaluate a run's checkpoints: validation loss, sample videos, wandb",
-                        epilog=EXAMPLES, formatter_class=fmt)
+    ev = top.add_parser(
+        "eval",
+        help="evaluate a run's checkpoints: validation loss, sample videos, wandb",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
     iev = ev.add_subparsers(dest="cmd", required=True)
-    s = iev.add_parser("serve", help="watch a run and evaluate each new checkpoint, in step order",
-                       epilog=EXAMPLES, formatter_class=fmt)
+    s = iev.add_parser(
+        "serve",
+        help="watch a run and evaluate each new checkpoint, in step order",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
     _common(s)
     which = s.add_mutually_exclusive_group()
-    which.add_argument("--every", type=arg(int, ge=1), default=1,
-                       help="every N-th save of the run (steps on N x ckpt_every)")
+    which.add_argument(
+        "--every", type=arg(int, ge=1), default=1, help="every N-th save of the run (steps on N x ckpt_every)"
+    )
     which.add_argument("--latest-only", action="store_true", help="only the newest pending checkpoint per poll")
     s.add_argument("--poll", type=arg(float, gt=0), default=60.0, help="seconds between looks at the run directory")
-    s.add_argument("--exit-idle", type=arg(float, ge=0), default=0.0,
-                   help="stop after this many seconds with nothing new (0: never)")
-    s.add_argument("--max-attempts", type=arg(int, ge=1), default=3,
-                   help="tries per checkpoint before it is left alone")
+    s.add_argument(
+        "--exit-idle",
+        type=arg(float, ge=0),
+        default=0.0,
+        help="stop after this many seconds with nothing new (0: never)",
+    )
+    s.add_argument(
+        "--max-attempts", type=arg(int, ge=1), default=3, help="tries per checkpoint before it is left alone"
+    )
     s.set_defaults(fn=_serve)
     o = iev.add_parser("once", help="evaluate one checkpoint", epilog=EXAMPLES, formatter_class=fmt)
     _common(o)
@@ -67,11 +87,10 @@ def add_commands(top) -> None:
 
 
 def _evaluator(a, max_attempts: int = 3):
+    from reelcache import UserError
     from reelcache.cache.encoders import default_device
     from reelcache.eval.evaluate import Evaluator
     from reelcache.eval.samples import read_prompts
-
-    from reelcache import UserError
 
     try:
         prompts = read_prompts(a.prompts) if a.prompts else []
@@ -79,10 +98,21 @@ def _evaluator(a, max_attempts: int = 3):
         raise UserError(f"--prompts: {e}") from None
     device = a.device or default_device()
     dtype = a.dtype or ("bf16" if device.startswith("cuda") else "fp32")
-    return Evaluator(root=a.root, run_dir=a.run, preset=a.preset, prompts=prompts, val_manifest=a.val_manifest,
-                     weights=a.weights, device=device, dtype=dtype,
-                     cache=a.cache, val_batch=a.val_batch, val_max_clips=a.val_max_clips, wandb_mode=a.wandb_mode,
-                     max_attempts=max_attempts)
+    return Evaluator(
+        root=a.root,
+        run_dir=a.run,
+        preset=a.preset,
+        prompts=prompts,
+        val_manifest=a.val_manifest,
+        weights=a.weights,
+        device=device,
+        dtype=dtype,
+        cache=a.cache,
+        val_batch=a.val_batch,
+        val_max_clips=a.val_max_clips,
+        wandb_mode=a.wandb_mode,
+        max_attempts=max_attempts,
+    )
 
 
 def _serve(a) -> None:
@@ -96,7 +126,7 @@ def _once(a) -> None:
 
     ev = _evaluator(a)
     ev.check()
-    ckpt = a.checkpoint                        # a path, or ckpt-<step> of the run (evaluate finds it)
+    ckpt = a.checkpoint  # a path, or ckpt-<step> of the run (evaluate finds it)
     if ckpt == "latest":
         found = list_checkpoints(ev.run_dir)
         if not found:

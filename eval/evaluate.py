@@ -93,7 +93,7 @@ class Evaluator:
     cache: str | None = None
     val_batch: int = 4
     val_max_clips: int | None = None
-    wandb_mode: str | None = None       # None: the run's own run.wandb_mode
+    wandb_mode: str | None = None  # None: the run's own run.wandb_mode
     max_attempts: int = 3
 
     def __post_init__(self):
@@ -132,8 +132,10 @@ class Evaluator:
         todo = [c for c in select(found, every, ckpt_every) if not self.done(c) and c.name not in self._given_up]
         for c in list(todo):
             if self.attempts(c) >= self.max_attempts:
-                say(f"eval: {c.name} failed {self.attempts(c)} times, left alone (see {self.out / c.name / self.tag}/"
-                    f"error-*.txt; delete them to retry)")
+                say(
+                    f"eval: {c.name} failed {self.attempts(c)} times, left alone (see {self.out / c.name / self.tag}/"
+                    f"error-*.txt; delete them to retry)"
+                )
                 self._given_up.add(c.name)
                 todo.remove(c)
         return todo[-1:] if latest_only else todo
@@ -155,9 +157,13 @@ class Evaluator:
     def serve(self, poll: float = 60.0, every: int = 1, latest_only: bool = False, exit_idle: float = 0.0) -> None:
         """Evaluate checkpoints as they appear, forever (or until idle for ``exit_idle`` seconds)."""
         self.check()
-        say(f"eval serve: watching {self.run_dir} for checkpoints (preset {self.preset}, {self.weights} weights, "
-            f"poll {poll:g}s" + (f", every {every}th" if every > 1 else "") + (", latest only" if latest_only else "")
-            + f"); results in {self.out}")
+        say(
+            f"eval serve: watching {self.run_dir} for checkpoints (preset {self.preset}, {self.weights} weights, "
+            f"poll {poll:g}s"
+            + (f", every {every}th" if every > 1 else "")
+            + (", latest only" if latest_only else "")
+            + f"); results in {self.out}"
+        )
         idle_since = time.monotonic()
         while True:
             todo = self.pending(every, latest_only)
@@ -166,7 +172,7 @@ class Evaluator:
                 say(f"eval: {ckpt.name} ({len(todo)} pending)")
                 self.try_one(ckpt)
                 idle_since = time.monotonic()
-                continue                      # re-list: new checkpoints join in step order
+                continue  # re-list: new checkpoints join in step order
             if exit_idle and time.monotonic() - idle_since >= exit_idle:
                 say(f"eval serve: nothing new for {exit_idle:g}s, stopping")
                 return
@@ -179,7 +185,7 @@ class Evaluator:
             return True
         except KeyboardInterrupt:
             raise
-        except Exception as e:                # noqa: BLE001 - the policy: record, go on, retry later
+        except Exception as e:  # noqa: BLE001 - the policy: record, go on, retry later
             if not ckpt.exists():
                 say(f"eval: {ckpt.name} was removed (pruned by the trainer?) before it was evaluated; skipped")
                 self._given_up.add(ckpt.name)
@@ -188,8 +194,10 @@ class Evaluator:
             d.mkdir(parents=True, exist_ok=True)
             n = self.attempts(ckpt) + 1
             (d / f"error-{n}.txt").write_text(traceback.format_exc())
-            say(f"eval: {ckpt.name} FAILED (attempt {n} of {self.max_attempts}): {type(e).__name__}: {e}; "
-                f"traceback in {d / f'error-{n}.txt'}")
+            say(
+                f"eval: {ckpt.name} FAILED (attempt {n} of {self.max_attempts}): {type(e).__name__}: {e}; "
+                f"traceback in {d / f'error-{n}.txt'}"
+            )
             return False
 
     # -- one checkpoint --------------------------------------------------------------------
@@ -220,18 +228,26 @@ class Evaluator:
 
             video_enc, text = self.encoders()[0], self.prompt_text()
             p = PRESETS[self.preset]
-            videos, frames = sample(model, text, video_enc, p, device=dev, dtype=dtype,
-                                    progress=_Progress(f"{ckpt.name} sampling {len(self.prompts)} prompts, "
-                                                       f"{p.steps} steps, batches of {p.batch}"))
+            videos, frames = sample(
+                model,
+                text,
+                video_enc,
+                p,
+                device=dev,
+                dtype=dtype,
+                progress=_Progress(
+                    f"{ckpt.name} sampling {len(self.prompts)} prompts, {p.steps} steps, batches of {p.batch}"
+                ),
+            )
             result["videos"] = [str(write_mp4(v, d / f"sample_{i}.mp4", fps=p.fps)) for i, v in enumerate(videos)]
             result["frames"] = frames
             result["size"] = list(videos[0].shape[1:3])
         del model
         if dev.type == "cuda":
-            torch.cuda.empty_cache()               # the next checkpoint's model goes where this one was
+            torch.cuda.empty_cache()  # the next checkpoint's model goes where this one was
         self._log_wandb(result)
         result["seconds"] = time.monotonic() - t0
-        _write_json(d / "done.json", result)        # last: the checkpoint is finished for this tag
+        _write_json(d / "done.json", result)  # last: the checkpoint is finished for this tag
         say(f"eval: {ckpt.name} done in {result['seconds']:.0f}s -> {d}")
         return result
 
@@ -291,12 +307,28 @@ class Evaluator:
             if doc.get("manifest_fingerprint") == fp and doc.get("max_clips") == self.val_max_clips:
                 return doc
         cfg = self._config(ckpt)
-        res = validation_loss(model, self.manifest(), self.root, device=torch.device(self.device),
-                              dtype=self._torch_dtype(), frame_interval=self._frame_interval(cfg),
-                              default_fps=cfg.data.default_fps, batch_size=self.val_batch,
-                              max_clips=self.val_max_clips, progress=_Progress(f"{ckpt.name} val loss batches"))
-        doc = {"checkpoint": ckpt.name, "global_step": step, "weights": used, "manifest": str(self.manifest()),
-               "manifest_fingerprint": fp, "max_clips": self.val_max_clips, "dtype": self.dtype, **res}
+        res = validation_loss(
+            model,
+            self.manifest(),
+            self.root,
+            device=torch.device(self.device),
+            dtype=self._torch_dtype(),
+            frame_interval=self._frame_interval(cfg),
+            default_fps=cfg.data.default_fps,
+            batch_size=self.val_batch,
+            max_clips=self.val_max_clips,
+            progress=_Progress(f"{ckpt.name} val loss batches"),
+        )
+        doc = {
+            "checkpoint": ckpt.name,
+            "global_step": step,
+            "weights": used,
+            "manifest": str(self.manifest()),
+            "manifest_fingerprint": fp,
+            "max_clips": self.val_max_clips,
+            "dtype": self.dtype,
+            **res,
+        }
         _write_json(path, doc)
         self._write_parquet()
         return doc
@@ -311,8 +343,10 @@ class Evaluator:
         try:
             return int(self._cache()[2]["buckets"]["frame_interval"])
         except (UserError, KeyError):
-            say(f"  no bucket config ({cfg.data.buckets}) nor cache identity here: fps conditioning "
-                "assumes frame_interval = 1")
+            say(
+                f"  no bucket config ({cfg.data.buckets}) nor cache identity here: fps conditioning "
+                "assumes frame_interval = 1"
+            )
             return 1
 
     def _write_parquet(self) -> None:
@@ -324,13 +358,21 @@ class Evaluator:
         rows = []
         for f in sorted(self.out.glob("ckpt-*/val_loss*.json")):
             doc = json.loads(f.read_text())
-            base = {"global_step": doc["global_step"], "checkpoint": doc["checkpoint"], "weights": doc["weights"],
-                    "manifest_fingerprint": doc["manifest_fingerprint"]}
+            base = {
+                "global_step": doc["global_step"],
+                "checkpoint": doc["checkpoint"],
+                "weights": doc["weights"],
+                "manifest_fingerprint": doc["manifest_fingerprint"],
+            }
             rows.append({**base, "bucket": "all", "t": None, "loss": doc["overall"], "clips": doc["clips"]})
-            rows += [{**base, "bucket": b, "t": None, "loss": v["loss"], "clips": v["clips"]}
-                     for b, v in doc["buckets"].items()]
-            rows += [{**base, "bucket": "all", "t": float(t), "loss": v, "clips": doc["clips"]}
-                     for t, v in doc["timesteps"].items()]
+            rows += [
+                {**base, "bucket": b, "t": None, "loss": v["loss"], "clips": v["clips"]}
+                for b, v in doc["buckets"].items()
+            ]
+            rows += [
+                {**base, "bucket": "all", "t": float(t), "loss": v, "clips": doc["clips"]}
+                for t, v in doc["timesteps"].items()
+            ]
         with atomic_path(self.out / VAL_LOSS_PARQUET) as tmp:
             pq.write_table(pa.Table.from_pylist(rows), tmp)
 
@@ -383,14 +425,20 @@ class Evaluator:
             for k, spec in specs.items():
                 mine, theirs = spec_identity(spec), ident[k]
                 if d := diff({**mine, "versions": None}, {**theirs, "versions": None}):
-                    raise UserError(f"the {k} here differs from the cache's cache.json (the videos would be decoded "
-                                    "by another model):\n  " + "\n  ".join(d[:8]))
+                    raise UserError(
+                        f"the {k} here differs from the cache's cache.json (the videos would be decoded "
+                        "by another model):\n  " + "\n  ".join(d[:8])
+                    )
                 if d := diff(mine["versions"], theirs["versions"]):
                     say(f"  note: {k} library versions differ from the cache's: {'; '.join(d)}")
-            say(f"  encoders of cache {ident['name']!r}: {specs['video_encoder'].kind} VAE, "
-                f"{specs['text_encoder'].kind} text encoder on {self.device}")
-            self._encoders = (VideoEncoder(specs["video_encoder"], self.device),
-                              TextEncoder(specs["text_encoder"], self.device))
+            say(
+                f"  encoders of cache {ident['name']!r}: {specs['video_encoder'].kind} VAE, "
+                f"{specs['text_encoder'].kind} text encoder on {self.device}"
+            )
+            self._encoders = (
+                VideoEncoder(specs["video_encoder"], self.device),
+                TextEncoder(specs["text_encoder"], self.device),
+            )
         return self._encoders
 
     def prompt_text(self) -> list:

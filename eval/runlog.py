@@ -71,8 +71,9 @@ def log_eval(run_dir, tag: str, result: dict, prompts: list[str], mode: str | No
     if mode == "disabled":
         return False
     if info["id"] is None:
-        say(f"  wandb: {run_dir} has no wandb run id (trained with wandb disabled?): "
-            f"results stay in {run_dir / 'eval'}")
+        say(
+            f"  wandb: {run_dir} has no wandb run id (trained with wandb disabled?): results stay in {run_dir / 'eval'}"
+        )
         return False
     os.environ.setdefault("WANDB_SILENT", "true")
     import wandb
@@ -90,12 +91,17 @@ def log_eval(run_dir, tag: str, result: dict, prompts: list[str], mode: str | No
 
     offline = mode != "online"
     if offline:
-        wait = _last_init + 1.0 - time.time()          # offline-run-<second>-<id>: one folder per init
+        wait = _last_init + 1.0 - time.time()  # offline-run-<second>-<id>: one folder per init
         if wait > 0:
             time.sleep(wait)
     _last_init = time.time()
-    run = wandb.init(project=info["project"], id=info["id"], dir=str(run_dir), resume="allow" if offline else None,
-                     settings=wandb_settings(mode, label="eval", primary=False))
+    run = wandb.init(
+        project=info["project"],
+        id=info["id"],
+        dir=str(run_dir),
+        resume="allow" if offline else None,
+        settings=wandb_settings(mode, label="eval", primary=False),
+    )
     try:
         run.define_metric("eval/global_step")
         run.define_metric("eval/*", step_metric="eval/global_step")

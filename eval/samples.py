@@ -89,8 +89,9 @@ def latent_shape(encoder, channels: int, frames: int, height: int, width: int) -
 
 
 @torch.no_grad()
-def sample(model, text: list[torch.Tensor], video_encoder, preset: Preset, *, device, dtype=torch.float32,
-           progress=None) -> tuple[list[torch.Tensor], int]:
+def sample(
+    model, text: list[torch.Tensor], video_encoder, preset: Preset, *, device, dtype=torch.float32, progress=None
+) -> tuple[list[torch.Tensor], int]:
     """Videos for the prompts whose text-encoder outputs are ``text`` (one [L, D] each, as the
     cache's TextEncoder.encode returns them): a list of uint8 [T, H, W, 3], and the frame count used.
 
@@ -98,8 +99,9 @@ def sample(model, text: list[torch.Tensor], video_encoder, preset: Preset, *, de
     from reelcache.train.flow import euler_sample
     from reelcache.train.loader import pad_text
 
-    shape, frames, height, width = latent_shape(video_encoder, model.config.in_channels, preset.frames,
-                                                preset.height, preset.width)
+    shape, frames, height, width = latent_shape(
+        video_encoder, model.config.in_channels, preset.frames, preset.height, preset.width
+    )
     maxlen = model.config.model_max_length
     videos = []
     batches = math.ceil(len(text) / preset.batch)
@@ -108,11 +110,21 @@ def sample(model, text: list[torch.Tensor], video_encoder, preset: Preset, *, de
         y, mask, _ = pad_text([text[i][:maxlen] for i in idx])
         z = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(preset.seed + i)) for i in idx])
         b = len(idx)
-        out = euler_sample(model, z.to(device), y.to(device, dtype), mask.to(device), height=[height] * b,
-                           width=[width] * b, num_frames=[frames] * b, fps=[preset.fps] * b, steps=preset.steps,
-                           cfg_scale=preset.cfg_scale, progress=sys.stderr.isatty())
-        for j in range(b):             # one video at a time: the decoder's activations dwarf the latents
-            videos.append(video_encoder.decode(out[j:j + 1].float(), frames)[0])
+        out = euler_sample(
+            model,
+            z.to(device),
+            y.to(device, dtype),
+            mask.to(device),
+            height=[height] * b,
+            width=[width] * b,
+            num_frames=[frames] * b,
+            fps=[preset.fps] * b,
+            steps=preset.steps,
+            cfg_scale=preset.cfg_scale,
+            progress=sys.stderr.isatty(),
+        )
+        for j in range(b):  # one video at a time: the decoder's activations dwarf the latents
+            videos.append(video_encoder.decode(out[j : j + 1].float(), frames)[0])
         if progress:
             progress(k + 1, batches)
     return videos, frames

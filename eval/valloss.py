@@ -45,9 +45,20 @@ def _latent(sample: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def validation_loss(model, manifest, root, *, device, dtype=torch.float32, frame_interval: int = 1,
-                    default_fps: float = 24.0, batch_size: int = 4, timesteps: int = TIMESTEPS,
-                    max_clips: int | None = None, progress=None) -> dict:
+def validation_loss(
+    model,
+    manifest,
+    root,
+    *,
+    device,
+    dtype=torch.float32,
+    frame_interval: int = 1,
+    default_fps: float = 24.0,
+    batch_size: int = 4,
+    timesteps: int = TIMESTEPS,
+    max_clips: int | None = None,
+    progress=None,
+) -> dict:
     """The loss of ``model`` (eval mode) over a loader manifest: {overall, buckets, timesteps, clips}.
 
     ``progress(done, total)`` is called after each batch."""
@@ -58,7 +69,7 @@ def validation_loss(model, manifest, root, *, device, dtype=torch.float32, frame
     src = load_source(manifest)
     order = np.arange(len(src.clip_id))
     if max_clips:
-        order = order[:max_clips]            # clip-id order: the same first clips every time
+        order = order[:max_clips]  # clip-id order: the same first clips every time
     by_bucket: dict[str, list[int]] = {}
     for i in order:
         by_bucket.setdefault(str(src.bucket[i]), []).append(int(i))
@@ -70,7 +81,7 @@ def validation_loss(model, manifest, root, *, device, dtype=torch.float32, frame
     for bucket, idx in sorted(by_bucket.items()):
         _, height, width = bucket_geometry(bucket)
         for s in range(0, len(idx), batch_size):
-            part = idx[s:s + batch_size]
+            part = idx[s : s + batch_size]
             samples = []
             for i in part:
                 samples.append(read_sample(shard_path(root, str(src.shard[i])), int(src.offset[i])))
@@ -78,13 +89,23 @@ def validation_loss(model, manifest, root, *, device, dtype=torch.float32, frame
             y, mask, _ = pad_text([smp["text"] for smp in samples])
             fps = torch.from_numpy(np.nan_to_num(src.fps[part].astype(np.float64), nan=default_fps)).float()
             b = len(part)
-            kwargs = {"y": y.to(device, dtype), "mask": mask.to(device),
-                      "fps": torch.floor(fps / frame_interval).to(device),
-                      "height": torch.full((b,), float(height), device=device),
-                      "width": torch.full((b,), float(width), device=device)}
+            kwargs = {
+                "y": y.to(device, dtype),
+                "mask": mask.to(device),
+                "fps": torch.floor(fps / frame_interval).to(device),
+                "height": torch.full((b,), float(height), device=device),
+                "width": torch.full((b,), float(width), device=device),
+            }
             for k, t in enumerate(ts):
-                noise = torch.stack([torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(
-                    stable_seed("val-noise", src.clip_id[i], k))) for i in part]).to(device)
+                noise = torch.stack(
+                    [
+                        torch.randn(
+                            x0.shape[1:],
+                            generator=torch.Generator().manual_seed(stable_seed("val-noise", src.clip_id[i], k)),
+                        )
+                        for i in part
+                    ]
+                ).to(device)
                 losses = training_losses(model, x0, kwargs, noise, torch.full((b,), t, device=device))
                 sums[bucket][k] += float(losses.double().sum())
                 done += 1
@@ -92,8 +113,12 @@ def validation_loss(model, manifest, root, *, device, dtype=torch.float32, frame
                     progress(done, total)
     counts = {b: len(v) for b, v in by_bucket.items()}
     n = sum(counts.values())
-    return {"overall": float(sum(s.sum() for s in sums.values()) / (n * len(ts))),
-            "buckets": {b: {"loss": float(sums[b].sum() / (counts[b] * len(ts))), "clips": counts[b]}
-                        for b in sorted(sums)},
-            "timesteps": {f"{t:g}": float(sum(s[k] for s in sums.values()) / n) for k, t in enumerate(ts)},
-            "clips": n, "timestep_values": ts}
+    return {
+        "overall": float(sum(s.sum() for s in sums.values()) / (n * len(ts))),
+        "buckets": {
+            b: {"loss": float(sums[b].sum() / (counts[b] * len(ts))), "clips": counts[b]} for b in sorted(sums)
+        },
+        "timesteps": {f"{t:g}": float(sum(s[k] for s in sums.values()) / n) for k, t in enumerate(ts)},
+        "clips": n,
+        "timestep_values": ts,
+    }

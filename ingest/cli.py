@@ -34,40 +34,59 @@ def add_commands(top) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     ing = top.add_parser("ingest", help="probe videos, reject bad rows with a reason, write raw shards")
     sub = ing.add_subparsers(dest="cmd", required=True)
-    pl = sub.add_parser("plan", help="read a source table once and print its work units",
-                        epilog=PLAN_EXAMPLES, formatter_class=fmt)
+    pl = sub.add_parser(
+        "plan", help="read a source table once and print its work units", epilog=PLAN_EXAMPLES, formatter_class=fmt
+    )
     pl.add_argument("--root", required=True, help="data root (catalog, shards, manifests live here)")
-    pl.add_argument("--source", required=True, choices=["openvid", "miradata", "csv", "parquet", "folder"],
-                    help="format of the input table")
+    pl.add_argument(
+        "--source",
+        required=True,
+        choices=["openvid", "miradata", "csv", "parquet", "folder"],
+        help="format of the input table",
+    )
     pl.add_argument("--meta", type=existing_file, help="the table: OpenVid/MiraData CSV, or a path,text csv/parquet")
     pl.add_argument("--videos", required=True, type=existing_dir, help="folder that the table's paths are relative to")
     pl.add_argument("--name", type=_field("source"), help="source name in the catalog (default: the format)")
-    pl.add_argument("--caption", type=_field("caption"), help="MiraData: which caption trains (short, dense, background, "
-                                      "main_object, style, camera); all are kept")
-    pl.add_argument("--config", type=existing_file,
-                    help="TOML with any of these settings, e.g. configs/ingest/opensora12.toml")
+    pl.add_argument(
+        "--caption",
+        type=_field("caption"),
+        help="MiraData: which caption trains (short, dense, background, main_object, style, camera); all are kept",
+    )
+    pl.add_argument(
+        "--config", type=existing_file, help="TOML with any of these settings, e.g. configs/ingest/opensora12.toml"
+    )
     pl.add_argument("--rows-per-unit", type=_field("rows_per_unit"), help="input rows per work unit (default 1000)")
     pl.add_argument("--shard-mb", type=_field("shard_mb"), help="cap on one shard's size in MB (default 1000)")
-    pl.add_argument("--verify", choices=["header", "decode"],
-                    help="header (default): headers, packets, first frame; decode: decode every frame")
-    pl.add_argument("--probe-timeout", type=_field("probe_timeout"),
-                    help="seconds per file before it is a 'timeout' reject (30)")
-    pl.add_argument("--decode-timeout", type=_field("decode_timeout"),
-                    help="seconds per file with --verify decode (600)")
+    pl.add_argument(
+        "--verify",
+        choices=["header", "decode"],
+        help="header (default): headers, packets, first frame; decode: decode every frame",
+    )
+    pl.add_argument(
+        "--probe-timeout", type=_field("probe_timeout"), help="seconds per file before it is a 'timeout' reject (30)"
+    )
+    pl.add_argument(
+        "--decode-timeout", type=_field("decode_timeout"), help="seconds per file with --verify decode (600)"
+    )
     pl.add_argument("--workers", type=_field("workers"), help="probe processes per unit (default 1)")
     pl.add_argument("--worker-memory-mb", type=_field("worker_memory_mb"), help="address-space cap per probe process")
     pl.add_argument("--tagger", choices=["pattern", "spacy"], help="part-of-speech tagger for noun_count")
-    pl.add_argument("--max-file-mb", type=_threshold("max_file_mb"),
-                    help="reject files larger than this ('too_large')")
-    pl.add_argument("--min-frames", type=_threshold("min_frames"),
-                    help="reject clips with fewer frames ('too_short', default 17)")
-    pl.add_argument("--min-seconds", type=_threshold("min_seconds"),
-                    help="reject clips shorter than this ('too_short')")
-    pl.add_argument("--replace", action="store_true",
-                    help="the source was planned differently before: delete its shards and plan anew")
+    pl.add_argument("--max-file-mb", type=_threshold("max_file_mb"), help="reject files larger than this ('too_large')")
+    pl.add_argument(
+        "--min-frames", type=_threshold("min_frames"), help="reject clips with fewer frames ('too_short', default 17)"
+    )
+    pl.add_argument(
+        "--min-seconds", type=_threshold("min_seconds"), help="reject clips shorter than this ('too_short')"
+    )
+    pl.add_argument(
+        "--replace",
+        action="store_true",
+        help="the source was planned differently before: delete its shards and plan anew",
+    )
     pl.set_defaults(fn=_plan)
-    rn = sub.add_parser("run", help="process one or more units printed by `ingest plan`",
-                        epilog=RUN_EXAMPLES, formatter_class=fmt)
+    rn = sub.add_parser(
+        "run", help="process one or more units printed by `ingest plan`", epilog=RUN_EXAMPLES, formatter_class=fmt
+    )
     rn.add_argument("--root", required=True, type=existing_dir)
     rn.add_argument("units", nargs="+", metavar="UNIT", help="e.g. openvid/000012")
     rn.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")
@@ -102,16 +121,24 @@ def _plan(a) -> None:
     conf = load_toml(a.config) if a.config else {}
     thresholds = conf.pop("thresholds", {})
     for k in [f.name for f in dataclasses.fields(Thresholds)] if isinstance(thresholds, dict) else ():
-        if k in conf:                          # flat in the file, or under [thresholds]
+        if k in conf:  # flat in the file, or under [thresholds]
             thresholds[k] = conf.pop(k)
         if getattr(a, k) is not None:
             thresholds[k] = getattr(a, k)
-    for k in ("caption", "rows_per_unit", "shard_mb", "verify", "probe_timeout", "decode_timeout",
-              "workers", "worker_memory_mb", "tagger"):
+    for k in (
+        "caption",
+        "rows_per_unit",
+        "shard_mb",
+        "verify",
+        "probe_timeout",
+        "decode_timeout",
+        "workers",
+        "worker_memory_mb",
+        "tagger",
+    ):
         if getattr(a, k) is not None:
             conf[k] = getattr(a, k)
-    conf.update(source=a.name or a.source, format=a.source, videos=str(Path(a.videos).resolve()),
-                thresholds=thresholds)
+    conf.update(source=a.name or a.source, format=a.source, videos=str(Path(a.videos).resolve()), thresholds=thresholds)
     if a.meta:
         conf["meta"] = str(Path(a.meta).resolve())
     units = make_plan(a.root, build(IngestConfig, conf, source=a.config), replace=a.replace)

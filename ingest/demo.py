@@ -27,10 +27,24 @@ from pathlib import Path
 from reelcache.ingest.sources import OPENVID_COLUMNS
 from reelcache.words import ADJ, CAMERA, PLACES, SUBJECTS, THINGS, VERBS
 
-SIZES = [((426, 240), 30), ((640, 360), 25), ((854, 480), 15), ((1280, 720), 8),
-         ((240, 426), 8), ((360, 640), 8), ((480, 480), 6)]
-RATES = [Fraction(24000, 1001), Fraction(24), Fraction(25), Fraction(30000, 1001), Fraction(30),
-         Fraction(50), Fraction(60)]
+SIZES = [
+    ((426, 240), 30),
+    ((640, 360), 25),
+    ((854, 480), 15),
+    ((1280, 720), 8),
+    ((240, 426), 8),
+    ((360, 640), 8),
+    ((480, 480), 6),
+]
+RATES = [
+    Fraction(24000, 1001),
+    Fraction(24),
+    Fraction(25),
+    Fraction(30000, 1001),
+    Fraction(30),
+    Fraction(50),
+    Fraction(60),
+]
 CONTAINERS = [(".mp4", 70), (".mkv", 12), (".mov", 10), (".avi", 8)]
 
 
@@ -38,9 +52,14 @@ def caption(rng: random.Random) -> str:
     s = f"A {rng.choice(ADJ)} {rng.choice(SUBJECTS)} {rng.choice(VERBS)} a {rng.choice(PLACES)}"
     extra = rng.choice([0, 0, 1, 1, 2, 3, 5, 8])
     for _ in range(extra):
-        s += rng.choice([f", next to a {rng.choice(THINGS)}", f" while a {rng.choice(SUBJECTS)} watches",
-                         f", with a {rng.choice(THINGS)} and a {rng.choice(THINGS)} in the background",
-                         f". The camera shows the {rng.choice(THINGS)}"])
+        s += rng.choice(
+            [
+                f", next to a {rng.choice(THINGS)}",
+                f" while a {rng.choice(SUBJECTS)} watches",
+                f", with a {rng.choice(THINGS)} and a {rng.choice(THINGS)} in the background",
+                f". The camera shows the {rng.choice(THINGS)}",
+            ]
+        )
     return s + "."
 
 
@@ -53,25 +72,39 @@ class ClipSpec:
     seconds: float
     rotation: int = 0
     audio: bool = False
-    noise: bool = False     # incompressible frames: a big file
+    noise: bool = False  # incompressible frames: a big file
     crf: int = 30
     faststart: bool = False  # MP4 index (moov) before the data
     codec: str | None = None  # default: libx264, mpeg4 in AVI
     pix_fmt: str = "yuv420p"
-    options: dict | None = None   # encoder options, e.g. x264-params
-    sar: Fraction | None = None   # sample aspect ratio (anamorphic when not 1)
-    vfr: bool = False        # frame durations alternate between 1x and 2x the nominal one
+    options: dict | None = None  # encoder options, e.g. x264-params
+    sar: Fraction | None = None  # sample aspect ratio (anamorphic when not 1)
+    vfr: bool = False  # frame durations alternate between 1x and 2x the nominal one
     fragmented: bool = False  # fragmented MP4 (moof boxes, no sample table in moov)
 
 
 # name -> (spec, encoder it needs). Small and short: the demo stays about as quick.
 CODEC_SPECIALS = {
-    "hevc": (dict(name="hevc_clip.mp4", codec="libx265", options={"preset": "ultrafast", "x265-params": "log-level=error"}), "libx265"),
-    "vp9": (dict(name="vp9_clip.webm", codec="libvpx-vp9", options={"deadline": "realtime", "cpu-used": "8"}), "libvpx-vp9"),
+    "hevc": (
+        dict(name="hevc_clip.mp4", codec="libx265", options={"preset": "ultrafast", "x265-params": "log-level=error"}),
+        "libx265",
+    ),
+    "vp9": (
+        dict(name="vp9_clip.webm", codec="libvpx-vp9", options={"deadline": "realtime", "cpu-used": "8"}),
+        "libvpx-vp9",
+    ),
     "av1": (dict(name="av1_clip.mkv", codec="libsvtav1", options={"preset": "12"}), "libsvtav1"),
     "ten_bit": (dict(name="ten_bit_clip.mp4", pix_fmt="yuv420p10le"), "libx264"),
-    "open_gop": (dict(name="open_gop_clip.mp4", options={"preset": "veryfast", "x264-params":
-                      "open-gop=1:bframes=3:b-pyramid=normal:keyint=24:min-keyint=24:scenecut=0"}), "libx264"),
+    "open_gop": (
+        dict(
+            name="open_gop_clip.mp4",
+            options={
+                "preset": "veryfast",
+                "x264-params": "open-gop=1:bframes=3:b-pyramid=normal:keyint=24:min-keyint=24:scenecut=0",
+            },
+        ),
+        "libx264",
+    ),
     "vfr": (dict(name="vfr_clip.mp4", vfr=True), "libx264"),
     "fragmented": (dict(name="fragmented_clip.mp4", fragmented=True), "libx264"),
     "anamorphic": (dict(name="anamorphic_clip.mp4", width=320, height=240, sar=Fraction(4, 3)), "libx264"),
@@ -91,17 +124,18 @@ def codec_specials() -> dict[str, ClipSpec]:
 
 def write_clip(path: Path, spec: ClipSpec) -> int:
     """Encode one clip; returns its frame count."""
+    import os
+
     import av
     import numpy as np
 
-    import os
-
-    os.environ.setdefault("SVT_LOG", "1")      # SVT-AV1: errors only, not its banner on every clip
+    os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1: errors only, not its banner on every clip
     n = max(1, round(spec.seconds * spec.rate))
     ext = path.suffix
     codec = spec.codec or ("mpeg4" if ext == ".avi" else "libx264")
-    movflags = "+".join(f for f, on in (("faststart", spec.faststart), ("frag_keyframe+empty_moov", spec.fragmented))
-                        if on)
+    movflags = "+".join(
+        f for f, on in (("faststart", spec.faststart), ("frag_keyframe+empty_moov", spec.fragmented)) if on
+    )
     out = av.open(str(path), "w", options={"movflags": movflags} if movflags else None)
     try:
         vs = out.add_stream(codec, rate=spec.rate)
@@ -113,7 +147,7 @@ def write_clip(path: Path, spec: ClipSpec) -> int:
         if spec.sar:
             vs.codec_context.sample_aspect_ratio = spec.sar
         tick, pts = None, 0
-        if spec.vfr:                     # millisecond timestamps, frame durations 1x, 1x, 2x, ...
+        if spec.vfr:  # millisecond timestamps, frame durations 1x, 1x, 2x, ...
             tick = Fraction(1, 1000)
             vs.codec_context.time_base = vs.time_base = tick
             step = round(1000 / spec.rate)
@@ -122,15 +156,16 @@ def write_clip(path: Path, spec: ClipSpec) -> int:
         aus = out.add_stream("aac", rate=16000) if spec.audio else None
         h, w = spec.height, spec.width
         yy, xx = np.mgrid[0:h, 0:w]
-        base = np.stack([(xx * 255 // max(1, w - 1)), (yy * 255 // max(1, h - 1)),
-                         ((xx + yy) * 127 // max(1, w + h))], axis=-1).astype(np.uint8)
+        base = np.stack(
+            [(xx * 255 // max(1, w - 1)), (yy * 255 // max(1, h - 1)), ((xx + yy) * 127 // max(1, w + h))], axis=-1
+        ).astype(np.uint8)
         rng = np.random.default_rng(zlib.crc32(spec.name.encode()))
         bs = max(8, min(h, w) // 6)
         for i in range(n):
             img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8) if spec.noise else np.roll(base, 3 * i, axis=1)
             y0 = (i * 5) % max(1, h - bs)
             x0 = (i * 7) % max(1, w - bs)
-            img[y0:y0 + bs, x0:x0 + bs] = (255, 255 - (i * 4) % 256, 0)
+            img[y0 : y0 + bs, x0 : x0 + bs] = (255, 255 - (i * 4) % 256, 0)
             frame = av.VideoFrame.from_ndarray(img, format="rgb24")
             if tick is not None:
                 frame.pts, frame.time_base = pts, tick
@@ -163,26 +198,43 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
     vdir.mkdir(parents=True, exist_ok=True)
     specs = []
     for i in range(n):
-        (w, h), = rng.choices([s for s, _ in SIZES], weights=[wt for _, wt in SIZES])
-        ext, = rng.choices([c for c, _ in CONTAINERS], weights=[wt for _, wt in CONTAINERS])
+        ((w, h),) = rng.choices([s for s, _ in SIZES], weights=[wt for _, wt in SIZES])
+        (ext,) = rng.choices([c for c, _ in CONTAINERS], weights=[wt for _, wt in CONTAINERS])
         seconds = round(min(10.0, 1.0 + rng.expovariate(1 / 2.5)), 2)
         rotation = 90 if ext in (".mp4", ".mov") and rng.random() < 0.05 else 0
-        specs.append(ClipSpec(f"clip_{i:05d}{ext}", w, h, rng.choice(RATES), seconds,
-                              rotation=rotation, audio=ext != ".avi" and rng.random() < 0.2))
-    specials = {"too_short": ClipSpec("short_clip.mp4", 426, 240, Fraction(30), 0.3),
-                "too_large": ClipSpec("huge_noise.mp4", 1280, 720, Fraction(30), 0.3, noise=True),
-                "cut_index": ClipSpec("cut_in_half.mp4", 640, 360, Fraction(30), 4.0, crf=18, faststart=True),
-                "cut_moov": ClipSpec("cut_no_moov.mp4", 640, 360, Fraction(30), 4.0, crf=18),
-                "cut_mkv": ClipSpec("cut_in_half.mkv", 640, 360, Fraction(30), 6.0, crf=18),
-                "long": ClipSpec("long_take.mp4", 854, 480, Fraction(25), 10.0),
-                **codec_specials()}
+        specs.append(
+            ClipSpec(
+                f"clip_{i:05d}{ext}",
+                w,
+                h,
+                rng.choice(RATES),
+                seconds,
+                rotation=rotation,
+                audio=ext != ".avi" and rng.random() < 0.2,
+            )
+        )
+    specials = {
+        "too_short": ClipSpec("short_clip.mp4", 426, 240, Fraction(30), 0.3),
+        "too_large": ClipSpec("huge_noise.mp4", 1280, 720, Fraction(30), 0.3, noise=True),
+        "cut_index": ClipSpec("cut_in_half.mp4", 640, 360, Fraction(30), 4.0, crf=18, faststart=True),
+        "cut_moov": ClipSpec("cut_no_moov.mp4", 640, 360, Fraction(30), 4.0, crf=18),
+        "cut_mkv": ClipSpec("cut_in_half.mkv", 640, 360, Fraction(30), 6.0, crf=18),
+        "long": ClipSpec("long_take.mp4", 854, 480, Fraction(25), 10.0),
+        **codec_specials(),
+    }
     if "vp9" in specials:
-        specials["cut_webm"] = ClipSpec("cut_in_half.webm", 426, 240, Fraction(25), 6.0,
-                                        **{k: v for k, v in CODEC_SPECIALS["vp9"][0].items() if k != "name"})
+        specials["cut_webm"] = ClipSpec(
+            "cut_in_half.webm",
+            426,
+            240,
+            Fraction(25),
+            6.0,
+            **{k: v for k, v in CODEC_SPECIALS["vp9"][0].items() if k != "name"},
+        )
     jobs = [(str(vdir / s.name), s) for s in specs + list(specials.values())]
     frames = {}
     with ProcessPoolExecutor(workers) as ex, bar(len(jobs), "generating demo clips", "clip") as pbar:
-        for (path, spec), nf in zip(jobs, ex.map(_write_one, jobs, chunksize=4)):
+        for (_path, spec), nf in zip(jobs, ex.map(_write_one, jobs, chunksize=4)):
             frames[spec.name] = nf
             pbar.update(1)
 
@@ -201,27 +253,36 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
     rows = []
 
     def row(name, text, nf, fps, secs, rng=rng):
-        return [name, text, f"{rng.uniform(4, 6.5):.4f}", f"{rng.uniform(0, 30):.4f}",
-                f"{rng.uniform(0.9, 1.0):.4f}", rng.choice(CAMERA), nf, fps, secs]
+        return [
+            name,
+            text,
+            f"{rng.uniform(4, 6.5):.4f}",
+            f"{rng.uniform(0, 30):.4f}",
+            f"{rng.uniform(0.9, 1.0):.4f}",
+            rng.choice(CAMERA),
+            nf,
+            fps,
+            secs,
+        ]
 
     for s in specs + list(specials.values()):
         nf = frames[s.name]
         rows.append(row(s.name, caption(rng), nf, f"{float(s.rate):.3f}", f"{float(nf / s.rate):.3f}"))
-    rows[3][6] = frames[specs[3].name] + 12          # the table's frame count is wrong
+    rows[3][6] = frames[specs[3].name] + 12  # the table's frame count is wrong
     rows[5][7] = "24.0" if rows[5][7] != "24.000" else "30.0"  # and this one's fps
     rows.append(row("not_there.mp4", caption(rng), 90, "30.000", "3.000"))
     rows.append(row("zero_bytes.mp4", caption(rng), 90, "30.000", "3.000"))
     rows.append(row("random_bytes.mp4", caption(rng), 90, "30.000", "3.000"))
     rows.append(row("audio_only.mp4", caption(rng), 0, "0", "2.000"))
     rows.append(row("cover_art.m4a", caption(rng), 0, "0", "2.000"))
-    rows[7][1] = ""                                                      # an empty caption
-    rows.append(row(specs[1].name, caption(rng), 0, "", ""))             # a duplicate row
+    rows[7][1] = ""  # an empty caption
+    rows.append(row(specs[1].name, caption(rng), 0, "", ""))  # a duplicate row
     csv_path = out / "OpenVid-demo.csv"
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(OPENVID_COLUMNS)
         w.writerows(rows)
-        f.write("broken_row.mp4,\"a caption, with the rest of the row missing\"\n")   # malformed
+        f.write('broken_row.mp4,"a caption, with the rest of the row missing"\n')  # malformed
     return csv_path
 
 
@@ -231,8 +292,9 @@ def _mux_tone(out, stream, seconds: float, rate: int = 16000) -> None:
     import numpy as np
 
     t = np.arange(int(rate * seconds)) / rate
-    frame = av.AudioFrame.from_ndarray((0.2 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)[None, :],
-                                       format="fltp", layout="mono")
+    frame = av.AudioFrame.from_ndarray(
+        (0.2 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)[None, :], format="fltp", layout="mono"
+    )
     frame.sample_rate = rate
     for p in stream.encode(frame):
         out.mux(p)

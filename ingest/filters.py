@@ -15,18 +15,18 @@ from reelcache.settings import check, setting
 
 
 class Reason(str, Enum):
-    bad_row = "bad_row"                  # the table row itself is malformed (no path, wrong field count)
-    duplicate_row = "duplicate_row"      # same path listed again in the same source
-    empty_caption = "empty_caption"      # no caption text
-    missing_file = "missing_file"        # path does not exist (or is not a regular file)
-    empty_file = "empty_file"            # zero bytes
-    too_large = "too_large"              # file over --max-file-mb
+    bad_row = "bad_row"  # the table row itself is malformed (no path, wrong field count)
+    duplicate_row = "duplicate_row"  # same path listed again in the same source
+    empty_caption = "empty_caption"  # no caption text
+    missing_file = "missing_file"  # path does not exist (or is not a regular file)
+    empty_file = "empty_file"  # zero bytes
+    too_large = "too_large"  # file over --max-file-mb
     no_video_stream = "no_video_stream"  # container has no video stream (audio only, image sequence...)
-    undecodable = "undecodable"          # container or bitstream FFmpeg cannot read, or no decoder
-    truncated = "truncated"              # index points past the end of file / fewer frames than stated
-    too_short = "too_short"              # fewer than --min-frames frames or --min-seconds
-    timeout = "timeout"                  # probe or decode did not finish within its time limit
-    crashed = "crashed"                  # the probe process died on this file (e.g. a decoder segfault)
+    undecodable = "undecodable"  # container or bitstream FFmpeg cannot read, or no decoder
+    truncated = "truncated"  # index points past the end of file / fewer frames than stated
+    too_short = "too_short"  # fewer than --min-frames frames or --min-seconds
+    timeout = "timeout"  # probe or decode did not finish within its time limit
+    crashed = "crashed"  # the probe process died on this file (e.g. a decoder segfault)
 
 
 class Rejected(Exception):
@@ -43,10 +43,10 @@ class Rejected(Exception):
 
 @dataclass(frozen=True)
 class Thresholds:
-    max_file_mb: float | None = setting(None, "reject larger files; the Open-Sora 1.2 recipe caps at 50 MB; "
-                                              "None = no cap", gt=0)
-    min_frames: int = setting(17, "reject shorter clips; one temporal-VAE chunk (17 frames -> 5 latent frames)",
-                              ge=0)
+    max_file_mb: float | None = setting(
+        None, "reject larger files; the Open-Sora 1.2 recipe caps at 50 MB; None = no cap", gt=0
+    )
+    min_frames: int = setting(17, "reject shorter clips; one temporal-VAE chunk (17 frames -> 5 latent frames)", ge=0)
     min_seconds: float = setting(0.0, "reject clips shorter than this many seconds", ge=0)
 
     def __post_init__(self):

@@ -109,25 +109,36 @@ def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[st
             say(f"plan for {cfg.source!r} unchanged: {len(units)} units, {len(done)} finished")
             return units
         if done and not replace:
-            raise UserError(f"source {cfg.source!r} was planned from a different table or configuration and "
-                            f"{len(done)} units are finished. Use another --name, or --replace to delete "
-                            f"{src} and start over.")
+            raise UserError(
+                f"source {cfg.source!r} was planned from a different table or configuration and "
+                f"{len(done)} units are finished. Use another --name, or --replace to delete "
+                f"{src} and start over."
+            )
     if replace and src.exists():
         from reelcache.catalog.lease import live_holders
 
         if busy := live_holders(src):
-            raise UserError(f"--replace would delete {src} while {len(busy)} of its units are running, e.g. "
-                            f"{busy[0][0].stem} by {busy[0][1].describe()}: stop them first")
+            raise UserError(
+                f"--replace would delete {src} while {len(busy)} of its units are running, e.g. "
+                f"{busy[0][0].stem} by {busy[0][1].describe()}: stop them first"
+            )
         shutil.rmtree(src)
     pdir.mkdir(parents=True, exist_ok=True)
     with atomic_path(pdir / "input.parquet") as tmp:
         pq.write_table(table, tmp, row_group_size=cfg.rows_per_unit, compression="zstd")
-    doc = {"plan_version": PLAN_VERSION, "fingerprint": fp, "num_rows": table.num_rows,
-           "num_units": num_units, "config": dataclasses.asdict(cfg)}
+    doc = {
+        "plan_version": PLAN_VERSION,
+        "fingerprint": fp,
+        "num_rows": table.num_rows,
+        "num_units": num_units,
+        "config": dataclasses.asdict(cfg),
+    }
     with atomic_path(old) as tmp:
         tmp.write_text(json.dumps(doc, indent=2))
     errs = sum(1 for e in table.column("row_error").to_pylist() if e)
     dups = table.num_rows - table.column("duplicate_of").null_count
-    say(f"planned {cfg.source!r}: {table.num_rows} rows in {num_units} units of {cfg.rows_per_unit} "
-        f"({errs} malformed rows, {dups} duplicate rows: recorded as rejects)")
+    say(
+        f"planned {cfg.source!r}: {table.num_rows} rows in {num_units} units of {cfg.rows_per_unit} "
+        f"({errs} malformed rows, {dups} duplicate rows: recorded as rejects)"
+    )
     return units

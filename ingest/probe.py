@@ -80,7 +80,8 @@ def mp4_cut(path: str, size: int) -> str | None:
             boxes.append(kind)
             if pos + box_size > size:
                 missing = "" if b"moov" in boxes else ", and the moov index is missing"
-                return f"{kind.decode('latin-1')} box at byte {pos} runs {pos + box_size - size} bytes past the end{missing}"
+                past = pos + box_size - size
+                return f"{kind.decode('latin-1')} box at byte {pos} runs {past} bytes past the end{missing}"
             pos += box_size
         if b"moov" not in boxes:
             return "no moov index box: the file ends before its index was written"
@@ -120,8 +121,9 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
 
     vs = video_stream(container)
     if vs is None:
-        kinds = sorted({s.type if s.type != "video" else "video (attached picture)"
-                        for s in container.streams}) or ["none"]
+        kinds = sorted({s.type if s.type != "video" else "video (attached picture)" for s in container.streams}) or [
+            "none"
+        ]
         raise Rejected(Reason.no_video_stream, f"streams: {', '.join(kinds)}")
     cc = vs.codec_context
     if cc is None or not cc.name:
@@ -129,16 +131,16 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
     rate = _frame_rate(vs)
     fmt = container.format.name
     indexed = any(f in fmt.split(",") for f in INDEXED_FORMATS) and vs.frames > 0
-    header_duration = (float(vs.duration * vs.time_base) if vs.duration else
-                       container.duration / 1e6 if container.duration else None)
+    header_duration = (
+        float(vs.duration * vs.time_base) if vs.duration else container.duration / 1e6 if container.duration else None
+    )
 
     if indexed:
         entries = vs.index_entries
         if len(entries):
             last = entries[len(entries) - 1]
             if last.pos + last.size > size:
-                raise Rejected(Reason.truncated,
-                               f"sample index ends at byte {last.pos + last.size}, file has {size}")
+                raise Rejected(Reason.truncated, f"sample index ends at byte {last.pos + last.size}, file has {size}")
 
     # One pass over the packets: decode until the first frame, then (only where the header
     # cannot be trusted) keep counting packets without decoding them.
@@ -150,7 +152,7 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
         for packet in container.demux(vs):
             if packet.size == 0:
                 if first is None or verify == "decode":
-                    for frame in vs.decode(packet):   # flush
+                    for frame in vs.decode(packet):  # flush
                         first = first or frame
                         decoded += 1
                 continue
@@ -167,8 +169,9 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
     except av.error.FFmpegError as e:
         if first is None:
             raise Rejected(Reason.undecodable, f"decode failed: {e}") from None
-        raise Rejected(Reason.truncated if verify != "decode" else Reason.undecodable,
-                       f"after {packets} packets: {e}") from None
+        raise Rejected(
+            Reason.truncated if verify != "decode" else Reason.undecodable, f"after {packets} packets: {e}"
+        ) from None
     if first is None:
         raise Rejected(Reason.undecodable, f"no frame decodes ({packets} packets read)")
 
@@ -178,17 +181,23 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
         num_frames, frames_from = vs.frames, "header"
     else:
         num_frames, frames_from = packets, "demux"
-    if not indexed and header_duration and last_end is not None and rate and \
-            float(last_end) < header_duration - max(0.5, 0.05 * header_duration):
-        raise Rejected(Reason.truncated, f"packets end at {float(last_end):.2f} s, "
-                                         f"container says {header_duration:.2f} s")
+    if (
+        not indexed
+        and header_duration
+        and last_end is not None
+        and rate
+        and float(last_end) < header_duration - max(0.5, 0.05 * header_duration)
+    ):
+        raise Rejected(
+            Reason.truncated, f"packets end at {float(last_end):.2f} s, container says {header_duration:.2f} s"
+        )
     if verify == "decode" and indexed and decoded < vs.frames:
         raise Rejected(Reason.truncated, f"decoded {decoded} of {vs.frames} frames")
 
     rotation = int(first.rotation or 0) % 360
     cw, ch = cc.width or first.width, cc.height or first.height
     sar = sample_aspect_ratio(vs)
-    dw = max(1, round(cw * sar))                       # displayed, before rotation: stretch the width
+    dw = max(1, round(cw * sar))  # displayed, before rotation: stretch the width
     w, h = (ch, dw) if rotation in (90, 270) else (dw, ch)
     duration = header_duration if header_duration else (float(num_frames / rate) if rate else None)
     if frames_from != "header" and rate:
@@ -201,11 +210,16 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
         "fps_num": rate.numerator if rate else None,
         "fps_den": rate.denominator if rate else None,
         "duration": duration,
-        "width": w, "height": h, "coded_width": cw, "coded_height": ch, "rotation": rotation,
-        "sar_num": sar.numerator, "sar_den": sar.denominator,
+        "width": w,
+        "height": h,
+        "coded_width": cw,
+        "coded_height": ch,
+        "rotation": rotation,
+        "sar_num": sar.numerator,
+        "sar_den": sar.denominator,
         "aspect_ratio": h / w if w else None,
         "resolution": h * w,
-        "codec": getattr(cc.codec, "canonical_name", None) or cc.name,   # 'av1', not the decoder 'libdav1d'
+        "codec": getattr(cc.codec, "canonical_name", None) or cc.name,  # 'av1', not the decoder 'libdav1d'
         "pix_fmt": pix_fmt,
         "bit_depth": _bit_depth(pix_fmt),
         "container": fmt,

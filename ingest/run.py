@@ -25,17 +25,37 @@ from collections import Counter
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.catalog.shards import (ShardWriter, ShortRead, SourceError, atomic_path, begin_unit, end_unit,
-                                      parse_unit, unit_rows)
+from reelcache.catalog.shards import (
+    ShardWriter,
+    ShortRead,
+    SourceError,
+    atomic_path,
+    begin_unit,
+    end_unit,
+    parse_unit,
+    unit_rows,
+)
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason, Rejected, first_reject
-from reelcache.isolate import Failed, isolated_map
 from reelcache.ingest.plan import load_plan, source_dir
 from reelcache.ingest.probe import preload, probe
+from reelcache.isolate import Failed, isolated_map
 from reelcache.progress import bar, say
 
 # Metadata columns that are not copied into the sample's .json inside the shard.
-_NOT_IN_JSON = {"shard", "shard_offset", "status", "reject_reason", "reject_detail", "unit",
-                "row_error", "duplicate_of", "level", "noun_pct", "noun_count", "noun_tagger"}
+_NOT_IN_JSON = {
+    "shard",
+    "shard_offset",
+    "status",
+    "reject_reason",
+    "reject_detail",
+    "unit",
+    "row_error",
+    "duplicate_of",
+    "level",
+    "noun_pct",
+    "noun_count",
+    "noun_tagger",
+}
 
 
 # How an isolated probe that returned no result is recorded.
@@ -100,8 +120,14 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, sidecar: Path) -> d
     try:
         with bar(len(rows), desc=unit, unit="file") as pbar:
             pbar.update(len(rows) - len(todo))
-            results = isolated_map(fn, [r["path"] for r in todo], workers=cfg.workers,
-                                   timeout=timeout, memory_mb=cfg.worker_memory_mb, init=preload)
+            results = isolated_map(
+                fn,
+                [r["path"] for r in todo],
+                workers=cfg.workers,
+                timeout=timeout,
+                memory_mb=cfg.worker_memory_mb,
+                init=preload,
+            )
             for r, (_, res) in zip(todo, results):
                 pbar.update(1)
                 if isinstance(res, Rejected):
@@ -128,35 +154,48 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, sidecar: Path) -> d
         for r in rows:
             r.pop("row_error", None), r.pop("duplicate_of", None)
         table = clips_table(rows)
-        with atomic_path(sidecar) as tmp:     # last: the unit is now visible as finished
+        with atomic_path(sidecar) as tmp:  # last: the unit is now visible as finished
             pq.write_table(table, tmp, compression="zstd")
     except BaseException:
-        writer.abort()                        # its shards are named by no sidecar: remove them
+        writer.abort()  # its shards are named by no sidecar: remove them
         raise
 
     dt = time.monotonic() - t0
     reasons = Counter(r["reject_reason"] for r in rows if r["status"] != "ok")
-    say(f"{unit}: {len(rows)} rows, {len(ok)} ok, {len(rows) - len(ok)} rejected"
+    say(
+        f"{unit}: {len(rows)} rows, {len(ok)} ok, {len(rows) - len(ok)} rejected"
         + (f" ({', '.join(f'{k} {v}' for k, v in reasons.most_common())})" if reasons else "")
         + f"; {len(writer.finished)} shard(s), {nbytes / 1e6:.1f} MB in {dt:.1f} s "
-          f"({len(rows) / dt:.0f} rows/s, {nbytes / 1e6 / dt:.1f} MB/s); "
-          f"{len(list(sdir.glob('[0-9]*.parquet')))} of {plan['num_units']} units of {sdir.name} done")
-    return {"unit": unit, "rows": len(rows), "ok": len(ok), "rejected": dict(reasons),
-            "shards": [p.name for p in writer.finished], "bytes": nbytes, "seconds": dt}
+        f"({len(rows) / dt:.0f} rows/s, {nbytes / 1e6 / dt:.1f} MB/s); "
+        f"{len(list(sdir.glob('[0-9]*.parquet')))} of {plan['num_units']} units of {sdir.name} done"
+    )
+    return {
+        "unit": unit,
+        "rows": len(rows),
+        "ok": len(ok),
+        "rejected": dict(reasons),
+        "shards": [p.name for p in writer.finished],
+        "bytes": nbytes,
+        "seconds": dt,
+    }
 
 
 def _write(writer: ShardWriter, r: dict, sdir: Path) -> None:
     ext = Path(r["path"]).suffix.lower().lstrip(".") or "video"
     meta = {k: v for k, v in r.items() if k not in _NOT_IN_JSON and v is not None}
     try:
-        name, offsets = writer.write_sample(r["clip_id"], [
-            (ext, r["path"], r["file_size"]),
-            ("json", json.dumps(meta, sort_keys=True).encode(), None),
-            ("txt", (r["text"] or "").encode(), None)])
+        name, offsets = writer.write_sample(
+            r["clip_id"],
+            [
+                (ext, r["path"], r["file_size"]),
+                ("json", json.dumps(meta, sort_keys=True).encode(), None),
+                ("txt", (r["text"] or "").encode(), None),
+            ],
+        )
     except ShortRead as e:
         _reject(r, Reason.truncated, str(e))
         return
-    except SourceError as e:          # a write failure (OutputError) is not the clip's fault: it fails the unit
+    except SourceError as e:  # a write failure (OutputError) is not the clip's fault: it fails the unit
         _reject(r, Reason.missing_file, f"cannot read for sharding: {e}")
         return
     r.update(shard=f"raw/{sdir.name}/{name}", shard_offset=offsets[ext], ext=ext)

@@ -26,27 +26,81 @@ from pathlib import Path
 
 from reelcache import UserError
 
-OPENVID_COLUMNS = ["video", "caption", "aesthetic score", "motion score", "temporal consistency score",
-                   "camera motion", "frame", "fps", "seconds"]
-MIRADATA_COLUMNS = ["clip_id", "source", "video_url", "video_id", "width", "height", "fps", "seconds",
-                    "timestamp", "frame_number", "framestamp", "file_path", "short_caption",
-                    "dense_caption", "background_caption", "main_object_caption", "style_caption",
-                    "camera_caption"]
-MIRADATA_CAPTIONS = ["short_caption", "dense_caption", "background_caption", "main_object_caption",
-                     "style_caption", "camera_caption"]
+OPENVID_COLUMNS = [
+    "video",
+    "caption",
+    "aesthetic score",
+    "motion score",
+    "temporal consistency score",
+    "camera motion",
+    "frame",
+    "fps",
+    "seconds",
+]
+MIRADATA_COLUMNS = [
+    "clip_id",
+    "source",
+    "video_url",
+    "video_id",
+    "width",
+    "height",
+    "fps",
+    "seconds",
+    "timestamp",
+    "frame_number",
+    "framestamp",
+    "file_path",
+    "short_caption",
+    "dense_caption",
+    "background_caption",
+    "main_object_caption",
+    "style_caption",
+    "camera_caption",
+]
+MIRADATA_CAPTIONS = [
+    "short_caption",
+    "dense_caption",
+    "background_caption",
+    "main_object_caption",
+    "style_caption",
+    "camera_caption",
+]
 GENERIC_COLUMNS = ["path", "text"]
 VIDEO_EXTENSIONS = {".mp4", ".mov", ".m4v", ".mkv", ".webm", ".avi", ".ts", ".mpg", ".mpeg", ".flv", ".wmv"}
 FORMATS = ("openvid", "miradata", "csv", "parquet", "folder")
-REQUIRED = {"openvid": OPENVID_COLUMNS, "miradata": MIRADATA_COLUMNS, "csv": GENERIC_COLUMNS,
-            "parquet": GENERIC_COLUMNS}
+REQUIRED = {
+    "openvid": OPENVID_COLUMNS,
+    "miradata": MIRADATA_COLUMNS,
+    "csv": GENERIC_COLUMNS,
+    "parquet": GENERIC_COLUMNS,
+}
 
 # Columns of the normalized input table besides those it shares with `clips`.
 INTERNAL = {"row_error": "string", "duplicate_of": "int64"}
-SHARED = ["row", "relpath", "path", "text", "clip_id", "stated_num_frames", "stated_fps", "stated_duration",
-          "stated_width", "stated_height",
-          "aesthetic_score", "motion_score", "temporal_consistency_score", "camera_motion",
-          "mira_clip_id", "mira_source", "video_url", "video_id", "timestamp", "framestamp",
-          *MIRADATA_CAPTIONS, "caption_column"]
+SHARED = [
+    "row",
+    "relpath",
+    "path",
+    "text",
+    "clip_id",
+    "stated_num_frames",
+    "stated_fps",
+    "stated_duration",
+    "stated_width",
+    "stated_height",
+    "aesthetic_score",
+    "motion_score",
+    "temporal_consistency_score",
+    "camera_motion",
+    "mira_clip_id",
+    "mira_source",
+    "video_url",
+    "video_id",
+    "timestamp",
+    "framestamp",
+    *MIRADATA_CAPTIONS,
+    "caption_column",
+]
 
 
 def clip_id(source: str, relpath: str, occurrence: int = 0) -> str:
@@ -75,8 +129,10 @@ def _guess(header: list[str]) -> str:
 def _check_header(kind: str, header: list[str], where: str) -> None:
     missing = [c for c in REQUIRED[kind] if c not in header]
     if missing:
-        raise UserError(f"{where} is not a {kind} table: missing column(s) {', '.join(map(repr, missing))}; "
-                        f"found {', '.join(map(repr, header[:20]))}.{_guess(header)}")
+        raise UserError(
+            f"{where} is not a {kind} table: missing column(s) {', '.join(map(repr, missing))}; "
+            f"found {', '.join(map(repr, header[:20]))}.{_guess(header)}"
+        )
 
 
 def _read_csv(path: Path) -> tuple[list[str], list[tuple[list[str] | None, str | None]]]:
@@ -140,9 +196,11 @@ def read_source(kind: str, source: str, meta: str | None, videos: str, caption: 
         raise UserError(f"unknown --source format {kind!r}; choose one of {', '.join(FORMATS)}")
     if kind == "miradata":
         if caption is None:
-            raise UserError("MiraData has six captions; choose which one trains with --caption "
-                            f"({', '.join(c.removesuffix('_caption') for c in MIRADATA_CAPTIONS)}). "
-                            "All of them are kept in the catalog either way.")
+            raise UserError(
+                "MiraData has six captions; choose which one trains with --caption "
+                f"({', '.join(c.removesuffix('_caption') for c in MIRADATA_CAPTIONS)}). "
+                "All of them are kept in the catalog either way."
+            )
         caption = caption if caption.endswith("_caption") else f"{caption}_caption"
         if caption not in MIRADATA_CAPTIONS:
             raise UserError(f"--caption {caption!r} is not a MiraData caption column")
@@ -187,22 +245,42 @@ def input_schema():
 def _normalize(kind: str, rec: dict, caption: str | None) -> dict:
     g = rec.get
     if kind == "openvid":
-        return {"relpath": g("video"), "text": g("caption"),
-                "aesthetic_score": _num(g("aesthetic score")), "motion_score": _num(g("motion score")),
-                "temporal_consistency_score": _num(g("temporal consistency score")),
-                "camera_motion": g("camera motion"),
-                "stated_num_frames": _num(g("frame"), int), "stated_fps": _num(g("fps")),
-                "stated_duration": _num(g("seconds"))}
+        return {
+            "relpath": g("video"),
+            "text": g("caption"),
+            "aesthetic_score": _num(g("aesthetic score")),
+            "motion_score": _num(g("motion score")),
+            "temporal_consistency_score": _num(g("temporal consistency score")),
+            "camera_motion": g("camera motion"),
+            "stated_num_frames": _num(g("frame"), int),
+            "stated_fps": _num(g("fps")),
+            "stated_duration": _num(g("seconds")),
+        }
     if kind == "miradata":
-        r = {"relpath": g("file_path"), "text": g(caption), "caption_column": caption,
-             "mira_clip_id": g("clip_id"), "mira_source": g("source"), "video_url": g("video_url"),
-             "video_id": g("video_id"), "timestamp": g("timestamp"), "framestamp": g("framestamp"),
-             "stated_num_frames": _num(g("frame_number"), int), "stated_fps": _num(g("fps")),
-             "stated_duration": _num(g("seconds")), "stated_width": _num(g("width"), int),
-             "stated_height": _num(g("height"), int)}
+        r = {
+            "relpath": g("file_path"),
+            "text": g(caption),
+            "caption_column": caption,
+            "mira_clip_id": g("clip_id"),
+            "mira_source": g("source"),
+            "video_url": g("video_url"),
+            "video_id": g("video_id"),
+            "timestamp": g("timestamp"),
+            "framestamp": g("framestamp"),
+            "stated_num_frames": _num(g("frame_number"), int),
+            "stated_fps": _num(g("fps")),
+            "stated_duration": _num(g("seconds")),
+            "stated_width": _num(g("width"), int),
+            "stated_height": _num(g("height"), int),
+        }
         r.update({c: g(c) for c in MIRADATA_CAPTIONS})
         return r
-    return {"relpath": g("path"), "text": g("text"),
-            "stated_num_frames": _num(g("num_frames"), int), "stated_fps": _num(g("fps")),
-            "stated_duration": _num(g("seconds")), "stated_width": _num(g("width"), int),
-            "stated_height": _num(g("height"), int)}
+    return {
+        "relpath": g("path"),
+        "text": g("text"),
+        "stated_num_frames": _num(g("num_frames"), int),
+        "stated_fps": _num(g("fps")),
+        "stated_duration": _num(g("seconds")),
+        "stated_width": _num(g("width"), int),
+        "stated_height": _num(g("height"), int),
+    }

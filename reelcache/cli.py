@@ -18,17 +18,21 @@ STAGES = ("ingest", "catalog", "cache", "train", "eval")
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog="reelcache", description=textwrap.dedent("""\
+    p = argparse.ArgumentParser(
+        prog="reelcache",
+        description=textwrap.dedent("""\
         reelcache: text-video datasets -> webdataset shards -> SQL catalog -> latent cache -> training.
         Every heavy step is `plan` (prints units) -> `run UNIT` (anywhere, idempotent) -> `catalog merge`."""),
-        formatter_class=fmt)
+        formatter_class=fmt,
+    )
     p.add_argument("--version", action="version", version=f"reelcache {__version__}")
     top = p.add_subparsers(dest="stage", required=True)
     stages = [importlib.import_module(f"reelcache.{name}.cli") for name in STAGES]
     for stage in stages:
         stage.add_commands(top)
-    demo = top.add_parser("demo", help="the bundled demo: generate its dataset (then `make demo`'s data "
-                                       "steps), train on it")
+    demo = top.add_parser(
+        "demo", help="the bundled demo: generate its dataset (then `make demo`'s data steps), train on it"
+    )
     demo_sub = demo.add_subparsers(dest="cmd", required=True)
     for stage in stages:
         if hasattr(stage, "add_demo"):
@@ -57,7 +61,7 @@ def run_command(fn) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if getattr(args, "takes_overrides", False):        # `train` takes --section.key=value overrides
+    if getattr(args, "takes_overrides", False):  # `train` takes --section.key=value overrides
         return run_command(lambda: args.fn(args, rest))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

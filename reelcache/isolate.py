@@ -23,14 +23,15 @@ import resource
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 
 @dataclass
 class Failed:
-    reason: str          # "timeout" | "crashed" | "error"
+    reason: str  # "timeout" | "crashed" | "error"
     detail: str
 
 
@@ -40,7 +41,7 @@ def _worker(conn, fn, memory_mb, init):
     if memory_mb:
         limit = int(memory_mb) * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    conn.send("ready")   # deadlines start only once the worker has imported everything
+    conn.send("ready")  # deadlines start only once the worker has imported everything
     while True:
         try:
             msg = conn.recv()
@@ -54,8 +55,11 @@ def _worker(conn, fn, memory_mb, init):
         except MemoryError:
             out = (seq, False, Failed("crashed", "out of memory (worker memory limit)"))
         except Exception as e:  # noqa: BLE001 - any error on one item is that item's result
-            out = (seq, False, e if _picklable(e) else Failed("error", "".join(
-                traceback.format_exception_only(type(e), e)).strip()))
+            out = (
+                seq,
+                False,
+                e if _picklable(e) else Failed("error", "".join(traceback.format_exception_only(type(e), e)).strip()),
+            )
         conn.send(out)
 
 
@@ -75,7 +79,7 @@ class _Slot:
         self.proc = ctx.Process(target=_worker, args=(child, fn, memory_mb, init), daemon=True)
         self.proc.start()
         child.close()
-        self.jobs: deque = deque()   # [seq, item, deadline]: the head is being worked on, deadline set
+        self.jobs: deque = deque()  # [seq, item, deadline]: the head is being worked on, deadline set
 
     def wait_ready(self, timeout: float = 300.0):
         try:
@@ -92,9 +96,15 @@ class _Slot:
         self.conn.close()
 
 
-def isolated_map(fn: Callable[[Any], Any], items: Iterable, *, workers: int = 1,
-                 timeout: float = 30.0, memory_mb: int | None = None,
-                 init: Callable[[], None] | None = None) -> Iterator[tuple[Any, Any]]:
+def isolated_map(
+    fn: Callable[[Any], Any],
+    items: Iterable,
+    *,
+    workers: int = 1,
+    timeout: float = 30.0,
+    memory_mb: int | None = None,
+    init: Callable[[], None] | None = None,
+) -> Iterator[tuple[Any, Any]]:
     """Yield (item, fn(item) | exception raised by fn | Failed) for each item, in order.
 
     ``init`` runs once in each worker before it reports ready (imports, warm-up), so that
@@ -116,11 +126,11 @@ def isolated_map(fn: Callable[[Any], Any], items: Iterable, *, workers: int = 1,
                     seq, item = todo.popleft()
                     try:
                         s.conn.send((seq, item))
-                    except OSError:             # the worker died already: this item is not to blame
+                    except OSError:  # the worker died already: this item is not to blame
                         todo.appendleft((seq, item))
                         if s.jobs:
-                            break               # its head is reported crashed below, the rest redone
-                        s.kill()                # it died idle, holding nothing: a new one takes the item
+                            break  # its head is reported crashed below, the rest redone
+                        s.kill()  # it died idle, holding nothing: a new one takes the item
                         slots[i] = _Slot(ctx, fn, memory_mb, init)
                         slots[i].wait_ready()
                         continue
@@ -130,8 +140,9 @@ def isolated_map(fn: Callable[[Any], Any], items: Iterable, *, workers: int = 1,
                     s.jobs[0][2] = time.monotonic() + timeout
             busy = [s for s in slots if s.jobs]
             soonest = min(s.jobs[0][2] for s in busy)
-            ready = wait([s.conn for s in busy] + [s.proc.sentinel for s in busy],
-                         timeout=max(0.0, soonest - time.monotonic()))
+            ready = wait(
+                [s.conn for s in busy] + [s.proc.sentinel for s in busy], timeout=max(0.0, soonest - time.monotonic())
+            )
             for i, s in enumerate(slots):
                 if not s.jobs:
                     continue
@@ -153,10 +164,10 @@ def isolated_map(fn: Callable[[Any], Any], items: Iterable, *, workers: int = 1,
                 done[seq] = (item, result)
                 s.jobs.popleft()
                 if s.jobs:
-                    s.jobs[0][2] = time.monotonic() + timeout     # the worker starts on the next one now
+                    s.jobs[0][2] = time.monotonic() + timeout  # the worker starts on the next one now
                 if isinstance(result, Failed) and result.reason in ("timeout", "crashed"):
                     s.kill()
-                    todo.extendleft(reversed([(q, it) for q, it, _ in s.jobs]))   # not started: redo elsewhere
+                    todo.extendleft(reversed([(q, it) for q, it, _ in s.jobs]))  # not started: redo elsewhere
                     slots[i] = _Slot(ctx, fn, memory_mb, init)
                     slots[i].wait_ready()
             while nxt in done:
@@ -183,4 +194,3 @@ def _death(proc) -> str:
         except ValueError:
             return f"worker killed by signal {-code}"
     return f"worker exited with status {code}"
-

@@ -11,8 +11,7 @@ def video_stream(container):
     """The first video stream that is not an attached picture (cover art), or None."""
     import av
 
-    return next((s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic),
-                None)
+    return next((s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic), None)
 
 
 def sample_aspect_ratio(stream) -> Fraction:

@@ -20,8 +20,7 @@ def bar(total_or_iterable=None, desc: str = "", unit: str = "it", **kw) -> tqdm:
         kw["total"] = total_or_iterable
     else:
         kw["iterable"] = total_or_iterable
-    return tqdm(desc=desc, unit=unit, disable=disable, dynamic_ncols=True, smoothing=0.1,
-                file=sys.stderr, **kw)
+    return tqdm(desc=desc, unit=unit, disable=disable, dynamic_ncols=True, smoothing=0.1, file=sys.stderr, **kw)
 
 
 def say(msg: str) -> None:
@@ -46,8 +45,10 @@ def fmt_eta(seconds: float) -> str:
 # peft, which diffusers imports when installed) warns that an optional CPU kernel cannot be fetched
 # from a hub; ColossalAI logs each plugin's set-up; ZeRO 0.5.0 calls torch names torch 2.x deprecates.
 QUIET_LOGGERS = ("bitsandbytes", "colossalai")
-QUIET_WARNINGS = (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
-                  r"TypedStorage is deprecated")
+QUIET_WARNINGS = (
+    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+    r"TypedStorage is deprecated",
+)
 
 
 def quiet_libraries() -> None:
@@ -59,4 +60,3 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for message in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-

@@ -61,15 +61,26 @@ class Rule:
     lt: float | None = None
     choices: tuple | None = None
     pattern: Pattern | None = None
-    rows: type | None = None       # a table of tuples whose positions are this dataclass's fields
+    rows: type | None = None  # a table of tuples whose positions are this dataclass's fields
 
     @property
     def bounded(self) -> bool:
         return any(b is not None for b in (self.ge, self.gt, self.le, self.lt, self.choices, self.pattern, self.rows))
 
 
-def setting(default=dataclasses.MISSING, doc: str = "", *, factory=dataclasses.MISSING, ge=None, gt=None, le=None,
-            lt=None, choices=None, pattern: Pattern | None = None, rows: type | None = None):
+def setting(
+    default=dataclasses.MISSING,
+    doc: str = "",
+    *,
+    factory=dataclasses.MISSING,
+    ge=None,
+    gt=None,
+    le=None,
+    lt=None,
+    choices=None,
+    pattern: Pattern | None = None,
+    rows: type | None = None,
+):
     """A dataclass field with its documentation and rule; no default and no factory: a required key."""
     rule = Rule(doc, ge, gt, le, lt, tuple(choices) if choices is not None else None, pattern, rows)
     return dataclasses.field(default=default, default_factory=factory, metadata={_META: rule})
@@ -87,6 +98,7 @@ def hints(cls) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # what a value may be
+
 
 def _members(hint) -> tuple:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -153,8 +165,12 @@ def _describe(hint, rule, many) -> str:
 def _in_range(v, rule: Rule | None) -> bool:
     if rule is None:
         return True
-    return ((rule.ge is None or v >= rule.ge) and (rule.gt is None or v > rule.gt)
-            and (rule.le is None or v <= rule.le) and (rule.lt is None or v < rule.lt))
+    return (
+        (rule.ge is None or v >= rule.ge)
+        and (rule.gt is None or v > rule.gt)
+        and (rule.le is None or v <= rule.le)
+        and (rule.lt is None or v < rule.lt)
+    )
 
 
 def valid(v, hint, rule: Rule | None = None) -> bool:
@@ -174,15 +190,18 @@ def _valid(v, hint, rule) -> bool:
     if hint is int:
         return isinstance(v, int) and not isinstance(v, bool) and _in_range(v, rule)
     if hint is float:
-        return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                and _in_range(v, rule))
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and _in_range(v, rule)
     if hint is str:
-        return isinstance(v, str) and (rule is None or rule.pattern is None
-                                       or re.fullmatch(rule.pattern.regex, v) is not None)
+        return isinstance(v, str) and (
+            rule is None or rule.pattern is None or re.fullmatch(rule.pattern.regex, v) is not None
+        )
     kind, args = _container(hint)
     if kind is dict:
-        return isinstance(v, dict) and all(isinstance(k, str) for k in v) and \
-            (not args or all(valid(x, args[1], rule) for x in v.values()))
+        return (
+            isinstance(v, dict)
+            and all(isinstance(k, str) for k in v)
+            and (not args or all(valid(x, args[1], rule) for x in v.values()))
+        )
     if kind in (list, tuple):
         if not isinstance(v, (list, tuple)):
             return False
@@ -207,6 +226,7 @@ def _dataclass_of(hint):
 
 # ---------------------------------------------------------------------------------------------
 # checking and reading
+
 
 def _key(where: str, name: str) -> str:
     return f"{where}.{name}" if where else name
@@ -268,14 +288,15 @@ def read(cls, doc, where: str = "") -> dict:
     at = f"{where}: " if where else ""
     if unknown := sorted(set(doc) - set(fields)):
         raise UserError(f"{at}unknown keys {unknown}; known: {sorted(fields)}")
-    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING
-                and f.default_factory is dataclasses.MISSING]
+    required = [
+        n for n, f in fields.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing := [n for n in required if n not in doc]:
         raise UserError(f"{at}missing keys {missing}")
     kw = {}
     for name, v in doc.items():
         hint, rule, key = hints(cls)[name], rule_of(fields[name]), _key(where, name)
-        if _dataclass_of(hint)[0] is None:         # checked as given; sections are checked as they are built
+        if _dataclass_of(hint)[0] is None:  # checked as given; sections are checked as they are built
             _check_value(v, hint, rule, key)
         kw[name] = _convert(v, hint, rule, key)
         if _dataclass_of(hint)[0] is not None:
@@ -290,7 +311,7 @@ def build(cls, doc, where: str = "", *, source=None):
         kw = read(cls, doc, where)
         try:
             return cls(**kw)
-        except (TypeError, ValueError) as e:      # the class's own checks (__post_init__)
+        except (TypeError, ValueError) as e:  # the class's own checks (__post_init__)
             raise UserError(f"{where}: {e}" if where else str(e)) from None
     except UserError as e:
         if source is None:
@@ -313,6 +334,7 @@ def load_toml(path) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # the command line
+
 
 class Arg:
     """An argparse ``type=``: parses the text as the hint, then checks the rule. Its error is

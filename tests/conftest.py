@@ -33,9 +33,30 @@ def ingest(root: Path, data: Path, *extra: str, name: str = "openvid") -> list[s
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["ingest", "plan", "--root", str(root), "--source", "openvid", "--name", name,
-                     "--meta", str(data / "OpenVid-demo.csv"), "--videos", str(data / "videos"),
-                     "--rows-per-unit", "8", "--max-file-mb", "8", *extra]) == 0
+        assert (
+            main(
+                [
+                    "ingest",
+                    "plan",
+                    "--root",
+                    str(root),
+                    "--source",
+                    "openvid",
+                    "--name",
+                    name,
+                    "--meta",
+                    str(data / "OpenVid-demo.csv"),
+                    "--videos",
+                    str(data / "videos"),
+                    "--rows-per-unit",
+                    "8",
+                    "--max-file-mb",
+                    "8",
+                    *extra,
+                ]
+            )
+            == 0
+        )
     units = buf.getvalue().split()
     assert main(["ingest", "run", "--root", str(root), *units]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0

@@ -35,20 +35,35 @@ CLIP = 0.05
 def debug_stage_config(config, manifest, plugin: str, dtype: str, *extra: str):
     """The debug stage pointed at a test root's manifest (8-wide captions, tiny buckets, no data
     workers, no wandb) on the given plugin and working dtype, plus overrides."""
-    return load_config(config, [f'data.manifests=[{{name="{manifest}"}}]', 'data.buckets="configs/buckets/tiny.toml"',
-                                "model.overrides={caption_channels=8, model_max_length=300}", "data.workers=0",
-                                'run.wandb_mode="disabled"', f'run.plugin="{plugin}"', f'model.dtype="{dtype}"',
-                                *extra])
+    return load_config(
+        config,
+        [
+            f'data.manifests=[{{name="{manifest}"}}]',
+            'data.buckets="configs/buckets/tiny.toml"',
+            "model.overrides={caption_channels=8, model_max_length=300}",
+            "data.workers=0",
+            'run.wandb_mode="disabled"',
+            f'run.plugin="{plugin}"',
+            f'model.dtype="{dtype}"',
+            *extra,
+        ],
+    )
 
 
 def reference_losses(trainer, module, batch):
     d = trainer.draws(batch)
     frames, h, w = bucket_geometry(batch["bucket"])
     b = batch["x"].shape[0]
-    full = lambda v: torch.full((b,), float(v))   # noqa: E731
+    full = lambda v: torch.full((b,), float(v))  # noqa: E731
     t = timestep_transform(d["t"], full(h), full(w), full(frames))
-    kw = {"y": batch["text"].float(), "mask": batch["text_mask"], "fps": torch.full((b,), 24.0),
-          "height": full(h), "width": full(w), "caption_drop": d["caption_drop"]}
+    kw = {
+        "y": batch["text"].float(),
+        "mask": batch["text_mask"],
+        "fps": torch.full((b,), 24.0),
+        "height": full(h),
+        "width": full(w),
+        "caption_drop": d["caption_drop"],
+    }
     return training_losses(module, batch["x"].float(), kw, d["noise"], t, x_mask=d["x_mask"])
 
 
@@ -74,18 +89,26 @@ def trainer_grads(tr) -> dict:
 def rel_err(got: dict, want: dict) -> float:
     """Max over parameters of max|got - want| / max|want|, the denominator floored at 1e-3 of the
     largest parameter's (a key bias has a gradient of exactly zero in exact arithmetic: float noise)."""
-    assert want.keys() == got.keys(), (sorted(set(want) ^ set(got))[:5])
+    assert want.keys() == got.keys(), sorted(set(want) ^ set(got))[:5]
     scale = {n: float(want[n].abs().max()) for n in want}
     floor = 1e-3 * max(scale.values())
     return max(float((got[n] - want[n]).abs().max()) / max(scale[n], floor) for n in want)
 
 
 def check(config, root, manifest, plugin, dtype):
-    cfg = debug_stage_config(config, manifest, plugin, dtype, f'run.name="grad-{plugin}-{dtype}"',
-                           f"optim.grad_clip={CLIP}", "model.grad_checkpoint=false", "optim.schedule=\"constant\"",
-                           # eps 1e-15 (Open-Sora's) turns the key biases' float-noise gradients into
-                           # full-size Adam steps: the clipping check would compare noise.
-                           "optim.adam_eps=1e-8")
+    cfg = debug_stage_config(
+        config,
+        manifest,
+        plugin,
+        dtype,
+        f'run.name="grad-{plugin}-{dtype}"',
+        f"optim.grad_clip={CLIP}",
+        "model.grad_checkpoint=false",
+        'optim.schedule="constant"',
+        # eps 1e-15 (Open-Sora's) turns the key biases' float-noise gradients into
+        # full-size Adam steps: the clipping check would compare noise.
+        "optim.adam_eps=1e-8",
+    )
     tr = Trainer(cfg, root)
     rank = tr.par.rank
     # Two batches of different buckets, read by a one-rank loader over the same manifest.
@@ -96,7 +119,7 @@ def check(config, root, manifest, plugin, dtype):
             batches.append(b)
         if len(batches) == 2:
             break
-    working = copy.deepcopy(tr.module)                 # the working weights (bf16 or fp32), plain torch
+    working = copy.deepcopy(tr.module)  # the working weights (bf16 or fp32), plain torch
     # The fp32 masters as the trainer holds them (for bf16, the values before rounding), on rank 0.
     masters0 = tr.par.gather_full(tr.par.master_chunks(tr.model, tr.optimizer), tr.shapes)
     results = []
@@ -112,8 +135,17 @@ def check(config, root, manifest, plugin, dtype):
             got = trainer_grads(tr)
             reference_loss(tr, Cast(ref), [batches[0]] if case == "padding rank" else batches, reduction).backward()
             want = {n: p.grad.float() for n, p in ref.named_parameters() if p.grad is not None}
-            results.append({"plugin": plugin, "dtype": dtype, "case": case, "reduction": reduction,
-                            "max_rel_err": rel_err(got, want), "loss": out["loss"], "samples": out["samples"]})
+            results.append(
+                {
+                    "plugin": plugin,
+                    "dtype": dtype,
+                    "case": case,
+                    "reduction": reduction,
+                    "max_rel_err": rel_err(got, want),
+                    "loss": out["loss"],
+                    "samples": out["samples"],
+                }
+            )
     tr.optimizer.zero_grad()
 
     # Clipping: two steps of the trainer vs mixed-precision AdamW by hand on rank 0 (working weights
@@ -126,8 +158,9 @@ def check(config, root, manifest, plugin, dtype):
         for clip in (True, False):
             m = copy.deepcopy(working)
             master = {n: masters0[n].clone().requires_grad_(True) for n in masters0}
-            opt = torch.optim.AdamW(list(master.values()), lr=o.lr, betas=tuple(o.betas), eps=o.adam_eps,
-                                    weight_decay=o.weight_decay)
+            opt = torch.optim.AdamW(
+                list(master.values()), lr=o.lr, betas=tuple(o.betas), eps=o.adam_eps, weight_decay=o.weight_decay
+            )
             refs[clip] = (m, master, opt)
     norms = []
     for k in range(2):
@@ -137,7 +170,7 @@ def check(config, root, manifest, plugin, dtype):
             params = dict(m.named_parameters())
             with torch.no_grad():
                 for n, v in master.items():
-                    params[n].copy_(v)                  # rounded to the working dtype
+                    params[n].copy_(v)  # rounded to the working dtype
                     params[n].grad = None
             reference_loss(tr, Cast(m), batches, "sample").backward()
             for n, v in master.items():
@@ -152,10 +185,21 @@ def check(config, root, manifest, plugin, dtype):
     masters = tr.par.gather_full(tr.par.master_chunks(tr.model, tr.optimizer), tr.shapes)
     if rank == 0:
         moved = {n: masters[n] - masters0[n] for n in masters}
-        errs = {clip: rel_err(moved, {n: v.detach() - masters0[n] for n, v in master.items()})
-                for clip, (_, master, _) in refs.items()}
-        results.append({"plugin": plugin, "dtype": dtype, "case": "clipping", "clip": CLIP,
-                        "grad_norms": norms, "err_vs_clipped": errs[True], "err_vs_unclipped": errs[False]})
+        errs = {
+            clip: rel_err(moved, {n: v.detach() - masters0[n] for n, v in master.items()})
+            for clip, (_, master, _) in refs.items()
+        }
+        results.append(
+            {
+                "plugin": plugin,
+                "dtype": dtype,
+                "case": "clipping",
+                "clip": CLIP,
+                "grad_norms": norms,
+                "err_vs_clipped": errs[True],
+                "err_vs_unclipped": errs[False],
+            }
+        )
         for r in results:
             print(json.dumps(r), flush=True)
     return tr
@@ -170,7 +214,7 @@ class Cast(torch.nn.Module):
         self.dtype = next(module.parameters()).dtype
 
     def forward(self, *args, **kwargs):
-        cast = lambda v: v.to(self.dtype) if torch.is_tensor(v) and v.is_floating_point() else v   # noqa: E731
+        cast = lambda v: v.to(self.dtype) if torch.is_tensor(v) and v.is_floating_point() else v  # noqa: E731
         return self.module(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
 
 

@@ -7,12 +7,19 @@ from pathlib import Path
 
 import numpy as np
 
-BUCKETS = {"144p/17/0.56": (5, 4, 6), "144p/33/0.56": (9, 4, 6), "240p/17/1.00": (5, 6, 6),
-           "240p/33/0.56": (9, 6, 8)}
+BUCKETS = {"144p/17/0.56": (5, 4, 6), "144p/33/0.56": (9, 4, 6), "240p/17/1.00": (5, 6, 6), "240p/33/0.56": (9, 6, 8)}
 
 
-def write_latents(root: Path, n: int, name: str = "test", seed: int = 0, shard_bytes: int = 48_000,
-                  buckets=None, posterior: bool = True, fps: bool = False) -> Path:
+def write_latents(
+    root: Path,
+    n: int,
+    name: str = "test",
+    seed: int = 0,
+    shard_bytes: int = 48_000,
+    buckets=None,
+    posterior: bool = True,
+    fps: bool = False,
+) -> Path:
     """n samples over the buckets, several shards; returns the loader manifest's path.
     With fps=True the manifest also has an ``fps`` column (24, 25 or 30000/1001 per clip)."""
     import pyarrow as pa
@@ -41,8 +48,9 @@ def write_latents(root: Path, n: int, name: str = "test", seed: int = 0, shard_b
         else:
             tensors["sample"] = torch.randn(4, t, h, w, generator=g).bfloat16()
         shard, offsets = writer.write_sample(clip, [(LATENT_EXT, encode(tensors, clip_id=clip, bucket=bucket), None)])
-        rows.append({"clip_id": clip, "bucket": bucket, "shard": f"latents/{name}/{shard}",
-                     "shard_offset": offsets[LATENT_EXT]})
+        rows.append(
+            {"clip_id": clip, "bucket": bucket, "shard": f"latents/{name}/{shard}", "shard_offset": offsets[LATENT_EXT]}
+        )
         if fps:
             rows[-1]["fps"] = [24.0, 25.0, 30000 / 1001][i % 3]
     writer.close()

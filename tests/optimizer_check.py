@@ -23,8 +23,9 @@ def main(config, root, manifest, ckpt, plugin, dtype):
     tr = Trainer(cfg, root, load=ckpt)
     par = tr.par
     saved = load_file(str(Path(ckpt) / "optimizer/state.safetensors"))
-    steps_saved = {n: sc["step"] for n, sc in
-                   json.loads((Path(ckpt) / "optimizer/optimizer.json").read_text())["scalars"].items()}
+    steps_saved = {
+        n: sc["step"] for n, sc in json.loads((Path(ckpt) / "optimizer/optimizer.json").read_text())["scalars"].items()
+    }
     # Optimizer parameter -> name: under ZeRO the optimizer holds master shards of the working parameters.
     by_id = {id(p): n for n, p in tr.module.named_parameters()}
     working = tr.optimizer.get_master_to_working_map() if par.zero else {}
@@ -41,8 +42,10 @@ def main(config, root, manifest, ckpt, plugin, dtype):
         steps.add((int(float(state["step"])), steps_saved[name]))
     err = float(par.max([err])[0])
     if par.rank == 0:
-        print(json.dumps({"world": par.world, "max_abs_diff": err, "steps": sorted(steps), "tensors": checked}),
-              flush=True)
+        print(
+            json.dumps({"world": par.world, "max_abs_diff": err, "steps": sorted(steps), "tensors": checked}),
+            flush=True,
+        )
     par.close()
 
 

@@ -37,20 +37,42 @@ def run(work: Path) -> dict:
     """The reference run in `work` (latents, then the trainer): its torch version and per-step losses."""
     import pyarrow.parquet as pq
     import torch
-    from latent_data import write_latents      # tests/ is on the path: the script's folder, or pytest's
+    from latent_data import write_latents  # tests/ is on the path: the script's folder, or pytest's
 
     manifest = write_latents(work, 24, name="train", seed=0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "REELCACHE_PROGRESS": "0"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
-                        "--master_port", str(port), "-m", "reelcache.train", str(CONFIG), "--root", str(work),
-                        f'--data.manifests=[{{name="{manifest}"}}]', '--data.buckets="configs/buckets/tiny.toml"',
-                        "--model.overrides={caption_channels=8, model_max_length=300}", "--data.workers=0",
-                        "--run.wandb_mode=disabled", "--run.name=regression", f"--run.max_steps={STEPS}",
-                        "--run.ckpt_every=0"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(RANKS),
+            "--master_port",
+            str(port),
+            "-m",
+            "reelcache.train",
+            str(CONFIG),
+            "--root",
+            str(work),
+            f'--data.manifests=[{{name="{manifest}"}}]',
+            '--data.buckets="configs/buckets/tiny.toml"',
+            "--model.overrides={caption_channels=8, model_max_length=300}",
+            "--data.workers=0",
+            "--run.wandb_mode=disabled",
+            "--run.name=regression",
+            f"--run.max_steps={STEPS}",
+            "--run.ckpt_every=0",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"the reference run failed:\n{(p.stdout + p.stderr)[-4000:]}")
     parts = sorted((work / "runs/regression/metrics").glob("*.parquet"))

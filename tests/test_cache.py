@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import sql
+
 from reelcache.catalog.buckets import BucketConfig, bucket_hw
 from reelcache.cli import main
 
@@ -29,19 +29,22 @@ REPO = Path(__file__).resolve().parents[1]
 CFG = BucketConfig.from_dict({"720p": {51: [1.0, 2]}, "240p": {51: [1.0, 8], 102: [1.0, 4]}, "144p": {1: [1.0, 64]}})
 
 
-@pytest.mark.parametrize("h,w,frames,bucket,hw", [
-    (720, 1280, 120, "720p/51/0.56", (720, 1280)),      # eligible at 720p, 120 > 51
-    (360, 640, 110, "240p/102/0.56", (240, 426)),       # 230,400 < 0.8 x 921,600: falls to 240p; 110 > 102
-    (1280, 720, 60, "720p/51/1.78", (1280, 720)),       # portrait: H/W = 1.78
-    (286, 286, 52, "240p/51/1.00", (320, 320)),         # 81,796 >= 0.8 x 102,240 = 81,792: eligible
-    (285, 286, 52, None, None),                         # 81,510 < 81,792: too small for 240p; 144p is images only
-    (144, 256, 1, "144p/1/0.56", (144, 256)),           # a single frame goes to the image bucket
-])
+@pytest.mark.parametrize(
+    "h,w,frames,bucket,hw",
+    [
+        (720, 1280, 120, "720p/51/0.56", (720, 1280)),  # eligible at 720p, 120 > 51
+        (360, 640, 110, "240p/102/0.56", (240, 426)),  # 230,400 < 0.8 x 921,600: falls to 240p; 110 > 102
+        (1280, 720, 60, "720p/51/1.78", (1280, 720)),  # portrait: H/W = 1.78
+        (286, 286, 52, "240p/51/1.00", (320, 320)),  # 81,796 >= 0.8 x 102,240 = 81,792: eligible
+        (285, 286, 52, None, None),  # 81,510 < 81,792: too small for 240p; 144p is images only
+        (144, 256, 1, "144p/1/0.56", (144, 256)),  # a single frame goes to the image bucket
+    ],
+)
 def test_bucket_assignment_hand_computed(h, w, frames, bucket, hw):
     a = CFG.assign("clip", h, w, frames)
     assert a.bucket == bucket and (hw is None or (a.height, a.width) == hw)
     if bucket is None:
-        assert a.reason == "too_short"        # eligible at 144p by size, but only single frames go there
+        assert a.reason == "too_short"  # eligible at 144p by size, but only single frames go there
 
 
 def test_bucket_reasons_interval_and_tables():
@@ -56,9 +59,9 @@ def test_keep_probability_is_deterministic_and_demotes():
     cfg = BucketConfig.from_dict({"720p": {51: [0.3, 2]}, "240p": {51: [1.0, 8]}})
     ids = [f"clip{i}" for i in range(4000)]
     a = [cfg.assign(c, 720, 1280, 60, seed=1).bucket for c in ids]
-    assert a == [cfg.assign(c, 720, 1280, 60, seed=1).bucket for c in ids]          # pure function
+    assert a == [cfg.assign(c, 720, 1280, 60, seed=1).bucket for c in ids]  # pure function
     top = sum(b.startswith("720p") for b in a) / len(a)
-    assert 0.27 < top < 0.33 and all(b.startswith(("720p", "240p")) for b in a)     # the rest demoted
+    assert 0.27 < top < 0.33 and all(b.startswith(("720p", "240p")) for b in a)  # the rest demoted
     assert a != [cfg.assign(c, 720, 1280, 60, seed=2).bucket for c in ids]
 
 
@@ -69,10 +72,10 @@ def test_length_keep_probability_and_never_entries_demote_as_open_sora():
     got = [cfg.assign(f"c{i}", 240, 426, 150).bucket for i in range(4000)]
     share = sum(b == "240p/102/0.56" for b in got) / len(got)
     assert 0.30 < share < 0.36 and set(got) == {"240p/51/0.56", "240p/102/0.56"}
-    assert cfg.assign("c", 240, 426, 60).bucket == "240p/51/0.56"      # 102 does not fit: no draw needed
+    assert cfg.assign("c", 240, 426, 60).bucket == "240p/51/0.56"  # 102 does not fit: no draw needed
     never = BucketConfig.from_dict({"480p": {51: [1.0, 5], 102: [0.0, 0]}, "240p": {102: [1.0, 10]}})
-    assert never.assign("c", 480, 854, 150).bucket == "240p/102/0.56"   # reaches 480p x 102: demoted
-    assert never.assign("c", 480, 854, 60).bucket == "480p/51/0.56"     # stops at 480p x 51: kept
+    assert never.assign("c", 480, 854, 150).bucket == "240p/102/0.56"  # reaches 480p x 102: demoted
+    assert never.assign("c", 480, 854, 60).bucket == "480p/51/0.56"  # stops at 480p x 51: kept
     with pytest.raises(ValueError, match="no batch size"):
         never.batch_size("480p/102/0.56")
 
@@ -90,7 +93,7 @@ def test_decoded_window_equals_frames_of_a_full_decode(tmp_path):
     with av.open(str(path)) as c:
         full = [f for f in c.decode(video=0)]
     ref = []
-    for f in full[70:70 + 27:3]:
+    for f in full[70 : 70 + 27 : 3]:
         rgb = f.reformat(width=256, height=144, format="rgb24", interpolation="AREA").to_ndarray()
         ref.append(rgb[:, 8:248])
     assert got.dtype == np.uint8 and np.array_equal(got, np.stack(ref))
@@ -100,8 +103,9 @@ def test_decoded_window_equals_frames_of_a_full_decode(tmp_path):
         t.add(path, "k.mp4")
     with tarfile.open(tar) as t:
         m = t.getmember("k.mp4")
-    inside = decode_window(FileSlice(str(tar), m.offset_data, m.size), frames=9, interval=3, height=144,
-                           width=240, start=70)
+    inside = decode_window(
+        FileSlice(str(tar), m.offset_data, m.size), frames=9, interval=3, height=144, width=240, start=70
+    )
     assert np.array_equal(inside, got)
     with pytest.raises(ValueError, match="clip ended"):
         decode_window(str(path), frames=9, interval=3, height=144, width=240, start=110)
@@ -117,13 +121,24 @@ def test_closing_the_decode_stream_early_frees_every_block(tmp_path):
     jobs = []
     for i in range(10):
         write_clip(tmp_path / f"c{i}.mp4", ClipSpec(f"c{i}.mp4", 320, 180, Fraction(30), 2.0))
-        jobs.append(dict(clip_id=f"c{i}", raw_shard=f"c{i}.mp4", raw_offset=0,
-                         file_size=(tmp_path / f"c{i}.mp4").stat().st_size, num_frames=17, interval=1,
-                         height=144, width=256, window_start=0, fps=30.0))
+        jobs.append(
+            dict(
+                clip_id=f"c{i}",
+                raw_shard=f"c{i}.mp4",
+                raw_offset=0,
+                file_size=(tmp_path / f"c{i}.mp4").stat().st_size,
+                num_frames=17,
+                interval=1,
+                height=144,
+                width=256,
+                window_start=0,
+                fps=30.0,
+            )
+        )
     stream = decoded(jobs, str(tmp_path), workers=2, timeout=60, memory_mb=None, prefetch=2)
     job, frames = next(stream)
     assert np.array_equal(frames.array, decode_clip(job, str(tmp_path)))
-    time.sleep(1.0)                         # the workers run ahead: queued, in the pipe, in flight
+    time.sleep(1.0)  # the workers run ahead: queued, in the pipe, in flight
     stream.close()
     assert [p.name for p in Path("/dev/shm").glob(f"rc{os.getpid()}-*")] == [frames.shm.name.lstrip("/")]
     frames.release()
@@ -135,20 +150,20 @@ def write_config(tmp_path, manifest, **over) -> Path:
     vals = {"name": "t", "kind": "ltx", "seed": 0, "clips_per_unit": 6, "text_kind": "t5"} | over
     p = tmp_path / f"cache-{vals['name']}-{vals['kind']}-{vals['seed']}.toml"
     p.write_text(f"""
-name = "{vals['name']}"
+name = "{vals["name"]}"
 manifest = "{manifest}"
-buckets = "{vals.get('buckets', REPO / 'configs/buckets/demo.toml')}"
-clips_per_unit = {vals['clips_per_unit']}
+buckets = "{vals.get("buckets", REPO / "configs/buckets/demo.toml")}"
+clips_per_unit = {vals["clips_per_unit"]}
 batch_size = 2
 workers = 1
-decode_timeout = {vals.get('decode_timeout', 60)}
+decode_timeout = {vals.get("decode_timeout", 60)}
 [video_encoder]
-kind = "{vals['kind']}"
+kind = "{vals["kind"]}"
 tiny = true
 dtype = "float32"
-seed = {vals['seed']}
+seed = {vals["seed"]}
 [text_encoder]
-kind = "{vals['text_kind']}"
+kind = "{vals["text_kind"]}"
 tiny = true
 dtype = "float32"
 """)
@@ -164,8 +179,12 @@ def cache_root(fresh_root):
 
 
 def plan(root, config) -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config",
-                          str(config)], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config", str(config)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.split()
 
 
@@ -181,16 +200,20 @@ def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
     assert len(units) >= 2
     assert main(["cache", "run", "--root", str(cache_root), *units]) == 0
     assert main(["catalog", "merge", "--root", str(cache_root)]) == 0
-    (n_ok,), = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
-    rows = sql(cache_root, "SELECT l.clip_id, l.status, l.bucket, l.shape, l.shard, l.shard_offset, l.num_frames, "
-                           "l.height, l.width, l.window_start, c.shard, c.shard_offset, c.file_size, c.text "
-                           "FROM latents l JOIN clips c USING (clip_id) ORDER BY 1")
+    ((n_ok,),) = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
+    rows = sql(
+        cache_root,
+        "SELECT l.clip_id, l.status, l.bucket, l.shape, l.shard, l.shard_offset, l.num_frames, "
+        "l.height, l.width, l.window_start, c.shard, c.shard_offset, c.file_size, c.text "
+        "FROM latents l JOIN clips c USING (clip_id) ORDER BY 1",
+    )
     assert len(rows) == n_ok and all(r[1] == "ok" for r in rows)
     video = VideoEncoder(EncoderSpec("ltx", tiny=True, dtype="float32"))
     text = TextEncoder(EncoderSpec("t5", tiny=True, dtype="float32"))
     clip, _, bucket, shape, shard, off, t, h, w, start, raw, raw_off, size, caption = rows[0]
-    frames = decode_window(FileSlice(str(cache_root / raw), raw_off, size), frames=t, interval=1, height=h,
-                           width=w, start=start)
+    frames = decode_window(
+        FileSlice(str(cache_root / raw), raw_off, size), frames=t, interval=1, height=h, width=w, start=start
+    )
     want = video.encode(frames[None])
     got = read_sample(str(cache_root / shard), off)
     assert torch.equal(got["mean"], want["mean"][0]) and torch.equal(got["logvar"], want["logvar"][0])
@@ -217,12 +240,14 @@ def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
 
     con = open_catalog(fresh_root, write=True)
     try:
-        con.execute("UPDATE clips SET text = CASE WHEN hash(clip_id) % 2 = 0 THEN 'a dog runs' "
-                    "ELSE 'a red car drives through the city at night' END")
+        con.execute(
+            "UPDATE clips SET text = CASE WHEN hash(clip_id) % 2 = 0 THEN 'a dog runs' "
+            "ELSE 'a red car drives through the city at night' END"
+        )
     finally:
         con.close()
     make_manifest(fresh_root, "m", "true")
-    (tmp_path / "b.toml").write_text("[buckets.144p]\n9 = [1.0, 2]\n")      # short windows: a quick unit
+    (tmp_path / "b.toml").write_text("[buckets.144p]\n9 = [1.0, 2]\n")  # short windows: a quick unit
     unit = plan(fresh_root, write_config(tmp_path, "m", clips_per_unit=4, buckets=tmp_path / "b.toml"))[0]
     seen = []
     encode = TextEncoder.encode
@@ -230,7 +255,7 @@ def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
     assert main(["cache", "run", "--root", str(fresh_root), unit]) == 0
     ok = [r for r in _sidecar_rows(fresh_root / "latents/t") if r["status"] == "ok"]
     captions = dict(sql(fresh_root, "SELECT clip_id, text FROM clips"))
-    assert len(ok) > 2                                   # more clips than captions, over several batches of 2
+    assert len(ok) > 2  # more clips than captions, over several batches of 2
     assert sorted(seen) == sorted({captions[r["clip_id"]] for r in ok}), seen
     by_caption = {}
     for r in ok:
@@ -240,30 +265,38 @@ def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
 
 def test_identity_mismatch_is_refused_with_the_difference(cache_root, tmp_path, capsys):
     plan(cache_root, write_config(tmp_path, "m"))
-    assert main(["cache", "plan", "--root", str(cache_root), "--config",
-                 str(write_config(tmp_path, "m", seed=1))]) == 2
+    assert main(["cache", "plan", "--root", str(cache_root), "--config", str(write_config(tmp_path, "m", seed=1))]) == 2
     err = capsys.readouterr().err
     assert "another identity" in err and "video_encoder.weights_sha256" in err
-    assert main(["cache", "plan", "--root", str(cache_root), "--config",
-                 str(write_config(tmp_path, "m", kind="cogvideox"))]) == 2
+    assert (
+        main(
+            ["cache", "plan", "--root", str(cache_root), "--config", str(write_config(tmp_path, "m", kind="cogvideox"))]
+        )
+        == 2
+    )
 
 
 def test_clips_without_bucket_and_corrupt_clips_are_recorded(cache_root, tmp_path):
-    (clip, shard, off, size), = sql(cache_root, "SELECT clip_id, shard, shard_offset, file_size FROM clips "
-                                                "WHERE status = 'ok' ORDER BY clip_id LIMIT 1")
-    with open(cache_root / shard, "r+b") as f:          # scribble over the clip's bytes inside the raw shard
+    ((clip, shard, off, size),) = sql(
+        cache_root,
+        "SELECT clip_id, shard, shard_offset, file_size FROM clips WHERE status = 'ok' ORDER BY clip_id LIMIT 1",
+    )
+    with open(cache_root / shard, "r+b") as f:  # scribble over the clip's bytes inside the raw shard
         f.seek(off)
         f.write(os.urandom(size))
     cfg = write_config(tmp_path, "m", clips_per_unit=100)
-    subprocess.run([sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(cache_root), "--config",
-                    str(cfg)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(cache_root), "--config", str(cfg)],
+        check=True,
+        capture_output=True,
+    )
     assert main(["cache", "run", "--root", str(cache_root), "t/000000"]) == 0
     assert main(["catalog", "merge", "--root", str(cache_root)]) == 0
     got = dict(sql(cache_root, "SELECT clip_id, reject_reason FROM latents WHERE status = 'rejected'"))
     assert got[clip] == "undecodable"
-    (n,), = sql(cache_root, "SELECT count(*) FROM latents")
-    (m,), = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
-    assert n == m                                       # every planned clip has a row
+    ((n,),) = sql(cache_root, "SELECT count(*) FROM latents")
+    ((m,),) = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
+    assert n == m  # every planned clip has a row
 
 
 def test_no_bucket_is_a_recorded_reason(cache_root, tmp_path):
@@ -279,14 +312,17 @@ def test_no_bucket_is_a_recorded_reason(cache_root, tmp_path):
 
 def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path):
     cfg = write_config(tmp_path, "m", clips_per_unit=100)
-    unit, = plan(cache_root, cfg)
+    (unit,) = plan(cache_root, cfg)
     cdir = cache_root / "latents" / "t"
-    proc = subprocess.Popen([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not any(cdir.glob(".000000-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.5)                                     # some samples are in the temporary shard
+    time.sleep(0.5)  # some samples are in the temporary shard
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (cdir / "000000.parquet").exists()
@@ -309,7 +345,7 @@ def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path
             for m in t:
                 blob = t.extractfile(m).read()
                 n = int.from_bytes(blob[:8], "little")
-                out.append((m.name, json.loads(blob[8:8 + n]), blob[8 + n:]))
+                out.append((m.name, json.loads(blob[8 : 8 + n]), blob[8 + n :]))
         return out
 
     for name, data in killed.items():
@@ -323,11 +359,29 @@ def test_gnu_parallel_two_slots(cache_root, tmp_path):
         pytest.skip("GNU parallel is not installed")
     units = plan(cache_root, write_config(tmp_path, "m"))
     (tmp_path / "u.txt").write_text("\n".join(units) + "\n")
-    subprocess.run(["parallel", "--will-cite", "-j", "2", sys.executable, "-m", "reelcache", "cache", "run",
-                    "--root", str(cache_root), "{}", "::::", str(tmp_path / "u.txt")], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "parallel",
+            "--will-cite",
+            "-j",
+            "2",
+            sys.executable,
+            "-m",
+            "reelcache",
+            "cache",
+            "run",
+            "--root",
+            str(cache_root),
+            "{}",
+            "::::",
+            str(tmp_path / "u.txt"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     assert main(["catalog", "merge", "--root", str(cache_root)]) == 0
-    (n,), = sql(cache_root, "SELECT count(*) FROM latents WHERE status = 'ok'")
-    (m,), = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
+    ((n,),) = sql(cache_root, "SELECT count(*) FROM latents WHERE status = 'ok'")
+    ((m,),) = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
     assert n == m
 
 
@@ -338,19 +392,20 @@ def test_opensora_vae_loads_the_public_key_layout_and_chunks_17_frames(tmp_path)
     from reelcache.cache.encoders import EncoderSpec, VideoEncoder
     from reelcache.cache.opensora_vae import OpenSoraVAE, latent_frames
 
-    assert [latent_frames(t) for t in (17, 51, 102, 204)] == [5, 15, 30, 60]       # DATASETS.md
+    assert [latent_frames(t) for t in (17, 51, 102, 204)] == [5, 15, 30, 60]  # DATASETS.md
     torch.manual_seed(3)
     model = OpenSoraVAE(tiny=True).eval()
     # the file under the published prefixes; that the names under them are the published ones is
     # test_opensora_vae_names_its_tensors_as_the_published_checkpoint's (against the written-out layout)
     state = {f"spatial_vae.module.{k}": v for k, v in model.spatial.state_dict().items()}
     state |= {f"temporal_vae.{k}": v for k, v in model.temporal.state_dict().items()}
-    state |= {"scale": model.scale.clone(), "shift": model.shift.clone()}       # the published buffers
+    state |= {"scale": model.scale.clone(), "shift": model.shift.clone()}  # the published buffers
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     from reelcache.cache import opensora_vae
 
-    loaded = OpenSoraVAE.from_checkpoint(tmp_path, spatial=opensora_vae.TINY_SPATIAL,
-                                         temporal=opensora_vae.TINY_TEMPORAL).eval()
+    loaded = OpenSoraVAE.from_checkpoint(
+        tmp_path, spatial=opensora_vae.TINY_SPATIAL, temporal=opensora_vae.TINY_TEMPORAL
+    ).eval()
     x = torch.rand(1, 3, 51, 32, 48) * 2 - 1
     a, b = model.encode(x), loaded.encode(x)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].shape == (1, 4, 15, 16, 24)
@@ -376,8 +431,11 @@ def test_opensora_vae_names_its_tensors_as_the_published_checkpoint():
     ours = {f"spatial_vae.module.{k}": tuple(v.shape) for k, v in model.spatial.state_dict().items()}
     ours |= {f"temporal_vae.{k}": tuple(v.shape) for k, v in model.temporal.state_dict().items()}
     ours |= {"scale": tuple(model.scale.shape), "shift": tuple(model.shift.shape)}
-    published = dict(line.split("#") for line in (REPO / "tests/opensora_vae12_keys.txt").read_text().splitlines()
-                     if not line.startswith("#"))
+    published = dict(
+        line.split("#")
+        for line in (REPO / "tests/opensora_vae12_keys.txt").read_text().splitlines()
+        if not line.startswith("#")
+    )
     published = {k: ast.literal_eval(v) for k, v in published.items()}
     assert len(published) == 117 and {k: ours.get(k) for k in published} == published
     attention = "spatial_vae.module.encoder.mid_block.attentions.0"
@@ -387,12 +445,17 @@ def test_opensora_vae_names_its_tensors_as_the_published_checkpoint():
     assert any(k.startswith("spatial_vae.module.decoder.up_blocks.") for k in ours)
 
     def part(k):
-        for prefix, what in (("spatial_vae.module.", "spatial"), ("temporal_vae.encoder.", "encode"),
-                             ("temporal_vae.quant_conv.", "encode"), ("temporal_vae.decoder.", "decode"),
-                             ("temporal_vae.post_quant_conv.", "decode")):
+        for prefix, what in (
+            ("spatial_vae.module.", "spatial"),
+            ("temporal_vae.encoder.", "encode"),
+            ("temporal_vae.quant_conv.", "encode"),
+            ("temporal_vae.decoder.", "decode"),
+            ("temporal_vae.post_quant_conv.", "decode"),
+        ):
             if k.startswith(prefix):
                 return what
         return k
+
     assert Counter(map(part, ours)) == {"scale": 1, "shift": 1, "spatial": 248, "encode": 133, "decode": 134}
 
 
@@ -405,8 +468,11 @@ def test_rotated_clips_decode_upright_like_ffmpeg_autorotate(tmp_path):
     p = tmp_path / "rot.mp4"
     write_clip(p, ClipSpec("rot.mp4", 128, 64, Fraction(25), 1.0, rotation=90, crf=0))
     ours = decode_window(str(p), frames=1, interval=1, height=128, width=64)[0]
-    raw = subprocess.run(["ffmpeg", "-v", "error", "-i", str(p), "-frames:v", "1", "-f", "rawvideo", "-pix_fmt",
-                          "rgb24", "-"], check=True, capture_output=True).stdout
+    raw = subprocess.run(
+        ["ffmpeg", "-v", "error", "-i", str(p), "-frames:v", "1", "-f", "rawvideo", "-pix_fmt", "rgb24", "-"],
+        check=True,
+        capture_output=True,
+    ).stdout
     assert np.array_equal(ours, np.frombuffer(raw, np.uint8).reshape(128, 64, 3))
 
 
@@ -419,8 +485,8 @@ def test_seeds_use_the_whole_clip_id():
     assert clip_seed("sample", 0, a) != clip_seed("sample", 0, b)
     assert clip_seed("sample", 0, a) != clip_seed("sample", 1, a) != clip_seed("window", 1, a)
     starts = [window_start(f"{prefix}_clip_{i:05d}.mp4", 0, 100_000, 33) for i in range(200)]
-    assert len(set(starts)) > 190                   # a prefix-only hash gives one start for all 200
-    assert 0 <= clip_seed("sample", 0, a) < 2 ** 64 and window_start(a, 0, 40, 33) <= 7
+    assert len(set(starts)) > 190  # a prefix-only hash gives one start for all 200
+    assert 0 <= clip_seed("sample", 0, a) < 2**64 and window_start(a, 0, 40, 33) <= 7
 
 
 def _sidecar_rows(cdir):
@@ -431,8 +497,12 @@ def _sidecar_rows(cdir):
 
 def run_until_writing(root, unit: str, cdir):
     """`cache run UNIT` in a subprocess, returned once it is writing its first latent shard."""
-    proc = subprocess.Popen([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(root), unit],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reelcache", "cache", "run", "--root", str(root), unit],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not any(cdir.glob(".000000-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -449,20 +519,20 @@ def test_write_failure_fails_the_unit_loudly_and_its_rerun_is_clean(cache_root, 
     from reelcache.train.loader import read_sample
 
     cfg = write_config(tmp_path, "m", clips_per_unit=100)
-    unit, = plan(cache_root, cfg)
+    (unit,) = plan(cache_root, cfg)
     cdir = cache_root / "latents" / "t"
     proc = run_until_writing(cache_root, unit, cdir)
     resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "cannot write" in err and "File too large" in err, err[-2000:]
     assert "Traceback" not in err
-    assert not (cdir / "000000.parquet").exists()                       # not finished, nothing recorded
+    assert not (cdir / "000000.parquet").exists()  # not finished, nothing recorded
     assert not list(cdir.glob("*.tar")) and not list(cdir.glob(".*tmp*"))
     assert main(["cache", "run", "--root", str(cache_root), unit]) == 0  # space freed: the clean result
     rows = _sidecar_rows(cdir)
     assert {r["reject_reason"] for r in rows} <= {None, "no_bucket:too_small", "no_bucket:too_short"}
     ok = [r for r in rows if r["status"] == "ok"]
-    assert sum(r["shape"][1] * r["shape"][2] * r["shape"][3] * 16 for r in ok) > 64 * 1024   # the limit bit
+    assert sum(r["shape"][1] * r["shape"][2] * r["shape"][3] * 16 for r in ok) > 64 * 1024  # the limit bit
     for r in ok:
         assert read_sample(str(cache_root / r["shard"]), r["shard_offset"])["mean"].shape == tuple(r["shape"])
 
@@ -472,15 +542,20 @@ def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path
     from reelcache.cache.run import run_unit
 
     cfg = write_config(tmp_path, "m", clips_per_unit=100)
-    unit, = plan(cache_root, cfg)
+    (unit,) = plan(cache_root, cfg)
     cdir = cache_root / "latents" / "t"
-    first = run_until_writing(cache_root, unit, cdir)   # it holds the lease and is writing
+    first = run_until_writing(cache_root, unit, cdir)  # it holds the lease and is writing
     assert first.poll() is None, first.communicate()
-    second = subprocess.run([sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
-                            capture_output=True, text=True, timeout=120)
-    assert second.returncode == 2 and "is being run by" in second.stderr and f"pid {first.pid}" in second.stderr, \
+    second = subprocess.run(
+        [sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert second.returncode == 2 and "is being run by" in second.stderr and f"pid {first.pid}" in second.stderr, (
         second.stderr
-    assert any(cdir.glob(".000000-00.tar.tmp*")) or (cdir / "000000.parquet").exists()    # left alone
+    )
+    assert any(cdir.glob(".000000-00.tar.tmp*")) or (cdir / "000000.parquet").exists()  # left alone
     with pytest.raises(UserError, match="is being run by"):
         run_unit(str(cache_root), unit)
     assert run_unit(str(cache_root), unit, wait=True) == {"unit": unit, "skipped": True}  # waits, then done
@@ -489,7 +564,7 @@ def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path
     rows = _sidecar_rows(cdir)
     from reelcache.train.loader import read_sample
 
-    for r in rows:                                  # every sample the first run recorded is intact
+    for r in rows:  # every sample the first run recorded is intact
         if r["status"] == "ok":
             assert read_sample(str(cache_root / r["shard"]), r["shard_offset"])["mean"].shape == tuple(r["shape"])
     assert not (cdir / "000000.lease").exists()
@@ -499,7 +574,7 @@ def test_decode_timeouts_are_rejects_the_unit_goes_on_and_no_frames_leak(cache_r
     """The isolation survives the shared-memory path: killed workers are `timeout` rejects and
     leave no /dev/shm block behind (nor do the clips that made it)."""
     cfg = write_config(tmp_path, "m", clips_per_unit=100, decode_timeout=0.005)
-    unit, = plan(cache_root, cfg)
+    (unit,) = plan(cache_root, cfg)
     assert main(["cache", "run", "--root", str(cache_root), unit]) == 0
     rows = _sidecar_rows(cache_root / "latents" / "t")
     reasons = {r["reject_reason"] for r in rows}

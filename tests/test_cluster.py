@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from latent_data import write_latents
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,8 +26,14 @@ CONFIG = REPO / "configs/train/debug/stage1.toml"
 
 
 def cli(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reelcache.cli", "cluster", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "reelcache.cli", "cluster", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 # --- parsers, on outputs copied from the tools' documentation ---------------------------------
@@ -97,7 +102,7 @@ def test_chronyc_tracking_is_parsed():
     from reelcache.train.cluster_clocks import daemon_summary, parse_chronyc
 
     c = parse_chronyc(CHRONYC_AWS)
-    assert c["offset_s"] == pytest.approx(-0.000000626)         # "slow of NTP time": behind, negative
+    assert c["offset_s"] == pytest.approx(-0.000000626)  # "slow of NTP time": behind, negative
     assert c["leap"] == "Normal" and c["stratum"] == 4 and c["synced"]
     assert c["reference"] == "A9FEA97B (169.254.169.123)"
     u = parse_chronyc(CHRONYC_UNSYNCED)
@@ -117,20 +122,25 @@ def test_nvidia_smi_csv_is_parsed():
     assert gpus[0]["power"] == 512.37 and gpus[1]["power"] is None
     apps = parse_apps_csv(APPS_CSV)
     assert [(a["pid"], a["name"], a["mem"]) for a in apps] == [
-        (40213, "/opt/conda/bin/python3.10", 71220), (40299, "python -c import a,b", None)]
+        (40213, "/opt/conda/bin/python3.10", 71220),
+        (40299, "python -c import a,b", None),
+    ]
     ok = {"rc": 0, "err": ""}
-    res = {"nvidia_smi": "/usr/bin/nvidia-smi", "gpu_reads": [{**ok, "out": GPU_CSV}] * 3,
-           "apps": {**ok, "out": APPS_CSV}}
+    res = {
+        "nvidia_smi": "/usr/bin/nvidia-smi",
+        "gpu_reads": [{**ok, "out": GPU_CSV}] * 3,
+        "apps": {**ok, "out": APPS_CSV},
+    }
     lines, problems, nproc = gpu_report(res)
     assert nproc == 2 and not problems
     assert "2 x NVIDIA H100 80GB HBM3" in lines[0]
     assert any("512.4" in ln for ln in lines) and any("n/a" in ln for ln in lines)
-    none = {"nvidia_smi": "/usr/bin/nvidia-smi",
-            "gpu_reads": [{"rc": 6, "out": "No devices were found\n", "err": ""}]}
+    none = {"nvidia_smi": "/usr/bin/nvidia-smi", "gpu_reads": [{"rc": 6, "out": "No devices were found\n", "err": ""}]}
     assert gpu_report(none)[0][0].startswith("  no GPU") and not gpu_report(none)[1]
-    broken = {"nvidia_smi": "/usr/bin/nvidia-smi",
-              "gpu_reads": [{"rc": 18, "out": "Failed to initialize NVML: Driver/library version mismatch\n",
-                             "err": ""}]}
+    broken = {
+        "nvidia_smi": "/usr/bin/nvidia-smi",
+        "gpu_reads": [{"rc": 18, "out": "Failed to initialize NVML: Driver/library version mismatch\n", "err": ""}],
+    }
     assert gpu_report(broken)[1]
 
 
@@ -149,12 +159,16 @@ def test_hostfile_is_read_like_an_sshloginfile(tmp_path):
 def test_stack_summary_names_the_odd_rank():
     from reelcache.train.cluster_procs import main_frames, summarize
 
-    pyspy = ('Process 7: python -m reelcache.train\nPython v3.11.7 (/usr/bin/python3.11)\n\n'
-             'Thread 7 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:2050)\n'
-             '    step (train/trainer.py:300)\n    train (train/trainer.py:380)\n'
-             'Thread 9 (idle): "Thread-1"\n    wait (threading.py:324)\n')
-    odd = ('Current thread 0x00007f (most recent call first):\n  File "/x/train/loader.py", line 50 in __next__\n'
-           '  File "/x/train/trainer.py", line 380 in train\n')
+    pyspy = (
+        "Process 7: python -m reelcache.train\nPython v3.11.7 (/usr/bin/python3.11)\n\n"
+        'Thread 7 (idle): "MainThread"\n    all_reduce (torch/distributed/distributed_c10d.py:2050)\n'
+        "    step (train/trainer.py:300)\n    train (train/trainer.py:380)\n"
+        'Thread 9 (idle): "Thread-1"\n    wait (threading.py:324)\n'
+    )
+    odd = (
+        'Current thread 0x00007f (most recent call first):\n  File "/x/train/loader.py", line 50 in __next__\n'
+        '  File "/x/train/trainer.py", line 380 in train\n'
+    )
     stacks = {0: main_frames(pyspy), 1: main_frames(pyspy), 2: main_frames(odd)}
     assert stacks[2] == [("__next__", "/x/train/loader.py", 50), ("train", "/x/train/trainer.py", 380)]
     text = "\n".join(summarize(stacks))
@@ -165,6 +179,7 @@ def test_stack_summary_names_the_odd_rank():
 
 
 # --- real runs against ':' ------------------------------------------------------------------
+
 
 def test_clocks_against_this_machine(tmp_path):
     from reelcache.train.cluster_clocks import clock_check, daemon_summary
@@ -177,8 +192,13 @@ def test_clocks_against_this_machine(tmp_path):
     assert r["backwards"]["reads"] == 100_000 and r["backwards"]["back"] == 0
     assert r["host"] == socket.gethostname()
     tools = [t for t in ("chronyc", "timedatectl") if shutil.which(t)]
-    works = tools and subprocess.run(["chronyc", "-n", "tracking"] if tools[0] == "chronyc" else
-                                     ["timedatectl", "show"], capture_output=True).returncode == 0
+    works = (
+        tools
+        and subprocess.run(
+            ["chronyc", "-n", "tracking"] if tools[0] == "chronyc" else ["timedatectl", "show"], capture_output=True
+        ).returncode
+        == 0
+    )
     cell, _ = daemon_summary(r["daemon"])
     if works:
         assert r["daemon"]["tool"] in tools and not cell.startswith("unavailable")
@@ -230,18 +250,21 @@ def test_gpus_expect_idle_fails_on_a_gpu_process(tmp_path):
     (tmp_path / "nodes").write_text(":\n")
     env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"}
     p = cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle", "--reads", 2, env=env)
-    assert p.returncode == 0 and "2 x NVIDIA H100 80GB HBM3" in p.stdout and "ERROR" not in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "2 x NVIDIA H100 80GB HBM3" in p.stdout and "ERROR" not in p.stdout, (
+        p.stdout + p.stderr
+    )
 
-    (bin_ / "apps.csv").write_text(APPS_CSV.splitlines()[0] + "\n")       # pid 40213 on GPU 0
+    (bin_ / "apps.csv").write_text(APPS_CSV.splitlines()[0] + "\n")  # pid 40213 on GPU 0
     p = cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle", "--reads", 2, env=env)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "ERROR: 1 GPU process(es) running (--expect-idle)" in p.stdout
     assert any(ln.split()[:3] == ["0", "40213", "71220"] for ln in p.stdout.splitlines()), p.stdout
-    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--reads", 2, env=env)       # listed, not an error
+    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--reads", 2, env=env)  # listed, not an error
     assert p.returncode == 0 and "40213" in p.stdout and "ERROR" not in p.stdout, p.stdout
 
 
 # --- processes: the kernel's view, and rank records as the trainer writes them ----------------
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -263,9 +286,17 @@ def _alive(pid: int, start: int) -> bool:
 
 
 def _record(run: Path, rank: int, pid: int, host: str) -> dict:
-    rec = {"rank": rank, "world_size": 2, "local_rank": rank, "host": host, "pid": pid,
-           "proc_start": _stat(pid)[1], "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-           "started": time.time(), "stacks": None}
+    rec = {
+        "rank": rank,
+        "world_size": 2,
+        "local_rank": rank,
+        "host": host,
+        "pid": pid,
+        "proc_start": _stat(pid)[1],
+        "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        "started": time.time(),
+        "stacks": None,
+    }
     (run / "ranks").mkdir(parents=True, exist_ok=True)
     (run / f"ranks/rank{rank:05d}.json").write_text(json.dumps(rec))
     return rec
@@ -325,7 +356,7 @@ def test_clocks_measure_a_node_ahead_and_catch_one_that_steps_back(tmp_path, mon
     ssh = tmp_path / "ssh"
     ssh.write_text(FAKE_SSH)
     ssh.chmod(0o755)
-    ahead, step = 250_000_000, 5_000_000                     # 250 ms ahead; a 5 ms step back
+    ahead, step = 250_000_000, 5_000_000  # 250 ms ahead; a 5 ms step back
     _fake_node(tmp_path, "node-ahead", RC_FAKE_CLOCK_AHEAD_NS=ahead)
     _fake_node(tmp_path, "node-steps", RC_FAKE_CLOCK_BACK_AFTER=1000, RC_FAKE_CLOCK_BACK_NS=step)
     monkeypatch.setenv("PARALLEL_SSH", str(ssh))
@@ -335,14 +366,14 @@ def test_clocks_measure_a_node_ahead_and_catch_one_that_steps_back(tmp_path, mon
     assert a["uncertainty_ns"] < 50e6
     assert abs(a["offset_ns"] - ahead) <= a["uncertainty_ns"] + 1, (a["offset_ns"], a["uncertainty_ns"])
     assert a["backwards"]["back"] == 0
-    assert abs(s["offset_ns"]) <= s["uncertainty_ns"] + 1          # same clock until the step
+    assert abs(s["offset_ns"]) <= s["uncertainty_ns"] + 1  # same clock until the step
     assert s["backwards"]["back"] == 1 and step - 1e6 < s["backwards"]["worst_ns"] <= step, s["backwards"]
 
     (tmp_path / "nodes").write_text("node-ahead\nnode-steps\n")
     p = cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 20_000)
     assert p.returncode == 1, p.stdout + p.stderr
     rows = {ln.split()[0]: ln for ln in p.stdout.splitlines() if ln.startswith("node-")}
-    off, _, unc = rows["node-ahead"].split()[1:4]                 # "node-ahead  +250.002 +- 0.004 ms  0 ..."
+    off, _, unc = rows["node-ahead"].split()[1:4]  # "node-ahead  +250.002 +- 0.004 ms  0 ..."
     assert abs(float(off) - ahead / 1e6) <= float(unc) + 0.001, p.stdout
     assert "WARNING: offset +2" in p.stdout and "exceeds --warn-ms 50" in p.stdout
     back = p.stdout.split("node-steps", 1)[1]
@@ -376,7 +407,7 @@ def test_remote_nodes_go_through_ssh(tmp_path):
     p = cli("clocks", "--hostfile", nodes, "--reads", 1000, env=env)
     assert p.returncode == 0 and "0 error(s)" in p.stdout, p.stdout + p.stderr
     log = (tmp_path / "ssh.log").read_text()
-    assert log.count("node-a") == 2 and log.count("node-b") == 2     # parallel passes user@ as -l user
+    assert log.count("node-a") == 2 and log.count("node-b") == 2  # parallel passes user@ as -l user
 
     # dump and stop of a process recorded on node-a, reached through the hostfile's line for it
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
@@ -386,7 +417,7 @@ def test_remote_nodes_go_through_ssh(tmp_path):
         _record(run, 0, sleeper.pid, "node-a.cluster.example")
         p = cli("dump", "--run", run, "--hostfile", nodes, env=env)
         assert p.returncode == 0, p.stdout + p.stderr
-        dump, = (run / "dumps").iterdir()
+        (dump,) = (run / "dumps").iterdir()
         assert f"Process {sleeper.pid}:" in (dump / "rank00000.txt").read_text()
         p = cli("stop", "--run", run, "--hostfile", nodes, "--grace", 5, env=env)
         assert p.returncode == 0 and "stopped by SIGTERM" in p.stdout, p.stdout + p.stderr
@@ -405,14 +436,22 @@ def test_dump_falls_back_to_the_signal_stacks_when_py_spy_fails(tmp_path):
     (bin_ / "py-spy").write_text("#!/bin/sh\necho 'Error: Permission denied (os error 13)' >&2\nexit 1\n")
     (bin_ / "py-spy").chmod(0o755)
     stacks = tmp_path / "stacks.txt"
-    rank = subprocess.Popen([sys.executable, "-c", f"""
+    rank = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import faulthandler, signal, time
 faulthandler.register(signal.SIGUSR1, file=open({str(stacks)!r}, "a"), all_threads=True)
 def waiting_for_the_collective():
     print("ready", flush=True)
     time.sleep(300)
 waiting_for_the_collective()
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert rank.stdout.readline().strip() == "ready"
         run = tmp_path / "run"
@@ -421,24 +460,29 @@ waiting_for_the_collective()
         p = cli("dump", "--run", run, "--timeout", 10, env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"})
         assert p.returncode == 0, p.stdout + p.stderr
         assert "rank 0: py-spy: Error: Permission denied (os error 13); used the SIGUSR1 stacks instead" in p.stdout
-        dump, = (run / "dumps").iterdir()
+        (dump,) = (run / "dumps").iterdir()
         text = (dump / "rank00000.txt").read_text()
         assert "signal" in text.splitlines()[0] and "(most recent call first)" in text
         assert "in waiting_for_the_collective" in text
         assert "waiting_for_the_collective" in (dump / "summary.txt").read_text()
-        assert rank.poll() is None                      # SIGUSR1 only made it write its stacks
+        assert rank.poll() is None  # SIGUSR1 only made it write its stacks
     finally:
         rank.kill()
         rank.wait()
 
 
 def test_stop_escalates_to_sigkill_after_the_grace(tmp_path):
-    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
-                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint(1, flush=True)\ntime.sleep(300)"],
-                                stdout=subprocess.PIPE)
+    stubborn = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint(1, flush=True)\ntime.sleep(300)",
+        ],
+        stdout=subprocess.PIPE,
+    )
     polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
-        stubborn.stdout.readline()                      # SIGTERM is ignored from here on
+        stubborn.stdout.readline()  # SIGTERM is ignored from here on
         _record(tmp_path, 0, stubborn.pid, socket.gethostname())
         _record(tmp_path, 1, polite.pid, socket.gethostname())
         p = cli("stop", "--run", tmp_path, "--grace", 1)
@@ -454,18 +498,45 @@ def test_stop_escalates_to_sigkill_after_the_grace(tmp_path):
 
 # --- dump and stop on a real 2-rank training ------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def training(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster-root")
     manifest = write_latents(root, 16, name="train")
-    args = [f'--data.manifests=[{{name="{manifest}"}}]', '--data.buckets="configs/buckets/tiny.toml"',
-            "--model.overrides={caption_channels=8, model_max_length=300}", "--data.workers=1",
-            "--run.wandb_mode=disabled", "--run.epochs=1000", "--run.ckpt_every=0", "--run.name=live"]
+    args = [
+        f'--data.manifests=[{{name="{manifest}"}}]',
+        '--data.buckets="configs/buckets/tiny.toml"',
+        "--model.overrides={caption_channels=8, model_max_length=300}",
+        "--data.workers=1",
+        "--run.wandb_mode=disabled",
+        "--run.epochs=1000",
+        "--run.ckpt_every=0",
+        "--run.name=live",
+    ]
     env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(_port()), "-m", "reelcache.train", str(CONFIG), "--root", str(root), *args],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_port()),
+            "-m",
+            "reelcache.train",
+            str(CONFIG),
+            "--root",
+            str(root),
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     run = root / "runs/live"
     deadline = time.monotonic() + 120
     while not all((run / f"ranks/rank{r:05d}.json").exists() for r in (0, 1)):
@@ -473,10 +544,10 @@ def training(tmp_path_factory):
             p.kill()
             pytest.fail(f"training did not start: {p.stdout.read()[-3000:]}")
         time.sleep(0.2)
-    time.sleep(2)                   # into the loop
+    time.sleep(2)  # into the loop
     yield run, p
     if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)      # only our own session: the launcher and its ranks
+        os.killpg(p.pid, signal.SIGKILL)  # only our own session: the launcher and its ranks
     p.wait()
 
 
@@ -489,8 +560,11 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
     # the same argv, kept asleep by a sitecustomize before it ever reaches the trainer.
     argv = Path(f"/proc/{ranks[0]['pid']}/cmdline").read_bytes().split(b"\0")[:-1]
     (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(300)\n")
-    decoy = subprocess.Popen([a.decode() for a in argv], cwd=Path(f"/proc/{ranks[0]['pid']}/cwd").resolve(),
-                             env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    decoy = subprocess.Popen(
+        [a.decode() for a in argv],
+        cwd=Path(f"/proc/{ranks[0]['pid']}/cwd").resolve(),
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
     try:
         time.sleep(0.5)
         assert Path(f"/proc/{decoy.pid}/cmdline").read_bytes() == Path(f"/proc/{ranks[0]['pid']}/cmdline").read_bytes()
@@ -501,18 +575,18 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
 
         p = cli("dump", "--run", run)
         assert p.returncode == 0, p.stdout + p.stderr
-        out, = (run / "dumps").iterdir()
+        (out,) = (run / "dumps").iterdir()
         assert sorted(f.name for f in out.iterdir()) == ["rank00000.txt", "rank00001.txt", "summary.txt"]
         for r in ranks:
             text = (out / f"rank{r['rank']:05d}.txt").read_text()
-            assert f"Process {r['pid']}:" in text                 # py-spy's own header: that process
+            assert f"Process {r['pid']}:" in text  # py-spy's own header: that process
             assert "reelcache.train" in text and "trainer.py" in text and "MainThread" in text
         summary = (out / "summary.txt").read_text()
         assert "2 of 3 ranks dumped" in summary and "rank 2: pid gone or reused" in summary
         assert "frames on the main thread of all 2 dumped ranks" in summary
         assert "rank 2: pid gone or reused" in p.stdout
 
-        time.sleep(1.1)             # a new dump folder (they are named by the second)
+        time.sleep(1.1)  # a new dump folder (they are named by the second)
         p = cli("dump", "--run", run, "--method", "signal")
         assert p.returncode == 0, p.stdout + p.stderr
         newest = sorted((run / "dumps").iterdir())[-1]
@@ -528,9 +602,9 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
             assert not _alive(r["pid"], r["proc_start"])
         assert "rank 00002" in p.stdout and "pid gone or reused" in p.stdout
         assert _alive(decoy.pid, decoy_start), "the decoy with the same command line was stopped"
-        launcher.wait(timeout=60)   # its workers gone, the launcher gives up by itself
+        launcher.wait(timeout=60)  # its workers gone, the launcher gives up by itself
 
-        p = cli("stop", "--run", run, "--grace", 1)              # again: nothing left to stop
+        p = cli("stop", "--run", run, "--grace", 1)  # again: nothing left to stop
         assert p.returncode == 0 and p.stdout.count("already gone") == 2, p.stdout
     finally:
         decoy.kill()

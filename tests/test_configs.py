@@ -7,11 +7,11 @@ tables B1-B3 and the verified lr values), never taken from the code under test.
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 
 from reelcache.cache.plan import CacheConfig
 from reelcache.catalog.buckets import BucketConfig
@@ -81,13 +81,24 @@ B3 = {
 TABLES = {"opensora12-stage1": B1, "opensora12-stage2": B2, "opensora12-stage3": B3}
 
 # OPENSORA12.md section 3, in upstream's dict order (the draw is by cumulative probability in that order).
-MASK_NAMES = ["random", "intepolate", "quarter_random", "quarter_head", "quarter_tail", "quarter_head_tail",
-              "image_random", "image_head", "image_tail", "image_head_tail"]
+MASK_NAMES = [
+    "random",
+    "intepolate",
+    "quarter_random",
+    "quarter_head",
+    "quarter_tail",
+    "quarter_head_tail",
+    "image_random",
+    "image_head",
+    "image_tail",
+    "image_head_tail",
+]
 M1 = dict(zip(MASK_NAMES, [0.05, 0.005, 0.005, 0.005, 0.005, 0.005, 0.025, 0.05, 0.025, 0.025]))
 M2 = dict(zip(MASK_NAMES, [0.005, 0.002, 0.007, 0.002, 0.002, 0.002, 0.0, 0.22, 0.005, 0.005]))
 M3 = dict(zip(MASK_NAMES, [0.01, 0.002, 0.002, 0.002, 0.002, 0.002, 0.0, 0.22, 0.005, 0.005]))
 
-# OPENSORA12.md section 5.2 and DATASETS.md's recipe: (bucket table, masks, lr, schedule, warmup, weight decay, epochs, ckpt_every)
+# OPENSORA12.md section 5.2 and DATASETS.md's recipe:
+# (bucket table, masks, lr, schedule, warmup, weight decay, epochs, ckpt_every)
 STAGES = {
     "opensora12/stage1": ("opensora12-stage1", M1, 1.6e-4, "warmup", 400, 0.01, 5, 100),
     "opensora12/stage2": ("opensora12-stage2", M2, 1.6e-4, "warmup", 400, 0.01, 5, 100),
@@ -108,6 +119,7 @@ def _tuples(x):
 
 # ---------------------------------------------------------------------------------------------
 
+
 def test_every_stage_has_a_config_and_a_debug_twin():
     names = {_id(p) for p in CONFIGS}
     assert FULL <= names
@@ -119,8 +131,8 @@ def test_every_stage_has_a_config_and_a_debug_twin():
 def test_config_loads_and_its_parts_are_valid(path):
     cfg = load_config(path)
     assert cfg.run.name, "a run needs a name"
-    BucketConfig.from_toml(REPO / cfg.data.buckets)             # the bucket file exists and parses
-    MaskGenerator(cfg.flow.mask_ratios)                           # names known, ratios sum <= 1
+    BucketConfig.from_toml(REPO / cfg.data.buckets)  # the bucket file exists and parses
+    MaskGenerator(cfg.flow.mask_ratios)  # names known, ratios sum <= 1
     STDiT3Config.preset(cfg.model.preset, **cfg.model.overrides)  # overrides are real model fields
     for m in cfg.data.manifests:
         assert weight_schedule(m.weight)
@@ -134,7 +146,7 @@ def test_every_bucket_cache_and_ingest_config_reads_with_every_value_checked(pat
     elif kind == "cache":
         cfg = CacheConfig.from_toml(path)
         assert Path(cfg.buckets).is_file()
-    else:          # what `ingest plan --config` adds to the command line's source, format and videos
+    else:  # what `ingest plan --config` adds to the command line's source, format and videos
         with open(path, "rb") as f:
             doc = tomllib.load(f)
         build(IngestConfig, {**doc, "source": "s", "format": "csv", "videos": "."})
@@ -154,8 +166,11 @@ def test_bucket_config_is_opensora_table(name):
     got = {res: {int(t): _tuples(spec) for t, spec in frames.items()} for res, frames in raw.items()}
     assert got == TABLES[name]
     # what catalog/buckets.py makes of it: (resolution, T, p_res, p_t, batch), p_t = 1 without a tuple
-    rows = sorted((res, t, *(p if isinstance(p, tuple) else (p, 1.0)), bs)
-                  for res, frames in TABLES[name].items() for t, (p, bs) in frames.items())
+    rows = sorted(
+        (res, t, *(p if isinstance(p, tuple) else (p, 1.0)), bs)
+        for res, frames in TABLES[name].items()
+        for t, (p, bs) in frames.items()
+    )
     assert list(BucketConfig.from_toml(path).table) == rows
 
 
@@ -185,8 +200,16 @@ def test_identity_share_of_the_masks():
 def test_one_cycle_bump_reproduces_open_soras_values(name):
     # verified by running Open-Sora's OneCycleScheduler (OPENSORA12.md section 5.2)
     o = _load(name).optim
-    expected = {0: 1.6e-5, 100: 1.074e-4, 200: 3.28e-4, 400: 6.4e-4, 600: 4.0e-4, 800: 1.6e-4, 801: 1.6e-4,
-                5000: 1.6e-4}
+    expected = {
+        0: 1.6e-5,
+        100: 1.074e-4,
+        200: 3.28e-4,
+        400: 6.4e-4,
+        600: 4.0e-4,
+        800: 1.6e-4,
+        801: 1.6e-4,
+        5000: 1.6e-4,
+    }
     for k, lr in expected.items():
         assert lr_at(k, o) == pytest.approx(lr, rel=1e-3), k
 
@@ -195,13 +218,15 @@ def test_one_cycle_bump_reproduces_open_soras_values(name):
 def test_smaller_bump_of_stages_6_and_7(name):
     o = _load(name).optim
     assert lr_at(0, o) == pytest.approx(1.6e-5, rel=1e-9)
-    assert lr_at(400, o) == pytest.approx(3.2e-4, rel=1e-9)        # the peak after the 400 rising steps
-    assert lr_at(800, o) == pytest.approx(0.8e-4, rel=1e-9)        # down to the final lr after 400 more
+    assert lr_at(400, o) == pytest.approx(3.2e-4, rel=1e-9)  # the peak after the 400 rising steps
+    assert lr_at(800, o) == pytest.approx(0.8e-4, rel=1e-9)  # down to the final lr after 400 more
     assert max(lr_at(k, o) for k in range(1000)) == pytest.approx(3.2e-4, rel=1e-9)
 
 
-@pytest.mark.parametrize("name,base,warmup", [("opensora12/stage1", 1.6e-4, 400), ("opensora12/stage3", 2e-4, 1000),
-                                              ("opensora12-original/stage1", 1e-4, 1000)])
+@pytest.mark.parametrize(
+    "name,base,warmup",
+    [("opensora12/stage1", 1.6e-4, 400), ("opensora12/stage3", 2e-4, 1000), ("opensora12-original/stage1", 1e-4, 1000)],
+)
 def test_linear_warmup_first_lr_is_base_over_w_plus_1(name, base, warmup):
     # Open-Sora's LinearWarmupLR: construction counts as k=0, so the first step runs at base/(W+1) (verified)
     o = _load(name).optim
@@ -217,7 +242,11 @@ def test_original_stage2_is_constant():
 
 def _twin_of(name: str) -> str:
     stem = name.removeprefix("debug/")
-    return f"opensora12-original/{stem.removeprefix('original-')}" if stem.startswith("original-") else f"opensora12/{stem}"
+    return (
+        f"opensora12-original/{stem.removeprefix('original-')}"
+        if stem.startswith("original-")
+        else f"opensora12/{stem}"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(_id(p) for p in CONFIGS if _id(p).startswith("debug/")))
@@ -227,20 +256,23 @@ def test_debug_twin_has_the_full_stages_shape(name):
     assert list(twin.flow.mask_ratios) == list(full.flow.mask_ratios)
     assert twin.flow.mask_ratios == full.flow.mask_ratios
     assert twin.run.loss_reduction == full.run.loss_reduction
-    assert (twin.flow.sample_method, twin.flow.use_timestep_transform) == (full.flow.sample_method,
-                                                                           full.flow.use_timestep_transform)
+    assert (twin.flow.sample_method, twin.flow.use_timestep_transform) == (
+        full.flow.sample_method,
+        full.flow.use_timestep_transform,
+    )
     assert twin.model.freeze_y_embedder == full.model.freeze_y_embedder
     # CPU-sized: the tiny model on the demo cache, a few steps of schedule, one or two epochs
     assert twin.model.preset == "tiny" and Path(twin.data.buckets).name == "demo.toml"
     assert [m.name for m in twin.data.manifests] == ["demo-stage1-tiny"]
     assert 1 <= twin.run.epochs <= 2 and 0 < twin.run.ckpt_every <= 10
     assert twin.optim.warmup_steps + twin.optim.cooldown_steps <= 20
-    if full.optim.schedule == "1cycle":      # the bump keeps its shape: min < final < max
+    if full.optim.schedule == "1cycle":  # the bump keeps its shape: min < final < max
         assert twin.optim.min_lr < twin.optim.lr < twin.optim.max_lr
 
 
 # ---------------------------------------------------------------------------------------------
 # the per-epoch weight ramp of stage 3
+
 
 def _ramp_configs():
     out = []
@@ -262,9 +294,9 @@ def test_ramp_schedules_parse_as_lists_and_finish_within_the_stage():
     assert hard and all(isinstance(schedules[n], list) and len(schedules[n]) == cfg.run.epochs for n in hard)
     for n in hard:
         ws = schedules[n]
-        assert ws[0] == 0.0 and all(a < b for a, b in zip(ws, ws[1:]))   # a ramp from nothing, not a switch
+        assert ws[0] == 0.0 and all(a < b for a, b in zip(ws, ws[1:]))  # a ramp from nothing, not a switch
     last = [ws[-1] for ws in schedules.values()]
-    assert math.isclose(sum(last), 1.0)                              # the last epoch's shares cover the data
+    assert math.isclose(sum(last), 1.0)  # the last epoch's shares cover the data
 
 
 def test_ramp_through_the_real_planner():
@@ -280,9 +312,16 @@ def test_ramp_through_the_real_planner():
         out = []
         for m, (key, n) in zip(manifests, sizes.items()):
             ws = weight_schedule(m.weight)
-            out.append(Source(f"fp-{key}", np.array([f"{key}-{i:04d}" for i in range(n)], dtype=object),
-                              np.array(["144p/51/0.56"] * n, dtype=object), np.array(["s"] * n, dtype=object),
-                              np.arange(n, dtype=np.int64), ws[min(epoch, len(ws) - 1)]))
+            out.append(
+                Source(
+                    f"fp-{key}",
+                    np.array([f"{key}-{i:04d}" for i in range(n)], dtype=object),
+                    np.array(["144p/51/0.56"] * n, dtype=object),
+                    np.array(["s"] * n, dtype=object),
+                    np.arange(n, dtype=np.int64),
+                    ws[min(epoch, len(ws) - 1)],
+                )
+            )
         return out
 
     ids = np.concatenate([s.clip_id for s in sources(0)])
@@ -290,8 +329,8 @@ def test_ramp_through_the_real_planner():
     hard_counts = []
     for epoch in range(cfg.run.epochs):
         plan = epoch_plan(sources(epoch), buckets, seed=42, epoch=epoch)
-        assert len(plan.order) == len(ids)                           # the epoch's length stays the same
+        assert len(plan.order) == len(ids)  # the epoch's length stays the same
         hard_counts.append(int(level5[plan.order].sum()))
     assert hard_counts[0] == 0
     assert all(a < b for a, b in zip(hard_counts, hard_counts[1:])) and hard_counts[-1] == level5.sum()
-    assert sorted(plan.order.tolist()) == list(range(len(ids)))      # last epoch: every clip once
+    assert sorted(plan.order.tolist()) == list(range(len(ids)))  # last epoch: every clip once

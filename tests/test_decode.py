@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from videos import cover_crop, ffmpeg_frames, lavfi_clip, needs_ffmpeg, psnr
 
 pytestmark = needs_ffmpeg
@@ -35,16 +34,21 @@ def check_window(path, start, *, frames=8, interval=2, sar="1", height=H, width=
     return ref
 
 
-@pytest.mark.parametrize("name,opts", [
-    ("cfr", dict(size="160x96")),
-    ("yuv420p10", dict(size="160x96", pix_fmt="yuv420p10le")),
-    ("hevc-10bit", dict(size="160x96", codec=("-c:v", "libx265", "-x265-params", "log-level=error"),
-                        pix_fmt="yuv420p10le")),
-])
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("cfr", dict(size="160x96")),
+        ("yuv420p10", dict(size="160x96", pix_fmt="yuv420p10le")),
+        (
+            "hevc-10bit",
+            dict(size="160x96", codec=("-c:v", "libx265", "-x265-params", "log-level=error"), pix_fmt="yuv420p10le"),
+        ),
+    ],
+)
 def test_window_matches_ffmpeg(tmp_path, name, opts):
     p = lavfi_clip(tmp_path / f"{name}.mp4", **opts)
     check_window(p, 0)
-    check_window(p, 40)             # beyond the first second: a seek
+    check_window(p, 40)  # beyond the first second: a seek
 
 
 def test_rotated_clip_is_displayed_upright(tmp_path):
@@ -52,27 +56,32 @@ def test_rotated_clip_is_displayed_upright(tmp_path):
 
     plain = lavfi_clip(tmp_path / "plain.mp4", size="160x96")
     p = tmp_path / "rot.mp4"
-    subprocess.run(["ffmpeg", "-v", "error", "-y", "-i", str(plain), "-c", "copy", "-metadata:s:v", "rotate=90", str(p)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["ffmpeg", "-v", "error", "-y", "-i", str(plain), "-c", "copy", "-metadata:s:v", "rotate=90", str(p)],
+        check=True,
+        capture_output=True,
+    )
     from reelcache.cache.decode import decode_window
 
-    ref = ffmpeg_frames(p, 160, 96)                 # displayed portrait, native size: exactly ffmpeg's
+    ref = ffmpeg_frames(p, 160, 96)  # displayed portrait, native size: exactly ffmpeg's
     got = decode_window(str(p), frames=8, interval=2, height=160, width=96, start=40)
     assert np.array_equal(got, ref[40:56:2])
 
 
 def test_anamorphic_clip_is_stretched_to_its_displayed_width(tmp_path):
-    p = lavfi_clip(tmp_path / "sar.mp4", size="96x64", vf="setsar=2/1")     # displayed 192 x 64
+    p = lavfi_clip(tmp_path / "sar.mp4", size="96x64", vf="setsar=2/1")  # displayed 192 x 64
     ref = check_window(p, 40, sar="sar")
     squeezed = ffmpeg_frames(p, H, W, "setsar=1," + cover_crop(H, W))
-    assert psnr(squeezed[40], ref[40]) < THRESHOLD                          # ignoring the SAR is caught
+    assert psnr(squeezed[40], ref[40]) < THRESHOLD  # ignoring the SAR is caught
 
 
 def test_variable_frame_rate_clip_is_cut_by_frames(tmp_path):
     from reelcache.cache.decode import decode_window
 
     # every third frame lasts twice as long: pts x average rate is not the frame index
-    p = lavfi_clip(tmp_path / "vfr.mp4", size="160x96", vf="setpts='(N+floor(N/3))/(25*TB)'", extra=("-fps_mode", "vfr"))
+    p = lavfi_clip(
+        tmp_path / "vfr.mp4", size="160x96", vf="setpts='(N+floor(N/3))/(25*TB)'", extra=("-fps_mode", "vfr")
+    )
     ref = check_window(p, 40)
     check_window(p, 3, interval=3)
     with pytest.raises(ValueError, match="clip ended"):
@@ -86,10 +95,21 @@ def test_seek_that_lands_past_the_window_never_repeats_frames(tmp_path, ext):
     Every window start is checked against ffmpeg's full decode, at native size: exactly."""
     from reelcache.cache.decode import decode_window
 
-    p = lavfi_clip(tmp_path / f"og.{ext}", size="64x48", codec=(
-        "-c:v", "libx264", "-preset", "ultrafast", "-bf", "3",
-        "-x264-params", "keyint=10:min-keyint=10:open-gop=1:scenecut=0"))
+    p = lavfi_clip(
+        tmp_path / f"og.{ext}",
+        size="64x48",
+        codec=(
+            "-c:v",
+            "libx264",
+            "-preset",
+            "ultrafast",
+            "-bf",
+            "3",
+            "-x264-params",
+            "keyint=10:min-keyint=10:open-gop=1:scenecut=0",
+        ),
+    )
     ref = ffmpeg_frames(p, 48, 64)
     for start in range(26, len(ref) - 3):
         got = decode_window(str(p), frames=3, interval=1, height=48, width=64, start=start)
-        assert np.array_equal(got, ref[start:start + 3]), f"window at frame {start}"
+        assert np.array_equal(got, ref[start : start + 3]), f"window at frame {start}"

@@ -21,7 +21,7 @@ import pytest
 import torch
 from opensora_fixtures import FIX
 
-BF16 = dict(rtol=2 ** -8, atol=1e-6)
+BF16 = dict(rtol=2**-8, atol=1e-6)
 
 
 def frames(t=5, h=32, w=32, b=2, seed=0):
@@ -39,49 +39,116 @@ def per_channel(values):
 # kind -> (diffusers class, tiny config with non-trivial statistics, buffers to set, normalization rule)
 CASES = {
     # wan/pipeline_wan_i2v.py: (z - latents_mean) * (1 / latents_std)
-    "wan": ("AutoencoderKLWan", dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
-                                     temperal_downsample=[False, True], latents_mean=[0.5, -0.3, 0.2, 1.1],
-                                     latents_std=[2.0, 0.6, 1.7, 0.4]), {},
-            lambda m, c, mean: ((mean - per_channel(c.latents_mean)) / per_channel(c.latents_std),
-                                1 / per_channel(c.latents_std))),
+    "wan": (
+        "AutoencoderKLWan",
+        dict(
+            base_dim=16,
+            z_dim=4,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.5, -0.3, 0.2, 1.1],
+            latents_std=[2.0, 0.6, 1.7, 0.4],
+        ),
+        {},
+        lambda m, c, mean: (
+            (mean - per_channel(c.latents_mean)) / per_channel(c.latents_std),
+            1 / per_channel(c.latents_std),
+        ),
+    ),
     # ltx/pipeline_ltx.py: (z - vae.latents_mean) * scaling_factor / vae.latents_std, buffers not config
-    "ltx": ("AutoencoderKLLTXVideo", dict(block_out_channels=(16, 32), decoder_block_out_channels=(16, 32),
-                                          down_block_types=("LTXVideoDownBlock3D",) * 2, layers_per_block=(1, 1, 1),
-                                          decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, False),
-                                          decoder_spatio_temporal_scaling=(True, False), upsample_residual=(False, False),
-                                          decoder_inject_noise=(False, False, False), upsample_factor=(1, 1),
-                                          latent_channels=4, patch_size=4, patch_size_t=1, scaling_factor=0.8),
-            {"latents_mean": [0.4, -0.6, 0.1, 0.9], "latents_std": [0.3, 1.9, 1.2, 0.7]},
-            lambda m, c, mean: ((mean - m.latents_mean.view(1, -1, 1, 1, 1)) * c.scaling_factor
-                                / m.latents_std.view(1, -1, 1, 1, 1),
-                                c.scaling_factor / m.latents_std.view(1, -1, 1, 1, 1))),
+    "ltx": (
+        "AutoencoderKLLTXVideo",
+        dict(
+            block_out_channels=(16, 32),
+            decoder_block_out_channels=(16, 32),
+            down_block_types=("LTXVideoDownBlock3D",) * 2,
+            layers_per_block=(1, 1, 1),
+            decoder_layers_per_block=(1, 1, 1),
+            spatio_temporal_scaling=(True, False),
+            decoder_spatio_temporal_scaling=(True, False),
+            upsample_residual=(False, False),
+            decoder_inject_noise=(False, False, False),
+            upsample_factor=(1, 1),
+            latent_channels=4,
+            patch_size=4,
+            patch_size_t=1,
+            scaling_factor=0.8,
+        ),
+        {"latents_mean": [0.4, -0.6, 0.1, 0.9], "latents_std": [0.3, 1.9, 1.2, 0.7]},
+        lambda m, c, mean: (
+            (mean - m.latents_mean.view(1, -1, 1, 1, 1)) * c.scaling_factor / m.latents_std.view(1, -1, 1, 1, 1),
+            c.scaling_factor / m.latents_std.view(1, -1, 1, 1, 1),
+        ),
+    ),
     # hunyuan_video/pipeline_hunyuan_video_image2video.py: z * scaling_factor
-    "hunyuan": ("AutoencoderKLHunyuanVideo", dict(block_out_channels=(16, 32, 32), latent_channels=4, layers_per_block=1,
-                                                  down_block_types=("HunyuanVideoDownBlock3D",) * 3, norm_num_groups=4,
-                                                  up_block_types=("HunyuanVideoUpBlock3D",) * 3,
-                                                  spatial_compression_ratio=4, temporal_compression_ratio=4,
-                                                  scaling_factor=0.476986), {},
-                lambda m, c, mean: (mean * c.scaling_factor, torch.tensor(c.scaling_factor))),
+    "hunyuan": (
+        "AutoencoderKLHunyuanVideo",
+        dict(
+            block_out_channels=(16, 32, 32),
+            latent_channels=4,
+            layers_per_block=1,
+            down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+            norm_num_groups=4,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 3,
+            spatial_compression_ratio=4,
+            temporal_compression_ratio=4,
+            scaling_factor=0.476986,
+        ),
+        {},
+        lambda m, c, mean: (mean * c.scaling_factor, torch.tensor(c.scaling_factor)),
+    ),
     # cogvideo/pipeline_cogvideox_video2video.py: scaling_factor * z (its config's latents_mean/std unused)
-    "cogvideox": ("AutoencoderKLCogVideoX", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
-                                                 down_block_types=("CogVideoXDownBlock3D",) * 2, norm_num_groups=4,
-                                                 up_block_types=("CogVideoXUpBlock3D",) * 2, scaling_factor=0.7), {},
-                  lambda m, c, mean: (mean * c.scaling_factor, torch.tensor(c.scaling_factor))),
+    "cogvideox": (
+        "AutoencoderKLCogVideoX",
+        dict(
+            block_out_channels=(16, 32),
+            latent_channels=4,
+            layers_per_block=1,
+            down_block_types=("CogVideoXDownBlock3D",) * 2,
+            norm_num_groups=4,
+            up_block_types=("CogVideoXUpBlock3D",) * 2,
+            scaling_factor=0.7,
+        ),
+        {},
+        lambda m, c, mean: (mean * c.scaling_factor, torch.tensor(c.scaling_factor)),
+    ),
     # stable_diffusion_3/pipeline_stable_diffusion_3_img2img.py: (z - shift_factor) * scaling_factor
-    "sd-per-frame": ("AutoencoderKL", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
-                                           down_block_types=("DownEncoderBlock2D",) * 2, norm_num_groups=4,
-                                           up_block_types=("UpDecoderBlock2D",) * 2, scaling_factor=1.5305,
-                                           shift_factor=0.0609), {},
-                     lambda m, c, mean: ((mean - c.shift_factor) * c.scaling_factor, torch.tensor(c.scaling_factor))),
+    "sd-per-frame": (
+        "AutoencoderKL",
+        dict(
+            block_out_channels=(16, 32),
+            latent_channels=4,
+            layers_per_block=1,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            norm_num_groups=4,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            scaling_factor=1.5305,
+            shift_factor=0.0609,
+        ),
+        {},
+        lambda m, c, mean: ((mean - c.shift_factor) * c.scaling_factor, torch.tensor(c.scaling_factor)),
+    ),
     # stable_diffusion_xl/pipeline_stable_diffusion_xl_img2img.py: (z - latents_mean) * scaling_factor / latents_std
-    "sd-per-frame-sdxl-stats": ("AutoencoderKL", dict(block_out_channels=(16, 32), latent_channels=4, layers_per_block=1,
-                                                      down_block_types=("DownEncoderBlock2D",) * 2, norm_num_groups=4,
-                                                      up_block_types=("UpDecoderBlock2D",) * 2, scaling_factor=0.5,
-                                                      latents_mean=[0.2, -0.1, 0.3, -0.7],
-                                                      latents_std=[1.4, 0.5, 0.9, 2.2]), {},
-                                lambda m, c, mean: ((mean - per_channel(c.latents_mean)) * c.scaling_factor
-                                                    / per_channel(c.latents_std),
-                                                    c.scaling_factor / per_channel(c.latents_std))),
+    "sd-per-frame-sdxl-stats": (
+        "AutoencoderKL",
+        dict(
+            block_out_channels=(16, 32),
+            latent_channels=4,
+            layers_per_block=1,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            norm_num_groups=4,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            scaling_factor=0.5,
+            latents_mean=[0.2, -0.1, 0.3, -0.7],
+            latents_std=[1.4, 0.5, 0.9, 2.2],
+        ),
+        {},
+        lambda m, c, mean: (
+            (mean - per_channel(c.latents_mean)) * c.scaling_factor / per_channel(c.latents_std),
+            c.scaling_factor / per_channel(c.latents_std),
+        ),
+    ),
 }
 
 
@@ -162,14 +229,15 @@ def test_t5_stores_each_captions_own_hidden_states(tmp_path):
 
     torch.manual_seed(0)
     tok = tiny_tokenizer()
-    T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                            pad_token_id=0)).save_pretrained(tmp_path / "t5")
+    T5EncoderModel(
+        T5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, pad_token_id=0)
+    ).save_pretrained(tmp_path / "t5")
     tok.save_pretrained(tmp_path / "t5")
     captions = ["a dog", "a red car drives through the city at night while the camera pans", "a dog"]
     got = TextEncoder(EncoderSpec("t5", path=str(tmp_path / "t5"), dtype="float32")).encode(captions)
     ref = T5EncoderModel.from_pretrained(tmp_path / "t5").eval()
     for caption, g in zip(captions, got):
-        ids = tok([caption], return_tensors="pt").input_ids            # alone: every token is real
+        ids = tok([caption], return_tensors="pt").input_ids  # alone: every token is real
         with torch.no_grad():
             want = ref(input_ids=ids).last_hidden_state[0]
         assert g.dtype == torch.bfloat16 and g.shape == want.shape
@@ -183,19 +251,26 @@ def test_opensora_encoder_stores_the_published_normalization():
     cfg = json.loads((FIX / "vae_config.json").read_text())
     spatial = {k: v for k, v in cfg["spatial_autoencoderkl_config"].items() if not k.startswith("_")}
     temporal = dict(filters=4, num_res_blocks=2, multipliers=[1, 2, 2, 4], temporal_down=[False, True, True], groups=2)
-    enc = VideoEncoder(EncoderSpec("opensora-v1.2", path=str(FIX / "vae_tiny.safetensors"), dtype="float32",
-                                   extra={"spatial": spatial, "temporal": temporal}))
+    enc = VideoEncoder(
+        EncoderSpec(
+            "opensora-v1.2",
+            path=str(FIX / "vae_tiny.safetensors"),
+            dtype="float32",
+            extra={"spatial": spatial, "temporal": temporal},
+        )
+    )
     f = frames(t=18)
     got = enc.encode(f)
     with torch.no_grad():
-        stages = enc.model.encode_stages(as_input(f))       # pinned to Open-Sora's outputs elsewhere
+        stages = enc.model.encode_stages(as_input(f))  # pinned to Open-Sora's outputs elsewhere
     shift, scale = per_channel([-0.10, 0.34, 0.27, 0.98]), per_channel([3.85, 2.32, 2.33, 3.06])
     assert got["mean"].shape == (2, 4, 6, 4, 4)
     torch.testing.assert_close(got["mean"].float(), (stages["temporal_mean"] - shift) / scale, **BF16)
     torch.testing.assert_close(got["logvar"].float(), stages["temporal_logvar"] - 2 * torch.log(scale), **BF16)
 
 
-# -- decoding (VideoEncoder.decode, the inverse of encode) ----------------------------------------------------------------------------------------------
+# -- decoding (VideoEncoder.decode, the inverse of encode) --------------------------------------------------
+
 
 def assert_exported_like_the_pipeline(got, video):
     """`got` (uint8 [B, T, H, W, 3]) is what diffusers' pipelines export for the VAE output `video`
@@ -205,7 +280,9 @@ def assert_exported_like_the_pipeline(got, video):
     from diffusers.video_processor import VideoProcessor
 
     vp = VideoProcessor()
-    want = np.stack([np.stack([np.asarray(im) for im in clip]) for clip in vp.postprocess_video(video, output_type="pil")])
+    want = np.stack(
+        [np.stack([np.asarray(im) for im in clip]) for clip in vp.postprocess_video(video, output_type="pil")]
+    )
     exact = vp.postprocess_video(video, output_type="np") * 255
     tie = np.abs(exact - np.floor(exact) - 0.5) < 1e-3
     got = got.numpy()
@@ -240,8 +317,11 @@ def test_ltx_decode_equals_the_pipeline_denormalize_then_vae_decode():
     with torch.no_grad():
         mean = vae.encode(x).latent_dist.mean
         exact = vae.decode(mean).sample
-        video = vae.decode(LTXPipeline._denormalize_latents(stored.float(), vae.latents_mean, vae.latents_std,
-                                                            vae.config.scaling_factor)).sample
+        video = vae.decode(
+            LTXPipeline._denormalize_latents(
+                stored.float(), vae.latents_mean, vae.latents_std, vae.config.scaling_factor
+            )
+        ).sample
     got = enc.decode(stored.float(), num_frames=5)
     assert_exported_like_the_pipeline(got, video)
     # the cache stores bf16: decoding it stays close to decoding the float posterior mean
@@ -260,6 +340,8 @@ def test_per_frame_decode_matches_the_sd3_pipeline_formula():
     zn = torch.randn((1, 4, 3, 4, 4), generator=torch.Generator().manual_seed(1))
     got = enc.decode(zn, num_frames=3)
     with torch.no_grad():
-        video = torch.stack([vae.decode(zn[:, :, t] / vae.config.scaling_factor + vae.config.shift_factor).sample
-                             for t in range(3)], dim=2)
+        video = torch.stack(
+            [vae.decode(zn[:, :, t] / vae.config.scaling_factor + vae.config.shift_factor).sample for t in range(3)],
+            dim=2,
+        )
     assert_exported_like_the_pipeline(got, video)

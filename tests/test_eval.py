@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
+from wandb_files import history, run_files
 
 from reelcache.cli import main
-from wandb_files import history, run_files
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "configs/eval/debug-prompts.txt"
@@ -38,8 +38,13 @@ def _port() -> int:
 
 
 def _env() -> dict:
-    return {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true",
-            "HF_HUB_OFFLINE": "1"}
+    return {
+        **os.environ,
+        "REELCACHE_PROGRESS": "0",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_SILENT": "true",
+        "HF_HUB_OFFLINE": "1",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -52,30 +57,88 @@ def trained(ingested, tmp_path_factory) -> Path:
     shutil.copytree(ingested, root)
     make_manifest(root, "m", "clip_id IN (SELECT clip_id FROM clips WHERE status = 'ok' ORDER BY clip_id LIMIT 10)")
     cfg = root / "cache.toml"
-    cfg.write_text((REPO / "configs/cache/tiny.toml").read_text().replace('manifest = "demo-stage1"', 'manifest = "m"')
-                   .replace('name = "tiny"', 'name = "t"')
-                   .replace("configs/buckets/demo.toml", str(REPO / "configs/buckets/demo.toml"))
-                   .replace("workers = 2", "workers = 1"))
-    out = subprocess.run([sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config",
-                          str(cfg)], check=True, capture_output=True, text=True, env=_env())
+    cfg.write_text(
+        (REPO / "configs/cache/tiny.toml")
+        .read_text()
+        .replace('manifest = "demo-stage1"', 'manifest = "m"')
+        .replace('name = "tiny"', 'name = "t"')
+        .replace("configs/buckets/demo.toml", str(REPO / "configs/buckets/demo.toml"))
+        .replace("workers = 2", "workers = 1")
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config", str(cfg)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
     assert main(["cache", "run", "--root", str(root), "--device", "cpu", *out.stdout.split()]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0
     assert main(["catalog", "manifest", "--root", str(root), "--name", "lat", "--cache", "t"]) == 0
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(_port()), "-m", "reelcache.train", "configs/train/debug/stage1.toml", "--root", str(root),
-                        f"--run.name={RUN}", '--data.manifests=[{name="lat"}]', "--run.max_steps=4",
-                        "--run.ckpt_every=2", "--run.keep_last=10", "--run.epochs=20"],
-                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_port()),
+            "-m",
+            "reelcache.train",
+            "configs/train/debug/stage1.toml",
+            "--root",
+            str(root),
+            f"--run.name={RUN}",
+            '--data.manifests=[{name="lat"}]',
+            "--run.max_steps=4",
+            "--run.ckpt_every=2",
+            "--run.keep_last=10",
+            "--run.epochs=20",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert sorted(c.name for c in (root / "runs" / RUN).glob("ckpt-*")) == ["ckpt-00000002", "ckpt-00000004"]
     return root
 
 
 def _serve(root: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "reelcache", "eval", "serve", "--root", str(root), "--run",
-                             f"runs/{RUN}", "--prompts", str(PROMPTS), "--val-manifest", "lat", "--preset", "debug",
-                             "--device", "cpu", "--poll", "0.2", "--val-max-clips", "5", *extra],
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "reelcache",
+            "eval",
+            "serve",
+            "--root",
+            str(root),
+            "--run",
+            f"runs/{RUN}",
+            "--prompts",
+            str(PROMPTS),
+            "--val-manifest",
+            "lat",
+            "--preset",
+            "debug",
+            "--device",
+            "cpu",
+            "--poll",
+            "0.2",
+            "--val-max-clips",
+            "5",
+            *extra,
+        ],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wandb_files_rows(run_dir: Path) -> list[dict]:
@@ -109,7 +172,7 @@ def test_serve_in_order_skips_partial_survives_kill_and_logs_to_the_run(trained)
         while not (out / "ckpt-00000002/debug/done.json").exists():
             assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:]
             time.sleep(0.05)
-        p.send_signal(signal.SIGKILL)              # mid-run: it is on ckpt-00000003 or -4 now
+        p.send_signal(signal.SIGKILL)  # mid-run: it is on ckpt-00000003 or -4 now
         p.wait()
     finally:
         if p.poll() is None:
@@ -119,14 +182,17 @@ def test_serve_in_order_skips_partial_survives_kill_and_logs_to_the_run(trained)
     p = _serve(trained, "--max-attempts", "1", "--exit-idle", "1")
     log, _ = p.communicate(timeout=180)
     assert p.returncode == 0, log[-4000:]
-    assert (out / "ckpt-00000002/debug/done.json").stat().st_mtime_ns == first     # not redone
+    assert (out / "ckpt-00000002/debug/done.json").stat().st_mtime_ns == first  # not redone
     assert "eval: ckpt-00000002" not in log
     assert not (out / ".tmp-ckpt-00000006").exists() and not (out / "ckpt-00000006").exists()
     assert (out / "ckpt-00000003/debug/error-1.txt").exists() and not (out / "ckpt-00000003/debug/done.json").exists()
     assert "ckpt-00000003 FAILED" in log or "ckpt-00000003 failed" in log
     done = {s: json.loads((out / f"ckpt-0000000{s}/debug/done.json").read_text()) for s in (2, 4)}
-    assert done[2]["seconds"] > 0 and (out / "ckpt-00000002/debug/done.json").stat().st_mtime_ns < \
-        (out / "ckpt-00000004/debug/done.json").stat().st_mtime_ns             # step order
+    assert (
+        done[2]["seconds"] > 0
+        and (out / "ckpt-00000002/debug/done.json").stat().st_mtime_ns
+        < (out / "ckpt-00000004/debug/done.json").stat().st_mtime_ns
+    )  # step order
 
     # videos: decodable H.264 with the preset's frame count and (even) size, one per prompt
     for s in (2, 4):
@@ -148,8 +214,9 @@ def test_serve_in_order_skips_partial_survives_kill_and_logs_to_the_run(trained)
         assert sum(b["clips"] for b in v["buckets"].values()) == v["clips"]
         assert len(v["timesteps"]) == 10
     assert vl[2]["overall"] != vl[4]["overall"]
-    rows = duckdb.sql(f"SELECT global_step, loss FROM '{out / 'val_loss.parquet'}' WHERE bucket = 'all' AND t IS NULL "
-                      "ORDER BY 1").fetchall()
+    rows = duckdb.sql(
+        f"SELECT global_step, loss FROM '{out / 'val_loss.parquet'}' WHERE bucket = 'all' AND t IS NULL ORDER BY 1"
+    ).fetchall()
     assert rows == [(2, vl[2]["overall"]), (4, vl[4]["overall"])]
 
     # wandb: the training run's offline files (same run id) hold the trainer's rows and the eval rows
@@ -167,16 +234,16 @@ def test_serve_in_order_skips_partial_survives_kill_and_logs_to_the_run(trained)
         for b, x in vl[s]["buckets"].items():
             assert r[f"eval/debug/val_loss/{b}"] == x["loss"]
         for i, prompt in enumerate(PROMPTS.read_text().splitlines()[1:]):
-            key = f"eval/debug/video_{i}/"                 # media items are stored as nested keys
+            key = f"eval/debug/video_{i}/"  # media items are stored as nested keys
             assert r[key + "_type"] == "video-file" and r[key + "caption"] == prompt
             assert r[key + "path"].endswith(".mp4") and r[key + "size"] > 0
-    shutil.rmtree(bad)                          # the other tests use the real checkpoints only
+    shutil.rmtree(bad)  # the other tests use the real checkpoints only
 
 
 def test_every_selects_a_stable_grid_of_saves():
     from reelcache.eval.evaluate import select
 
-    ckpts = [Path(f"ckpt-{s:08d}") for s in (200, 300, 400, 600, 700, 1000, 1050)]     # 100 and 500 pruned
+    ckpts = [Path(f"ckpt-{s:08d}") for s in (200, 300, 400, 600, 700, 1000, 1050)]  # 100 and 500 pruned
     assert [int(c.name[5:]) for c in select(ckpts, 2, 100)] == [200, 400, 600, 1000, 1050]
     assert select(ckpts, 1, 100) == ckpts
 
@@ -194,7 +261,7 @@ def test_validation_loss_does_not_depend_on_batching(trained):
     a = validation_loss(model, m, trained, device=torch.device("cpu"), batch_size=1, timesteps=2, max_clips=6)
     b = validation_loss(model, m, trained, device=torch.device("cpu"), batch_size=4, timesteps=2, max_clips=6)
     assert a["timestep_values"] == [250.0, 750.0] and a["clips"] == 6
-    assert max(v["clips"] for v in a["buckets"].values()) > 1          # some batch holds several clips
+    assert max(v["clips"] for v in a["buckets"].values()) > 1  # some batch holds several clips
     assert a["overall"] == pytest.approx(b["overall"], rel=1e-5)
     assert all(a["buckets"][k]["loss"] == pytest.approx(b["buckets"][k]["loss"], rel=1e-5) for k in a["buckets"])
 
@@ -203,9 +270,26 @@ def test_once_with_the_training_weights(trained):
     """`eval once --weights model`: its own tag and files; the non-EMA weights give another loss than
     the EMA ones (after 4 steps at decay 0.99 the EMA is still near the initial weights)."""
     out = trained / "runs" / RUN / "eval" / "ckpt-00000004"
-    args = ["eval", "once", "--root", str(trained), "--run", f"runs/{RUN}", "--checkpoint", "ckpt-00000004",
-            "--preset", "debug", "--val-manifest", "lat", "--val-max-clips", "2", "--device", "cpu",
-            "--wandb-mode", "disabled"]
+    args = [
+        "eval",
+        "once",
+        "--root",
+        str(trained),
+        "--run",
+        f"runs/{RUN}",
+        "--checkpoint",
+        "ckpt-00000004",
+        "--preset",
+        "debug",
+        "--val-manifest",
+        "lat",
+        "--val-max-clips",
+        "2",
+        "--device",
+        "cpu",
+        "--wandb-mode",
+        "disabled",
+    ]
     assert main(args + ["--weights", "model"]) == 0
     assert main(args) == 0
     model = json.loads((out / "debug-model/done.json").read_text())
@@ -263,9 +347,37 @@ def once_ref(trained) -> tuple[Path, str]:
     """`eval once` of ckpt-00000002's training weights on a run copy: the first clip's validation
     loss and the debug preset's two sample videos. Returns (root, run)."""
     run = _run_copy(trained, "evalref", steps=(2,))
-    assert main(["eval", "once", "--root", str(trained), "--run", run, "--checkpoint", "ckpt-00000002",
-                 "--preset", "debug", "--weights", "model", "--prompts", str(PROMPTS), "--val-manifest", "lat",
-                 "--val-max-clips", "1", "--val-batch", "1", "--device", "cpu", "--wandb-mode", "disabled"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "once",
+                "--root",
+                str(trained),
+                "--run",
+                run,
+                "--checkpoint",
+                "ckpt-00000002",
+                "--preset",
+                "debug",
+                "--weights",
+                "model",
+                "--prompts",
+                str(PROMPTS),
+                "--val-manifest",
+                "lat",
+                "--val-max-clips",
+                "1",
+                "--val-batch",
+                "1",
+                "--device",
+                "cpu",
+                "--wandb-mode",
+                "disabled",
+            ]
+        )
+        == 0
+    )
     return trained, run
 
 
@@ -275,9 +387,9 @@ def test_validation_loss_of_one_clip_from_its_definition(once_ref):
     mean over C, T, H, W of (v - (x0 - eps))^2 with x_t = (1 - t/1000) x0 + t/1000 eps."""
     import hashlib
     import tarfile
-    import tomllib
 
     import pyarrow.parquet as pq
+    import tomllib
     import torch
     from safetensors.torch import load as load_safetensors
 
@@ -293,15 +405,19 @@ def test_validation_loss_of_one_clip_from_its_definition(once_ref):
         member = next(m for m in tar.getmembers() if m.offset_data == clip["shard_offset"])
         latent = load_safetensors(tar.extractfile(member).read())
     x0 = latent["mean"].float()[None]
-    assert latent["logvar"].float().exp().mean() > 0.1        # a posterior draw would move the loss a lot
+    assert latent["logvar"].float().exp().mean() > 0.1  # a posterior draw would move the loss a lot
     res, frames, ar = clip["bucket"].split("/")
     height, width = bucket_hw(res, ar)
     interval = tomllib.loads((REPO / cfg.data.buckets).read_text()).get("frame_interval", 1)
     fps = cfg.data.default_fps if math.isnan(clip["fps"]) else clip["fps"]
     y = latent["text"].float()[None]
-    kwargs = {"y": y, "mask": torch.ones(1, y.shape[1], dtype=torch.bool),
-              "fps": torch.tensor([float(fps // interval)]),       # the trainer's floor(fps / frame_interval)
-              "height": torch.tensor([float(height)]), "width": torch.tensor([float(width)])}
+    kwargs = {
+        "y": y,
+        "mask": torch.ones(1, y.shape[1], dtype=torch.bool),
+        "fps": torch.tensor([float(fps // interval)]),  # the trainer's floor(fps / frame_interval)
+        "height": torch.tensor([float(height)]),
+        "width": torch.tensor([float(width)]),
+    }
     mine = {}
     with torch.no_grad():
         for k in range(10):
@@ -341,8 +457,12 @@ def test_sample_video_is_the_guided_euler_sampler_decoded(once_ref):
     y = t5.encode(prompts)[i].float()[None]
     null = model.y_embedder.y_embedding[: y.shape[1]][None]
     shape = vae.encode(np.zeros((1, frames, height, width, 3), np.uint8))["mean"].shape[1:]
-    kwargs = {"mask": torch.ones(1, y.shape[1], dtype=torch.bool), "fps": torch.tensor([24.0]),
-              "height": torch.tensor([float(height)]), "width": torch.tensor([float(width)])}
+    kwargs = {
+        "mask": torch.ones(1, y.shape[1], dtype=torch.bool),
+        "fps": torch.tensor([24.0]),
+        "height": torch.tensor([float(height)]),
+        "width": torch.tensor([float(width)]),
+    }
     ts = [_shift((1 - n / steps) * 1000, height, width, frames) for n in range(steps)]
     z = torch.randn(shape, generator=torch.Generator().manual_seed(42 + i))[None]
     with torch.no_grad():
@@ -365,9 +485,31 @@ def test_sample_video_is_the_guided_euler_sampler_decoded(once_ref):
 
 def _serve_in_process(root: Path, run: str, *extra: str) -> int:
     """`eval serve` (validation loss of the first clip, debug tag) in this process, until idle."""
-    return main(["eval", "serve", "--root", str(root), "--run", run, "--val-manifest", "lat", "--val-max-clips", "1",
-                 "--preset", "debug", "--device", "cpu", "--wandb-mode", "disabled", "--poll", "0.05",
-                 "--exit-idle", "0.3", *extra])
+    return main(
+        [
+            "eval",
+            "serve",
+            "--root",
+            str(root),
+            "--run",
+            run,
+            "--val-manifest",
+            "lat",
+            "--val-max-clips",
+            "1",
+            "--preset",
+            "debug",
+            "--device",
+            "cpu",
+            "--wandb-mode",
+            "disabled",
+            "--poll",
+            "0.05",
+            "--exit-idle",
+            "0.3",
+            *extra,
+        ]
+    )
 
 
 def _started(log: str) -> list[str]:
@@ -386,7 +528,7 @@ def test_serve_latest_only_takes_the_newest_pending_first(trained, capsys, monke
     run = _run_copy(trained, f"latest-{latest_only}")
 
     def evaluate(self, ckpt):
-        if ckpt.name == "ckpt-00000004":          # the trainer saves step 6 meanwhile
+        if ckpt.name == "ckpt-00000004":  # the trainer saves step 6 meanwhile
             shutil.copytree(ckpt, ckpt.with_name("ckpt-00000006"), dirs_exist_ok=True)
         (self.out / ckpt.name / self.tag).mkdir(parents=True)
         (self.out / ckpt.name / self.tag / "done.json").write_text("{}")
@@ -411,7 +553,7 @@ def test_serve_skips_a_checkpoint_pruned_before_its_turn(trained, capsys, monkey
     def pending_then_prune(self, *a, **k):
         todo = listed(self, *a, **k)
         if todo and todo[0].exists():
-            shutil.rmtree(todo[0])                # Checkpointer's pruning, between the listing and the read
+            shutil.rmtree(todo[0])  # Checkpointer's pruning, between the listing and the read
         return todo
 
     monkeypatch.setattr(Evaluator, "pending", pending_then_prune)
@@ -419,13 +561,17 @@ def test_serve_skips_a_checkpoint_pruned_before_its_turn(trained, capsys, monkey
     log = capsys.readouterr().err
     assert "ckpt-00000002 was removed" in log and "skipped" in log, log[-3000:]
     assert "FAILED" not in log and not list((trained / run / "eval").glob("**/error-*.txt"))
-    assert _started(log) == ["ckpt-00000002"]                   # taken up once, never retried
+    assert _started(log) == ["ckpt-00000002"]  # taken up once, never retried
 
 
 # Open-Sora 1.2's inference-server presets (OPENSORA12.md §8, README): frames, height, width, batch,
 # steps; all with guidance 7, fps 24, seed 42 + prompt index. debug is the CPU preset.
-PRESET_TABLE = {"low4s": (102, 360, 640, 8, 30), "high4s": (102, 720, 1280, 2, 30),
-                "low16s": (408, 360, 640, 2, 30), "debug": (17, 72, 128, 2, 4)}
+PRESET_TABLE = {
+    "low4s": (102, 360, 640, 8, 30),
+    "high4s": (102, 720, 1280, 2, 30),
+    "low16s": (408, 360, 640, 2, 30),
+    "debug": (17, 72, 128, 2, 4),
+}
 
 
 def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tmp_path):
@@ -443,7 +589,7 @@ def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tm
 
     run = _run_copy(trained, "presets", steps=(2,))
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text(PROMPTS.read_text() + "a dog and a cyclist on the beach\n")        # 3 prompts
+    prompts.write_text(PROMPTS.read_text() + "a dog and a cyclist on the beach\n")  # 3 prompts
     # the tiny VAE's ratios, from the cache: a 33-frame 192 x 192 clip has 17 x 24 x 24 latents
     clip = min(pq.read_table(resolve_manifest(trained, "lat")).to_pylist(), key=lambda r: r["clip_id"])
     assert clip["bucket"] == "144p/33/1.00" and clip["shape"][1:] == [17, 24, 24]
@@ -469,10 +615,32 @@ def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tm
     for name, (frames, height, width, batch, steps) in PRESET_TABLE.items():
         for record in (sampled, decoded, written):
             record.clear()
-        assert main(["eval", "once", "--root", str(trained), "--run", run, "--checkpoint", "ckpt-00000002",
-                     "--preset", name, "--prompts", str(prompts), "--cache", "t", "--device", "cpu",
-                     "--wandb-mode", "disabled"]) == 0
-        n = 1 + (frames - 1) // r * r                 # every preset size is a multiple of the tiny VAE's 8
+        assert (
+            main(
+                [
+                    "eval",
+                    "once",
+                    "--root",
+                    str(trained),
+                    "--run",
+                    run,
+                    "--checkpoint",
+                    "ckpt-00000002",
+                    "--preset",
+                    name,
+                    "--prompts",
+                    str(prompts),
+                    "--cache",
+                    "t",
+                    "--device",
+                    "cpu",
+                    "--wandb-mode",
+                    "disabled",
+                ]
+            )
+            == 0
+        )
+        n = 1 + (frames - 1) // r * r  # every preset size is a multiple of the tiny VAE's 8
         assert [len(z) for z, _ in sampled] == [min(batch, 3 - i) for i in range(0, 3, batch)], name
         i = 0
         for z, kw in sampled:
@@ -481,8 +649,9 @@ def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tm
             got = {k: torch.as_tensor(kw[k]).tolist() for k in ("height", "width", "num_frames", "fps")}
             assert got == {"height": [height] * b, "width": [width] * b, "num_frames": [n] * b, "fps": [24.0] * b}, name
             for zj in z:
-                noise = torch.randn((4, 1 + (n - 1) // r, height // f, width // f),
-                                    generator=torch.Generator().manual_seed(42 + i))
+                noise = torch.randn(
+                    (4, 1 + (n - 1) // r, height // f, width // f), generator=torch.Generator().manual_seed(42 + i)
+                )
                 assert torch.equal(zj, noise), (name, i)
                 i += 1
         assert decoded == [n] * 3 and written == [(f"sample_{j}.mp4", 24.0) for j in range(3)], name

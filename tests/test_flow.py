@@ -8,16 +8,31 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from opensora_fixtures import FIX
-from reelcache.train.flow import (MASK_NAMES, MaskGenerator, add_noise, euler_sample, sample_timesteps,
-                                  timestep_transform, training_losses)
+
+from reelcache.train.flow import (
+    MASK_NAMES,
+    MaskGenerator,
+    add_noise,
+    euler_sample,
+    sample_timesteps,
+    timestep_transform,
+    training_losses,
+)
 from reelcache.train.model import STDiT3, STDiT3Config
 
-
-STAGE1 = {"random": 0.05, "intepolate": 0.005, "quarter_random": 0.005, "quarter_head": 0.005,
-          "quarter_tail": 0.005, "quarter_head_tail": 0.005, "image_random": 0.025, "image_head": 0.05,
-          "image_tail": 0.025, "image_head_tail": 0.025}
+STAGE1 = {
+    "random": 0.05,
+    "intepolate": 0.005,
+    "quarter_random": 0.005,
+    "quarter_head": 0.005,
+    "quarter_tail": 0.005,
+    "quarter_head_tail": 0.005,
+    "image_random": 0.025,
+    "image_head": 0.05,
+    "image_tail": 0.025,
+    "image_head_tail": 0.025,
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +56,12 @@ def test_timestep_transform_table():
     table = json.loads((FIX / "rflow_timestep_transform.json").read_text())
     for row in table["rows"]:
         n = len(row["t_in"])
-        out = timestep_transform(torch.tensor(row["t_in"]), torch.full((n,), float(row["height"])),
-                                 torch.full((n,), float(row["width"])), torch.full((n,), float(row["num_frames"])))
+        out = timestep_transform(
+            torch.tensor(row["t_in"]),
+            torch.full((n,), float(row["height"])),
+            torch.full((n,), float(row["width"])),
+            torch.full((n,), float(row["num_frames"])),
+        )
         ref = torch.tensor([float("nan") if v is None else v for v in row["t_out"]])
         torch.testing.assert_close(out, ref, atol=0, rtol=0, equal_nan=True, msg=str(row))
 
@@ -54,7 +73,7 @@ def test_losses_and_intermediates(tiny, rf):
     for case, x_mask in (("loss_nomask", None), ("loss_xmask", rf["x_mask"])):
         seen = {}
 
-        def recording(x_t, t, **kw):  # the real model, with its input and output kept
+        def recording(x_t, t, seen=seen, **kw):  # the real model, with its input and output kept
             seen["x_t"], seen["out"] = x_t, tiny(x_t, t, **kw)
             return seen["out"]
 
@@ -148,8 +167,15 @@ def _sampler_inputs(model):
     mask = torch.zeros(b, length, dtype=torch.long)
     mask[0, :4] = 1
     mask[1, :] = 1
-    return dict(z=torch.randn(b, 4, 5, 8, 12, generator=g), y=torch.randn(b, length, 32, generator=g), mask=mask,
-                height=[64.0, 64.0], width=[96.0, 96.0], num_frames=[17.0, 17.0], fps=[24.0, 24.0])
+    return dict(
+        z=torch.randn(b, 4, 5, 8, 12, generator=g),
+        y=torch.randn(b, length, 32, generator=g),
+        mask=mask,
+        height=[64.0, 64.0],
+        width=[96.0, 96.0],
+        num_frames=[17.0, 17.0],
+        fps=[24.0, 24.0],
+    )
 
 
 def test_sampler_first_and_last_steps_are_euler_updates(tiny):
@@ -167,8 +193,12 @@ def test_sampler_first_and_last_steps_are_euler_updates(tiny):
     assert len(calls) == steps
     torch.testing.assert_close(z, euler_sample(tiny, **inp, steps=steps, cfg_scale=s), atol=0, rtol=0)
     hw = dict(height=torch.tensor(inp["height"]), width=torch.tensor(inp["width"]), fps=torch.tensor(inp["fps"]))
-    ts = [timestep_transform(torch.full((b,), 1000.0 * (1 - i / steps)), hw["height"], hw["width"],
-                             torch.tensor(inp["num_frames"])) for i in range(steps)]
+    ts = [
+        timestep_transform(
+            torch.full((b,), 1000.0 * (1 - i / steps)), hw["height"], hw["width"], torch.tensor(inp["num_frames"])
+        )
+        for i in range(steps)
+    ]
     with torch.no_grad():
         v_c = tiny(inp["z"], ts[0], y=inp["y"], mask=inp["mask"], **hw)[:, :4]
         v_u = tiny(inp["z"], ts[0], y=null, mask=inp["mask"], **hw)[:, :4]
@@ -180,8 +210,9 @@ def test_sampler_first_and_last_steps_are_euler_updates(tiny):
     with torch.no_grad():
         v_c = tiny(zl, tl, y=inp["y"], mask=inp["mask"], **hw)[:, :4]
         v_u = tiny(zl, tl, y=null, mask=inp["mask"], **hw)[:, :4]
-    torch.testing.assert_close(z, zl + (v_u + s * (v_c - v_u)) * (tl / 1000)[:, None, None, None, None],
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        z, zl + (v_u + s * (v_c - v_u)) * (tl / 1000)[:, None, None, None, None], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_sampler_cfg_one_equals_unguided_and_holds_condition_frames(tiny):

@@ -25,7 +25,7 @@ def gp():
     return mod
 
 
-GEO = (5, 8, 13, 64, 104)   # latent t, h, w (w = 13: the patch grid is padded) and pixels H, W
+GEO = (5, 8, 13, 64, 104)  # latent t, h, w (w = 13: the patch grid is padded) and pixels H, W
 
 
 def real_cpu_counts(meta_model) -> tuple[int, int]:
@@ -50,12 +50,12 @@ def real_cpu_counts(meta_model) -> tuple[int, int]:
 
 def test_meta_counts_match_a_real_cpu_run(gp):
     model = gp.build_dit("tiny")
-    assert model.grad_checkpointing and not model.y_embedder.y_proj.fc1.weight.requires_grad   # as the stage configs
+    assert model.grad_checkpointing and not model.y_embedder.y_proj.fc1.weight.requires_grad  # as the stage configs
     meta_fwd, meta_step = gp.dit_step(model, *GEO)
     real_fwd, real_step = real_cpu_counts(model)
     assert meta_fwd == pytest.approx(real_fwd, rel=0.02)
     assert meta_step == pytest.approx(real_step, rel=0.02)
-    assert 3.5 < meta_step / meta_fwd < 4.0   # forward + backward (~2x) + recompute of the checkpointed blocks
+    assert 3.5 < meta_step / meta_fwd < 4.0  # forward + backward (~2x) + recompute of the checkpointed blocks
 
 
 def test_depth_extrapolation_is_exact(gp):
@@ -68,7 +68,7 @@ def test_depth_extrapolation_is_exact(gp):
 def test_vae_count_follows_encode_stages(gp):
     vae = gp.build_vae(tiny=True)
     with torch.no_grad(), torch.device("meta"):
-        x = torch.empty(1, 3, 35, 64, 96, dtype=torch.bfloat16)     # two full 17-frame chunks and one frame
+        x = torch.empty(1, 3, 35, 64, 96, dtype=torch.bfloat16)  # two full 17-frame chunks and one frame
         whole = gp.count(lambda: vae.encode_stages(x))
     assert gp.vae_encode(vae, 35, 64, 96) == whole
 

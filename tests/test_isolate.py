@@ -52,7 +52,20 @@ def test_a_worker_dead_before_its_next_item_is_sent_costs_only_its_own_item():
     fix about 4 in 10 of these runs raised BrokenPipeError out of the unit.)"""
     items = [1, "segv", 2, "segv", 3, "segv", 4, "raise", 5, "segv", 6]
     for _ in range(6):
-        out = [r.reason if isinstance(r, Failed) else type(r).__name__
-               for _, r in isolated_map(work, items, workers=2, timeout=5)]
-        assert out == ["int", "crashed", "int", "crashed", "int", "crashed", "int", "ValueError", "int", "crashed",
-                       "int"]
+        out = [
+            r.reason if isinstance(r, Failed) else type(r).__name__
+            for _, r in isolated_map(work, items, workers=2, timeout=5)
+        ]
+        assert out == [
+            "int",
+            "crashed",
+            "int",
+            "crashed",
+            "int",
+            "crashed",
+            "int",
+            "ValueError",
+            "int",
+            "crashed",
+            "int",
+        ]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import tarfile
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 from collections import Counter
@@ -19,10 +19,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from latent_data import write_latents
-from reelcache.train.loader import LatentLoader, read_sample
+
 from reelcache.catalog.buckets import BucketConfig
+from reelcache.train.loader import LatentLoader, read_sample
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = BucketConfig.from_toml(REPO / "configs/buckets/tiny.toml")
@@ -52,7 +52,7 @@ def stored(root, manifest) -> dict:
         with tarfile.open(Path(root) / shard) as tar:
             for m in tar:
                 assert m.name.endswith(".safetensors")
-                out[m.name[:-len(".safetensors")]] = load(tar.extractfile(m).read())
+                out[m.name[: -len(".safetensors")]] = load(tar.extractfile(m).read())
     return out
 
 
@@ -78,7 +78,7 @@ def run_ranks(loaders, steps=None):
         if steps is not None and k + 1 == steps:
             break
     else:
-        for it in iters:         # finish the epoch bookkeeping of every rank
+        for it in iters:  # finish the epoch bookkeeping of every rank
             for _ in it:
                 pass
     return out
@@ -88,36 +88,51 @@ def run_ranks(loaders, steps=None):
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
 def test_epochs_are_permutations_with_disjoint_equal_shares(data, seed, world):
     root, manifest = data
-    loaders = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=world, seed=seed, read=False)
-               for r in range(world)]
+    loaders = [
+        LatentLoader([manifest], SIZES, root=root, rank=r, world_size=world, seed=seed, read=False)
+        for r in range(world)
+    ]
     orders = []
     for epoch in range(3):
         assert all(ld.epoch == epoch for ld in loaders)
         per_rank = run_ranks(loaders)
-        assert len({len(b) for b in per_rank}) == 1                      # same number of steps on every rank
+        assert len({len(b) for b in per_rank}) == 1  # same number of steps on every rank
         real = [c for batches in per_rank for b in batches if b["weight"] == 1 for c in b["clip_id"]]
-        assert sorted(real) == sorted(ids(manifest))                     # no duplicate, no miss
+        assert sorted(real) == sorted(ids(manifest))  # no duplicate, no miss
         for batches in per_rank:
-            for b in batches:                                            # one bucket per batch, the manifest's
+            for b in batches:  # one bucket per batch, the manifest's
                 assert {bucket_of(manifest)[c] for c in b["clip_id"]} == {b["bucket"]}
-        orders.append([c for b in sorted((b for rk in per_rank for b in rk if b["weight"] == 1),
-                                         key=lambda b: b["index"]) for c in b["clip_id"]])
-    assert len({tuple(o) for o in orders}) == 3                          # every epoch its own order
+        orders.append(
+            [
+                c
+                for b in sorted((b for rk in per_rank for b in rk if b["weight"] == 1), key=lambda b: b["index"])
+                for c in b["clip_id"]
+            ]
+        )
+    assert len({tuple(o) for o in orders}) == 3  # every epoch its own order
 
 
 def test_global_order_is_independent_of_world_size(data):
     root, manifest = data
+
     def global_order(world):
-        loaders = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=world, seed=3, read=False)
-                   for r in range(world)]
+        loaders = [
+            LatentLoader([manifest], SIZES, root=root, rank=r, world_size=world, seed=3, read=False)
+            for r in range(world)
+        ]
         batches = [b for rk in run_ranks(loaders) for b in rk if b["weight"] == 1]
         return [tuple(b["clip_id"]) for b in sorted(batches, key=lambda b: b["index"])]
+
     assert global_order(1) == global_order(2) == global_order(3)
 
 
 def same(a, b):
     assert a["clip_id"] == b["clip_id"] and a["index"] == b["index"] and a["step"] == b["step"]
-    assert torch.equal(a["x"], b["x"]) and torch.equal(a["text"], b["text"]) and torch.equal(a["text_mask"], b["text_mask"])
+    assert (
+        torch.equal(a["x"], b["x"])
+        and torch.equal(a["text"], b["text"])
+        and torch.equal(a["text_mask"], b["text_mask"])
+    )
 
 
 def test_resume_is_exact_and_workers_do_not_change_batches(data):
@@ -126,7 +141,7 @@ def test_resume_is_exact_and_workers_do_not_change_batches(data):
     ld = LatentLoader([manifest], SIZES, root=root, seed=1, workers=2)
     it = iter(ld)
     first = [next(it) for _ in range(6)]
-    state = json.loads(json.dumps(ld.state_dict()))                      # survives serialization
+    state = json.loads(json.dumps(ld.state_dict()))  # survives serialization
     resumed = LatentLoader([manifest], SIZES, root=root, seed=1, workers=2)
     resumed.load_state_dict(state)
     rest = list(resumed)
@@ -134,14 +149,14 @@ def test_resume_is_exact_and_workers_do_not_change_batches(data):
     for a, b in zip(first + rest, ref):
         same(a, b)
     assert resumed.epoch == 1 and state["consumed"] == 6
-    truth = stored(root, manifest)                                       # text and mask against the shards
+    truth = stored(root, manifest)  # text and mask against the shards
     for b in ref:
         assert b["x"].dtype == torch.bfloat16
         lens = [truth[c]["text"].shape[0] for c in b["clip_id"]]
         assert b["text_len"].tolist() == lens and b["text"].shape[1] == max(lens)
         for i, c in enumerate(b["clip_id"]):
             assert b["text_mask"][i].tolist() == [True] * lens[i] + [False] * (max(lens) - lens[i])
-            assert torch.equal(b["text"][i, :lens[i]], truth[c]["text"]) and not b["text"][i, lens[i]:].any()
+            assert torch.equal(b["text"][i, : lens[i]], truth[c]["text"]) and not b["text"][i, lens[i] :].any()
 
 
 def test_elastic_resume_from_two_to_three_ranks_misses_and_repeats_nothing(data):
@@ -208,7 +223,7 @@ def test_x_is_mean_plus_seeded_noise_fresh_per_sample_and_epoch_and_same_after_r
             for i, c in enumerate(b["clip_id"]):
                 torch.testing.assert_close(b["x"][i], expected_x(truth[c], 2, epoch, int(starts[b["index"]]) + i))
                 eps[epoch, c] = eps_of(b["x"][i], truth[c])
-            for c0, c1 in zip(b["clip_id"], b["clip_id"][1:]):            # neighbours in a batch: other noise
+            for c0, c1 in zip(b["clip_id"], b["clip_id"][1:]):  # neighbours in a batch: other noise
                 assert (eps[epoch, c0] - eps[epoch, c1]).abs().mean() > 0.5
                 pairs += 1
     assert pairs > 50
@@ -237,20 +252,24 @@ def test_mixing_weights_draw_the_asked_shares(tmp_path):
     got = [c for bt in ld for c in bt["clip_id"]]
     assert len(got) == 100
     from_a = sum(c in set(ids(a)) for c in got)
-    assert from_a == 70 and len(set(got) & set(ids(a))) == 60          # a upsampled: every clip, some twice
+    assert from_a == 70 and len(set(got) & set(ids(a))) == 60  # a upsampled: every clip, some twice
 
 
 def test_upsampled_and_shared_clips_never_repeat_inside_a_batch(tmp_path):
     a = write_latents(tmp_path, 60, name="a", seed=1)
-    hq = tmp_path / "manifests" / "hq.parquet"                    # a filtered subset of a: the same members
+    hq = tmp_path / "manifests" / "hq.parquet"  # a filtered subset of a: the same members
     pq.write_table(pq.read_table(a).take(list(range(0, 60, 4))), hq)
     for mix in ([(a, 0.3), (hq, 0.7)], [(a, 1.0), (hq, 1.0)]):
         ld = LatentLoader(mix, SIZES, root=tmp_path, read=False, world_size=2)
-        batches = [b for rk in run_ranks([ld, LatentLoader(mix, SIZES, root=tmp_path, read=False, world_size=2, rank=1)])
-                   for b in rk if b["weight"] == 1]
+        batches = [
+            b
+            for rk in run_ranks([ld, LatentLoader(mix, SIZES, root=tmp_path, read=False, world_size=2, rank=1)])
+            for b in rk
+            if b["weight"] == 1
+        ]
         seen = Counter(c for b in batches for c in b["clip_id"])
-        drawn = sum(round(w / sum(w for _, w in mix) * 75) for _, w in mix)     # round(w * total) each
-        assert max(seen.values()) > 1 and sum(seen.values()) == drawn          # repeats exist ...
+        drawn = sum(round(w / sum(w for _, w in mix) * 75) for _, w in mix)  # round(w * total) each
+        assert max(seen.values()) > 1 and sum(seen.values()) == drawn  # repeats exist ...
         assert all(len(set(b["clip_id"])) == len(b["clip_id"]) for b in batches)  # ... never in one batch
 
 
@@ -261,8 +280,9 @@ def test_consumed_log_answers_which_clips_a_step_saw(data, tmp_path):
     log = tmp_path / "consumed"
     ld = LatentLoader([manifest], SIZES, root=root, seed=0, read=False, consumed_log=log, log_every=3)
     batches = list(ld)
-    rows = duckdb.sql(f"SELECT step, list(clip_id ORDER BY clip_id) FROM '{log}/*.parquet' "
-                      "GROUP BY step ORDER BY step").fetchall()
+    rows = duckdb.sql(
+        f"SELECT step, list(clip_id ORDER BY clip_id) FROM '{log}/*.parquet' GROUP BY step ORDER BY step"
+    ).fetchall()
     assert [sorted(b["clip_id"]) for b in batches] == [r[1] for r in rows]
 
 
@@ -277,16 +297,17 @@ def test_streamed_url_reads_the_same_sample(data):
 def test_sigkill_mid_epoch_then_resume_continues_exactly(data, tmp_path):
     root, manifest = data
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, os, sys
         from reelcache.train.loader import LatentLoader
         from reelcache.catalog.buckets import BucketConfig
-        sizes = BucketConfig.from_toml({str(REPO / 'configs/buckets/tiny.toml')!r})
+        sizes = BucketConfig.from_toml({str(REPO / "configs/buckets/tiny.toml")!r})
         ld = LatentLoader([{str(manifest)!r}], sizes, root={str(root)!r}, seed=9, workers=2)
-        state = {str(tmp_path / 'state.json')!r}
+        state = {str(tmp_path / "state.json")!r}
         if os.path.exists(state):
             ld.load_state_dict(json.load(open(state)))
-        with open({str(tmp_path / 'log.txt')!r}, "a") as log:
+        with open({str(tmp_path / "log.txt")!r}, "a") as log:
             for b in ld:
                 log.write(json.dumps([b["step"], b["clip_id"], float(b["x"].float().sum())]) + "\\n")
                 log.flush()
@@ -295,7 +316,8 @@ def test_sigkill_mid_epoch_then_resume_continues_exactly(data, tmp_path):
                 os.replace(tmp, state)
                 if int(os.environ.get("SLOW", "0")):
                     import time; time.sleep(0.05)
-    """))
+    """)
+    )
     env = {**os.environ, "SLOW": "1"}
     proc = subprocess.Popen([sys.executable, str(script)], env=env)
     log = tmp_path / "log.txt"
@@ -306,23 +328,52 @@ def test_sigkill_mid_epoch_then_resume_continues_exactly(data, tmp_path):
     proc.wait()
     state = json.loads((tmp_path / "state.json").read_text())
     lines = [json.loads(x) for x in log.read_text().splitlines()]
-    kept = [x for x in lines if x[0] < state["step"]]               # the log may run one batch past the state
+    kept = [x for x in lines if x[0] < state["step"]]  # the log may run one batch past the state
     assert 0 < state["step"] < 20
     log.write_text("".join(json.dumps(x) + "\n" for x in kept))
     subprocess.run([sys.executable, str(script)], check=True, env={**os.environ, "SLOW": "0"})
     got = [json.loads(x) for x in log.read_text().splitlines()]
-    ref = [[b["step"], b["clip_id"], float(b["x"].float().sum())]
-           for b in LatentLoader([manifest], SIZES, root=root, seed=9)]
+    ref = [
+        [b["step"], b["clip_id"], float(b["x"].float().sum())]
+        for b in LatentLoader([manifest], SIZES, root=root, seed=9)
+    ]
     assert got == ref
 
 
 def test_simulator_cli_with_save_and_elastic_resume(data, tmp_path):
     root, manifest = data
     out = tmp_path / "consumed.parquet"
-    subprocess.run([sys.executable, "-m", "reelcache", "loader", "simulate", "--root", str(root), "--manifest",
-                    str(manifest), "--buckets", str(REPO / "configs/buckets/tiny.toml"), "--world-size", "4",
-                    "--workers", "3", "--seed", "42", "--epochs", "2", "--out", str(out), "--save-at", "3",
-                    "--resume-world-size", "6"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "reelcache",
+            "loader",
+            "simulate",
+            "--root",
+            str(root),
+            "--manifest",
+            str(manifest),
+            "--buckets",
+            str(REPO / "configs/buckets/tiny.toml"),
+            "--world-size",
+            "4",
+            "--workers",
+            "3",
+            "--seed",
+            "42",
+            "--epochs",
+            "2",
+            "--out",
+            str(out),
+            "--save-at",
+            "3",
+            "--resume-world-size",
+            "6",
+        ],
+        check=True,
+        capture_output=True,
+    )
     t = pq.read_table(out).to_pylist()
     for epoch in (0, 1):
         real = [r["clip_id"] for r in t if r["epoch"] == epoch and not r["pad"]]
@@ -331,16 +382,16 @@ def test_simulator_cli_with_save_and_elastic_resume(data, tmp_path):
     assert {r["world_size"] for r in t if r["epoch"] == 0} == {4, 6}
 
 
-@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")   # 3 workers on a 2-core CI box
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 3 workers on a 2-core CI box
 def test_simulator_worker_column_names_the_real_dataloader_worker_after_a_resume(data, monkeypatch):
-    import reelcache.train.loader as loader_module
     from torch.utils.data import get_worker_info
 
+    import reelcache.train.loader as loader_module
     from reelcache.train.simulate import simulate
 
     real_collate = loader_module.collate
 
-    def collate_and_say_who(*args):         # runs in the forked DataLoader worker that makes the batch
+    def collate_and_say_who(*args):  # runs in the forked DataLoader worker that makes the batch
         out = real_collate(*args)
         out["made_by"] = get_worker_info().id
         return out
@@ -358,13 +409,16 @@ def test_simulator_worker_column_names_the_real_dataloader_worker_after_a_resume
     two = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=2, seed=4, workers=workers) for r in range(2)]
     record(run_ranks(two, steps=5), 2)
     state = two[0].state_dict()
-    three = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=3, seed=4, workers=workers) for r in range(3)]
+    three = [
+        LatentLoader([manifest], SIZES, root=root, rank=r, world_size=3, seed=4, workers=workers) for r in range(3)
+    ]
     for ld in three:
         ld.load_state_dict(state)
-    record(run_ranks(three), 3)                 # the rest of epoch 0, from step 5
-    record(run_ranks(three), 3)                 # epoch 1, from step 0
-    table, _, _ = simulate([manifest], SIZES, root=root, world_size=2, workers=workers, seed=4, epochs=2,
-                           save_at=5, resume_world_size=3)
+    record(run_ranks(three), 3)  # the rest of epoch 0, from step 5
+    record(run_ranks(three), 3)  # epoch 1, from step 0
+    table, _, _ = simulate(
+        [manifest], SIZES, root=root, world_size=2, workers=workers, seed=4, epochs=2, save_at=5, resume_world_size=3
+    )
     sim = {(r["epoch"], r["step"], r["rank"], r["world_size"]): r["worker"] for r in table.to_pylist()}
     assert sim == truth
     # the resumed part is where `step % workers` was wrong: worker 0 makes the first resumed step
@@ -374,7 +428,7 @@ def test_simulator_worker_column_names_the_real_dataloader_worker_after_a_resume
 def test_a_state_from_another_plan_version_is_refused(data):
     root, manifest = data
     ld = LatentLoader([manifest], SIZES, root=root, seed=0, read=False)
-    old = {**ld.state_dict(), "plan_version": 1, "consumed": 3}      # saved by plan version 1 (repeats side by side)
+    old = {**ld.state_dict(), "plan_version": 1, "consumed": 3}  # saved by plan version 1 (repeats side by side)
     with pytest.raises(ValueError, match="plan version 1.*reset_data"):
         LatentLoader([manifest], SIZES, root=root, seed=0, read=False).load_state_dict(old)
 
@@ -399,7 +453,7 @@ def test_a_weight_schedule_sets_each_epochs_shares_and_is_part_of_the_position(t
     ramp = [(a, [0.9, 0.6, 0.5]), (b, [0.1, 0.4, 0.5])]
     ld = LatentLoader(ramp, SIZES, root=tmp_path, read=False)
     shares = []
-    for _ in range(4):                                          # the last weight holds after the list
+    for _ in range(4):  # the last weight holds after the list
         got = [c for bt in ld for c in bt["clip_id"]]
         shares.append((len(got), sum(c in from_a for c in got)))
     assert shares == [(100, 90), (100, 60), (100, 50), (100, 50)]

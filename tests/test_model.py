@@ -59,7 +59,7 @@ def test_trimmed_captions_equal_open_sora_layout(tiny, cases):
     lengths = kw["mask"].sum(1)
     longest = int(lengths.max())
     y = kw["y"][:, 0, :longest].clone()
-    y[0, lengths[0]:] = 0.0
+    y[0, lengths[0] :] = 0.0
     kw.update(y=y, mask=kw["mask"][:, :longest])
     with torch.no_grad():
         out = tiny(**kw)
@@ -116,7 +116,7 @@ def test_caption_without_valid_tokens_attends_to_nothing(tiny, cases):
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[1], base[1], atol=0, rtol=0)
     torch.testing.assert_close(out[:1], alone, atol=1e-6, rtol=1e-6)
-    assert (out[0] - base[0]).abs().max() > 1e-3        # the caption did matter with its tokens
+    assert (out[0] - base[0]).abs().max() > 1e-3  # the caption did matter with its tokens
 
 
 def test_gradient_checkpointing_same_gradients(cases):
@@ -131,16 +131,16 @@ def test_gradient_checkpointing_same_gradients(cases):
         model.set_grad_checkpointing(ckpt)
         blocks = [*model.spatial_blocks, *model.temporal_blocks]
         count = dict.fromkeys(range(len(blocks)), 0)
-        for i, blk in enumerate(blocks):       # a recomputed block enters its forward again in backward
-            blk.register_forward_pre_hook(lambda *_, i=i: count.__setitem__(i, count[i] + 1))
+        for i, blk in enumerate(blocks):  # a recomputed block enters its forward again in backward
+            blk.register_forward_pre_hook(lambda *_, i=i, count=count: count.__setitem__(i, count[i] + 1))
         out = model(**kw)
         forward_only = dict(count)
         out[:, :4].square().mean().backward()
         calls.append((forward_only, dict(count)))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     ones, twos = dict.fromkeys(range(4), 1), dict.fromkeys(range(4), 2)
-    assert calls[0] == (ones, ones)            # no checkpointing: one forward per block
-    assert calls[1] == (ones, twos)            # checkpointing: every block recomputed once in backward
+    assert calls[0] == (ones, ones)  # no checkpointing: one forward per block
+    assert calls[1] == (ones, twos)  # checkpointing: every block recomputed once in backward
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 80
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
@@ -159,9 +159,15 @@ def test_fresh_init_as_open_sora():
     assert not any(n == "y_embedder.y_embedding" for n, _ in model.named_parameters())
     # identity: the model with temporal blocks removed computes the same output
     b = 2
-    kw = dict(x=torch.randn(b, 4, 3, 8, 8), timestep=torch.tensor([10.0, 900.0]), y=torch.randn(b, 16, 32),
-              mask=torch.ones(b, 16, dtype=torch.long), fps=torch.tensor([24.0, 24.0]),
-              height=torch.tensor([64.0, 64.0]), width=torch.tensor([64.0, 64.0]))
+    kw = dict(
+        x=torch.randn(b, 4, 3, 8, 8),
+        timestep=torch.tensor([10.0, 900.0]),
+        y=torch.randn(b, 16, 32),
+        mask=torch.ones(b, 16, dtype=torch.long),
+        fps=torch.tensor([24.0, 24.0]),
+        height=torch.tensor([64.0, 64.0]),
+        width=torch.tensor([64.0, 64.0]),
+    )
     with torch.no_grad():
         full = model(**kw)
         for blk in model.temporal_blocks:
@@ -210,9 +216,15 @@ def test_flops_formula_matches_torch_flop_counter():
     cfg = STDiT3Config.preset("tiny")
     model = STDiT3(cfg).eval()
     t, h, w, length = 5, 8, 11, 16
-    kw = dict(x=torch.randn(1, 4, t, h, w), timestep=torch.tensor([500.0]), y=torch.randn(1, length, 32),
-              mask=torch.ones(1, length, dtype=torch.long), fps=torch.tensor([24.0]),
-              height=torch.tensor([64.0]), width=torch.tensor([88.0]))
+    kw = dict(
+        x=torch.randn(1, 4, t, h, w),
+        timestep=torch.tensor([500.0]),
+        y=torch.randn(1, length, 32),
+        mask=torch.ones(1, length, dtype=torch.long),
+        fps=torch.tensor([24.0]),
+        height=torch.tensor([64.0]),
+        width=torch.tensor([88.0]),
+    )
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(**kw)
     c = cfg.hidden_size
@@ -250,8 +262,15 @@ def test_load_safetensors_file_and_hub_folder(tmp_path):
     hub = tmp_path / "OpenSora-STDiT-v3"
     hub.mkdir()
     shutil.copy(FIX / "stdit3_tiny.safetensors", hub / "model.safetensors")
-    (hub / "config.json").write_text(json.dumps({**json.loads((FIX / "stdit3_config.json").read_text())["config"],
-                                                 "model_type": "STDiT3", "hidden_size": 64}))
+    (hub / "config.json").write_text(
+        json.dumps(
+            {
+                **json.loads((FIX / "stdit3_config.json").read_text())["config"],
+                "model_type": "STDiT3",
+                "hidden_size": 64,
+            }
+        )
+    )
     model = STDiT3(fixture_config())
     report = load_weights(model, hub)
     assert report.complete and not report.notes
@@ -310,8 +329,10 @@ def test_open_sora_checkpoint_folder_loads_non_strict_and_reports(tmp_path):
     shards = {"pytorch_model-00001.bin": keys[:half], "pytorch_model-00002.bin": keys[half:]}
     weight_map = {}
     for name, ks in shards.items():  # ColossalAI's sharded layout (bf16 working weights)
-        torch.save({k: ref[k].to(torch.bfloat16) for k in ks} | ({"extra.bias": torch.zeros(3)} if "2" in name else {}),
-                   folder / "model" / name)
+        torch.save(
+            {k: ref[k].to(torch.bfloat16) for k in ks} | ({"extra.bias": torch.zeros(3)} if "2" in name else {}),
+            folder / "model" / name,
+        )
         weight_map.update(dict.fromkeys(ks, name))
     weight_map["extra.bias"] = "pytorch_model-00002.bin"
     (folder / "model" / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
@@ -361,7 +382,9 @@ def test_pixart_pth_is_reparameterised(tmp_path, rows):
     init = {k: v.clone() for k, v in model.state_dict().items()}
     report = load_weights(model, tmp_path / "PixArt-Sigma-XL-2-2K-MS.pth")
     spatial = [k for k in ref if k.startswith("spatial_blocks.") and "_norm." not in k]
-    shared = [k for k in ref if k.startswith(("x_embedder", "t_embedder", "t_block", "y_embedder.y_proj", "final_layer"))]
+    shared = [
+        k for k in ref if k.startswith(("x_embedder", "t_embedder", "t_block", "y_embedder.y_proj", "final_layer"))
+    ]
     _assert_state(model, ref, spatial + shared)
     ye = pix["y_embedder.y_embedding"]
     expect = torch.cat([ye, ye[-1:].expand(16 - rows, -1)]) if rows < 16 else ye[:16]
@@ -401,9 +424,12 @@ def test_bf16_matches_fp32_and_trains(tiny, cases):
     model = STDiT3(fixture_config()).eval()
     model.load_state_dict(load_file(FIX / "stdit3_tiny.safetensors"))
     model = model.to(torch.bfloat16)
-    norms = []                                  # (module, input, output) of every qk RMSNorm call
-    hooks = [m.register_forward_hook(lambda m, i, o: norms.append((m, i[0], o)))
-             for m in model.modules() if isinstance(m, RMSNorm)]
+    norms = []  # (module, input, output) of every qk RMSNorm call
+    hooks = [
+        m.register_forward_hook(lambda m, i, o: norms.append((m, i[0], o)))
+        for m in model.modules()
+        if isinstance(m, RMSNorm)
+    ]
     with torch.no_grad():
         ref, out = tiny(**kw), model(**kw)
     for h in hooks:
@@ -415,7 +441,7 @@ def test_bf16_matches_fp32_and_trains(tiny, cases):
     # max 0.0486): no bound on the output can tell. So each norm call of that forward is checked
     # against LlamaRMSNorm's formula (statistics in fp32, the weight applied in the input dtype),
     # on inputs where the bf16 statistics give other values.
-    assert len(norms) == 4 * 2                           # 4 blocks (spatial, temporal) x (q, k)
+    assert len(norms) == 4 * 2  # 4 blocks (spatial, temporal) x (q, k)
     wrong = 0
     for m, x, y in norms:
         assert x.dtype == y.dtype == torch.bfloat16
@@ -424,7 +450,7 @@ def test_bf16_matches_fp32_and_trains(tiny, cases):
         torch.testing.assert_close(y, want, atol=0, rtol=0)
         in_bf16 = m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.eps))
         wrong += int((in_bf16 != want).sum())
-    assert wrong > 0.1 * sum(x.numel() for _, x, _ in norms), wrong     # observed 35187 of 122880 elements
+    assert wrong > 0.1 * sum(x.numel() for _, x, _ in norms), wrong  # observed 35187 of 122880 elements
     model.train().set_grad_checkpointing(True)
     model(**kw, caption_drop=torch.tensor([True, False]))[:, :4].square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)

@@ -27,12 +27,17 @@ def upstream():
     spatial = {k: v for k, v in cfg["spatial_autoencoderkl_config"].items() if not k.startswith("_")}
     t = cfg["pipeline"]["vae_temporal"]
     assert (t["in_out_channels"], t["latent_embed_dim"], t["embed_dim"], t["activation_fn"]) == (4, 4, 4, "swish")
-    temporal = dict(filters=t["filters"], num_res_blocks=t["num_res_blocks"], multipliers=tuple(t["channel_multipliers"]),
-                    temporal_down=tuple(t["temporal_downsample"]), groups=t["num_groups"])
+    temporal = dict(
+        filters=t["filters"],
+        num_res_blocks=t["num_res_blocks"],
+        multipliers=tuple(t["channel_multipliers"]),
+        temporal_down=tuple(t["temporal_downsample"]),
+        groups=t["num_groups"],
+    )
     assert cfg["pipeline"]["micro_frame_size"] == 17 and cfg["spatial_scaling_factor_used"] == 0.18215
     state = load_file(str(FIX / "vae_tiny.safetensors"))
     model = OpenSoraVAE(spatial=spatial, temporal=temporal).eval()
-    model.load_upstream(state, source="vae_tiny.safetensors")      # strict: every key consumed
+    model.load_upstream(state, source="vae_tiny.safetensors")  # strict: every key consumed
     return model, state, load_file(str(FIX / "vae_cases.safetensors"))
 
 
@@ -42,7 +47,7 @@ def test_mode_path_matches_every_stage(upstream):
         got = model.encode_stages(case["video"])
     for k in ("spatial_mean", "spatial_logvar", "x_z", "temporal_mean", "temporal_logvar", "z"):
         torch.testing.assert_close(got[k], case[f"mode.{k}"], **LAT, msg=lambda m, k=k: f"mode.{k}: {m}")
-    mean, logvar = model.encode(case["video"])                      # what the cache stores
+    mean, logvar = model.encode(case["video"])  # what the cache stores
     torch.testing.assert_close(mean, case["mode.z"], **LAT)
     scale = torch.tensor([3.85, 2.32, 2.33, 3.06]).view(1, 4, 1, 1, 1)
     torch.testing.assert_close(logvar, case["mode.temporal_logvar"] - 2 * torch.log(scale), **LAT)
@@ -55,8 +60,9 @@ def test_mode_path_matches_every_stage(upstream):
 def test_sampling_path_with_upstream_noise(upstream):
     model, _, case = upstream
     with torch.no_grad():
-        got = model.encode_stages(case["video"], spatial_eps=case["sample.spatial_eps"],
-                                  temporal_eps=case["sample.temporal_eps"])
+        got = model.encode_stages(
+            case["video"], spatial_eps=case["sample.spatial_eps"], temporal_eps=case["sample.temporal_eps"]
+        )
     for k in ("x_z", "temporal_mean", "temporal_logvar", "z"):
         torch.testing.assert_close(got[k], case[f"sample.{k}"], **LAT, msg=lambda m, k=k: f"sample.{k}: {m}")
 
@@ -73,11 +79,14 @@ def test_checkpoint_buffers_are_checked_and_every_key_consumed(upstream, tmp_pat
     from reelcache.cache.opensora_vae import OpenSoraVAE
 
     model, state, _ = upstream
-    spatial = {k: v for k, v in json.loads((FIX / "vae_config.json").read_text())["spatial_autoencoderkl_config"].items()
-               if not k.startswith("_")}
+    spatial = {
+        k: v
+        for k, v in json.loads((FIX / "vae_config.json").read_text())["spatial_autoencoderkl_config"].items()
+        if not k.startswith("_")
+    }
     temporal = dict(filters=4, num_res_blocks=2, multipliers=(1, 2, 2, 4), temporal_down=(False, True, True), groups=2)
     save_file(state, str(tmp_path / "model.safetensors"))
-    OpenSoraVAE.from_checkpoint(tmp_path, spatial=spatial, temporal=temporal)      # the file as a folder
+    OpenSoraVAE.from_checkpoint(tmp_path, spatial=spatial, temporal=temporal)  # the file as a folder
     bad = dict(state, scale=state["scale"] * 1.5)
     with pytest.raises(ValueError, match="stored scale"):
         OpenSoraVAE(spatial=spatial, temporal=temporal).load_upstream(bad)

@@ -14,15 +14,21 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ingest, sql
+
 from reelcache.cli import main
 from reelcache.ingest.filters import Reason
 
 EXPECTED_REJECTS = {
-    "bad_row": "broken_row.mp4", "duplicate_row": None, "empty_caption": None,
-    "missing_file": "not_there.mp4", "empty_file": "zero_bytes.mp4", "too_large": "huge_noise.mp4",
-    "no_video_stream": "audio_only.mp4", "undecodable": "random_bytes.mp4", "truncated": "cut_in_half.mp4",
+    "bad_row": "broken_row.mp4",
+    "duplicate_row": None,
+    "empty_caption": None,
+    "missing_file": "not_there.mp4",
+    "empty_file": "zero_bytes.mp4",
+    "too_large": "huge_noise.mp4",
+    "no_video_stream": "audio_only.mp4",
+    "undecodable": "random_bytes.mp4",
+    "truncated": "cut_in_half.mp4",
     "too_short": "short_clip.mp4",
 }
 
@@ -33,26 +39,33 @@ def _csv_rows(data: Path) -> int:
 
 
 def test_every_row_accounted_for(ingested, demo_dataset):
-    (n,), = sql(ingested, "SELECT count(*) FROM clips")
+    ((n,),) = sql(ingested, "SELECT count(*) FROM clips")
     assert n == _csv_rows(demo_dataset)
-    (distinct,), = sql(ingested, "SELECT count(DISTINCT clip_id) FROM clips")
+    ((distinct,),) = sql(ingested, "SELECT count(DISTINCT clip_id) FROM clips")
     assert distinct == n
-    rows = sql(ingested, "SELECT \"row\" FROM clips ORDER BY 1")
-    assert [r for r, in rows] == list(range(n))
-    bad = sql(ingested, "SELECT count(*) FROM clips WHERE status NOT IN ('ok','rejected') "
-                        "OR (status = 'rejected') = (reject_reason IS NULL)")
+    rows = sql(ingested, 'SELECT "row" FROM clips ORDER BY 1')
+    assert [r for (r,) in rows] == list(range(n))
+    bad = sql(
+        ingested,
+        "SELECT count(*) FROM clips WHERE status NOT IN ('ok','rejected') "
+        "OR (status = 'rejected') = (reject_reason IS NULL)",
+    )
     assert bad == [(0,)]
 
 
 def test_every_reject_reason_comes_from_a_real_bad_input(ingested):
-    got = dict(sql(ingested, "SELECT reject_reason, list(relpath ORDER BY relpath) FROM clips "
-                             "WHERE status = 'rejected' GROUP BY 1"))
+    got = dict(
+        sql(
+            ingested,
+            "SELECT reject_reason, list(relpath ORDER BY relpath) FROM clips WHERE status = 'rejected' GROUP BY 1",
+        )
+    )
     for reason, name in EXPECTED_REJECTS.items():
         assert reason in got, f"no {reason} reject; got {sorted(got)}"
         if name:
             assert name in got[reason], (reason, got[reason])
     assert {"cut_in_half.mp4", "cut_no_moov.mp4", "cut_in_half.mkv"} <= set(got["truncated"])
-    assert "cover_art.m4a" in got["no_video_stream"]              # an attached picture is not video
+    assert "cover_art.m4a" in got["no_video_stream"]  # an attached picture is not video
     from reelcache.ingest.demo import codec_specials
 
     if "vp9" in codec_specials():
@@ -65,8 +78,13 @@ def test_every_encoding_of_the_demo_is_ingested(ingested):
     from reelcache.ingest.demo import codec_specials
 
     specials = codec_specials()
-    got = {r[0]: r[1:] for r in sql(ingested, "SELECT relpath, status, codec, bit_depth, frames_from, width, "
-                                              "height, sar_num, sar_den FROM clips")}
+    got = {
+        r[0]: r[1:]
+        for r in sql(
+            ingested,
+            "SELECT relpath, status, codec, bit_depth, frames_from, width, height, sar_num, sar_den FROM clips",
+        )
+    }
     for key, spec in specials.items():
         status, codec, depth, frames_from, w, h, sn, sd = got[spec.name]
         assert status == "ok", (key, got[spec.name])
@@ -77,8 +95,11 @@ def test_every_encoding_of_the_demo_is_ingested(ingested):
 
 
 def test_probe_metadata_is_consistent(ingested):
-    rows = sql(ingested, "SELECT width, height, aspect_ratio, resolution, fps, fps_num, fps_den, num_frames, "
-                         "duration, noun_count, level, noun_tagger FROM clips WHERE status = 'ok'")
+    rows = sql(
+        ingested,
+        "SELECT width, height, aspect_ratio, resolution, fps, fps_num, fps_den, num_frames, "
+        "duration, noun_count, level, noun_tagger FROM clips WHERE status = 'ok'",
+    )
     assert len(rows) >= 15
     for w, h, ar, res, fps, num, den, nf, dur, nouns, level, tagger in rows:
         assert ar == pytest.approx(h / w) and res == h * w
@@ -86,7 +107,7 @@ def test_probe_metadata_is_consistent(ingested):
         assert dur == pytest.approx(nf / fps, rel=0.05, abs=0.1)
         assert nouns >= 1 and 1 <= level <= 5 and tagger.startswith("textblob")
     mism = sql(ingested, "SELECT stated_mismatch FROM clips WHERE stated_mismatch IS NOT NULL")
-    assert any("num_frames" in m for m, in mism) and any("fps" in m for m, in mism)
+    assert any("num_frames" in m for (m,) in mism) and any("fps" in m for (m,) in mism)
 
 
 def test_shards_read_by_plain_webdataset(ingested):
@@ -105,15 +126,17 @@ def test_shards_read_by_plain_webdataset(ingested):
         meta, video, txt = seen[clip_id]
         original = Path(path).read_bytes()
         assert video == original and txt == text and meta["clip_id"] == clip_id
-        with open(ingested / shard, "rb") as f:   # the recorded offset is random access into the tar
+        with open(ingested / shard, "rb") as f:  # the recorded offset is random access into the tar
             f.seek(offset)
             assert f.read(size) == original
 
 
 def test_merge_is_idempotent_and_incremental(fresh_root):
     def snapshot():
-        return (sql(fresh_root, "SELECT * EXCLUDE (level, noun_pct) FROM clips ORDER BY clip_id"),
-                sql(fresh_root, "SELECT unit, signature, num_rows FROM units ORDER BY 1"))
+        return (
+            sql(fresh_root, "SELECT * EXCLUDE (level, noun_pct) FROM clips ORDER BY clip_id"),
+            sql(fresh_root, "SELECT unit, signature, num_rows FROM units ORDER BY 1"),
+        )
 
     before = snapshot()
     assert main(["catalog", "merge", "--root", str(fresh_root)]) == 0
@@ -138,18 +161,42 @@ def test_merge_is_idempotent_and_incremental(fresh_root):
 
 def test_opensora_export_reads_back(ingested, tmp_path):
     out = tmp_path / "stage1.csv"
-    assert main(["catalog", "export", "--root", str(ingested), "--format", "opensora",
-                 "--where", "height >= 240", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "catalog",
+                "export",
+                "--root",
+                str(ingested),
+                "--format",
+                "opensora",
+                "--where",
+                "height >= 240",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     with open(out, newline="") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["path", "text", "num_frames", "height", "width", "aspect_ratio", "resolution",
-                             "fps", "file_size"]
+    assert list(rows[0]) == [
+        "path",
+        "text",
+        "num_frames",
+        "height",
+        "width",
+        "aspect_ratio",
+        "resolution",
+        "fps",
+        "file_size",
+    ]
     for r in rows:
         assert Path(r["path"]).is_file() and r["text"]
         assert float(r["aspect_ratio"]) == pytest.approx(int(r["height"]) / int(r["width"]))
         assert int(r["resolution"]) == int(r["height"]) * int(r["width"])
         assert int(r["file_size"]) == Path(r["path"]).stat().st_size
-    (n,), = sql(ingested, "SELECT count(*) FROM clips WHERE status='ok' AND height >= 240")
+    ((n,),) = sql(ingested, "SELECT count(*) FROM clips WHERE status='ok' AND height >= 240")
     assert len(rows) == n
 
 
@@ -175,8 +222,20 @@ def test_manifest_is_fingerprinted_and_recorded(fresh_root):
 def test_sql_writes_files_and_explains_errors(ingested, tmp_path, capsys):
     for ext in ("csv", "json", "parquet"):
         out = tmp_path / f"rejects.{ext}"
-        assert main(["catalog", "sql", "--root", str(ingested), "SELECT * FROM clips WHERE status='rejected'",
-                     "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "catalog",
+                    "sql",
+                    "--root",
+                    str(ingested),
+                    "SELECT * FROM clips WHERE status='rejected'",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         assert out.stat().st_size > 0
     assert main(["catalog", "sql", "--root", str(ingested), "SELECT nope FROM clips"]) == 2
     assert "SQL failed" in capsys.readouterr().err
@@ -192,25 +251,54 @@ def test_stats_prints_reasons_and_writes_png(ingested, tmp_path, capsys):
 
 
 def test_replan_with_other_config_is_refused(fresh_root, demo_dataset, capsys):
-    args = ["ingest", "plan", "--root", str(fresh_root), "--source", "openvid", "--meta",
-            str(demo_dataset / "OpenVid-demo.csv"), "--videos", str(demo_dataset / "videos"), "--max-file-mb", "8"]
-    assert main(args + ["--rows-per-unit", "8"]) == 0          # same plan: a no-op
+    args = [
+        "ingest",
+        "plan",
+        "--root",
+        str(fresh_root),
+        "--source",
+        "openvid",
+        "--meta",
+        str(demo_dataset / "OpenVid-demo.csv"),
+        "--videos",
+        str(demo_dataset / "videos"),
+        "--max-file-mb",
+        "8",
+    ]
+    assert main(args + ["--rows-per-unit", "8"]) == 0  # same plan: a no-op
     assert main(args + ["--rows-per-unit", "5"]) == 2
     assert "--replace" in capsys.readouterr().err
 
 
 def _cli(*args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "reelcache", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "reelcache", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+    )
 
 
 def test_sigkill_mid_unit_then_rerun_equals_clean_run(demo_dataset, ingested, tmp_path):
     """Kill a unit right after it made its first shard visible, re-run it, compare with a clean run."""
     root = tmp_path / "killed"
     base = ["--root", str(root)]
-    plan = _cli("ingest", "plan", *base, "--source", "openvid", "--meta", str(demo_dataset / "OpenVid-demo.csv"),
-                "--videos", str(demo_dataset / "videos"), "--rows-per-unit", "8", "--max-file-mb", "8",
-                "--shard-mb", "0.3", "--verify", "decode")
+    plan = _cli(
+        "ingest",
+        "plan",
+        *base,
+        "--source",
+        "openvid",
+        "--meta",
+        str(demo_dataset / "OpenVid-demo.csv"),
+        "--videos",
+        str(demo_dataset / "videos"),
+        "--rows-per-unit",
+        "8",
+        "--max-file-mb",
+        "8",
+        "--shard-mb",
+        "0.3",
+        "--verify",
+        "decode",
+    )
     units = plan.communicate()[0].split()
     assert plan.returncode == 0
     unit = units[0]
@@ -225,7 +313,7 @@ def test_sigkill_mid_unit_then_rerun_equals_clean_run(demo_dataset, ingested, tm
     assert (src / "000000-00.tar").exists()
     from reelcache.catalog.merge import merge
 
-    assert merge(root)["orphans"]                        # the half-done unit is reported, not merged
+    assert merge(root)["orphans"]  # the half-done unit is reported, not merged
     assert sql(root, "SELECT count(*) FROM clips") == [(0,)]
     for u in units:
         assert main(["ingest", "run", *base, u]) == 0
@@ -246,24 +334,54 @@ def test_gnu_parallel_two_slots(demo_dataset, tmp_path):
     if not shutil.which("parallel"):
         pytest.skip("GNU parallel is not installed (apt-get install parallel)")
     root = tmp_path / "par"
-    plan = _cli("ingest", "plan", "--root", str(root), "--source", "openvid", "--meta",
-                str(demo_dataset / "OpenVid-demo.csv"), "--videos", str(demo_dataset / "videos"),
-                "--rows-per-unit", "6", "--max-file-mb", "8")
+    plan = _cli(
+        "ingest",
+        "plan",
+        "--root",
+        str(root),
+        "--source",
+        "openvid",
+        "--meta",
+        str(demo_dataset / "OpenVid-demo.csv"),
+        "--videos",
+        str(demo_dataset / "videos"),
+        "--rows-per-unit",
+        "6",
+        "--max-file-mb",
+        "8",
+    )
     units = plan.communicate()[0]
     (tmp_path / "units.txt").write_text(units)
     assert len(units.split()) >= 4
+
     def run(joblog):
-        cmd = ["parallel", "--will-cite", "-j", "2", "--joblog", str(joblog), sys.executable, "-m", "reelcache",
-               "ingest", "run", "--root", str(root), "{}", "::::", str(tmp_path / "units.txt")]
+        cmd = [
+            "parallel",
+            "--will-cite",
+            "-j",
+            "2",
+            "--joblog",
+            str(joblog),
+            sys.executable,
+            "-m",
+            "reelcache",
+            "ingest",
+            "run",
+            "--root",
+            str(root),
+            "{}",
+            "::::",
+            str(tmp_path / "units.txt"),
+        ]
         done = subprocess.run(cmd, check=True, capture_output=True, text=True)
         log = joblog.read_text().splitlines()[1:]
         assert len(log) == len(units.split()) and all(line.split("\t")[6] == "0" for line in log)
         return done.stderr
 
     run(tmp_path / "joblog1")
-    assert run(tmp_path / "joblog2").count("already done") == len(units.split())   # finished units skip
+    assert run(tmp_path / "joblog2").count("already done") == len(units.split())  # finished units skip
     assert main(["catalog", "merge", "--root", str(root)]) == 0
-    (n,), = sql(root, "SELECT count(*) FROM clips")
+    ((n,),) = sql(root, "SELECT count(*) FROM clips")
     assert n == _csv_rows(demo_dataset)
 
 
@@ -277,10 +395,29 @@ def test_a_file_past_its_deadline_is_a_timeout_reject_and_the_unit_goes_on(demo_
         w.writerow(["long_take.mp4", "A long take of a city street.", 5, 1, 1, "static", "", "", ""])
         w.writerow(["not_there.mp4", "A missing file.", 5, 1, 1, "static", "", "", ""])
     root = tmp_path / "r"
-    assert main(["ingest", "plan", "--root", str(root), "--source", "openvid", "--meta", str(meta), "--videos",
-                 str(demo_dataset / "videos"), "--verify", "decode", "--decode-timeout", "0.005"]) == 0
+    assert (
+        main(
+            [
+                "ingest",
+                "plan",
+                "--root",
+                str(root),
+                "--source",
+                "openvid",
+                "--meta",
+                str(meta),
+                "--videos",
+                str(demo_dataset / "videos"),
+                "--verify",
+                "decode",
+                "--decode-timeout",
+                "0.005",
+            ]
+        )
+        == 0
+    )
     assert main(["ingest", "run", "--root", str(root), "openvid/000000"]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0
-    got = sql(root, "SELECT relpath, reject_reason, reject_detail FROM clips ORDER BY \"row\"")
+    got = sql(root, 'SELECT relpath, reject_reason, reject_detail FROM clips ORDER BY "row"')
     assert [(p, r) for p, r, _ in got] == [("long_take.mp4", "timeout"), ("not_there.mp4", "missing_file")]
     assert "0.005 s" in got[0][2]

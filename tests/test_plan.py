@@ -18,11 +18,15 @@ MIXED = BucketConfig.from_dict({"144p": {17: 4, 33: 2}, "240p": {17: 3, 33: 2}})
 def source(name: str, n: int, weight: float, buckets=("240p/17/0.56",), per_shard: int = 100, seed: int = 0) -> Source:
     """n clips in shards of `per_shard` consecutive members (storage order = clip order)."""
     rng = np.random.default_rng(seed)
-    content = hashlib.sha256(repr((name, n, buckets, per_shard, seed)).encode()).hexdigest()   # plans are cached by it
-    return Source(content, np.array([f"{name}{i:06d}" for i in range(n)], dtype=object),
-                  np.array(buckets, dtype=object)[rng.integers(0, len(buckets), n)],
-                  np.array([f"{name}/{i // per_shard:06d}-00.tar" for i in range(n)], dtype=object),
-                  (np.arange(n, dtype=np.int64) % per_shard) * 4096 + 512, float(weight))
+    content = hashlib.sha256(repr((name, n, buckets, per_shard, seed)).encode()).hexdigest()  # plans are cached by it
+    return Source(
+        content,
+        np.array([f"{name}{i:06d}" for i in range(n)], dtype=object),
+        np.array(buckets, dtype=object)[rng.integers(0, len(buckets), n)],
+        np.array([f"{name}/{i // per_shard:06d}-00.tar" for i in range(n)], dtype=object),
+        (np.arange(n, dtype=np.int64) % per_shard) * 4096 + 512,
+        float(weight),
+    )
 
 
 def batches(plan):
@@ -47,7 +51,7 @@ def test_the_10k_mix_has_no_micro_batch_with_a_clip_twice():
         assert plan.num_batches == 626 and len(plan.order) == 10_000
         assert sum(len(set(b.tolist())) < len(b) for b in batches(plan)) == 0
         gaps = copies_gap(plan)
-        assert len(gaps) == 1000                          # every repeat is there, once
+        assert len(gaps) == 1000  # every repeat is there, once
         # spread: a clip's two copies sit about half an epoch apart, never in neighbouring steps. So a
         # global step of W ranks (W consecutive micro-batches, whatever the resume point) holds no clip
         # twice for any W up to the smallest gap (here >= 156 ranks).
@@ -64,9 +68,9 @@ def test_heavy_upsampling_over_buckets_never_repeats_in_a_batch(weights):
     total = sum(len(s) for s in sources)
     assert len(plan.order) == total
     b_count = round(weights[0] / sum(weights) * total)
-    assert int((plan.order < 40).sum()) == b_count                         # the asked share, exactly
+    assert int((plan.order < 40).sum()) == b_count  # the asked share, exactly
     counts = np.bincount(plan.order[plan.order < 40], minlength=40)
-    assert counts.max() - counts.min() <= 1                               # whole passes, then a subset
+    assert counts.max() - counts.min() <= 1  # whole passes, then a subset
     for i, b in enumerate(batches(plan)):
         assert len(set(b.tolist())) == len(b), f"batch {i} repeats a clip: {b}"
         assert 0 < len(b) <= MIXED.batch_size(plan.buckets[plan.bucket[i]])
@@ -82,13 +86,13 @@ def test_the_plan_is_a_pure_function_and_changes_per_epoch():
     a = epoch_plan(sources, B16, seed=5, epoch=1, block=64)
     _cached_plan.cache_clear()
     _storage_order.cache_clear()
-    fresh = [source("a", 3000, 0.3), source("b", 500, 0.7)]          # equal content, new objects
+    fresh = [source("a", 3000, 0.3), source("b", 500, 0.7)]  # equal content, new objects
     b = epoch_plan(fresh, B16, seed=5, epoch=1, block=64)
     assert a is not b and np.array_equal(a.order, b.order) and np.array_equal(a.starts, b.starts)
     assert a.fingerprint == b.fingerprint
     for other in (epoch_plan(sources, B16, seed=5, epoch=2), epoch_plan(sources, B16, seed=6, epoch=1)):
         assert not np.array_equal(a.order, other.order)
-        assert sorted(a.order.tolist()) != sorted(other.order.tolist())     # b's subset is redrawn too
+        assert sorted(a.order.tolist()) != sorted(other.order.tolist())  # b's subset is redrawn too
 
 
 def test_batches_stay_within_few_storage_regions():
@@ -133,6 +137,6 @@ def test_packed_argsort_is_lexsort():
     from reelcache.train.plan import _argsort
 
     rng = np.random.default_rng(0)
-    for bounds in ([3, 5, 7], [2, 2**20, 2**40], [2**30, 2**30, 2**30]):   # with ties; the last overflows 63 bits
+    for bounds in ([3, 5, 7], [2, 2**20, 2**40], [2**30, 2**30, 2**30]):  # with ties; the last overflows 63 bits
         keys = [rng.integers(0, b, 5000) for b in bounds]
         assert np.array_equal(_argsort(keys, bounds), np.lexsort(keys[::-1]))

@@ -11,14 +11,15 @@ from reelcache.ingest.filters import Reason, Rejected
 from reelcache.ingest.probe import probe
 
 
-@pytest.mark.parametrize("ext,frames_from", [(".mp4", "header"), (".mov", "header"), (".mkv", "demux"),
-                                             (".avi", "demux")])
+@pytest.mark.parametrize(
+    "ext,frames_from", [(".mp4", "header"), (".mov", "header"), (".mkv", "demux"), (".avi", "demux")]
+)
 def test_frame_count_and_rate_without_decoding(tmp_path, ext, frames_from):
     path = tmp_path / f"c{ext}"
     n = write_clip(path, ClipSpec(path.name, 96, 64, Fraction(30000, 1001), 2.0))
     p = probe(str(path))
     assert p["num_frames"] == n == 60 and p["frames_from"] == frames_from
-    if ext != ".avi":      # AVI stores a time base, not the NTSC fraction
+    if ext != ".avi":  # AVI stores a time base, not the NTSC fraction
         assert (p["fps_num"], p["fps_den"]) == (30000, 1001)
     assert (p["width"], p["height"]) == (96, 64) and p["aspect_ratio"] == pytest.approx(64 / 96)
     assert p["duration"] == pytest.approx(n * 1001 / 30000, abs=0.05)
@@ -67,6 +68,7 @@ def test_bad_files_are_rejected_with_their_reason(tmp_path):
 
 # --- the encodings a crawl mixes in, each checked against ffprobe (an independent reading) ---------
 
+
 def _ffprobe(path) -> dict:
     import json
     import shutil
@@ -74,10 +76,25 @@ def _ffprobe(path) -> dict:
 
     if not shutil.which("ffprobe"):
         pytest.skip("ffprobe is not installed (apt-get install ffmpeg): it is this test's reference")
-    out = subprocess.run(["ffprobe", "-v", "error", "-select_streams", "V:0", "-count_frames", "-show_entries",
-                          "stream=codec_name,pix_fmt,width,height,sample_aspect_ratio,display_aspect_ratio,"
-                          "avg_frame_rate,nb_read_frames,bits_per_raw_sample", "-of", "json", str(path)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            "ffprobe",
+            "-v",
+            "error",
+            "-select_streams",
+            "V:0",
+            "-count_frames",
+            "-show_entries",
+            "stream=codec_name,pix_fmt,width,height,sample_aspect_ratio,display_aspect_ratio,"
+            "avg_frame_rate,nb_read_frames,bits_per_raw_sample",
+            "-of",
+            "json",
+            str(path),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(out.stdout)["streams"][0]
 
 
@@ -112,7 +129,7 @@ def test_probe_agrees_with_ffprobe(tmp_path, key):
     assert Fraction(p["fps_num"], p["fps_den"]) == Fraction(ref["avg_frame_rate"])
     assert p["codec"] == ref["codec_name"] and p["pix_fmt"] == ref["pix_fmt"]
     assert (p["coded_width"], p["coded_height"]) == (ref["width"], ref["height"])
-    sar = _ratio(ref.get("sample_aspect_ratio")) or Fraction(1)        # N/A: square pixels
+    sar = _ratio(ref.get("sample_aspect_ratio")) or Fraction(1)  # N/A: square pixels
     assert Fraction(p["sar_num"], p["sar_den"]) == sar
     # the displayed size: ffprobe's display aspect ratio, at the stored height
     assert p["height"] == ref["height"] and p["width"] == round(ref["width"] * sar)
@@ -148,7 +165,7 @@ def test_a_cut_webm_fails_even_full_decode_verification(tmp_path):
     write_clip(full, ClipSpec(full.name, 160, 96, Fraction(25), 6.0, **kw))
     data = full.read_bytes()
     full.write_bytes(data[: len(data) // 2])
-    assert float(_ffprobe_format_duration(full)) == pytest.approx(6.0, abs=0.1)   # the header still says 6 s
+    assert float(_ffprobe_format_duration(full)) == pytest.approx(6.0, abs=0.1)  # the header still says 6 s
     for verify in ("header", "decode"):
         assert _reason(full, verify=verify) == Reason.truncated, verify
 
@@ -157,8 +174,12 @@ def _ffprobe_format_duration(path) -> str:
     import subprocess
 
     _ffprobe(path)
-    return subprocess.run(["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0",
-                           str(path)], check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def test_sar_set_by_ffmpeg_in_matroska_and_with_rotation(tmp_path):
@@ -169,8 +190,27 @@ def test_sar_set_by_ffmpeg_in_matroska_and_with_rotation(tmp_path):
     if not shutil.which("ffmpeg"):
         pytest.skip("ffmpeg is not installed (apt-get install ffmpeg)")
     mkv = tmp_path / "setsar.mkv"
-    subprocess.run(["ffmpeg", "-v", "error", "-f", "lavfi", "-i", "testsrc=size=352x240:rate=25", "-t", "1",
-                    "-vf", "setsar=40/33", "-c:v", "libx264", "-preset", "ultrafast", str(mkv)], check=True)
+    subprocess.run(
+        [
+            "ffmpeg",
+            "-v",
+            "error",
+            "-f",
+            "lavfi",
+            "-i",
+            "testsrc=size=352x240:rate=25",
+            "-t",
+            "1",
+            "-vf",
+            "setsar=40/33",
+            "-c:v",
+            "libx264",
+            "-preset",
+            "ultrafast",
+            str(mkv),
+        ],
+        check=True,
+    )
     ref = _ffprobe(mkv)
     p = probe(str(mkv))
     sar = _ratio(ref["sample_aspect_ratio"])

@@ -15,11 +15,11 @@ import dataclasses
 import re
 import subprocess
 import sys
-import tomllib
 import typing
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from reelcache import UserError
 from reelcache.cache.plan import CacheConfig
@@ -44,8 +44,11 @@ def _tiny_cache() -> dict:
 CONFIGS = {
     "train": (TrainConfig, {"data": {"manifests": [{"name": "m"}], "buckets": "b.toml"}}, train_config._build),
     "cache": (CacheConfig, _tiny_cache(), lambda doc: CacheConfig.from_dict(doc, "tiny.toml")),
-    "ingest": (IngestConfig, {"source": "s", "format": "csv", "videos": "/videos"},
-               lambda doc: build(IngestConfig, doc)),
+    "ingest": (
+        IngestConfig,
+        {"source": "s", "format": "csv", "videos": "/videos"},
+        lambda doc: build(IngestConfig, doc),
+    ),
     "buckets": (BucketConfig, {"table": [["240p", 17, 1.0, 1.0, 4]]}, lambda doc: build(BucketConfig, doc)),
     "eval-preset": (Preset, {"frames": 17, "height": 72, "width": 128, "batch": 2}, lambda doc: build(Preset, doc)),
 }
@@ -54,9 +57,9 @@ CONFIGS = {
 @dataclasses.dataclass
 class Leaf:
     config: str
-    owner: type              # the dataclass that declares it
-    key: str                 # as errors name it: data.manifests[0].weight, table[0].keep
-    path: tuple              # where it sits in the config's table
+    owner: type  # the dataclass that declares it
+    key: str  # as errors name it: data.manifests[0].weight, table[0].keep
+    path: tuple  # where it sits in the config's table
     hint: object
     rule: object
 
@@ -111,9 +114,16 @@ def _takes(hint, v) -> bool:
     if any(_takes(m, v) for m in _members(hint) if m is not hint):
         return True
     origin = typing.get_origin(hint) or hint
-    return {int: type(v) is int, float: type(v) in (int, float), bool: type(v) is bool, str: type(v) is str,
-            type(None): v is None, list: type(v) is list, tuple: type(v) is list, dict: type(v) is dict,
-            }.get(origin, dataclasses.is_dataclass(origin) and type(v) is dict)
+    return {
+        int: type(v) is int,
+        float: type(v) in (int, float),
+        bool: type(v) is bool,
+        str: type(v) is str,
+        type(None): v is None,
+        list: type(v) is list,
+        tuple: type(v) is list,
+        dict: type(v) is dict,
+    }.get(origin, dataclasses.is_dataclass(origin) and type(v) is dict)
 
 
 def _outside(hint, r) -> list:
@@ -122,8 +132,11 @@ def _outside(hint, r) -> list:
     origin, args = typing.get_origin(scalar), typing.get_args(scalar)
     element = args[-1] if origin in (list, dict) else args[0] if origin is tuple else scalar
     step = 1 if element is int else 0.5
-    bad = [v for v in (r.ge - step if r.ge is not None else None, r.gt, r.lt,
-                       r.le + step if r.le is not None else None) if v is not None]
+    bad = [
+        v
+        for v in (r.ge - step if r.ge is not None else None, r.gt, r.lt, r.le + step if r.le is not None else None)
+        if v is not None
+    ]
     if r.choices is not None:
         bad.append("not-a-choice")
     if r.pattern is not None:
@@ -145,22 +158,33 @@ def _assert_one_line_naming(e: pytest.ExceptionInfo, key: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 
+
 def test_every_field_declares_itself():
-    undeclared = [f"{c.__name__}.{f.name}" for c in CLASSES for f in dataclasses.fields(c)
-                  if rule_of(f) is None or not rule_of(f).doc]
+    undeclared = [
+        f"{c.__name__}.{f.name}"
+        for c in CLASSES
+        for f in dataclasses.fields(c)
+        if rule_of(f) is None or not rule_of(f).doc
+    ]
     assert not undeclared, f"declare these with reelcache.settings.setting(default, doc, ...): {undeclared}"
 
 
 # Fields whose only rule is their type (their values are checked across fields, or are free-form).
-UNRANGED = {"train": {"data.buckets", "model.overrides"}, "cache": {"extra", "video_encoder.extra",
-                                                                    "text_encoder.extra"}}
+UNRANGED = {
+    "train": {"data.buckets", "model.overrides"},
+    "cache": {"extra", "video_encoder.extra", "text_encoder.extra"},
+}
 
 
 def test_every_field_that_can_have_a_range_has_one():
     def plain(leaf):
-        return all(m in (bool, type(None)) or dataclasses.is_dataclass(m) or
-                   (typing.get_origin(m) is list and dataclasses.is_dataclass(typing.get_args(m)[0]))
-                   for m in _members(leaf.hint))
+        return all(
+            m in (bool, type(None))
+            or dataclasses.is_dataclass(m)
+            or (typing.get_origin(m) is list and dataclasses.is_dataclass(typing.get_args(m)[0]))
+            for m in _members(leaf.hint)
+        )
+
     unranged = {(leaf.config, leaf.key) for leaf in LEAVES if not leaf.rule.bounded and not plain(leaf)}
     assert unranged == {(c, k) for c, keys in UNRANGED.items() for k in keys}
 
@@ -172,8 +196,10 @@ def test_the_smallest_table_is_valid(name):
 
 def test_the_defaults_are_valid():
     for c in CLASSES:
-        if all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-               for f in dataclasses.fields(c)):
+        if all(
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            for f in dataclasses.fields(c)
+        ):
             check(c())
     for p in PRESETS.values():
         check(p)
@@ -203,8 +229,11 @@ def test_a_value_out_of_range_is_one_line_naming_the_key(leaf):
         assert "expected" in str(e.value)
 
 
-@pytest.mark.parametrize("leaf", [leaf for leaf in RANGED if leaf.rule.ge is not None or leaf.rule.le is not None],
-                         ids=lambda leaf: f"{leaf.config}:{leaf.key}")
+@pytest.mark.parametrize(
+    "leaf",
+    [leaf for leaf in RANGED if leaf.rule.ge is not None or leaf.rule.le is not None],
+    ids=lambda leaf: f"{leaf.config}:{leaf.key}",
+)
 def test_the_bounds_themselves_are_allowed(leaf):
     scalar = next(m for m in _members(leaf.hint) if m is not type(None))
     origin, args = typing.get_origin(scalar), typing.get_args(scalar)
@@ -224,12 +253,14 @@ def test_the_issue_examples_say_exactly_what_is_allowed():
     assert error("run.ckpt_every=-3") == "run.ckpt_every = -3: expected an integer >= 0"
     assert error("flow.caption_dropout=1.5") == "flow.caption_dropout = 1.5: expected a number in [0, 1]"
     assert error("optim.betas=[0.9]") == "optim.betas = [0.9]: expected a list of 2 numbers in [0, 1)"
-    assert error('data.manifests=[{name="a", weight=[0.5, -1]}]') == \
-        "data.manifests[0].weight = [0.5, -1]: expected a number >= 0 or a list of numbers >= 0"
+    assert (
+        error('data.manifests=[{name="a", weight=[0.5, -1]}]')
+        == "data.manifests[0].weight = [0.5, -1]: expected a number >= 0 or a list of numbers >= 0"
+    )
     assert error("run.compile=1") == "run.compile = 1: expected true or false"
     assert error("optim=3") == "optim = 3: expected a table"
     assert error("optim.lr=inf") == "optim.lr = inf: expected a number >= 0"
-    assert load_config(STAGE, ["optim.lr=0.0", "run.ckpt_every=0"]).optim.lr == 0.0   # 0: frozen; 0: at the end
+    assert load_config(STAGE, ["optim.lr=0.0", "run.ckpt_every=0"]).optim.lr == 0.0  # 0: frozen; 0: at the end
 
 
 def test_model_overrides_are_stdit3_fields_of_their_type():
@@ -263,6 +294,7 @@ def test_a_bad_bucket_file_is_one_line_naming_it_before_training(tmp_path):
 
 
 # -- the command line -------------------------------------------------------------------------
+
 
 def _actions(parser: argparse.ArgumentParser, prog=""):
     for a in parser._actions:
@@ -308,22 +340,29 @@ def test_option_choices_are_the_configs():
     assert choices("eval serve", "--preset") == choices("eval once", "--preset") == tuple(PRESETS)
 
 
-@pytest.mark.parametrize("override,line", [
-    ("--optim.lr=abc", "optim.lr = 'abc': expected a number >= 0"),
-    ("--run.epochs=2.5", "run.epochs = 2.5: expected an integer >= 1"),
-    ("--run.ckpt_every=-3", "run.ckpt_every = -3: expected an integer >= 0"),
-    ("--flow.caption_dropout=1.5", "flow.caption_dropout = 1.5: expected a number in [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("--optim.lr=abc", "optim.lr = 'abc': expected a number >= 0"),
+        ("--run.epochs=2.5", "run.epochs = 2.5: expected an integer >= 1"),
+        ("--run.ckpt_every=-3", "run.ckpt_every = -3: expected an integer >= 0"),
+        ("--flow.caption_dropout=1.5", "flow.caption_dropout = 1.5: expected a number in [0, 1]"),
+    ],
+)
 def test_train_refuses_a_bad_value_in_one_line_before_any_work(tmp_path, capsys, override, line):
     assert main(["train", str(STAGE), "--root", str(tmp_path), override]) == 2
     out, err = capsys.readouterr()
     assert err == f"reelcache: error: {line}\n" and not out
-    assert not list(tmp_path.iterdir())                 # no run directory, no file
+    assert not list(tmp_path.iterdir())  # no run directory, no file
 
 
 def test_train_command_exits_2_without_a_traceback(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "reelcache", "train", str(STAGE), "--root", str(tmp_path),
-                        "--optim.lr=abc"], capture_output=True, text=True, cwd=REPO)
+    p = subprocess.run(
+        [sys.executable, "-m", "reelcache", "train", str(STAGE), "--root", str(tmp_path), "--optim.lr=abc"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert p.returncode == 2 and p.stderr == "reelcache: error: optim.lr = 'abc': expected a number >= 0\n", p.stderr
     assert not list(tmp_path.iterdir())
 
@@ -334,16 +373,23 @@ def test_options_and_config_files_of_other_stages(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([*plan, "--workers", "-1"])
     assert e.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == \
-        "reelcache ingest plan: error: argument --workers: expected an integer >= 1, got '-1'"
+    assert (
+        capsys.readouterr().err.splitlines()[-1]
+        == "reelcache ingest plan: error: argument --workers: expected an integer >= 1, got '-1'"
+    )
     conf = tmp_path / "ingest.toml"
     conf.write_text("[thresholds]\nmin_frames = 2.5\n")
     assert main([*plan, "--config", str(conf)]) == 2
-    assert capsys.readouterr().err == \
-        f"reelcache: error: {conf}: thresholds.min_frames = 2.5: expected an integer >= 0\n"
+    assert (
+        capsys.readouterr().err == f"reelcache: error: {conf}: thresholds.min_frames = 2.5: expected an integer >= 0\n"
+    )
     cache = tmp_path / "cache.toml"
-    cache.write_text((REPO / "configs" / "cache" / "tiny.toml").read_text().replace("batch_size = 4", "batch_size = 0")
-                     .replace('"configs/buckets', f'"{REPO}/configs/buckets'))
+    cache.write_text(
+        (REPO / "configs" / "cache" / "tiny.toml")
+        .read_text()
+        .replace("batch_size = 4", "batch_size = 0")
+        .replace('"configs/buckets', f'"{REPO}/configs/buckets')
+    )
     assert main(["cache", "plan", "--root", str(tmp_path), "--config", str(cache)]) == 2
     assert capsys.readouterr().err == f"reelcache: error: {cache}: batch_size = 0: expected an integer >= 1\n"
     assert not (tmp_path / "root").exists() and not (tmp_path / "latents").exists()

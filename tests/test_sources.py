@@ -22,9 +22,26 @@ def _write_csv(path, header, rows):
 
 
 def mira_row(i, path):
-    return [f"mira{i}", "youtube", f"https://example.invalid/{i}", f"vid{i}", 1280, 720, 30, 12.5,
-            "['0:00:01.000', '0:00:13.500']", 375, "[30, 405]", path, f"short {i}", f"dense caption {i} " * 40,
-            "bg", "main object", "style", "camera pans"]
+    return [
+        f"mira{i}",
+        "youtube",
+        f"https://example.invalid/{i}",
+        f"vid{i}",
+        1280,
+        720,
+        30,
+        12.5,
+        "['0:00:01.000', '0:00:13.500']",
+        375,
+        "[30, 405]",
+        path,
+        f"short {i}",
+        f"dense caption {i} " * 40,
+        "bg",
+        "main object",
+        "style",
+        "camera pans",
+    ]
 
 
 def test_openvid_header_is_checked_and_other_format_named(tmp_path):
@@ -39,9 +56,11 @@ def test_openvid_header_is_checked_and_other_format_named(tmp_path):
 
 
 def test_openvid_rows_scores_and_stated_metadata(tmp_path):
-    rows = [["a.mp4", "A dog.", "5.1", "2.0", "0.97", "pan_left", "120", "30", "4.0"],
-            ["sub/b.mp4", "A cat.", "x", "", "", "static", "abc", "", ""],
-            ["a.mp4", "Again.", "5", "1", "1", "static", "1", "1", "1"]]
+    rows = [
+        ["a.mp4", "A dog.", "5.1", "2.0", "0.97", "pan_left", "120", "30", "4.0"],
+        ["sub/b.mp4", "A cat.", "x", "", "", "static", "abc", "", ""],
+        ["a.mp4", "Again.", "5", "1", "1", "static", "1", "1", "1"],
+    ]
     meta = _write_csv(tmp_path / "OpenVid.csv", OPENVID_COLUMNS, rows)
     with open(meta, "a") as f:
         f.write("short,row\n")
@@ -49,10 +68,10 @@ def test_openvid_rows_scores_and_stated_metadata(tmp_path):
     assert len(t) == 4 and [r["row"] for r in t] == [0, 1, 2, 3]
     assert t[0]["aesthetic_score"] == 5.1 and t[0]["stated_num_frames"] == 120 and t[0]["camera_motion"] == "pan_left"
     assert t[0]["path"] == str(tmp_path / "a.mp4") and t[1]["relpath"] == "sub/b.mp4"
-    assert t[1]["aesthetic_score"] is None and t[1]["stated_num_frames"] is None     # unparseable -> NULL, row kept
+    assert t[1]["aesthetic_score"] is None and t[1]["stated_num_frames"] is None  # unparseable -> NULL, row kept
     assert t[2]["duplicate_of"] == 0 and t[2]["clip_id"] != t[0]["clip_id"]
     assert t[3]["row_error"] and "2 fields" in t[3]["row_error"]
-    assert t[0]["clip_id"] == clip_id("openvid", "a.mp4")                           # stable across runs
+    assert t[0]["clip_id"] == clip_id("openvid", "a.mp4")  # stable across runs
 
 
 def test_miradata_caption_must_be_chosen_and_all_are_kept(tmp_path):
@@ -75,7 +94,9 @@ def test_generic_csv_and_parquet_with_opensora_columns(tmp_path):
     meta = _write_csv(tmp_path / "m.csv", ["path", "text"], [["x.mp4", "t"]])
     assert read_source("csv", "mine", str(meta), str(tmp_path)).num_rows == 1
     with pytest.raises(UserError, match="'text'"):
-        read_source("csv", "mine", str(_write_csv(tmp_path / "n.csv", ["path", "caption"], [["x", "y"]])), str(tmp_path))
+        read_source(
+            "csv", "mine", str(_write_csv(tmp_path / "n.csv", ["path", "caption"], [["x", "y"]])), str(tmp_path)
+        )
 
 
 def test_folder_with_sidecar_captions(tmp_path):
@@ -95,6 +116,7 @@ def test_miradata_parquet_and_folder_sources_end_to_end(tmp_path):
     from fractions import Fraction
 
     from conftest import sql
+
     from reelcache.cli import main
     from reelcache.ingest.demo import ClipSpec, write_clip
 
@@ -105,29 +127,45 @@ def test_miradata_parquet_and_folder_sources_end_to_end(tmp_path):
         write_clip(videos / rel, ClipSpec(Path(rel).name, w, h, Fraction(25), 1.0))
         (videos / rel).with_suffix(".txt").write_text(f"Folder caption of {rel}.")
     mira = _write_csv(tmp_path / "mira.csv", MIRADATA_COLUMNS, [mira_row(i, rel) for i, rel in enumerate(files)])
-    table = [{"path": rel, "text": f"Parquet caption of {rel}.", "num_frames": 25, "fps": 25.0,
-              "height": h, "width": w + (8 if rel == "c.mp4" else 0)} for rel, (w, h) in files.items()]
+    table = [
+        {
+            "path": rel,
+            "text": f"Parquet caption of {rel}.",
+            "num_frames": 25,
+            "fps": 25.0,
+            "height": h,
+            "width": w + (8 if rel == "c.mp4" else 0),
+        }
+        for rel, (w, h) in files.items()
+    ]
     pq.write_table(pa.Table.from_pylist(table), tmp_path / "table.parquet")
     root = tmp_path / "root"
     units = []
-    for args in (["--source", "miradata", "--caption", "dense", "--meta", str(mira)],
-                 ["--source", "parquet", "--name", "pq", "--meta", str(tmp_path / "table.parquet")],
-                 ["--source", "folder", "--name", "fold"]):
+    for args in (
+        ["--source", "miradata", "--caption", "dense", "--meta", str(mira)],
+        ["--source", "parquet", "--name", "pq", "--meta", str(tmp_path / "table.parquet")],
+        ["--source", "folder", "--name", "fold"],
+    ):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            assert main(["ingest", "plan", "--root", str(root), "--videos", str(videos), "--rows-per-unit", "2",
-                         *args]) == 0
+            assert (
+                main(["ingest", "plan", "--root", str(root), "--videos", str(videos), "--rows-per-unit", "2", *args])
+                == 0
+            )
         units += buf.getvalue().split()
     assert main(["ingest", "run", "--root", str(root), *units]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0
-    rows = sql(root, "SELECT source, relpath, status, text, width, height, stated_width, stated_height, "
-                     "stated_mismatch, mira_clip_id, caption_column, path, shard, shard_offset, file_size "
-                     "FROM clips ORDER BY source, relpath")
+    rows = sql(
+        root,
+        "SELECT source, relpath, status, text, width, height, stated_width, stated_height, "
+        "stated_mismatch, mira_clip_id, caption_column, path, shard, shard_offset, file_size "
+        "FROM clips ORDER BY source, relpath",
+    )
     assert len(rows) == 9 and len({(r[0], r[1]) for r in rows}) == 9
-    assert len(sql(root, "SELECT DISTINCT clip_id FROM clips")) == 9      # same file, three sources, three ids
+    assert len(sql(root, "SELECT DISTINCT clip_id FROM clips")) == 9  # same file, three sources, three ids
     for source, rel, status, text, w, h, sw, sh, mism, mira_id, capcol, path, shard, off, size in rows:
         assert status == "ok" and (w, h) == files[rel], (source, rel)
-        with open(root / shard, "rb") as f:                                  # real bytes at the recorded offset
+        with open(root / shard, "rb") as f:  # real bytes at the recorded offset
             f.seek(off)
             assert f.read(size) == Path(path).read_bytes()
         if source == "miradata":

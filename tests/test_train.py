@@ -18,11 +18,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-
 from latent_data import write_latents
 from wandb_files import history, run_files
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/train/debug/stage1.toml"
@@ -30,9 +33,14 @@ CONFIG = REPO / "configs/train/debug/stage1.toml"
 
 def data_args(manifest: Path, *extra: str) -> list[str]:
     """Overrides that point the debug stage at a test root (8-wide captions, tiny buckets)."""
-    return [f'--data.manifests=[{{name="{manifest}"}}]', '--data.buckets="configs/buckets/tiny.toml"',
-            "--model.overrides={caption_channels=8, model_max_length=300}", "--data.workers=1",
-            "--run.wandb_mode=disabled", *extra]
+    return [
+        f'--data.manifests=[{{name="{manifest}"}}]',
+        '--data.buckets="configs/buckets/tiny.toml"',
+        "--model.overrides={caption_channels=8, model_max_length=300}",
+        "--data.workers=1",
+        "--run.wandb_mode=disabled",
+        *extra,
+    ]
 
 
 def _port() -> int:
@@ -41,23 +49,36 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(root: Path, args: list[str], nproc: int = 1, entry: list[str] = ("-m", "reelcache.train"),
-           env: dict | None = None, **kw) -> subprocess.Popen:
+def launch(
+    root: Path,
+    args: list[str],
+    nproc: int = 1,
+    entry: list[str] = ("-m", "reelcache.train"),
+    env: dict | None = None,
+    **kw,
+) -> subprocess.Popen:
     """The trainer on nproc ranks (torchrun beyond 1); entry: the program each rank runs."""
     env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})}
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_port())]
-    return subprocess.Popen(cmd + [*entry, str(CONFIG), "--root", str(root), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            **kw)
+    return subprocess.Popen(
+        cmd + [*entry, str(CONFIG), "--root", str(root), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
 
 
 def train(root: Path, args: list[str], nproc: int = 1, ok: bool = True, timeout: float = 240, **kw) -> str:
     p = launch(root, args, nproc, **kw)
     try:
         out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:           # the launcher and every rank go, not just the launcher
+    except subprocess.TimeoutExpired:  # the launcher and every rank go, not just the launcher
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
         pytest.fail(f"training did not finish in {timeout:.0f} s:\n{out[-4000:]}")
@@ -101,12 +122,15 @@ def spike_clips(run_dir: Path, step: int) -> set[str]:
     """README's metrics x consumed join (without the catalog), for one global step."""
     import duckdb
 
-    return {c for (c,) in duckdb.sql(f"""
+    return {
+        c
+        for (c,) in duckdb.sql(f"""
         SELECT c.clip_id FROM '{run_dir}/metrics/*.parquet' m
         JOIN '{run_dir}/consumed/*.parquet' c
           ON c.generation = m.generation AND c.epoch = m.epoch AND c.step = m.epoch_step
         WHERE m.step = {step} AND NOT c.pad
-        QUALIFY m.generation = max(m.generation) OVER (PARTITION BY m.step)""").fetchall()}
+        QUALIFY m.generation = max(m.generation) OVER (PARTITION BY m.step)""").fetchall()
+    }
 
 
 def complete(ckpt: Path) -> bool:
@@ -117,8 +141,10 @@ def complete(ckpt: Path) -> bool:
             return False
         if any(not (ckpt / part / f).exists() for f in set(json.loads(index.read_text())["weight_map"].values())):
             return False
-    return all((ckpt / f).exists() for f in ("state.json", "config.json", "optimizer/state.safetensors",
-                                               "optimizer/optimizer.json"))
+    return all(
+        (ckpt / f).exists()
+        for f in ("state.json", "config.json", "optimizer/state.safetensors", "optimizer/optimizer.json")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +155,11 @@ def root(tmp_path_factory) -> tuple[Path, Path]:
 
 # The two paths a run takes: ZeRO-2 (what GPU nodes run; here its CPU mode over gloo, bf16 working
 # weights and fp32 masters) and DDP (the CPU default).
-PLUGINS = {"ddp": ["--run.plugin=ddp"], "zero2-bf16": ["--run.plugin=zero2", "--model.dtype=bf16"],
-           "zero2-fp32": ["--run.plugin=zero2", "--model.dtype=fp32"]}
+PLUGINS = {
+    "ddp": ["--run.plugin=ddp"],
+    "zero2-bf16": ["--run.plugin=zero2", "--model.dtype=bf16"],
+    "zero2-fp32": ["--run.plugin=zero2", "--model.dtype=fp32"],
+}
 
 
 @pytest.mark.parametrize("plugin", ["ddp", "zero2-bf16"])
@@ -141,15 +170,15 @@ def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root, plugin):
     train(r, args + [f"--run.name=whole-{plugin}"], nproc=2)
     whole = metrics(r / f"runs/whole-{plugin}")
     steps = sorted(whole)
-    assert steps == list(range(len(steps))) and len(steps) == 15        # 10 micro-batches/epoch on 2 ranks
+    assert steps == list(range(len(steps))) and len(steps) == 15  # 10 micro-batches/epoch on 2 ranks
     first, last = [whole[s]["loss"] for s in steps[:5]], [whole[s]["loss"] for s in steps[-5:]]
-    assert sum(last) / 5 < 0.8 * sum(first) / 5, (first, last)          # it learns the tiny set
+    assert sum(last) / 5 < 0.8 * sum(first) / 5, (first, last)  # it learns the tiny set
 
     run = r / f"runs/killed-{plugin}"
     seen_partial = []
     stop = threading.Event()
 
-    def watch():                                     # a reader never sees a half-written checkpoint
+    def watch():  # a reader never sees a half-written checkpoint
         while not stop.is_set():
             for c in run.glob("ckpt-*"):
                 if c.is_dir() and not complete(c):
@@ -181,8 +210,11 @@ def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root, plugin):
     assert {resumed[s]["generation"] for s in steps if s >= 8} == {1}
     assert consumed(run) == consumed(r / f"runs/whole-{plugin}")
     # The README's join: which clips did global step 12 (epoch 2) train on, after the kill and resume.
-    assert spike_clips(run, 12) == spike_clips(r / f"runs/whole-{plugin}", 12) == {
-        c for (e, st, _, c) in consumed(run) if (e, st) == (2, 12 - 10)}
+    assert (
+        spike_clips(run, 12)
+        == spike_clips(r / f"runs/whole-{plugin}", 12)
+        == {c for (e, st, _, c) in consumed(run) if (e, st) == (2, 12 - 10)}
+    )
     a, b = weights(r / f"runs/whole-{plugin}/ckpt-00000015"), weights(run / "ckpt-00000015")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     ea, eb = weights(r / f"runs/whole-{plugin}/ckpt-00000015", "ema"), weights(run / "ckpt-00000015", "ema")
@@ -205,7 +237,7 @@ def ema_rule_error(before: Path, after: Path) -> float:
     assert e0.keys() == e1.keys() and 0 < d < 1
     moved = torch.cat([(e1[k] - e0[k]).flatten() for k in e1])
     rule = torch.cat([((1 - d) * (w1[k] - e0[k])).flatten() for k in e1])
-    assert rule.norm() > 1e-3                      # lr > 0: the weights moved away from the EMA
+    assert rule.norm() > 1e-3  # lr > 0: the weights moved away from the EMA
     return float((moved - rule).norm() / rule.norm())
 
 
@@ -218,7 +250,7 @@ def test_init_from_load_and_reset_data(root):
     assert (state["global_step"], state["loader"]["epoch"], state["loader"]["consumed"]) == (4, 0, 4)
     a = checkpoints(r / "runs/a")
     errs = [ema_rule_error(a[k - 1], a[k]) for k in (2, 3, 4)]
-    assert max(errs) < 1e-2, errs                  # observed <= 3.4e-4
+    assert max(errs) < 1e-2, errs  # observed <= 3.4e-4
 
     # --init-from: weights only. With lr 0 the weights stay as loaded; the EMA starts as them.
     train(r, args + ["--run.name=b", "--run.max_steps=1", "--optim.lr=0.0", "--init-from", str(a4)])
@@ -229,7 +261,7 @@ def test_init_from_load_and_reset_data(root):
     assert all((wa[k] == wb[k]).all() for k in wa)
     import torch
 
-    assert all(torch.allclose(eb[k], wa[k], rtol=1e-6, atol=1e-7) for k in eb)   # 0.99 x + 0.01 x, rounded
+    assert all(torch.allclose(eb[k], wa[k], rtol=1e-6, atol=1e-7) for k in eb)  # 0.99 x + 0.01 x, rounded
 
     # --load: everything, the data position and the EMA included (its update rule holds across the resume).
     train(r, args + ["--run.name=a", "--run.max_steps=6", "--load", "latest"])
@@ -249,7 +281,7 @@ def test_init_from_load_and_reset_data(root):
     s6 = json.loads((r / "runs/e/ckpt-00000006/state.json").read_text())
     assert (s6["global_step"], s6["world_size"], s6["loader"]["consumed"]) == (6, 2, 4 + 2 * 2)
     assert weights(r / "runs/e/ckpt-00000006", "ema").keys() == weights(a4, "ema").keys()
-    e = checkpoints(r / "runs/e")      # the 1-rank EMA, cut into 2 ranks' chunks, updated, gathered
+    e = checkpoints(r / "runs/e")  # the 1-rank EMA, cut into 2 ranks' chunks, updated, gathered
     errs = [ema_rule_error(a4, e[5]), ema_rule_error(e[5], e[6])]
     assert max(errs) < 1e-2, errs
 
@@ -261,8 +293,9 @@ def test_init_from_load_and_reset_data(root):
     buckets = r / "buckets-bs3.toml"
     buckets.write_text((REPO / "configs/buckets/tiny.toml").read_text().replace("17 = [1.0, 4]", "17 = [1.0, 3]"))
     assert buckets.read_text() != (REPO / "configs/buckets/tiny.toml").read_text()
-    out = train(r, args + ["--run.name=d", "--run.max_steps=5", "--load", str(a4), f'--data.buckets="{buckets}"'],
-                ok=False)
+    out = train(
+        r, args + ["--run.name=d", "--run.max_steps=5", "--load", str(a4), f'--data.buckets="{buckets}"'], ok=False
+    )
     assert "--reset-data" in out and "refusing to resume" in out and "batch sizes" in out
     # A run directory with checkpoints is never trained over by accident.
     out = train(r, args + ["--run.name=a"], ok=False)
@@ -279,20 +312,50 @@ def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):
     settings go in a config file), and the offline wandb file holds every step's numbers."""
     r, manifest = root
     cfg = tmp_path / "stage.toml"
-    cfg.write_text(CONFIG.read_text().replace('name = "demo-stage1-tiny"', f'name = "{manifest}"')
-                   .replace("configs/buckets/demo.toml", "configs/buckets/tiny.toml")
-                   .replace("caption_channels = 32", "caption_channels = 8"))
+    cfg.write_text(
+        CONFIG.read_text()
+        .replace('name = "demo-stage1-tiny"', f'name = "{manifest}"')
+        .replace("configs/buckets/demo.toml", "configs/buckets/tiny.toml")
+        .replace("caption_channels = 32", "caption_channels = 8")
+    )
     bindir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([str(bindir / "colossalai"), "run", "--nproc_per_node", "1", "--master_port",
-                        str(_port()), "-m", "reelcache.train", str(cfg), "--root", str(r), "--run.name=logged",
-                        "--run.max_steps=3", "--run.wandb_mode=offline"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            str(bindir / "colossalai"),
+            "run",
+            "--nproc_per_node",
+            "1",
+            "--master_port",
+            str(_port()),
+            "-m",
+            "reelcache.train",
+            str(cfg),
+            "--root",
+            str(r),
+            "--run.name=logged",
+            "--run.max_steps=3",
+            "--run.wandb_mode=offline",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0 and "success" in p.stdout, (p.stdout + p.stderr)[-4000:]
     rows = wandb_history(r / "runs/logged")
     assert [row["global_step"] for row in rows] == [0, 1, 2]
-    for key in ("train/loss", "train/lr", "train/grad_norm", "train/weight_norm", "train/samples_per_s",
-                "train/tokens_per_s", "train/step_s", "train/data_wait_s"):
+    for key in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/weight_norm",
+        "train/samples_per_s",
+        "train/tokens_per_s",
+        "train/step_s",
+        "train/data_wait_s",
+    ):
         assert all(key in row for row in rows), key
     assert all(any(k.startswith("buckets/") for k in row) for row in rows)
     m = metrics(r / "runs/logged")
@@ -300,8 +363,11 @@ def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):
     assert (r / "runs/logged/wandb_id").read_text() in str(next((r / "runs/logged/wandb").glob("offline-run-*")))
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs/train").rglob("*.toml")),
-                         ids=lambda p: str(p.relative_to(REPO / "configs/train").with_suffix("")))
+@pytest.mark.parametrize(
+    "path",
+    sorted((REPO / "configs/train").rglob("*.toml")),
+    ids=lambda p: str(p.relative_to(REPO / "configs/train").with_suffix("")),
+)
 def test_every_stage_clips_gradients_at_1(path):
     """README: grad clip 1.0, in every stage (opensora12/, opensora12-original/) and its debug twin."""
     from reelcache.train.config import load_config
@@ -322,8 +388,11 @@ def adam_step_gradient(before: Path | None, after: Path) -> torch.Tensor:
     return torch.cat([((m1[k] - b1 * m0[k]) / (1 - b1)).flatten() for k in sorted(m1)])
 
 
-CONSOLE = re.compile(r"^step (\d+)/(\d+) ep (\d+) \| loss (\S+) \| lr (\S+) \| gnorm (\S+) \| (\S+) samples/s \| "
-                     r"step (\S+)s, data (\d+)% \| ETA (\d+[smhd]\S*)$", re.M)
+CONSOLE = re.compile(
+    r"^step (\d+)/(\d+) ep (\d+) \| loss (\S+) \| lr (\S+) \| gnorm (\S+) \| (\S+) samples/s \| "
+    r"step (\S+)s, data (\d+)% \| ETA (\d+[smhd]\S*)$",
+    re.M,
+)
 
 
 def console_lines(out: str, rows: dict[int, dict], total: int) -> list[int]:
@@ -335,8 +404,11 @@ def console_lines(out: str, rows: dict[int, dict], total: int) -> list[int]:
         row = rows[int(step) - 1]
         assert (int(t), int(ep)) == (total, row["epoch"]), m.group(0)
         assert (loss, lr, gnorm) == (f"{row['loss']:.4f}", f"{row['lr']:.2e}", f"{row['grad_norm']:.3f}"), m.group(0)
-        assert (sps, step_s, share) == (f"{row['samples_per_s']:.1f}", f"{row['step_s']:.2f}",
-                                        f"{100 * row['data_share']:.0f}"), m.group(0)
+        assert (sps, step_s, share) == (
+            f"{row['samples_per_s']:.1f}",
+            f"{row['step_s']:.2f}",
+            f"{100 * row['data_share']:.0f}",
+        ), m.group(0)
         steps.append(int(step) - 1)
     assert "mfu" not in out
     return steps
@@ -351,26 +423,35 @@ def test_requeued_run_resumes_prunes_logs_one_wandb_run_and_clips_at_1(root):
     r, manifest = root
     run = r / "runs/requeued"
     nowhere = r / "no-such-weights"
-    args = data_args(manifest, "--run.name=requeued", "--run.ckpt_every=1", "--run.keep_last=2",
-                     "--run.keep_every=3", "--run.wandb_mode=offline", "--resume")
-    out = train(r, args + ["--run.max_steps=2", "--init-from", str(nowhere)], ok=False)   # no checkpoint: --init-from
+    args = data_args(
+        manifest,
+        "--run.name=requeued",
+        "--run.ckpt_every=1",
+        "--run.keep_last=2",
+        "--run.keep_every=3",
+        "--run.wandb_mode=offline",
+        "--resume",
+    )
+    out = train(r, args + ["--run.max_steps=2", "--init-from", str(nowhere)], ok=False)  # no checkpoint: --init-from
     assert f"cannot load weights from {nowhere}" in out
-    first = train(r, args + ["--run.max_steps=2"])                        # no checkpoint: a fresh start
+    first = train(r, args + ["--run.max_steps=2"])  # no checkpoint: a fresh start
     assert "resumed from" not in first
-    norms = {k: adam_step_gradient(run / f"ckpt-{k - 1:08d}" if k > 1 else None, run / f"ckpt-{k:08d}").norm()
-             for k in (1, 2)}
+    norms = {
+        k: adam_step_gradient(run / f"ckpt-{k - 1:08d}" if k > 1 else None, run / f"ckpt-{k:08d}").norm()
+        for k in (1, 2)
+    }
     assert sorted(checkpoints(run)) == [1, 2]
-    second = train(r, args + ["--run.max_steps=5", "--init-from", str(nowhere)])   # a checkpoint: resumed
+    second = train(r, args + ["--run.max_steps=5", "--init-from", str(nowhere)])  # a checkpoint: resumed
     assert f"resumed from {run / 'ckpt-00000002'}: step 2" in second
-    assert sorted(checkpoints(run)) == [3, 4, 5]          # the last 2, and 3 as a multiple of keep_every
+    assert sorted(checkpoints(run)) == [3, 4, 5]  # the last 2, and 3 as a multiple of keep_every
     norms |= {k: adam_step_gradient(run / f"ckpt-{k - 1:08d}", run / f"ckpt-{k:08d}").norm() for k in (4, 5)}
 
     rows = metrics(run)
     assert sorted(rows) == [0, 1, 2, 3, 4] and [rows[s]["generation"] for s in rows] == [0, 0, 1, 1, 1]
     state = json.loads((run / "ckpt-00000005/state.json").read_text())
     assert (state["global_step"], state["opt_steps"], state["loader"]["consumed"]) == (5, 5, 5)
-    assert all(rows[k - 1]["grad_norm"] > 1.5 for k in norms), [rows[s]["grad_norm"] for s in rows]   # before clipping
-    assert all(abs(n - 1.0) < 1e-3 for n in norms.values()), norms      # stepped: clipped to 1 (observed 0.99998)
+    assert all(rows[k - 1]["grad_norm"] > 1.5 for k in norms), [rows[s]["grad_norm"] for s in rows]  # before clipping
+    assert all(abs(n - 1.0) < 1e-3 for n in norms.values()), norms  # stepped: clipped to 1 (observed 0.99998)
     assert console_lines(first, rows, 2) == [0, 1] and console_lines(second, rows, 5) == [2, 3, 4]
 
     files = run_files(run)
@@ -389,9 +470,28 @@ def test_step_gradient_and_clipped_step_match_plain_torch(root, plugin, dtypes):
     masters as torch's AdamW after clip_grad_norm_ does, and far from where the unclipped ones go."""
     r, manifest = root
     env = {**os.environ, "OMP_NUM_THREADS": "1", "REELCACHE_PROGRESS": "0"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        str(_port()), str(REPO / "tests/grad_check.py"), str(CONFIG), str(r), str(manifest), plugin,
-                        *dtypes], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_port()),
+            str(REPO / "tests/grad_check.py"),
+            str(CONFIG),
+            str(r),
+            str(manifest),
+            plugin,
+            *dtypes,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     cases = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
     assert {(c["dtype"], c["case"], c.get("reduction")) for c in cases} == {
@@ -423,13 +523,22 @@ def poisoned_manifest(root: Path, manifest: Path) -> tuple[Path, str]:
     (root / "latents/poison").mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(root / "latents/poison", "000000", 10_000_000)
     nan = torch.full((4, 5, 4, 6), float("nan")).bfloat16()
-    data = encode({"mean": nan, "logvar": torch.zeros(4, 5, 4, 6).bfloat16(), "text": torch.ones(4, 8).bfloat16()},
-                  clip_id=clip, bucket=bucket)
+    data = encode(
+        {"mean": nan, "logvar": torch.zeros(4, 5, 4, 6).bfloat16(), "text": torch.ones(4, 8).bfloat16()},
+        clip_id=clip,
+        bucket=bucket,
+    )
     shard, offsets = writer.write_sample(clip, [(LATENT_EXT, data, None)])
     writer.close()
     table = pq.read_table(manifest)
-    row = pa.table({"clip_id": [clip], "bucket": [bucket], "shard": [f"latents/poison/{shard}"],
-                    "shard_offset": [offsets[LATENT_EXT]]}).cast(table.schema)
+    row = pa.table(
+        {
+            "clip_id": [clip],
+            "bucket": [bucket],
+            "shard": [f"latents/poison/{shard}"],
+            "shard_offset": [offsets[LATENT_EXT]],
+        }
+    ).cast(table.schema)
     out = root / "manifests/poisoned.parquet"
     pq.write_table(pa.concat_tables([table, row]), out)
     return out, clip
@@ -481,18 +590,28 @@ def test_watchdog_writes_every_ranks_stack_when_a_read_hangs(root):
     slow["shard"] = f"pipe:sleep 6; cat {r / slow['shard']}"
     path = r / "manifests/slow.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    out = train(r, data_args(path, "--run.name=hung", "--run.epochs=1", "--run.ckpt_every=0",
-                             "--run.watchdog_floor_s=2", "--run.watchdog_factor=3"), nproc=2)
+    out = train(
+        r,
+        data_args(
+            path,
+            "--run.name=hung",
+            "--run.epochs=1",
+            "--run.ckpt_every=0",
+            "--run.watchdog_floor_s=2",
+            "--run.watchdog_factor=3",
+        ),
+        nproc=2,
+    )
     assert "WATCHDOG" in out
     (hang,) = (r / "runs/hung/hangs").glob("step-*")
     reports = sorted(hang.glob("rank*.txt"))
     assert [p.name for p in reports] == ["rank00000.txt", "rank00001.txt"]
     infos = [json.loads(p.read_text().splitlines()[0]) for p in reports]
     assert {i["rank"] for i in infos} == {0, 1} and all(i["elapsed_s"] > 2 for i in infos)
-    assert any(slow["clip_id"] in (i.get("clip_ids") or []) for i in infos)       # the batch it waits for
+    assert any(slow["clip_id"] in (i.get("clip_ids") or []) for i in infos)  # the batch it waits for
     for p in reports:
         text = p.read_text()
-        assert "Thread" in text and "reelcache" in text and "train" in text     # a real Python stack
+        assert "Thread" in text and "reelcache" in text and "train" in text  # a real Python stack
 
 
 def test_debug_stage_losses_equal_the_regression_record(tmp_path):
@@ -513,12 +632,13 @@ def test_watchdog_limit_ends_a_stuck_run_with_a_message(root):
 
     r, manifest = root
     rows = pq.read_table(manifest).to_pylist()
-    for row in rows:        # the shell's stderr goes away, so the sleeper left behind does not hold our pipe
+    for row in rows:  # the shell's stderr goes away, so the sleeper left behind does not hold our pipe
         row["shard"] = f"pipe:exec 2>/dev/null; sleep 8; cat {r / row['shard']}"
     path = r / "manifests/stuck.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    p = launch(r, data_args(path, "--run.name=stuck", "--run.max_steps=1", "--data.workers=0",
-                            "--run.watchdog_limit_s=2"))
+    p = launch(
+        r, data_args(path, "--run.name=stuck", "--run.max_steps=1", "--data.workers=0", "--run.watchdog_limit_s=2")
+    )
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 3, out[-3000:]
     assert "step 0 exceeded the hard limit" in out and "run.watchdog_limit_s = 2 s" in out, out[-3000:]
@@ -530,7 +650,9 @@ def test_watchdog_limit_ends_a_stuck_run_with_a_message(root):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (NCCL, CUDA streams, fused HybridAdam)")
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs CUDA (NCCL, CUDA streams, fused HybridAdam)"
+)
 def test_zero2_on_cuda_resumes_with_the_same_losses(root):
     """What the CPU mode of ZeRO-2 (tests/test_zero.py) cannot run: NCCL, communication overlapped on
     CUDA streams, HybridAdam's fused CUDA kernel, bf16 kernels on the GPU. A resume from the step-2

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import sql
+
 from reelcache import UserError
 from reelcache.cli import main
 
@@ -30,21 +30,42 @@ def _plan(root: Path, data: Path, meta: Path | None = None) -> list[str]:
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["ingest", "plan", "--root", str(root), "--source", "openvid",
-                     "--meta", str(meta or data / "OpenVid-demo.csv"), "--videos", str(data / "videos"),
-                     "--rows-per-unit", "8", "--max-file-mb", "8"]) == 0
+        assert (
+            main(
+                [
+                    "ingest",
+                    "plan",
+                    "--root",
+                    str(root),
+                    "--source",
+                    "openvid",
+                    "--meta",
+                    str(meta or data / "OpenVid-demo.csv"),
+                    "--videos",
+                    str(data / "videos"),
+                    "--rows-per-unit",
+                    "8",
+                    "--max-file-mb",
+                    "8",
+                ]
+            )
+            == 0
+        )
     return buf.getvalue().split()
 
 
 def _file_size_limit(nbytes: int):
     def apply():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # EFBIG instead of a core dump, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a core dump, as on a full disk
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
     return apply
 
 
 def _run(root: Path, *units: str, preexec=None, wait=False, **kw) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "reelcache", "ingest", "run", "--root", str(root), *units] + (["--wait"] if wait else [])
+    cmd = [sys.executable, "-m", "reelcache", "ingest", "run", "--root", str(root), *units] + (
+        ["--wait"] if wait else []
+    )
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec, **kw)
 
 
@@ -67,7 +88,7 @@ def test_a_full_disk_fails_the_unit_and_its_rerun_is_clean(demo_dataset, ingeste
     root = tmp_path / "r"
     _plan(root, demo_dataset)
     src = root / "raw/openvid"
-    proc = _run(root, UNIT, preexec=_file_size_limit(100_000))   # the unit's first shard is ~1 MB
+    proc = _run(root, UNIT, preexec=_file_size_limit(100_000))  # the unit's first shard is ~1 MB
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
     assert "cannot write" in err and "EFBIG" in err and str(src / ".000000-00.tar.tmp") in err, err
@@ -82,7 +103,7 @@ def test_a_full_disk_fails_the_unit_and_its_rerun_is_clean(demo_dataset, ingeste
 def test_a_failed_sidecar_write_fails_the_unit(demo_dataset, tmp_path):
     from reelcache.ingest.sources import OPENVID_COLUMNS
 
-    meta = tmp_path / "missing.csv"          # every row a reject: no shard, only the sidecar is written
+    meta = tmp_path / "missing.csv"  # every row a reject: no shard, only the sidecar is written
     with open(meta, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(OPENVID_COLUMNS)
@@ -114,8 +135,9 @@ end_unit(sidecar)
 
 
 def _holder(directory: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(directory)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -168,14 +190,24 @@ def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
     from reelcache.catalog.shards import begin_unit, end_unit
 
     lease = tmp_path / "000003.lease"
-    lease.write_text(json.dumps({"host": "gpu-node-17", "boot_id": "x", "pid": 1, "pid_start": "1",
-                                 "started_at": "2026-01-01T00:00:00Z", "token": "abc"}))
+    lease.write_text(
+        json.dumps(
+            {
+                "host": "gpu-node-17",
+                "boot_id": "x",
+                "pid": 1,
+                "pid_start": "1",
+                "started_at": "2026-01-01T00:00:00Z",
+                "token": "abc",
+            }
+        )
+    )
     (tmp_path / "000003-00.tar").write_bytes(b"the other node's shard")
     with pytest.raises(UserError, match="gpu-node-17 pid 1"):
         begin_unit(tmp_path, 3)
     assert (tmp_path / "000003-00.tar").exists()
     old = time.time() - leases.TTL_S - 60
-    os.utime(lease, (old, old))                      # no heartbeat for longer than the TTL: the node is gone
+    os.utime(lease, (old, old))  # no heartbeat for longer than the TTL: the node is gone
     sidecar = begin_unit(tmp_path, 3)
     assert sidecar == tmp_path / "000003.parquet" and not (tmp_path / "000003-00.tar").exists()
     assert json.loads(lease.read_text())["pid"] == os.getpid()
@@ -203,8 +235,12 @@ def test_a_held_leases_heartbeat_advances_while_the_unit_runs(demo_dataset, inge
     root = tmp_path / "r"
     _plan(root, demo_dataset)
     lease = root / "raw/openvid/000000.lease"
-    proc = subprocess.Popen([sys.executable, "-c", HEARTBEAT_RUN, str(root), UNIT], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HEARTBEAT_RUN, str(root), UNIT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while _lease_pid(lease) != proc.pid:
@@ -218,9 +254,11 @@ def test_a_held_leases_heartbeat_advances_while_the_unit_runs(demo_dataset, inge
             time.sleep(0.05)
             beats.append(lease.stat().st_mtime)
         assert proc.poll() is None, "the unit ended before its heartbeats were seen"
-        assert beats[-1] > time.time() - 2, f"the heartbeat did not refresh the lease: {time.time() - beats[-1]:.0f} s old"
-        assert len(set(beats)) >= 5 and beats == sorted(beats), beats          # it keeps advancing
-        assert json.loads(lease.read_text())["token"] == token                   # refreshed, not replaced
+        assert beats[-1] > time.time() - 2, (
+            f"the heartbeat did not refresh the lease: {time.time() - beats[-1]:.0f} s old"
+        )
+        assert len(set(beats)) >= 5 and beats == sorted(beats), beats  # it keeps advancing
+        assert json.loads(lease.read_text())["token"] == token  # refreshed, not replaced
     finally:
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -230,7 +268,7 @@ def test_a_held_leases_heartbeat_advances_while_the_unit_runs(demo_dataset, inge
 def _lease_pid(lease: Path):
     try:
         return json.loads(lease.read_text())["pid"]
-    except (OSError, ValueError, KeyError):        # not there, or being written
+    except (OSError, ValueError, KeyError):  # not there, or being written
         return None
 
 
@@ -269,13 +307,13 @@ def test_a_run_that_lost_its_lease_does_not_publish(tmp_path):
     sidecar = begin_unit(tmp_path, 5)
     lease = tmp_path / "000005.lease"
     taken = json.loads(lease.read_text()) | {"host": "gpu-node-3", "pid": 77, "token": "theirs"}
-    lease.write_text(json.dumps(taken))          # another node took the unit over while this run was frozen
+    lease.write_text(json.dumps(taken))  # another node took the unit over while this run was frozen
     with pytest.raises(LostLease, match="lost the lease"):
         with atomic_path(sidecar) as tmp:
             tmp.write_bytes(b"results")
     assert not sidecar.exists() and json.loads(lease.read_text())["token"] == "theirs"
     end_unit(sidecar)
-    assert json.loads(lease.read_text())["token"] == "theirs"       # releasing never removes another's lease
+    assert json.loads(lease.read_text())["token"] == "theirs"  # releasing never removes another's lease
 
 
 def test_the_shard_writer_tells_a_bad_source_from_a_failed_write(tmp_path):

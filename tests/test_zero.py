@@ -17,9 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_train import CONFIG, PLUGINS, REPO, _port, complete, consumed, data_args, metrics, train, weights
-
 from latent_data import write_latents
+from test_train import CONFIG, PLUGINS, REPO, _port, complete, consumed, data_args, metrics, train, weights
 
 WRITER = ["tests/writer_faults.py"]
 
@@ -38,9 +37,29 @@ def manifest_clips(manifest: Path) -> Counter:
 
 def check_optimizer(r: Path, manifest: Path, ckpt: Path, nproc: int, plugin: str = "zero2", dtype: str = "fp32"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "REELCACHE_PROGRESS": "0"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                        "--master_port", str(_port()), "tests/optimizer_check.py", str(CONFIG), str(r), str(manifest),
-                        str(ckpt), plugin, dtype], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(_port()),
+            "tests/optimizer_check.py",
+            str(CONFIG),
+            str(r),
+            str(manifest),
+            str(ckpt),
+            plugin,
+            dtype,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     (out,) = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
     return out
@@ -53,8 +72,14 @@ def test_zero_resumes_on_another_world_size(root, before, after):
     with every clip of the manifest exactly once."""
     r, manifest = root
     name = f"ws-{before}to{after}"
-    args = data_args(manifest, "--run.epochs=1", "--run.ckpt_every=2", "--run.keep_last=5", f"--run.name={name}",
-                     *PLUGINS["zero2-fp32"])
+    args = data_args(
+        manifest,
+        "--run.epochs=1",
+        "--run.ckpt_every=2",
+        "--run.keep_last=5",
+        f"--run.name={name}",
+        *PLUGINS["zero2-fp32"],
+    )
     train(r, args + ["--run.max_steps=2"], nproc=before)
     ckpt = r / f"runs/{name}/ckpt-00000002"
     got = check_optimizer(r, manifest, ckpt, after)
@@ -65,11 +90,17 @@ def test_zero_resumes_on_another_world_size(root, before, after):
     assert {(e, rank) for e, _, rank, _ in rows} >= {(0, k) for k in range(after)}
     import duckdb
 
-    clips = Counter(c for (c,) in duckdb.sql(f"""SELECT clip_id FROM '{r}/runs/{name}/consumed/*.parquet'
-        WHERE NOT pad QUALIFY generation = max(generation) OVER (PARTITION BY epoch, step)""").fetchall())
-    assert clips == manifest_clips(manifest)             # no clip twice, none missed in the epoch
-    state = json.loads((r / f"runs/{name}" / sorted(p.name for p in (r / f"runs/{name}").glob("ckpt-*"))[-1]
-                        / "state.json").read_text())
+    clips = Counter(
+        c
+        for (c,) in duckdb.sql(f"""SELECT clip_id FROM '{r}/runs/{name}/consumed/*.parquet'
+        WHERE NOT pad QUALIFY generation = max(generation) OVER (PARTITION BY epoch, step)""").fetchall()
+    )
+    assert clips == manifest_clips(manifest)  # no clip twice, none missed in the epoch
+    state = json.loads(
+        (
+            r / f"runs/{name}" / sorted(p.name for p in (r / f"runs/{name}").glob("ckpt-*"))[-1] / "state.json"
+        ).read_text()
+    )
     assert state["world_size"] == after and state["loader"]["epoch"] == 1
 
 
@@ -79,8 +110,14 @@ def test_background_writer_copies_and_a_failed_write_stops_every_rank(root):
     delay). A write that fails (ENOSPC at step 4) makes both ranks exit non-zero with the reason,
     and no ckpt-00000004 ever appears: only complete checkpoints are visible."""
     r, manifest = root
-    args = data_args(manifest, "--run.epochs=1", "--run.ckpt_every=2", "--run.max_steps=4", "--run.keep_last=5",
-                     *PLUGINS["zero2-bf16"])
+    args = data_args(
+        manifest,
+        "--run.epochs=1",
+        "--run.ckpt_every=2",
+        "--run.max_steps=4",
+        "--run.keep_last=5",
+        *PLUGINS["zero2-bf16"],
+    )
     train(r, args + ["--run.name=prompt"], nproc=2)
     train(r, args + ["--run.name=slow"], nproc=2, entry=WRITER, env={"REELCACHE_TEST_SLOW_WRITE_S": "2"})
     for step in (2, 4):
@@ -90,14 +127,16 @@ def test_background_writer_copies_and_a_failed_write_stops_every_rank(root):
             wa, wb = weights(a, part), weights(b, part)
             assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa), (step, part)
         assert (a / "optimizer/state.safetensors").read_bytes() == (b / "optimizer/state.safetensors").read_bytes()
-    assert [m["loss"] for m in metrics(r / "runs/prompt").values()] == \
-        [m["loss"] for m in metrics(r / "runs/slow").values()]
+    assert [m["loss"] for m in metrics(r / "runs/prompt").values()] == [
+        m["loss"] for m in metrics(r / "runs/slow").values()
+    ]
 
-    out = train(r, args + ["--run.name=full-disk"], nproc=2, ok=False, entry=WRITER,
-                env={"REELCACHE_TEST_FAIL_WRITE_AT": "4"})
+    out = train(
+        r, args + ["--run.name=full-disk"], nproc=2, ok=False, entry=WRITER, env={"REELCACHE_TEST_FAIL_WRITE_AT": "4"}
+    )
     run = r / "runs/full-disk"
-    assert "No space left on device" in out                                 # rank 0: the reason
-    assert "rank 0 failed to write a checkpoint" in out                     # rank 1 stops with it
+    assert "No space left on device" in out  # rank 0: the reason
+    assert "rank 0 failed to write a checkpoint" in out  # rank 1 stops with it
     assert [p.name for p in run.glob("ckpt-*")] == ["ckpt-00000002"] and complete(run / "ckpt-00000002")
 
 
@@ -110,14 +149,21 @@ def test_checkpoints_move_between_ddp_and_zero(root, source, target):
     # eps 1e-6: Open-Sora's 1e-15 turns the key biases' float-noise gradients (exactly zero in exact
     # arithmetic) into full Adam steps, which two correct optimizers (torch's AdamW and HybridAdam,
     # two clip roundings) take in different directions (seen: 0.5% of a step at eps 1e-8).
-    args = data_args(manifest, "--run.epochs=1", "--run.ckpt_every=2", "--run.max_steps=4", "--run.keep_last=5",
-                     "--optim.adam_eps=1e-6")
+    args = data_args(
+        manifest,
+        "--run.epochs=1",
+        "--run.ckpt_every=2",
+        "--run.max_steps=4",
+        "--run.keep_last=5",
+        "--optim.adam_eps=1e-6",
+    )
     whole = f"cross-{source}"
     if not (r / f"runs/{whole}/ckpt-00000004").exists():
         train(r, args + [f"--run.name={whole}", *PLUGINS[source]], nproc=2)
     moved = f"cross-{source}-to-{target}"
-    train(r, args + [f"--run.name={moved}", "--load", str(r / f"runs/{whole}/ckpt-00000002"), *PLUGINS[target]],
-          nproc=2)
+    train(
+        r, args + [f"--run.name={moved}", "--load", str(r / f"runs/{whole}/ckpt-00000002"), *PLUGINS[target]], nproc=2
+    )
     a, b = metrics(r / f"runs/{whole}"), metrics(r / f"runs/{moved}")
     assert sorted(b) == [2, 3]
     for s in (2, 3):

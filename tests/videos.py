@@ -12,8 +12,17 @@ import pytest
 needs_ffmpeg = pytest.mark.skipif(not shutil.which("ffmpeg"), reason="ffmpeg is not installed")
 
 
-def lavfi_clip(path: Path, *, size="96x64", rate=25, seconds=4.0, vf: str | None = None, codec=("-c:v", "libx264"),
-               pix_fmt="yuv420p", extra=()) -> Path:
+def lavfi_clip(
+    path: Path,
+    *,
+    size="96x64",
+    rate=25,
+    seconds=4.0,
+    vf: str | None = None,
+    codec=("-c:v", "libx264"),
+    pix_fmt="yuv420p",
+    extra=(),
+) -> Path:
     """Moving colour gradients encoded by ffmpeg (high quality).
 
     Smooth but structured content on purpose: two correct resizes of it (ours in one swscale
@@ -21,8 +30,18 @@ def lavfi_clip(path: Path, *, size="96x64", rate=25, seconds=4.0, vf: str | None
     and a wrongly stretched picture ~19 dB, so a PSNR threshold between them tells the right
     frame and geometry from a wrong one. (A sharp pattern such as testsrc2 puts right and wrong
     both at 20-30 dB; plain gradients barely change when stretched.)"""
-    cmd = ["ffmpeg", "-v", "error", "-y", "-f", "lavfi", "-i", f"gradients=size={size}:rate={rate}:speed=0.3:seed=1:nb_colors=8:type=circular",
-           "-t", str(seconds)]
+    cmd = [
+        "ffmpeg",
+        "-v",
+        "error",
+        "-y",
+        "-f",
+        "lavfi",
+        "-i",
+        f"gradients=size={size}:rate={rate}:speed=0.3:seed=1:nb_colors=8:type=circular",
+        "-t",
+        str(seconds),
+    ]
     if vf:
         cmd += ["-vf", vf]
     cmd += [*codec, "-pix_fmt", pix_fmt, *(("-crf", "10") if "libx264" in codec else ()), *extra, str(path)]
@@ -42,11 +61,13 @@ def ffmpeg_frames(path: Path, height: int, width: int, vf: str = "") -> np.ndarr
 
 def cover_crop(height: int, width: int, sar: str = "1") -> str:
     """ffmpeg's filter chain for the displayed picture (SAR applied), cover-resized (area) and centre-cropped."""
-    return (f"scale=trunc(iw*{sar}/2)*2:ih:flags=bicubic,setsar=1,"
-            f"scale=w='max({width},ceil(iw*max({height}/ih,{width}/iw)-0.000001))'"
-            f":h='max({height},ceil(ih*max({height}/ih,{width}/iw)-0.000001))':flags=area,format=rgb24,crop={width}:{height}")
+    return (
+        f"scale=trunc(iw*{sar}/2)*2:ih:flags=bicubic,setsar=1,"
+        f"scale=w='max({width},ceil(iw*max({height}/ih,{width}/iw)-0.000001))'"
+        f":h='max({height},ceil(ih*max({height}/ih,{width}/iw)-0.000001))':flags=area,format=rgb24,crop={width}:{height}"
+    )
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)

@@ -1,7 +1,7 @@
 """``python -m reelcache.train`` with rank 0's checkpoint writer slowed down or failing (tests only).
 
-    REELCACHE_TEST_SLOW_WRITE_S=2     each weights folder is written 2 s late (training goes on meanwhile)
-    REELCACHE_TEST_FAIL_WRITE_AT=4    the checkpoint of step 4 fails with ENOSPC after its model/ is written
+REELCACHE_TEST_SLOW_WRITE_S=2     each weights folder is written 2 s late (training goes on meanwhile)
+REELCACHE_TEST_FAIL_WRITE_AT=4    the checkpoint of step 4 fails with ENOSPC after its model/ is written
 """
 
 import errno

@@ -94,12 +94,19 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         if par.rank == 0:
-            for stale in self.run_dir.glob(".tmp-ckpt-*"):      # left by a run killed while saving
+            for stale in self.run_dir.glob(".tmp-ckpt-*"):  # left by a run killed while saving
                 shutil.rmtree(stale, ignore_errors=True)
         par.barrier()
 
-    def save(self, step: int, model_state: dict | None, ema_state: dict | None, optim_state: tuple | None,
-             state: dict, config: dict) -> Path:
+    def save(
+        self,
+        step: int,
+        model_state: dict | None,
+        ema_state: dict | None,
+        optim_state: tuple | None,
+        state: dict,
+        config: dict,
+    ) -> Path:
         """Collective: every rank calls it with the same step, after gathering what rank 0 writes
         (host copies that the next step cannot change: ``Parallel.gather_full``,
         ``Parallel.optimizer_state``). Rank 0 writes in a background thread while training goes on;
@@ -107,8 +114,12 @@ class Checkpointer:
         self.wait()
         final = self.run_dir / ckpt_name(step)
         if self.par.rank == 0:
-            self._thread = threading.Thread(target=self._write, name=f"save-{step}", daemon=False,
-                                            args=(step, final, model_state, ema_state, optim_state, state, config))
+            self._thread = threading.Thread(
+                target=self._write,
+                name=f"save-{step}",
+                daemon=False,
+                args=(step, final, model_state, ema_state, optim_state, state, config),
+            )
             self._thread.start()
         return final
 
@@ -125,13 +136,14 @@ class Checkpointer:
             save_sharded(model_state, tmp / "model")
             if ema_state is not None:
                 save_sharded(ema_state, tmp / "ema")
-            if optim_state is not None:             # None before the first optimizer step
+            if optim_state is not None:  # None before the first optimizer step
                 write_optimizer(tmp / "optimizer", *optim_state)
             (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-            (tmp / "state.json").write_text(json.dumps({**state, "write_seconds": time.monotonic() - t},
-                                                       indent=2, default=str))
+            (tmp / "state.json").write_text(
+                json.dumps({**state, "write_seconds": time.monotonic() - t}, indent=2, default=str)
+            )
             _fsync_tree(tmp)
-            if final.exists():                      # a re-run of the same step (after --reset-data, say)
+            if final.exists():  # a re-run of the same step (after --reset-data, say)
                 shutil.rmtree(final)
             os.rename(tmp, final)
             fd = os.open(self.run_dir, os.O_RDONLY)
@@ -140,7 +152,7 @@ class Checkpointer:
             finally:
                 os.close(fd)
             self.prune()
-        except BaseException as e:              # surfaced by wait(): a failed save must stop the run
+        except BaseException as e:  # surfaced by wait(): a failed save must stop the run
             self._error = e
 
     def wait(self) -> None:
@@ -161,7 +173,7 @@ class Checkpointer:
 
     def prune(self) -> None:
         found = list_checkpoints(self.run_dir)
-        keep = set(found[-self.keep_last:]) if self.keep_last > 0 else set(found)
+        keep = set(found[-self.keep_last :]) if self.keep_last > 0 else set(found)
         for p in found:
             step = ckpt_step(p)
             if p not in keep and not (self.keep_every and step % self.keep_every == 0):

@@ -41,26 +41,43 @@ examples:
 def add_commands(top) -> None:
     """``train``, ``loader simulate`` and ``cluster`` under the top-level ``reelcache`` parser."""
     fmt = argparse.RawDescriptionHelpFormatter
-    tr = top.add_parser("train", help="train a stage (STDiT3 + rectified flow) on the latent cache",
-                        epilog=EXAMPLES, formatter_class=fmt)
+    tr = top.add_parser(
+        "train",
+        help="train a stage (STDiT3 + rectified flow) on the latent cache",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
     add_arguments(tr)
     tr.set_defaults(fn=run, takes_overrides=True)
 
     ld = top.add_parser("loader", help="the streaming loader: simulate a stage's data order without GPUs")
     sub = ld.add_subparsers(dest="cmd", required=True)
-    sim = sub.add_parser("simulate", help="plan every rank's batches (no model, no reads), optionally resume",
-                         formatter_class=fmt, epilog=SIMULATE_EXAMPLES)
-    sim.add_argument("--root", type=existing_dir,
-                     help="data root (manifest names resolve to ROOT/manifests/NAME-*.parquet)")
-    sim.add_argument("--manifest", dest="manifests", action=_ManifestArg, required=True,
-                     help="loader manifest name or path; repeat to mix")
-    sim.add_argument("--weight", action=_ManifestArg, type=arg(float, ge=0, le=1),
-                     help="share of the preceding --manifest (0..1)")
-    sim.add_argument("--buckets", required=True, type=existing_file,
-                     help="bucket config TOML (batch size per resolution/frames)")
+    sim = sub.add_parser(
+        "simulate",
+        help="plan every rank's batches (no model, no reads), optionally resume",
+        formatter_class=fmt,
+        epilog=SIMULATE_EXAMPLES,
+    )
+    sim.add_argument(
+        "--root", type=existing_dir, help="data root (manifest names resolve to ROOT/manifests/NAME-*.parquet)"
+    )
+    sim.add_argument(
+        "--manifest",
+        dest="manifests",
+        action=_ManifestArg,
+        required=True,
+        help="loader manifest name or path; repeat to mix",
+    )
+    sim.add_argument(
+        "--weight", action=_ManifestArg, type=arg(float, ge=0, le=1), help="share of the preceding --manifest (0..1)"
+    )
+    sim.add_argument(
+        "--buckets", required=True, type=existing_file, help="bucket config TOML (batch size per resolution/frames)"
+    )
     sim.add_argument("--world-size", type=arg(int, ge=1), required=True)
-    sim.add_argument("--workers", type=arg(int, ge=0), default=1,
-                     help="data workers per rank (recorded; order is independent)")
+    sim.add_argument(
+        "--workers", type=arg(int, ge=0), default=1, help="data workers per rank (recorded; order is independent)"
+    )
     sim.add_argument("--seed", type=arg(int, ge=0), default=0)
     sim.add_argument("--epochs", type=arg(int, ge=1), default=1)
     sim.add_argument("--out", help="write (epoch, step, rank, worker, clip_id, bucket, pad) parquet")
@@ -75,27 +92,51 @@ def add_commands(top) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="stage config TOML, e.g. configs/train/opensora12/stage1.toml")
-    p.add_argument("--root", required=True, type=existing_dir,
-                   help="data root: manifests, latents; runs go to ROOT/runs/<run.name>")
+    p.add_argument(
+        "--root",
+        required=True,
+        type=existing_dir,
+        help="data root: manifests, latents; runs go to ROOT/runs/<run.name>",
+    )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--load", metavar="CKPT", help="resume everything from a checkpoint of ours: a ckpt-<step> "
-                                                   "folder (path, or relative to ROOT) or 'latest' of this run")
-    src.add_argument("--init-from", metavar="WEIGHTS",
-                     help="weights only (a new stage): our ckpt folder, an Open-Sora checkpoint folder, a "
-                          "published STDiT3 folder / .safetensors, or a PixArt-Sigma .pth")
-    p.add_argument("--resume", action="store_true",
-                   help="resume from this run's newest checkpoint if it has one, else start (from --init-from "
-                        "when given): the flag for a job that is requeued after a crash")
-    p.add_argument("--reset-data", action="store_true",
-                   help="with --load: keep model, EMA, optimizer and schedule, restart the data position")
-    p.add_argument("--run", type=option("reelcache.train.config:RunConfig.name"),
-                   help="run name (= run.name; default: the config file's stem)")
+    src.add_argument(
+        "--load",
+        metavar="CKPT",
+        help="resume everything from a checkpoint of ours: a ckpt-<step> "
+        "folder (path, or relative to ROOT) or 'latest' of this run",
+    )
+    src.add_argument(
+        "--init-from",
+        metavar="WEIGHTS",
+        help="weights only (a new stage): our ckpt folder, an Open-Sora checkpoint folder, a "
+        "published STDiT3 folder / .safetensors, or a PixArt-Sigma .pth",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume from this run's newest checkpoint if it has one, else start (from --init-from "
+        "when given): the flag for a job that is requeued after a crash",
+    )
+    p.add_argument(
+        "--reset-data",
+        action="store_true",
+        help="with --load: keep model, EMA, optimizer and schedule, restart the data position",
+    )
+    p.add_argument(
+        "--run",
+        type=option("reelcache.train.config:RunConfig.name"),
+        help="run name (= run.name; default: the config file's stem)",
+    )
     p.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], help="= run.wandb_mode")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="reelcache train", description="train a stage on the latent cache",
-                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="reelcache train",
+        description="train a stage on the latent cache",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     return p
 
@@ -155,9 +196,18 @@ def _simulate(a) -> None:
     rest = (1 - sum(given)) / max(1, sum(1 for _, w in a.manifests if w is None))
     manifests = [(m, w if w is not None else rest) for m, w in a.manifests]
     try:
-        simulate(manifests, BucketConfig.from_toml(a.buckets), root=a.root, world_size=a.world_size,
-                 workers=a.workers, seed=a.seed, epochs=a.epochs, out=a.out, save_at=a.save_at,
-                 resume_world_size=a.resume_world_size)
+        simulate(
+            manifests,
+            BucketConfig.from_toml(a.buckets),
+            root=a.root,
+            world_size=a.world_size,
+            workers=a.workers,
+            seed=a.seed,
+            epochs=a.epochs,
+            out=a.out,
+            save_at=a.save_at,
+            resume_world_size=a.resume_world_size,
+        )
     except ValueError as e:
         raise UserError(str(e)) from e
     if a.out:
@@ -166,8 +216,11 @@ def _simulate(a) -> None:
 
 def add_demo(sub) -> None:
     """``reelcache demo train``: two tiny stages on CPU, one run killed and resumed."""
-    d = sub.add_parser("train", help="train two tiny stages on the demo cache with 2 CPU processes, killing and "
-                                     "resuming the first (after `make demo`'s data steps)")
+    d = sub.add_parser(
+        "train",
+        help="train two tiny stages on the demo cache with 2 CPU processes, killing and "
+        "resuming the first (after `make demo`'s data steps)",
+    )
     d.add_argument("--root", required=True, type=existing_dir)
     d.add_argument("--nproc", type=arg(int, ge=1), default=2)
     d.set_defaults(fn=_demo_train)

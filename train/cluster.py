@@ -54,7 +54,7 @@ def read_hostfile(path) -> list[str]:
         line = line.split("#", 1)[0].strip()
         if line:
             logins.append(re.sub(r"^\d+/", "", line))
-    logins = list(dict.fromkeys(logins))        # a node named twice is checked once
+    logins = list(dict.fromkeys(logins))  # a node named twice is checked once
     if not logins:
         raise UserError(f"hostfile {path} names no host (one sshlogin a line; ':' is this machine)")
     return logins
@@ -62,8 +62,10 @@ def read_hostfile(path) -> list[str]:
 
 def agent_code(req: dict) -> str:
     """One line of Python: the agent's source and the request, base64 (immune to any quoting layer)."""
-    src = (Path(__file__).with_name("cluster_agent.py").read_text()
-           + f"\nmain(json.loads({json.dumps(json.dumps(req))}))\n")
+    src = (
+        Path(__file__).with_name("cluster_agent.py").read_text()
+        + f"\nmain(json.loads({json.dumps(json.dumps(req))}))\n"
+    )
     b64 = base64.b64encode(src.encode()).decode()
     return f"import base64;exec(compile(base64.b64decode('{b64}'),'reelcache-cluster-agent','exec'))"
 
@@ -82,10 +84,18 @@ def _result(stdout: str):
 def run_agents(jobs: dict[str, dict], python: str, timeout: float) -> dict[str, tuple]:
     """Run the agent with each login's request through ``parallel --nonall -S LOGIN``, all at once.
     Returns login -> (result or None, error text)."""
-    try:       # a session of its own: on a timeout, parallel and its ssh (which holds the pipes) die together
-        procs = {login: subprocess.Popen(["parallel", "--nonall", "-S", login, agent_shell(req, python)],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, start_new_session=True) for login, req in jobs.items()}
+    try:  # a session of its own: on a timeout, parallel and its ssh (which holds the pipes) die together
+        procs = {
+            login: subprocess.Popen(
+                ["parallel", "--nonall", "-S", login, agent_shell(req, python)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            for login, req in jobs.items()
+        }
     except FileNotFoundError:
         raise UserError("GNU parallel is not installed here (apt-get install parallel)") from None
     out = {}
@@ -102,9 +112,12 @@ def run_agents(jobs: dict[str, dict], python: str, timeout: float) -> dict[str, 
             out[login] = (None, f"no answer within {timeout:.0f} s")
             return
         res = _result(so)
-        out[login] = (res, "" if res is not None else
-                      (se.strip() or so.strip()
-                       or f"the agent printed nothing (parallel exited {p.returncode})")[-400:])
+        out[login] = (
+            res,
+            ""
+            if res is not None
+            else (se.strip() or so.strip() or f"the agent printed nothing (parallel exited {p.returncode})")[-400:],
+        )
 
     threads = [threading.Thread(target=collect, args=item) for item in procs.items()]
     for t in threads:
@@ -120,12 +133,13 @@ def node_name(login: str, res) -> str:
 
 # ---------------------------------------------------------------- gpus
 
+
 def _num(v: str):
     v = v.strip()
     try:
         return float(v)
     except ValueError:
-        return None                 # "[N/A]", "[Not Supported]": nvidia-smi's words for no value
+        return None  # "[N/A]", "[Not Supported]": nvidia-smi's words for no value
 
 
 def parse_gpu_csv(text: str) -> list[dict]:
@@ -136,8 +150,17 @@ def parse_gpu_csv(text: str) -> list[dict]:
         f = [x.strip() for x in line.split(",")]
         if len(f) != 7 or not f[0].isdigit():
             continue
-        gpus.append({"index": int(f[0]), "uuid": f[1], "name": f[2], "mem_used": _num(f[3]),
-                     "mem_total": _num(f[4]), "power": _num(f[5]), "util": _num(f[6])})
+        gpus.append(
+            {
+                "index": int(f[0]),
+                "uuid": f[1],
+                "name": f[2],
+                "mem_used": _num(f[3]),
+                "mem_total": _num(f[4]),
+                "power": _num(f[5]),
+                "util": _num(f[6]),
+            }
+        )
     return gpus
 
 
@@ -171,8 +194,11 @@ def gpu_report(res: dict) -> tuple[list[str], list[str], int]:
     apps = parse_apps_csv(res["apps"]["out"]) if res["apps"]["rc"] == 0 else []
     by_uuid = {g["uuid"]: g["index"] for g in gpus}
     names = sorted({g["name"] for g in gpus})
-    lines = [f"  {len(gpus)} x {', '.join(names)}",
-             f"  {'gpu':>3}  {'memory used / total MiB':>24}  {f'power W (mean of {len(samples)})':>20}  {'util %':>6}  procs"]
+    lines = [
+        f"  {len(gpus)} x {', '.join(names)}",
+        f"  {'gpu':>3}  {'memory used / total MiB':>24}  {f'power W (mean of {len(samples)})':>20}  "
+        f"{'util %':>6}  procs",
+    ]
     for g in gpus:
         power = [s["power"] for read in samples for s in read if s["index"] == g["index"] and s["power"] is not None]
         mean = f"{sum(power) / len(power):.1f}" if power else "n/a"
@@ -211,30 +237,43 @@ def cmd_gpus(a) -> int:
 
 # ---------------------------------------------------------------- the command group
 
+
 def add_commands(top) -> None:
     import argparse
 
     from reelcache.settings import arg
 
     fmt = argparse.RawDescriptionHelpFormatter
-    cl = top.add_parser("cluster", help="per-node checks over a hostfile; dump or stop exactly one run's ranks",
-                        epilog=EXAMPLES, formatter_class=fmt)
+    cl = top.add_parser(
+        "cluster",
+        help="per-node checks over a hostfile; dump or stop exactly one run's ranks",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
     sub = cl.add_subparsers(dest="cmd", required=True)
 
     def common(p):
-        p.add_argument("--python", default=sys.executable,
-                       help="Python on the nodes that runs the agent (default: this one's path)")
+        p.add_argument(
+            "--python",
+            default=sys.executable,
+            help="Python on the nodes that runs the agent (default: this one's path)",
+        )
         p.add_argument("--timeout", type=arg(float, gt=0), default=60.0, help="seconds a node has to answer (60)")
 
-    g = sub.add_parser("gpus", help="GPUs, memory, mean power and GPU processes per node", epilog=EXAMPLES,
-                       formatter_class=fmt)
+    g = sub.add_parser(
+        "gpus", help="GPUs, memory, mean power and GPU processes per node", epilog=EXAMPLES, formatter_class=fmt
+    )
     g.add_argument("--hostfile", required=True, help="GNU parallel sshloginfile (':' = this machine)")
     g.add_argument("--expect-idle", action="store_true", help="exit 1 if any GPU process runs (stale jobs)")
     g.add_argument("--reads", type=arg(int, ge=1), default=5, help="power reads to average (5)")
     common(g)
     g.set_defaults(fn=cmd_gpus)
-    c = sub.add_parser("clocks", help="offset vs this node, sync daemon state, a clock that went back",
-                       epilog=EXAMPLES, formatter_class=fmt)
+    c = sub.add_parser(
+        "clocks",
+        help="offset vs this node, sync daemon state, a clock that went back",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
     c.add_argument("--hostfile", required=True)
     c.add_argument("--warn-ms", type=arg(float, ge=0), default=50.0, help="warn above this offset (50)")
     c.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
@@ -242,19 +281,34 @@ def add_commands(top) -> None:
     c.add_argument("--reads", type=arg(int, ge=1), default=200_000, help="tight-loop clock reads per node (200000)")
     common(c)
     c.set_defaults(fn=lambda a: _clocks().cmd_clocks(a))
-    d = sub.add_parser("dump", help="py-spy dump of every recorded rank of a run into RUN/dumps/<time>/",
-                       epilog=EXAMPLES, formatter_class=fmt)
+    d = sub.add_parser(
+        "dump",
+        help="py-spy dump of every recorded rank of a run into RUN/dumps/<time>/",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
     d.add_argument("--run", required=True, help="the run directory, e.g. ROOT/runs/stage1")
     d.add_argument("--timeout", type=arg(float, gt=0), default=30.0, help="seconds per rank's dump (30)")
     d.add_argument("--native", action="store_true", help="py-spy --native (C/C++ frames too; slower)")
-    d.add_argument("--method", choices=["auto", "py-spy", "signal"], default="auto",
-                   help="auto: py-spy, else SIGUSR1 (the trainer's faulthandler stack file)")
+    d.add_argument(
+        "--method",
+        choices=["auto", "py-spy", "signal"],
+        default="auto",
+        help="auto: py-spy, else SIGUSR1 (the trainer's faulthandler stack file)",
+    )
     d.add_argument("--python", default=sys.executable, help="Python on the nodes that runs the agent")
-    d.add_argument("--hostfile", help="sshloginfile whose lines say how to reach the recorded hosts "
-                                      "(user@host, ssh -p ...); default: ssh to the recorded host name")
+    d.add_argument(
+        "--hostfile",
+        help="sshloginfile whose lines say how to reach the recorded hosts "
+        "(user@host, ssh -p ...); default: ssh to the recorded host name",
+    )
     d.set_defaults(fn=lambda a: _procs().cmd_dump(a))
-    s = sub.add_parser("stop", help="SIGTERM, then SIGKILL after --grace, to exactly a run's recorded pids",
-                       epilog=EXAMPLES, formatter_class=fmt)
+    s = sub.add_parser(
+        "stop",
+        help="SIGTERM, then SIGKILL after --grace, to exactly a run's recorded pids",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
     s.add_argument("--run", required=True)
     s.add_argument("--grace", type=arg(float, ge=0), default=30.0, help="seconds between SIGTERM and SIGKILL (30)")
     s.add_argument("--python", default=sys.executable, help="Python on the nodes that runs the agent")

@@ -64,6 +64,7 @@ def gpus(req) -> dict:
 
 # ---------------------------------------------------------------- clocks
 
+
 def backwards(reads: int) -> dict:
     """Read the realtime clock in a tight loop; any read earlier than the one before is a step back."""
     now = time.time_ns
@@ -100,11 +101,11 @@ def clocks(req) -> dict:
             break
         sys.stdout.write(f"{time.time_ns()}\n")
         sys.stdout.flush()
-    return {"host": socket.gethostname(), "backwards": backwards(req.get("reads", 200_000)),
-            "daemon": daemon_view()}
+    return {"host": socket.gethostname(), "backwards": backwards(req.get("reads", 200_000)), "daemon": daemon_view()}
 
 
 # ---------------------------------------------------------------- processes of one run
+
 
 def _stat(pid: int):
     """(state, start time in clock ticks after boot) from /proc/<pid>/stat, or None."""
@@ -147,14 +148,14 @@ class Pinned:
             self.why = "pid gone"
             return
         except (AttributeError, OSError):
-            self.fd = None          # no pidfd here: verify right before each signal instead
+            self.fd = None  # no pidfd here: verify right before each signal instead
         self.why = verify(rec)
         if self.why:
             self.close()
 
     def alive(self) -> bool:
         if self.fd is not None and select.select([self.fd], [], [], 0)[0]:
-            return False            # a pidfd turns readable when its process has exited
+            return False  # a pidfd turns readable when its process has exited
         return not verify(self.rec)
 
     def signal(self, sig) -> bool:
@@ -196,7 +197,7 @@ def _signal_dump(p: Pinned, timeout: float) -> dict:
         if now != size:
             size, since = now, time.monotonic()
         elif size > before and time.monotonic() - since > 0.3:
-            break                   # grew, then quiet: the handler has written all threads
+            break  # grew, then quiet: the handler has written all threads
     if size <= before:
         return {"error": f"no stacks appended to {path} within {timeout:.0f} s"}
     with open(path, "rb") as f:
@@ -219,11 +220,14 @@ def dump(req) -> dict:
         if spy:
             argv = [spy, "dump", "--pid", str(rec["pid"])] + (["--native"] if req.get("native") else [])
             res = _run(argv, timeout=req.get("timeout", 30))
-            got = ({"text": res["out"], "method": "py-spy"} if res["rc"] == 0
-                   else {"error": f"py-spy: {(res['err'] or res['out']).strip()[-500:]}"})
+            got = (
+                {"text": res["out"], "method": "py-spy"}
+                if res["rc"] == 0
+                else {"error": f"py-spy: {(res['err'] or res['out']).strip()[-500:]}"}
+            )
         if "text" not in got and req.get("method") != "py-spy":
             got = _signal_dump(p, req.get("timeout", 30)) | ({"py_spy_error": got["error"]} if got else {})
-        why = verify(rec)           # the same process after the dump: else the text is another's
+        why = verify(rec)  # the same process after the dump: else the text is another's
         if why and "text" in got:
             got = {"error": f"{why} during the dump; discarded"}
         p.close()
@@ -237,8 +241,14 @@ def stop(req) -> dict:
     for rec in req["ranks"]:
         p = Pinned(rec)
         if p.why:
-            ranks.append({"rank": rec["rank"], "result": "already gone" if p.why == "pid gone" else p.why,
-                          "stopped": False, "survived": False})
+            ranks.append(
+                {
+                    "rank": rec["rank"],
+                    "result": "already gone" if p.why == "pid gone" else p.why,
+                    "stopped": False,
+                    "survived": False,
+                }
+            )
         else:
             pinned.append(p)
     t0 = time.monotonic()
@@ -262,8 +272,14 @@ def stop(req) -> dict:
     wait(time.monotonic() + 10, "SIGKILL")
     for p in pinned:
         res = state[id(p)] or "SURVIVED SIGKILL"
-        ranks.append({"rank": p.rec["rank"], "result": res, "stopped": state[id(p)] is not None,
-                      "survived": state[id(p)] is None})
+        ranks.append(
+            {
+                "rank": p.rec["rank"],
+                "result": res,
+                "stopped": state[id(p)] is not None,
+                "survived": state[id(p)] is None,
+            }
+        )
         p.close()
     return {"host": socket.gethostname(), "ranks": sorted(ranks, key=lambda r: r["rank"])}
 

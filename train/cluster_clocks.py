@@ -40,8 +40,12 @@ def parse_chronyc(text: str) -> dict:
         if ":" in line:
             k, v = line.split(":", 1)
             kv[k.strip().lower()] = v.strip()
-    out = {"leap": kv.get("leap status"), "reference": kv.get("reference id"),
-           "stratum": int(kv["stratum"]) if kv.get("stratum", "").isdigit() else None, "offset_s": None}
+    out = {
+        "leap": kv.get("leap status"),
+        "reference": kv.get("reference id"),
+        "stratum": int(kv["stratum"]) if kv.get("stratum", "").isdigit() else None,
+        "offset_s": None,
+    }
     m = re.match(r"([\d.]+) seconds (fast|slow)", kv.get("system time", ""))
     if m:
         out["offset_s"] = float(m[1]) * (1 if m[2] == "fast" else -1)
@@ -80,8 +84,9 @@ class _Session:
             words = shlex.split(login)
             ssh = words[:-1] if len(words) > 1 else shlex.split(os.environ.get("PARALLEL_SSH", "ssh"))
             argv = [*ssh, words[-1], agent_shell(req, python)]
-        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  bufsize=0)
+        self.p = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0
+        )
         self.buf = b""
 
     def line(self, deadline: float) -> str | None:
@@ -101,7 +106,7 @@ class _Session:
         try:
             self.p.stdin.write(text.encode())
             return True
-        except OSError:             # the node's end went away: its line() then says so
+        except OSError:  # the node's end went away: its line() then says so
             return False
 
     def fail(self) -> str:
@@ -125,12 +130,13 @@ def measure(s: _Session, samples: int, deadline: float):
     return best[0], best[1] // 2
 
 
-def clock_check(logins: list[str], python: str, samples: int = 16, reads: int = 200_000,
-                timeout: float = 60.0) -> dict[str, dict]:
+def clock_check(
+    logins: list[str], python: str, samples: int = 16, reads: int = 200_000, timeout: float = 60.0
+) -> dict[str, dict]:
     """login -> {"offset_ns", "uncertainty_ns", "backwards", "daemon", "host"} or {"error"}."""
     req = {"op": "clocks", "reads": reads}
     sessions, out = {}, {}
-    for lg in logins:                                                  # all connect at once
+    for lg in logins:  # all connect at once
         try:
             sessions[lg] = _Session(lg, req, python)
         except OSError as e:
@@ -139,7 +145,7 @@ def clock_check(logins: list[str], python: str, samples: int = 16, reads: int = 
     for lg, s in sessions.items():
         ready = s.line(deadline)
         while ready is not None and not ready.startswith('{"ready"'):
-            ready = s.line(deadline)            # whatever a login script printed first
+            ready = s.line(deadline)  # whatever a login script printed first
         if ready is None:
             out[lg] = {"error": f"unreachable: {s.fail()}"}
             continue
@@ -148,7 +154,7 @@ def clock_check(logins: list[str], python: str, samples: int = 16, reads: int = 
             out[lg] = {"error": f"no answer: {s.fail()}"}
             continue
         out[lg] = {"offset_ns": m[0], "uncertainty_ns": m[1]}
-        s.send("end\n")                 # the node now runs its backwards check and asks its daemon
+        s.send("end\n")  # the node now runs its backwards check and asks its daemon
     for lg, s in sessions.items():
         if "error" in out[lg]:
             continue
@@ -168,8 +174,10 @@ def cmd_clocks(a) -> int:
     if a.samples < 1:
         raise UserError("--samples must be >= 1 (round trips a node; the shortest counts)")
     logins = read_hostfile(a.hostfile)
-    print(f"clocks vs {socket.gethostname()} (offset > 0: the node is ahead); {a.samples} round trips a node, "
-          f"the shortest kept; {a.reads} reads for steps back")
+    print(
+        f"clocks vs {socket.gethostname()} (offset > 0: the node is ahead); {a.samples} round trips a node, "
+        f"the shortest kept; {a.reads} reads for steps back"
+    )
     res = clock_check(logins, a.python, a.samples, a.reads, a.timeout)
     errors = warnings = 0
     print(f"{'node':<28} {'offset vs head':>24}  {'steps back':>10}  sync daemon")
@@ -184,8 +192,10 @@ def cmd_clocks(a) -> int:
         cell, daemon_warn = daemon_summary(r["daemon"])
         print(f"{node_name(lg, r):<28} {f'{off:+.3f} +- {unc:.3f} ms':>24}  {b['back']:>10}  {cell}")
         if b["back"]:
-            print(f"  ERROR: the realtime clock went back {b['back']} time(s) in {b['reads']} reads "
-                  f"(at most {b['worst_ns'] / 1e6:.3f} ms): NCCL timeouts follow; check the clocksource and NTP")
+            print(
+                f"  ERROR: the realtime clock went back {b['back']} time(s) in {b['reads']} reads "
+                f"(at most {b['worst_ns'] / 1e6:.3f} ms): NCCL timeouts follow; check the clocksource and NTP"
+            )
             errors += 1
         if abs(off) > a.warn_ms:
             print(f"  WARNING: offset {off:+.3f} ms exceeds --warn-ms {a.warn_ms}")

@@ -31,8 +31,9 @@ FIELDS = ("rank", "pid", "proc_start", "boot_id", "stacks")
 def read_ranks(run_dir) -> list[dict]:
     files = sorted((Path(run_dir) / "ranks").glob("rank*.json"))
     if not files:
-        raise UserError(f"no rank records in {Path(run_dir) / 'ranks'}: is {run_dir} a run directory "
-                        "whose trainer has started?")
+        raise UserError(
+            f"no rank records in {Path(run_dir) / 'ranks'}: is {run_dir} a run directory whose trainer has started?"
+        )
     return [json.loads(f.read_text()) for f in files]
 
 
@@ -122,7 +123,7 @@ def summarize(stacks: dict[int, list[tuple]], depth: int = 6) -> list[str]:
     lines += [f"  {k}" for k in common] or ["  (none)"]
     if len(ranks) >= 3:
         odd = {}
-        for k in dict.fromkeys(_key(f) for r in ranks for f in stacks[r]):     # innermost first
+        for k in dict.fromkeys(_key(f) for r in ranks for f in stacks[r]):  # innermost first
             who = holders[k]
             if len(who) == len(ranks) - 1:
                 odd.setdefault((set(ranks) - who).pop(), []).append(k)
@@ -133,6 +134,7 @@ def summarize(stacks: dict[int, list[tuple]], depth: int = 6) -> list[str]:
 
 # ---------------------------------------------------------------- commands
 
+
 def cmd_dump(a) -> int:
     run = Path(a.run)
     recs = read_ranks(run)
@@ -141,8 +143,10 @@ def cmd_dump(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     groups = by_login(recs, _logins(a))
     info = {r["rank"]: r for r in recs}
-    jobs = {lg: {"op": "dump", "ranks": rs, "timeout": a.timeout, "native": a.native, "method": a.method}
-            for lg, rs in groups.items()}
+    jobs = {
+        lg: {"op": "dump", "ranks": rs, "timeout": a.timeout, "native": a.native, "method": a.method}
+        for lg, rs in groups.items()
+    }
     answers = run_agents(jobs, a.python, timeout=30 + 2 * a.timeout * max(len(rs) for rs in groups.values()))
     stacks, notes, bad = {}, [], 0
     for lg, (res, err) in answers.items():
@@ -162,8 +166,9 @@ def cmd_dump(a) -> int:
                 bad += 1
             else:
                 path = out / f"rank{r['rank']:05d}.txt"
-                path.write_text(f"# rank {r['rank']} of {rec.get('world_size')}, {where}, {r['method']}, "
-                                f"{stamp}\n{r['text']}")
+                path.write_text(
+                    f"# rank {r['rank']} of {rec.get('world_size')}, {where}, {r['method']}, {stamp}\n{r['text']}"
+                )
                 stacks[r["rank"]] = main_frames(r["text"])
                 print(f"rank {r['rank']}: {path} ({r['method']})")
                 if r.get("py_spy_error"):
@@ -181,8 +186,9 @@ def cmd_stop(a) -> int:
     recs = read_ranks(a.run)
     groups = by_login(recs, _logins(a))
     info = {r["rank"]: r for r in recs}
-    answers = run_agents({lg: {"op": "stop", "ranks": rs, "grace": a.grace} for lg, rs in groups.items()},
-                         a.python, timeout=a.grace + 60)
+    answers = run_agents(
+        {lg: {"op": "stop", "ranks": rs, "grace": a.grace} for lg, rs in groups.items()}, a.python, timeout=a.grace + 60
+    )
     bad = 0
     for lg, (res, err) in sorted(answers.items()):
         if res is None:

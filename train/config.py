@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 from reelcache import UserError
 from reelcache.settings import NAME, TEXT, Pattern, build, check, load_toml, read, setting
@@ -35,16 +36,15 @@ class ModelConfig:
     overrides: dict = setting(doc="STDiT3Config fields over the preset (caption_channels, ...)", factory=dict)
     freeze_y_embedder: bool = setting(True, "Open-Sora 1.2 stages freeze the caption projection")
     grad_checkpoint: bool = setting(True, "recompute each block in backward (56 blocks at XL/2)")
-    dtype: str = setting("bf16", "zero2's working dtype: bf16 (fp32 masters) | fp32; ddp always trains fp32",
-                         choices=("bf16", "fp32"))
+    dtype: str = setting(
+        "bf16", "zero2's working dtype: bf16 (fp32 masters) | fp32; ddp always trains fp32", choices=("bf16", "fp32")
+    )
 
 
 @dataclass
 class Manifest:
-    name: str = setting(doc="catalog manifest name (ROOT/manifests) or a path; made with --cache",
-                        pattern=TEXT)
-    weight: float | list[float] = setting(1.0, "mixing weight, or one per epoch (a ramp; the last value holds)",
-                                          ge=0)
+    name: str = setting(doc="catalog manifest name (ROOT/manifests) or a path; made with --cache", pattern=TEXT)
+    weight: float | list[float] = setting(1.0, "mixing weight, or one per epoch (a ramp; the last value holds)", ge=0)
 
 
 @dataclass
@@ -64,8 +64,11 @@ class OptimConfig:
     adam_eps: float = setting(1e-15, "AdamW's epsilon", gt=0)
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW's moment decays", ge=0, lt=1)
     grad_clip: float = setting(1.0, "global L2 norm; 0 = off", ge=0)
-    schedule: str = setting("warmup", "constant | warmup (Open-Sora's LinearWarmupLR) | 1cycle (the \"bump\")",
-                            choices=("constant", "warmup", "1cycle"))
+    schedule: str = setting(
+        "warmup",
+        'constant | warmup (Open-Sora\'s LinearWarmupLR) | 1cycle (the "bump")',
+        choices=("constant", "warmup", "1cycle"),
+    )
     warmup_steps: int = setting(0, "warmup: lr = (k+1)/(W+1)*lr for k < W. 1cycle: the rising phase", ge=0)
     min_lr: float = setting(0.0, "1cycle: start", ge=0)
     max_lr: float = setting(0.0, "1cycle: peak after warmup_steps", ge=0)
@@ -76,24 +79,35 @@ class OptimConfig:
 class FlowConfig:
     sample_method: str = setting("logit-normal", "timestep draw", choices=("logit-normal", "uniform"))
     use_timestep_transform: bool = setting(True, "Open-Sora 1.2's resolution/length shift")
-    caption_dropout: float = setting(0.1, "per-sample probability of the null caption (classifier-free guidance)",
-                                     ge=0, le=1)
-    mask_ratios: dict[str, float] = setting(doc="MaskGenerator ratios (train/flow.py); {} = no frame masks",
-                                            factory=dict, ge=0, le=1)
+    caption_dropout: float = setting(
+        0.1, "per-sample probability of the null caption (classifier-free guidance)", ge=0, le=1
+    )
+    mask_ratios: dict[str, float] = setting(
+        doc="MaskGenerator ratios (train/flow.py); {} = no frame masks", factory=dict, ge=0, le=1
+    )
 
 
 @dataclass
 class RunConfig:
-    name: str = setting("", "run directory ROOT/runs/<name>; default: the config file's stem",
-                        pattern=Pattern(f"({NAME.regex})?", f"{NAME.text} (empty: the file's stem)"))
+    name: str = setting(
+        "",
+        "run directory ROOT/runs/<name>; default: the config file's stem",
+        pattern=Pattern(f"({NAME.regex})?", f"{NAME.text} (empty: the file's stem)"),
+    )
     seed: int = setting(42, "data order, noise, timesteps, masks: all derived from it", ge=0)
     epochs: int = setting(1, "passes over the manifests", ge=1)
     max_steps: int = setting(0, "stop after this many optimizer steps in total (0 = all epochs)", ge=0)
     ema_decay: float = setting(0.99, "fp32 EMA of the master weights; 0 = no EMA", ge=0, lt=1)
-    loss_reduction: str = setting("sample", "sample: mean over all ranks' real samples | rank: mean of rank means "
-                                  "(Open-Sora)", choices=("sample", "rank"))
-    plugin: str = setting("auto", "auto (zero2 on CUDA, ddp on CPU) | zero2 (on CPU: train/zero_cpu.py) | ddp",
-                          choices=("auto", "zero2", "ddp"))
+    loss_reduction: str = setting(
+        "sample",
+        "sample: mean over all ranks' real samples | rank: mean of rank means (Open-Sora)",
+        choices=("sample", "rank"),
+    )
+    plugin: str = setting(
+        "auto",
+        "auto (zero2 on CUDA, ddp on CPU) | zero2 (on CPU: train/zero_cpu.py) | ddp",
+        choices=("auto", "zero2", "ddp"),
+    )
     ckpt_every: int = setting(100, "steps between checkpoints (0 = only at the end)", ge=0)
     keep_last: int = setting(3, "newest checkpoints kept (0 = all) ...", ge=0)
     keep_every: int = setting(0, "... plus every checkpoint whose step is a multiple of this (0 = none)", ge=0)
@@ -105,8 +119,7 @@ class RunConfig:
     max_bad_steps: int = setting(5, "consecutive skipped steps before the run stops with a message", ge=1)
     compile: bool = setting(False, "torch.compile the blocks (GPU)")
     watchdog_factor: float = setting(10.0, "a step slower than this x the median step time is a hang ...", gt=0)
-    watchdog_floor_s: float = setting(600.0, "... and slower than this many seconds: every rank dumps its stacks",
-                                      ge=0)
+    watchdog_floor_s: float = setting(600.0, "... and slower than this many seconds: every rank dumps its stacks", ge=0)
     watchdog_limit_s: float = setting(0.0, "a step this long ends the run with a message (0 = wait for NCCL)", ge=0)
 
 
@@ -115,12 +128,12 @@ class TrainConfig:
     model: ModelConfig = setting(doc="[model]: which STDiT3 and how its weights train", factory=ModelConfig)
     data: DataConfig = setting(doc="[data]: the manifests, buckets and loader", factory=DataConfig)
     optim: OptimConfig = setting(doc="[optim]: AdamW and the lr schedule", factory=OptimConfig)
-    flow: FlowConfig = setting(doc="[flow]: rectified flow's timesteps, caption dropout, frame masks",
-                               factory=FlowConfig)
-    run: RunConfig = setting(doc="[run]: the run directory, length, checkpoints, logging, guards",
-                             factory=RunConfig)
+    flow: FlowConfig = setting(
+        doc="[flow]: rectified flow's timesteps, caption dropout, frame masks", factory=FlowConfig
+    )
+    run: RunConfig = setting(doc="[run]: the run directory, length, checkpoints, logging, guards", factory=RunConfig)
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         """Every field against its own rule (settings.check), then the rules that relate fields."""
         check(self)
         o, d = self.optim, self.data
@@ -165,8 +178,9 @@ class TrainConfig:
         """The STDiT3Config this stage trains: the preset, its overrides, the frozen caption projection."""
         from reelcache.train.model import STDiT3Config
 
-        return STDiT3Config.preset(self.model.preset, **{**self.model.overrides,
-                                                         "freeze_y_embedder": self.model.freeze_y_embedder})
+        return STDiT3Config.preset(
+            self.model.preset, **{**self.model.overrides, "freeze_y_embedder": self.model.freeze_y_embedder}
+        )
 
     def frame_interval(self) -> int:
         """The bucket config's frame interval (what the model's fps input is divided by)."""

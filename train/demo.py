@@ -30,9 +30,22 @@ STAGES = ("configs/train/debug/stage1.toml", "configs/train/debug/stage2.toml")
 def _launch(config: str, root: Path, nproc: int, *extra: str) -> subprocess.Popen:
     from reelcache.train.parallel import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), "-m", "reelcache.train", config, "--root", str(root), *extra]
-    say("$ torchrun --nproc_per_node {} -m reelcache.train {}".format(nproc, " ".join(cmd[cmd.index(config):])))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "reelcache.train",
+        config,
+        "--root",
+        str(root),
+        *extra,
+    ]
+    say("$ torchrun --nproc_per_node {} -m reelcache.train {}".format(nproc, " ".join(cmd[cmd.index(config) :])))
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -77,8 +90,12 @@ def metrics(run_dir: Path) -> list[dict]:
     """Per step, the newest generation's row (after a resume, what trained)."""
     import duckdb
 
-    return duckdb.sql(f"""SELECT step, loss, generation FROM '{run_dir}/metrics/*.parquet'
-        QUALIFY generation = max(generation) OVER (PARTITION BY step) ORDER BY step""").to_arrow_table().to_pylist()
+    return (
+        duckdb.sql(f"""SELECT step, loss, generation FROM '{run_dir}/metrics/*.parquet'
+        QUALIFY generation = max(generation) OVER (PARTITION BY step) ORDER BY step""")
+        .to_arrow_table()
+        .to_pylist()
+    )
 
 
 def plot(root: Path, names, killed_at: int) -> Path:

@@ -30,14 +30,29 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["MASK_NAMES", "MaskGenerator", "add_noise", "euler_sample", "sample_timesteps",
-           "timestep_transform", "training_losses"]
+__all__ = [
+    "MASK_NAMES",
+    "MaskGenerator",
+    "add_noise",
+    "euler_sample",
+    "sample_timesteps",
+    "timestep_transform",
+    "training_losses",
+]
 
 NUM_TIMESTEPS = 1000
 
 
-def timestep_transform(t, height, width, num_frames, scale: float = 1.0, num_timesteps: int = NUM_TIMESTEPS,
-                       base_resolution: int = 512 * 512, base_num_frames: int = 1) -> torch.Tensor:
+def timestep_transform(
+    t,
+    height,
+    width,
+    num_frames,
+    scale: float = 1.0,
+    num_timesteps: int = NUM_TIMESTEPS,
+    base_resolution: int = 512 * 512,
+    base_num_frames: int = 1,
+) -> torch.Tensor:
     """Resolution- and length-dependent shift of t (per-sample float tensors, pixel sizes).
 
     ratio = sqrt(h*w / 512^2) * sqrt(T_lat) * scale, T_lat = 1 if num_frames[0] == 1 else
@@ -57,8 +72,9 @@ def timestep_transform(t, height, width, num_frames, scale: float = 1.0, num_tim
     return t * num_timesteps
 
 
-def sample_timesteps(n: int, generator: torch.Generator | None = None, method: str = "logit-normal",
-                     num_timesteps: int = NUM_TIMESTEPS) -> torch.Tensor:
+def sample_timesteps(
+    n: int, generator: torch.Generator | None = None, method: str = "logit-normal", num_timesteps: int = NUM_TIMESTEPS
+) -> torch.Tensor:
     """n training timesteps on CPU: logit-normal = sigmoid(N(0,1)) * 1000 (upstream's
     LogisticNormal([0],[1]) first coordinate), or uniform in [0, 1000)."""
     if method == "logit-normal":
@@ -78,8 +94,14 @@ def add_noise(x0: torch.Tensor, noise: torch.Tensor, t, num_timesteps: int = NUM
     return s * x0 + (1 - s) * noise
 
 
-def training_losses(model, x0: torch.Tensor, model_kwargs: dict, noise: torch.Tensor, t: torch.Tensor,
-                    x_mask: torch.Tensor | None = None) -> torch.Tensor:
+def training_losses(
+    model,
+    x0: torch.Tensor,
+    model_kwargs: dict,
+    noise: torch.Tensor,
+    t: torch.Tensor,
+    x_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-sample velocity MSE, (B,). With x_mask (B,T) bool, False frames are fed clean (the
     t = 0 value, i.e. x0), get the t = 0 modulation (x_mask is passed to the model as well, as
     upstream's train.py does) and are left out of the mean."""
@@ -89,7 +111,7 @@ def training_losses(model, x0: torch.Tensor, model_kwargs: dict, noise: torch.Te
     kwargs = dict(model_kwargs)
     if x_mask is not None:
         x_mask = x_mask.to(x0.device).bool()
-        x_t = torch.where(x_mask[:, None, :, None, None], x_t, x0)      # add_noise at t = 0 is x0
+        x_t = torch.where(x_mask[:, None, :, None, None], x_t, x0)  # add_noise at t = 0 is x0
         kwargs["x_mask"] = x_mask
     out = model(x_t, t, **kwargs)
     sq = (out[:, : x0.shape[1]] - (x0 - noise)).pow(2)
@@ -103,8 +125,19 @@ def training_losses(model, x0: torch.Tensor, model_kwargs: dict, noise: torch.Te
 # ---------------------------------------------------------------------------------------------
 # frame masks
 
-MASK_NAMES = ("identity", "quarter_random", "quarter_head", "quarter_tail", "quarter_head_tail",
-              "image_random", "image_head", "image_tail", "image_head_tail", "random", "intepolate")
+MASK_NAMES = (
+    "identity",
+    "quarter_random",
+    "quarter_head",
+    "quarter_tail",
+    "quarter_head_tail",
+    "image_random",
+    "image_head",
+    "image_tail",
+    "image_head_tail",
+    "random",
+    "intepolate",
+)
 
 
 class _Draw:
@@ -178,7 +211,7 @@ class MaskGenerator:
         if name == "quarter_random":
             k = draw.randint(1, cond_max)
             pos = draw.randint(0, t - k)
-            mask[pos: pos + k] = False
+            mask[pos : pos + k] = False
         elif name == "image_random":
             pos = draw.randint(0, t - 1)
             mask[pos] = False
@@ -195,7 +228,7 @@ class MaskGenerator:
         elif name == "image_tail":
             mask[-1] = False
         elif name == "intepolate":
-            mask[draw.randint(0, 1)::2] = False
+            mask[draw.randint(0, 1) :: 2] = False
         elif name == "random":
             ratio = draw.uniform(0.1, 0.9)
             mask = draw.rand(t) > ratio
@@ -218,10 +251,23 @@ def _double(v):
 
 
 @torch.no_grad()
-def euler_sample(model, z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None, *, null_y=None,
-                 height, width, num_frames, fps, steps: int = 30, cfg_scale: float | None = 7.0,
-                 use_timestep_transform: bool = True, x_mask: torch.Tensor | None = None,
-                 progress: bool = False) -> torch.Tensor:
+def euler_sample(
+    model,
+    z: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    null_y=None,
+    height,
+    width,
+    num_frames,
+    fps,
+    steps: int = 30,
+    cfg_scale: float | None = 7.0,
+    use_timestep_transform: bool = True,
+    x_mask: torch.Tensor | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
     """Upstream's RFLOW.sample with a boolean frame mask: returns the denoised latents (B,C,T,H,W).
 
     t_i = (1 - i/N) * 1000 for i < N, shifted by ``timestep_transform``; z <- z + v * dt with
@@ -242,15 +288,20 @@ def euler_sample(model, z: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | N
             null_y = null_y.squeeze(1)
         y = torch.cat([y, null_y.to(y)], dim=0)
     dev = z.device
-    height, width, num_frames, fps = (torch.as_tensor(v, dtype=torch.float32, device=dev).reshape(b)
-                                      for v in (height, width, num_frames, fps))
-    kwargs = dict(y=y, mask=_double(mask) if guided else mask,
-                  fps=_double(fps) if guided else fps, height=_double(height) if guided else height,
-                  width=_double(width) if guided else width)
+    height, width, num_frames, fps = (
+        torch.as_tensor(v, dtype=torch.float32, device=dev).reshape(b) for v in (height, width, num_frames, fps)
+    )
+    kwargs = dict(
+        y=y,
+        mask=_double(mask) if guided else mask,
+        fps=_double(fps) if guided else fps,
+        height=_double(height) if guided else height,
+        width=_double(width) if guided else width,
+    )
     if x_mask is not None:
         x_mask = x_mask.to(dev).bool()
         kwargs["x_mask"] = _double(x_mask) if guided else x_mask
-        x_ref = z                       # z is rebound below, never changed in place
+        x_ref = z  # z is rebound below, never changed in place
 
     ts = [torch.full((b,), (1.0 - i / steps) * NUM_TIMESTEPS, dtype=torch.float32, device=dev) for i in range(steps)]
     if use_timestep_transform:

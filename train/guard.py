@@ -35,8 +35,10 @@ class Guard:
             std = math.sqrt(sum((v - mean) ** 2 for v in self.window) / (len(self.window) - 1))
             z = (loss - mean) / max(std, 1e-12)
             if z > self.spike_z:
-                return f"loss {loss:.4g} is a spike: z = {z:.1f} over the last {len(self.window)} steps " \
-                       f"(mean {mean:.4g}, std {std:.3g})"
+                return (
+                    f"loss {loss:.4g} is a spike: z = {z:.1f} over the last {len(self.window)} steps "
+                    f"(mean {mean:.4g}, std {std:.3g})"
+                )
         return None
 
     def record(self, loss: float, bad: bool) -> None:

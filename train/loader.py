@@ -54,16 +54,27 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5) -> Source:
     if table.num_rows == 0:
         raise ValueError(f"{path}: none of its {total} clips has latents (bucket and shard are empty)")
     if table.num_rows < min_kept * total:
-        warnings.warn(f"{path}: only {table.num_rows} of {total} clips have latents "
-                      f"({100 * table.num_rows / total:.1f}%); the rest are skipped", stacklevel=2)
+        warnings.warn(
+            f"{path}: only {table.num_rows} of {total} clips have latents "
+            f"({100 * table.num_rows / total:.1f}%); the rest are skipped",
+            stacklevel=2,
+        )
     # fps is what the model conditions on, not what selects samples: it stays out of the fingerprint.
-    fps = (table["fps"].to_numpy(zero_copy_only=False).astype(np.float64) if "fps" in table.column_names
-           else np.full(table.num_rows, np.nan))
+    fps = (
+        table["fps"].to_numpy(zero_copy_only=False).astype(np.float64)
+        if "fps" in table.column_names
+        else np.full(table.num_rows, np.nan)
+    )
     table = table.select(list(MANIFEST_COLUMNS))
-    return Source(fingerprint(table), np.asarray(table["clip_id"].to_pylist(), dtype=object),
-                  np.asarray(table["bucket"].to_pylist(), dtype=object),
-                  np.asarray(table["shard"].to_pylist(), dtype=object),
-                  table["shard_offset"].to_numpy().astype(np.int64), float(weight), fps)
+    return Source(
+        fingerprint(table),
+        np.asarray(table["clip_id"].to_pylist(), dtype=object),
+        np.asarray(table["bucket"].to_pylist(), dtype=object),
+        np.asarray(table["shard"].to_pylist(), dtype=object),
+        table["shard_offset"].to_numpy().astype(np.int64),
+        float(weight),
+        fps,
+    )
 
 
 def weight_schedule(weight) -> list[float]:
@@ -76,9 +87,23 @@ def weight_schedule(weight) -> list[float]:
 
 
 class LatentLoader:
-    def __init__(self, manifests, buckets: BucketConfig, *, root=None, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, workers: int = 0, prefetch: int = 2, block: int = 64, read: bool = True,
-                 consumed_log=None, log_every: int = 100, pin_memory: bool | None = None):
+    def __init__(
+        self,
+        manifests,
+        buckets: BucketConfig,
+        *,
+        root=None,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        workers: int = 0,
+        prefetch: int = 2,
+        block: int = 64,
+        read: bool = True,
+        consumed_log=None,
+        log_every: int = 100,
+        pin_memory: bool | None = None,
+    ):
         """manifests: paths or names (ROOT/manifests/NAME-*.parquet), or (path, weight) pairs."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
@@ -90,10 +115,10 @@ class LatentLoader:
         self.rank, self.world_size, self.seed = rank, world_size, int(seed)
         self.workers, self.prefetch, self.read, self.pin_memory = workers, prefetch, read, pin_memory
         self.fingerprint = stage_fingerprint(self.sources, buckets, block)
-        if any(len(ws) > 1 for ws in self.schedules):      # a weight ramp is part of what a position means
+        if any(len(ws) > 1 for ws in self.schedules):  # a weight ramp is part of what a position means
             self.fingerprint = hashlib.sha256(f"{self.fingerprint}|weights:{self.schedules!r}".encode()).hexdigest()
         self.epoch = self.consumed = self.step = 0
-        self.generation = 0        # resumes so far: the consumed log keeps the newest per step
+        self.generation = 0  # resumes so far: the consumed log keeps the newest per step
         self.clip_id = np.concatenate([s.clip_id for s in self.sources])
         self.shard = np.concatenate([s.shard for s in self.sources])
         self.offset = np.concatenate([s.offset for s in self.sources])
@@ -110,12 +135,17 @@ class LatentLoader:
         """The sources with the mixing weights of `epoch` (the schedule's last value holds after it)."""
         if all(len(ws) == 1 for ws in self.schedules):
             return self.sources
-        return [dataclasses.replace(s, weight=ws[min(epoch, len(ws) - 1)]) for s, ws in zip(self.sources, self.schedules)]
+        return [
+            dataclasses.replace(s, weight=ws[min(epoch, len(ws) - 1)]) for s, ws in zip(self.sources, self.schedules)
+        ]
 
     def _check(self, plan: Plan) -> None:
         if plan.num_batches < self.world_size:
-            warnings.warn(f"{plan.num_batches} micro-batches per epoch for {self.world_size} ranks: "
-                          "some ranks will only see padding batches", stacklevel=3)
+            warnings.warn(
+                f"{plan.num_batches} micro-batches per epoch for {self.world_size} ranks: "
+                "some ranks will only see padding batches",
+                stacklevel=3,
+            )
 
     def steps_remaining(self) -> int:
         """Steps this rank takes in the rest of the current epoch (the same on every rank)."""
@@ -123,10 +153,17 @@ class LatentLoader:
 
     def state_dict(self) -> dict:
         epoch, consumed, step = self.epoch, self.consumed, self.step
-        if consumed >= self.plan().num_batches:         # an epoch just ended: say so
+        if consumed >= self.plan().num_batches:  # an epoch just ended: say so
             epoch, consumed, step = epoch + 1, 0, 0
-        return {"epoch": epoch, "consumed": consumed, "step": step, "seed": self.seed,
-                "fingerprint": self.fingerprint, "plan_version": PLAN_VERSION, "generation": self.generation}
+        return {
+            "epoch": epoch,
+            "consumed": consumed,
+            "step": step,
+            "seed": self.seed,
+            "fingerprint": self.fingerprint,
+            "plan_version": PLAN_VERSION,
+            "generation": self.generation,
+        }
 
     def load_state_dict(self, state: dict, reset_data: bool = False) -> None:
         self.generation = int(state.get("generation", 0)) + 1
@@ -136,22 +173,27 @@ class LatentLoader:
             self.epoch = self.consumed = self.step = 0
             return
         if state.get("plan_version") != PLAN_VERSION:
-            raise ValueError(f"data state has plan version {state.get('plan_version')}, this loader "
-                             f"{PLAN_VERSION}: the order would differ. Resume with reset_data=True (--reset-data).")
+            raise ValueError(
+                f"data state has plan version {state.get('plan_version')}, this loader "
+                f"{PLAN_VERSION}: the order would differ. Resume with reset_data=True (--reset-data)."
+            )
         if state["fingerprint"] != self.fingerprint or state["seed"] != self.seed:
             raise ValueError(
                 "refusing to resume the data position: it was saved for stage fingerprint "
                 f"{state['fingerprint'][:16]} (seed {state['seed']}), but this loader's manifests, weights and "
                 f"batch sizes give {self.fingerprint[:16]} (seed {self.seed}). Resuming would repeat and skip "
                 "samples. To keep the model and optimizer and restart the data on purpose, pass "
-                "reset_data=True (trainer flag --reset-data).")
+                "reset_data=True (trainer flag --reset-data)."
+            )
         self.epoch, self.consumed, self.step = int(state["epoch"]), int(state["consumed"]), int(state["step"])
 
     # -- iteration -------------------------------------------------------------------------
     def schedule(self) -> list[tuple[int, int, bool]]:
         """(step, global batch index, is padding) for the rest of this epoch on this rank."""
-        return [(self.step + k, i, pad) for k, (i, pad) in
-                enumerate(self.plan().rank_batches(self.consumed, self.rank, self.world_size))]
+        return [
+            (self.step + k, i, pad)
+            for k, (i, pad) in enumerate(self.plan().rank_batches(self.consumed, self.rank, self.world_size))
+        ]
 
     def __iter__(self):
         plan = self.plan()
@@ -211,20 +253,39 @@ class _BatchMaker:
                 return maker.__iter__(info.id, info.num_workers) if info else maker.__iter__()
 
         pin = torch.cuda.is_available() if self.pin_memory is None else self.pin_memory
-        return DataLoader(Steps(), batch_size=None, num_workers=self.workers, prefetch_factor=self.prefetch,
-                          pin_memory=pin, multiprocessing_context="fork", worker_init_fn=_one_thread)
+        return DataLoader(
+            Steps(),
+            batch_size=None,
+            num_workers=self.workers,
+            prefetch_factor=self.prefetch,
+            pin_memory=pin,
+            multiprocessing_context="fork",
+            worker_init_fn=_one_thread,
+        )
 
     def make(self, step: int, index: int, pad: bool) -> dict:
         idx = self.plan.batch(index)
-        batch = {"epoch": self.epoch, "step": step, "index": index, "bucket": self.plan.buckets[self.plan.bucket[index]],
-                 "clip_id": [self.clip_id[i] for i in idx], "weight": 0.0 if pad else 1.0}
+        batch = {
+            "epoch": self.epoch,
+            "step": step,
+            "index": index,
+            "bucket": self.plan.buckets[self.plan.bucket[index]],
+            "clip_id": [self.clip_id[i] for i in idx],
+            "weight": 0.0 if pad else 1.0,
+        }
         if self.read:
             import torch
 
-            pos = self.plan.starts[index] + np.arange(len(idx))     # positions in the epoch: noise seeds
-            batch.update(collate([read_sample(self._path(self.shard[i]), int(self.offset[i])) for i in idx],
-                                 self.seed, self.epoch, pos))
-            batch["fps"] = torch.from_numpy(self.fps[idx])      # NaN where the manifest has no fps
+            pos = self.plan.starts[index] + np.arange(len(idx))  # positions in the epoch: noise seeds
+            batch.update(
+                collate(
+                    [read_sample(self._path(self.shard[i]), int(self.offset[i])) for i in idx],
+                    self.seed,
+                    self.epoch,
+                    pos,
+                )
+            )
+            batch["fps"] = torch.from_numpy(self.fps[idx])  # NaN where the manifest has no fps
         return batch
 
     def _path(self, shard: str) -> str:
@@ -290,8 +351,8 @@ def pad_text(texts: list) -> tuple:
     text = torch.zeros((len(texts), max(lens), texts[0].shape[1]), dtype=texts[0].dtype)
     mask = torch.zeros((len(texts), max(lens)), dtype=torch.bool)
     for i, t in enumerate(texts):
-        text[i, :lens[i]] = t
-        mask[i, :lens[i]] = True
+        text[i, : lens[i]] = t
+        mask[i, : lens[i]] = True
     return text, mask, lens
 
 
@@ -326,10 +387,17 @@ class ConsumedLog:
         from reelcache.catalog.shards import atomic_path
 
         cols = list(zip(*self.rows))
-        t = pa.table({"generation": pa.array([self.generation] * len(cols[0]), pa.int32()),
-                      "epoch": pa.array(cols[0], pa.int32()), "step": pa.array(cols[1], pa.int64()),
-                      "rank": pa.array(cols[2], pa.int32()), "clip_id": pa.array(cols[3], pa.string()),
-                      "bucket": pa.array(cols[4], pa.string()), "pad": pa.array(cols[5], pa.bool_())})
+        t = pa.table(
+            {
+                "generation": pa.array([self.generation] * len(cols[0]), pa.int32()),
+                "epoch": pa.array(cols[0], pa.int32()),
+                "step": pa.array(cols[1], pa.int64()),
+                "rank": pa.array(cols[2], pa.int32()),
+                "clip_id": pa.array(cols[3], pa.string()),
+                "bucket": pa.array(cols[4], pa.string()),
+                "pad": pa.array(cols[5], pa.bool_()),
+            }
+        )
         name = f"rank{self.rank:05d}-g{self.generation:03d}-e{cols[0][0]:04d}-s{cols[1][0]:09d}.parquet"
         with atomic_path(self.dir / name) as tmp:
             pq.write_table(t, tmp)

@@ -80,8 +80,15 @@ class STDiT3Config:
         self.patch_size = tuple(int(p) for p in self.patch_size)
         if len(self.patch_size) != 3 or min(self.patch_size) < 1:
             raise ValueError(f"patch_size must be three positive ints, got {self.patch_size}")
-        for name in ("input_sq_size", "in_channels", "hidden_size", "depth", "num_heads",
-                     "caption_channels", "model_max_length"):
+        for name in (
+            "input_sq_size",
+            "in_channels",
+            "hidden_size",
+            "depth",
+            "num_heads",
+            "caption_channels",
+            "model_max_length",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
@@ -277,10 +284,12 @@ class STDiT3Block(nn.Module):
 
     def forward(self, x, y, mod, key_mask, has_keys, rope):
         b, t, s, c = x.shape
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (self.scale_shift_table + mod).unbind(
+            2
+        )  # each (B, T|1, C)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-            self.scale_shift_table + mod).unbind(2)  # each (B, T|1, C)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-            m.unsqueeze(2) for m in (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp))
+            m.unsqueeze(2) for m in (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp)
+        )
 
         h = modulate(self.norm1(x), shift_msa, scale_msa)
         if self.temporal:
@@ -429,8 +438,9 @@ class STDiT3(nn.Module):
         key_mask = (valid | ~has[:, None])[:, None, None, :]
         return y, key_mask, has.to(y.dtype)[:, None, None, None]
 
-    def forward(self, x, timestep, y, mask=None, x_mask=None, fps=None, height=None, width=None,
-                caption_drop=None, **_upstream):      # upstream's model_kwargs also carry num_frames, ar
+    def forward(
+        self, x, timestep, y, mask=None, x_mask=None, fps=None, height=None, width=None, caption_drop=None, **_upstream
+    ):  # upstream's model_kwargs also carry num_frames, ar
         cfg = self.config
         if fps is None or height is None or width is None:
             raise ValueError("STDiT3.forward needs fps, height and width (B,) tensors (pixel size)")
@@ -448,7 +458,9 @@ class STDiT3(nn.Module):
         if x_mask is not None:
             x_mask = x_mask.to(x.device).bool()
             if x_mask.shape != (b, -(-tx // cfg.patch_size[0])):
-                raise ValueError(f"x_mask must be (B, T) = {(b, -(-tx // cfg.patch_size[0]))}, got {tuple(x_mask.shape)}")
+                raise ValueError(
+                    f"x_mask must be (B, T) = {(b, -(-tx // cfg.patch_size[0]))}, got {tuple(x_mask.shape)}"
+                )
             t0 = self.t_embedder(torch.zeros_like(timestep), dtype) + fps_emb
             t0_mlp = self.t_block(t0).view(b, 1, 6, cfg.hidden_size)
             t_mlp = torch.where(x_mask[:, :, None, None], t_mlp, t0_mlp)  # (B, T, 6, C)
@@ -493,9 +505,7 @@ def flops_per_sample(cfg: STDiT3Config, T: int, H: int, W: int, L: int) -> float
     pt, ph, pw = cfg.patch_size
     t_, s = -(-T // pt), (-(-H // ph)) * (-(-W // pw))
     n, c, r, p = t_ * s, cfg.hidden_size, cfg.mlp_ratio, pt * ph * pw
-    pair = (2 * ((12 + 4 * r) * n * c * c + 4 * L * c * c)
-            + 4 * t_ * s * s * c + 4 * s * t_ * t_ * c
-            + 2 * 4 * n * L * c)
+    pair = 2 * ((12 + 4 * r) * n * c * c + 4 * L * c * c) + 4 * t_ * s * s * c + 4 * s * t_ * t_ * c + 2 * 4 * n * L * c
     embed = 2 * n * c * cfg.in_channels * p + 2 * n * c * cfg.out_channels * p
     y_proj = 0 if cfg.skip_y_embedder else 2 * L * (cfg.caption_channels * c + c * c)
     return float(cfg.depth * pair + embed + y_proj)

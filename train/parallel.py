@@ -32,12 +32,12 @@ class Parallel:
     world: int
     local_rank: int
     device: torch.device
-    dtype: torch.dtype            # working dtype of the boosted model
+    dtype: torch.dtype  # working dtype of the boosted model
     plugin_name: str
     booster: object = None
 
     @classmethod
-    def setup(cls, plugin: str = "auto", dtype: str = "bf16", grad_clip: float = 0.0) -> "Parallel":
+    def setup(cls, plugin: str = "auto", dtype: str = "bf16", grad_clip: float = 0.0) -> Parallel:
         """Join the process group that torchrun / ``colossalai run`` describe (or a 1-process one)."""
         cuda = torch.cuda.is_available() and os.environ.get("REELCACHE_DEVICE", "") != "cpu"
         name = ("zero2" if cuda else "ddp") if plugin == "auto" else plugin
@@ -52,7 +52,7 @@ class Parallel:
             # Collectives that wait longer than this are a hang, not a slow step: fail with a trace.
             dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
         Booster, LowLevelZeroPlugin, TorchDDPPlugin = _colossalai()
-        if not cuda:                # else ColossalAI finds the GPU itself and moves the model there
+        if not cuda:  # else ColossalAI finds the GPU itself and moves the model there
             from colossalai.accelerator import set_accelerator
 
             set_accelerator("cpu")
@@ -64,13 +64,26 @@ class Parallel:
                 zero_cpu.enable()
             prec = "bf16" if dtype == "bf16" else "fp32"
             # overlap_communication records the flat gradients on a CUDA stream: CUDA only.
-            plug = LowLevelZeroPlugin(stage=2, precision=prec, initial_scale=2 ** 16, max_norm=grad_clip,
-                                      reduce_bucket_size_in_m=20, overlap_communication=cuda)
+            plug = LowLevelZeroPlugin(
+                stage=2,
+                precision=prec,
+                initial_scale=2**16,
+                max_norm=grad_clip,
+                reduce_bucket_size_in_m=20,
+                overlap_communication=cuda,
+            )
         else:
             plug = TorchDDPPlugin()
         wdtype = torch.bfloat16 if (name == "zero2" and dtype == "bf16") else torch.float32
-        return cls(dist.get_rank(), dist.get_world_size(), local_rank,
-                   torch.device("cuda", local_rank) if cuda else torch.device("cpu"), wdtype, name, Booster(plugin=plug))
+        return cls(
+            dist.get_rank(),
+            dist.get_world_size(),
+            local_rank,
+            torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
+            wdtype,
+            name,
+            Booster(plugin=plug),
+        )
 
     @property
     def zero(self) -> bool:
@@ -86,7 +99,7 @@ class Parallel:
     def boost(self, model, optimizer):
         import warnings
 
-        with warnings.catch_warnings():     # torch's notice about DDP's broadcast_buffers, set by the plugin
+        with warnings.catch_warnings():  # torch's notice about DDP's broadcast_buffers, set by the plugin
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")
             model, optimizer, *_ = self.booster.boost(model, optimizer)
         return model, optimizer
@@ -101,13 +114,13 @@ class Parallel:
         happens here. ZeRO: each rank holds a shard; the norm is reduced over the data-parallel
         group and the optimizer clips inside its own step (the plugin's max_norm).
         """
-        if self.zero:                       # the boosted optimizer is ColossalAI's LowLevelZeroOptimizer
+        if self.zero:  # the boosted optimizer is ColossalAI's LowLevelZeroOptimizer
             total = 0.0
             for gid in range(optimizer.num_param_groups):
                 for store in optimizer.pg_to_grad_store.values():
                     grads = store.get_working_grads_by_group_id(gid)
                     total += optimizer._compute_grad_norm(dp_pg=store.torch_pg, gradients=grads) ** 2
-            return torch.tensor(total ** 0.5)
+            return torch.tensor(total**0.5)
         params = [p for p in model.parameters() if p.grad is not None]
         if max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm).detach().float().cpu()
@@ -194,15 +207,19 @@ class Parallel:
         tensors, scalars = {}, {}
         for idx, st in state.items():
             for k, v in st.items():
-                if k == "step":                     # a tensor in torch's AdamW, an int in HybridAdam
+                if k == "step":  # a tensor in torch's AdamW, an int in HybridAdam
                     scalars.setdefault(names[idx], {})[k] = int(float(v))
                 elif torch.is_tensor(v):
                     tensors[f"{names[idx]}::{k}"] = v.detach().to("cpu", copy=True).contiguous()
                 else:
                     scalars.setdefault(names[idx], {})[k] = v
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        return tensors, {"format": 2, "optimizer": type(_inner(optimizer)).__name__, "param_groups": groups,
-                         "scalars": scalars}
+        return tensors, {
+            "format": 2,
+            "optimizer": type(_inner(optimizer)).__name__,
+            "param_groups": groups,
+            "scalars": scalars,
+        }
 
     def load_optimizer(self, optimizer, model, path: str) -> None:
         """Load a state written by ``write_optimizer`` (by either plugin, at any world size). The
@@ -220,7 +237,7 @@ class Parallel:
             name, k = key.rsplit("::", 1)
             state.setdefault(index[name], {})[k] = v
         for name, sc in meta["scalars"].items():
-            for k, v in sc.items():     # torch's AdamW wants a tensor step; HybridAdam makes it an int
+            for k, v in sc.items():  # torch's AdamW wants a tensor step; HybridAdam makes it an int
                 state.setdefault(index[name], {})[k] = torch.tensor(float(v)) if k == "step" else v
         groups, i = [], 0
         for g in optimizer.param_groups:

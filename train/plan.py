@@ -50,7 +50,7 @@ import numpy as np
 
 from reelcache.catalog.buckets import BucketConfig
 
-PLAN_VERSION = 2       # 2: repeats in separate micro-batches, spread across the epoch
+PLAN_VERSION = 2  # 2: repeats in separate micro-batches, spread across the epoch
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,12 +61,12 @@ class Source:
     """
 
     fingerprint: str
-    clip_id: np.ndarray        # object array of str
-    bucket: np.ndarray         # object array of str
-    shard: np.ndarray          # object array of str
-    offset: np.ndarray         # int64
+    clip_id: np.ndarray  # object array of str
+    bucket: np.ndarray  # object array of str
+    shard: np.ndarray  # object array of str
+    offset: np.ndarray  # int64
     weight: float = 1.0
-    fps: np.ndarray | None = None   # float64 frame rate of each clip (the model's fps input), if the manifest has it
+    fps: np.ndarray | None = None  # float64 frame rate of each clip (the model's fps input), if the manifest has it
 
     def __len__(self):
         return len(self.clip_id)
@@ -82,18 +82,18 @@ class Source:
 class Plan:
     """One epoch's micro-batches over the concatenated sources."""
 
-    fingerprint: str           # of the whole stage: manifests, weights, batch sizes, plan version
-    order: np.ndarray          # int64 sample indices (into the concatenated sources), batch after batch
-    starts: np.ndarray         # int64, len M+1: batch i is order[starts[i]:starts[i+1]]
-    bucket: np.ndarray         # int32 bucket code of each batch
-    buckets: list[str]         # bucket names by code
+    fingerprint: str  # of the whole stage: manifests, weights, batch sizes, plan version
+    order: np.ndarray  # int64 sample indices (into the concatenated sources), batch after batch
+    starts: np.ndarray  # int64, len M+1: batch i is order[starts[i]:starts[i+1]]
+    bucket: np.ndarray  # int32 bucket code of each batch
+    buckets: list[str]  # bucket names by code
 
     @property
     def num_batches(self) -> int:
         return len(self.starts) - 1
 
     def batch(self, i: int) -> np.ndarray:
-        return self.order[self.starts[i]:self.starts[i + 1]]
+        return self.order[self.starts[i] : self.starts[i + 1]]
 
     def rank_batches(self, consumed: int, rank: int, world: int) -> list[tuple[int, bool]]:
         """(batch index, is padding) for each remaining step of `rank`, from global position `consumed`."""
@@ -139,7 +139,7 @@ def _argsort(keys: list[np.ndarray], bounds: list[int]) -> np.ndarray:
     """Indices sorting by keys[0], then keys[1], ... (ints in [0, bound)), ties by index: np.lexsort's
     answer, but from one quicksort of a packed int64 key when the key space fits in 63 bits (about 8x
     faster at 1M rows). Quicksort's order of equal keys is unspecified, so ties go to a stable sort."""
-    if math.prod(int(b) for b in bounds) >= 2 ** 63:
+    if math.prod(int(b) for b in bounds) >= 2**63:
         return np.lexsort(keys[::-1])
     packed = np.zeros(len(keys[0]), dtype=np.int64)
     for k, b in zip(keys, bounds):
@@ -203,22 +203,23 @@ def _cached_plan(sources: tuple[Source, ...], sizes: BucketConfig, seed: int, ep
     else:
         ident = sel
     o = _argsort([codes[sel], pas, rank[sel]], [len(names), int(pas.max()) + 1 if len(pas) else 1, len(rank)])
-    sel, pas, ident, sel_codes = sel[o], pas[o], ident[o], codes[sel[o]]     # bucket, pass, storage order
+    sel, pas, ident, sel_codes = sel[o], pas[o], ident[o], codes[sel[o]]  # bucket, pass, storage order
     batch_sizes = np.array([sizes.batch_size(b) for b in names], dtype=np.int64)
     bounds = np.searchsorted(sel_codes, np.arange(len(names) + 1))
-    block_of = np.empty(len(rank), dtype=np.int32)       # scratch: pass-0 block of each clip
+    block_of = np.empty(len(rank), dtype=np.int32)  # scratch: pass-0 block of each clip
     rng_jitter = _rng(seed, epoch, 3)
     shuffled, batch_start, batch_len, batch_bucket, batch_key = [], [], [], [], []
     base = 0
     for b in range(len(names)):
-        s, p, c = sel[bounds[b]:bounds[b + 1]], pas[bounds[b]:bounds[b + 1]], ident[bounds[b]:bounds[b + 1]]
+        s, p, c = sel[bounds[b] : bounds[b + 1]], pas[bounds[b] : bounds[b + 1]], ident[bounds[b] : bounds[b + 1]]
         n, bs = len(s), int(batch_sizes[b])
         if n == 0:
             continue
-        n0 = int(np.searchsorted(p, 1))                  # distinct samples: pass 0, in storage order
+        n0 = int(np.searchsorted(p, 1))  # distinct samples: pass 0, in storage order
         if n0 < bs:
-            warnings.warn(f"bucket {names[b]!r} has {n0} samples, fewer than its batch size "
-                          f"{bs}: partial batches", stacklevel=3)
+            warnings.warn(
+                f"bucket {names[b]!r} has {n0} samples, fewer than its batch size {bs}: partial batches", stacklevel=3
+            )
         rng = _rng(seed, epoch, 2, zlib.crc32(names[b].encode()))
         nb = -(-n0 // block)
         block_of[c[:n0]] = np.arange(n0) // block
@@ -226,10 +227,10 @@ def _cached_plan(sources: tuple[Source, ...], sizes: BucketConfig, seed: int, ep
         # Pass p takes its blocks in pass 0's shuffled block order, rotated by p/passes of it:
         # a sample's copies land about 1/passes of the bucket's sequence apart.
         turn = (rng.permutation(nb)[block_of[c]] + p.astype(np.int64) * nb // passes) % nb
-        s = s[_argsort([p, turn, rng.permutation(n)], [passes, nb, n])]   # per pass: blocks shuffled, then inside each
-        first = np.searchsorted(p, p)                     # p is sorted: where each sample's pass starts
-        pos = np.arange(n) - first                        # position inside its pass
-        cuts = np.flatnonzero(pos % bs == 0)              # micro-batches never straddle two passes
+        s = s[_argsort([p, turn, rng.permutation(n)], [passes, nb, n])]  # per pass: blocks shuffled, then inside each
+        first = np.searchsorted(p, p)  # p is sorted: where each sample's pass starts
+        pos = np.arange(n) - first  # position inside its pass
+        cuts = np.flatnonzero(pos % bs == 0)  # micro-batches never straddle two passes
         pass_len = np.bincount(p, minlength=passes)[p[cuts]]
         # stratified merge key: a group's j-th of k batches goes to (j + U) / k of the epoch
         j, k = pos[cuts] // bs, -(-pass_len // bs)

@@ -50,8 +50,19 @@ def wandb_settings(mode: str, *, label: str, primary: bool):
 
 
 class RunLog:
-    def __init__(self, run_dir, *, enabled: bool, project: str, mode: str, name: str, config: dict,
-                 run_id: str | None, generation: int, total_steps: int):
+    def __init__(
+        self,
+        run_dir,
+        *,
+        enabled: bool,
+        project: str,
+        mode: str,
+        name: str,
+        config: dict,
+        run_id: str | None,
+        generation: int,
+        total_steps: int,
+    ):
         self.run_dir, self.enabled, self.generation = Path(run_dir), enabled, generation
         self.rows: list[dict] = []
         self.total_steps, self.t0, self.first_step = total_steps, time.monotonic(), None
@@ -61,13 +72,19 @@ class RunLog:
             return
         (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
         if mode != "disabled":
-            os.environ.setdefault("WANDB_SILENT", "true")      # our console line says what matters
+            os.environ.setdefault("WANDB_SILENT", "true")  # our console line says what matters
             import wandb
 
             self.run_id = run_id or uuid.uuid4().hex[:12]
-            self.wandb = wandb.init(project=project, name=name, id=self.run_id, resume="allow",
-                                    dir=str(self.run_dir), config=config,
-                                    settings=wandb_settings(mode, label="train", primary=True))
+            self.wandb = wandb.init(
+                project=project,
+                name=name,
+                id=self.run_id,
+                resume="allow",
+                dir=str(self.run_dir),
+                config=config,
+                settings=wandb_settings(mode, label="train", primary=True),
+            )
             self.wandb.define_metric("global_step")
             for prefix in ("train/*", "buckets/*"):
                 self.wandb.define_metric(prefix, step_metric="global_step")
@@ -84,13 +101,18 @@ class RunLog:
         eta = (time.monotonic() - self.t0) / done * max(0, self.total_steps - row["step"] - 1)
         mfu = f" | mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
         skipped = f" | SKIPPED: {row['skipped']}" if row.get("skipped") else ""
-        say(f"step {row['step'] + 1}/{self.total_steps} ep {row['epoch']} | loss {row['loss']:.4f} | "
+        say(
+            f"step {row['step'] + 1}/{self.total_steps} ep {row['epoch']} | loss {row['loss']:.4f} | "
             f"lr {row['lr']:.2e} | gnorm {row['grad_norm']:.3f} | {row['samples_per_s']:.1f} samples/s | "
             f"step {row['step_s']:.2f}s, data {100 * row['data_share']:.0f}%{mfu} | "
-            f"ETA {fmt_eta(eta)}{skipped}")
+            f"ETA {fmt_eta(eta)}{skipped}"
+        )
         if self.wandb is not None:
-            data = {f"train/{k}": v for k, v in row.items()
-                    if k not in ("step", "buckets", "skipped", "generation") and v is not None}
+            data = {
+                f"train/{k}": v
+                for k, v in row.items()
+                if k not in ("step", "buckets", "skipped", "generation") and v is not None
+            }
             data.update({f"buckets/{b}": n for b, n in json.loads(row.get("buckets") or "{}").items()})
             data["global_step"] = row["step"]
             self.wandb.log(data, step=row["step"])

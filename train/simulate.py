@@ -17,16 +17,30 @@ from pathlib import Path
 from reelcache.progress import bar, say
 
 
-def simulate(manifests, buckets, *, root=None, world_size: int, workers: int = 1, seed: int = 0, epochs: int = 1,
-             out=None, save_at: int | None = None, resume_world_size: int | None = None, block: int = 64):
+def simulate(
+    manifests,
+    buckets,
+    *,
+    root=None,
+    world_size: int,
+    workers: int = 1,
+    seed: int = 0,
+    epochs: int = 1,
+    out=None,
+    save_at: int | None = None,
+    resume_world_size: int | None = None,
+    block: int = 64,
+):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from reelcache.train.loader import LatentLoader
 
     def make(world):
-        return [LatentLoader(manifests, buckets, root=root, rank=r, world_size=world, seed=seed, read=False,
-                             block=block) for r in range(world)]
+        return [
+            LatentLoader(manifests, buckets, root=root, rank=r, world_size=world, seed=seed, read=False, block=block)
+            for r in range(world)
+        ]
 
     loaders = make(world_size)
     rows = {k: [] for k in ("epoch", "step", "rank", "worker", "clip_id", "bucket", "pad", "world_size")}
@@ -37,8 +51,15 @@ def simulate(manifests, buckets, *, root=None, world_size: int, workers: int = 1
         epoch = loaders[0].epoch
         steps = loaders[0].steps_remaining()
         plan = loaders[0].plan()
-        summary.append({"epoch": epoch, "world_size": len(loaders), "steps": steps,
-                        "micro_batches": plan.num_batches, "samples": int(len(plan.order))})
+        summary.append(
+            {
+                "epoch": epoch,
+                "world_size": len(loaders),
+                "steps": steps,
+                "micro_batches": plan.num_batches,
+                "samples": int(len(plan.order)),
+            }
+        )
         with bar(steps, f"epoch {epoch}", "step") as pbar:
             iters = [iter(ld) for ld in loaders]
             for k, batches in enumerate(zip(*iters)):
@@ -64,7 +85,7 @@ def simulate(manifests, buckets, *, root=None, world_size: int, workers: int = 1
                     say(f"saved at step {gstep}: {json.dumps(saved)}; resumed on {len(loaders)} ranks")
                     break
             else:
-                for it in iters:            # let every loader close its epoch
+                for it in iters:  # let every loader close its epoch
                     for _ in it:
                         pass
     table = pa.table(rows)
@@ -72,6 +93,8 @@ def simulate(manifests, buckets, *, root=None, world_size: int, workers: int = 1
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, out)
     for s in summary:
-        say(f"epoch {s['epoch']}: {s['samples']} samples in {s['micro_batches']} micro-batches, "
-            f"{s['steps']} steps on {s['world_size']} ranks")
+        say(
+            f"epoch {s['epoch']}: {s['samples']} samples in {s['micro_batches']} micro-batches, "
+            f"{s['steps']} steps on {s['world_size']} ranks"
+        )
     return table, summary, saved

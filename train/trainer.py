@@ -53,8 +53,9 @@ def bucket_geometry(bucket: str) -> tuple[int, int, int]:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, root, *, load=None, init_from=None, reset_data: bool = False,
-                 config_path=None):
+    def __init__(
+        self, cfg: TrainConfig, root, *, load=None, init_from=None, reset_data: bool = False, config_path=None
+    ):
         from reelcache.train.parallel import Parallel
 
         self.cfg, self.root = cfg, Path(root)
@@ -85,8 +86,10 @@ class Trainer:
                 raise UserError(str(e)) from None
         existing = ck.list_checkpoints(self.run_dir)
         if existing and self.ckpt_path is None:
-            raise UserError(f"{self.run_dir} already has checkpoints up to {existing[-1].name}: resume with "
-                            f"--load latest (or --load {existing[-1]}), or train under another run.name")
+            raise UserError(
+                f"{self.run_dir} already has checkpoints up to {existing[-1].name}: resume with "
+                f"--load latest (or --load {existing[-1]}), or train under another run.name"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._record_rank()
 
@@ -94,16 +97,25 @@ class Trainer:
         self.buckets = BucketConfig.from_toml(cfg.data.buckets)
         manifests = [(m.name, m.weight) for m in cfg.data.manifests]
         try:
-            self.loader = LatentLoader(manifests, self.buckets, root=self.root, rank=par.rank, world_size=par.world,
-                                       seed=cfg.run.seed, workers=cfg.data.workers, prefetch=cfg.data.prefetch,
-                                       block=cfg.data.block, consumed_log=self.run_dir / "consumed",
-                                       log_every=max(1, cfg.run.ckpt_every or 100))
+            self.loader = LatentLoader(
+                manifests,
+                self.buckets,
+                root=self.root,
+                rank=par.rank,
+                world_size=par.world,
+                seed=cfg.run.seed,
+                workers=cfg.data.workers,
+                prefetch=cfg.data.prefetch,
+                block=cfg.data.block,
+                consumed_log=self.run_dir / "consumed",
+                log_every=max(1, cfg.run.ckpt_every or 100),
+            )
         except ValueError as e:
             raise UserError(str(e)) from e
 
         # Model, EMA, optimizer.
         mcfg = self.model_cfg = cfg.model_config()
-        torch.manual_seed(cfg.run.seed)            # the same fresh init on every rank
+        torch.manual_seed(cfg.run.seed)  # the same fresh init on every rank
         model = STDiT3(mcfg)
         if cfg.model.grad_checkpoint:
             model.set_grad_checkpointing(True)
@@ -119,8 +131,9 @@ class Trainer:
         self.frozen = {k: v for k, v in fp32.items() if k not in self.shapes}
         model = model.to(par.device)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = par.optimizer(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, eps=cfg.optim.adam_eps,
-                            betas=cfg.optim.betas)
+        opt = par.optimizer(
+            params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, eps=cfg.optim.adam_eps, betas=cfg.optim.betas
+        )
         self.model, self.optimizer = par.boost(model, opt)
         if par.zero:
             for n, m in par.master_chunks(self.model, self.optimizer).items():
@@ -143,7 +156,7 @@ class Trainer:
 
                 full = read_sharded(self.ckpt_path / "ema")
                 self.ema = {n: par.chunk(full[n].float().reshape(-1)).clone().to(par.device) for n in self.shapes}
-            else:                                   # fresh, or --init-from: the EMA starts as the weights
+            else:  # fresh, or --init-from: the EMA starts as the weights
                 self.ema = {n: c.detach().clone() for n, c in par.master_chunks(self.model, self.optimizer).items()}
         else:
             self.ema = None
@@ -156,19 +169,35 @@ class Trainer:
         if self.rank0:
             (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
         self.total_steps = self._total_steps()
-        self.log = RunLog(self.run_dir, enabled=self.rank0, project=cfg.run.wandb_project, mode=cfg.run.wandb_mode,
-                          name=cfg.run.name, config=resolved, run_id=self.wandb_id, generation=self.generation,
-                          total_steps=self.total_steps)
+        self.log = RunLog(
+            self.run_dir,
+            enabled=self.rank0,
+            project=cfg.run.wandb_project,
+            mode=cfg.run.wandb_mode,
+            name=cfg.run.name,
+            config=resolved,
+            run_id=self.wandb_id,
+            generation=self.generation,
+            total_steps=self.total_steps,
+        )
         if self.rank0 and self.log.run_id:
             (self.run_dir / "wandb_id").write_text(self.log.run_id)
-        self.peak = next((v for k, v in PEAK_FLOPS.items() if par.device.type == "cuda"
-                          and k in torch.cuda.get_device_name(par.device)), None)
+        self.peak = next(
+            (
+                v
+                for k, v in PEAK_FLOPS.items()
+                if par.device.type == "cuda" and k in torch.cuda.get_device_name(par.device)
+            ),
+            None,
+        )
         if self.rank0:
             n = sum(p.numel() for p in self.module.parameters())
             t = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
-            say(f"train {cfg.run.name}: {cfg.model.preset} ({n / 1e6:.1f}M parameters, {t / 1e6:.1f}M trainable) on "
+            say(
+                f"train {cfg.run.name}: {cfg.model.preset} ({n / 1e6:.1f}M parameters, {t / 1e6:.1f}M trainable) on "
                 f"{par.world} x {par.device.type} with {par.plugin_name}; {self.loader.plan().num_batches} "
-                f"micro-batches per epoch, {self.total_steps} steps; run dir {self.run_dir}")
+                f"micro-batches per epoch, {self.total_steps} steps; run dir {self.run_dir}"
+            )
 
     @property
     def module(self):
@@ -183,16 +212,24 @@ class Trainer:
         d = self.run_dir / "ranks"
         d.mkdir(parents=True, exist_ok=True)
         self._stacks = install_stack_signal(self.run_dir, self.par.rank)
-        info = {"rank": self.par.rank, "world_size": self.par.world, "local_rank": self.par.local_rank,
-                "host": socket.gethostname(), "pid": os.getpid(), "proc_start": proc_start(os.getpid()),
-                "boot_id": boot_id(), "started": time.time(),
-                "launcher_pid": os.getppid(), "launcher_proc_start": proc_start(os.getppid()),
-                "stacks": str(Path(self._stacks.name).resolve())}
+        info = {
+            "rank": self.par.rank,
+            "world_size": self.par.world,
+            "local_rank": self.par.local_rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "proc_start": proc_start(os.getpid()),
+            "boot_id": boot_id(),
+            "started": time.time(),
+            "launcher_pid": os.getppid(),
+            "launcher_proc_start": proc_start(os.getppid()),
+            "stacks": str(Path(self._stacks.name).resolve()),
+        }
         from reelcache.catalog.shards import atomic_path
 
         with atomic_path(d / f"rank{self.par.rank:05d}.json") as tmp:
             Path(tmp).write_text(json.dumps(info))
-        if self.rank0:                      # records of a launch with more ranks are not this run's
+        if self.rank0:  # records of a launch with more ranks are not this run's
             for stale in d.glob("rank*.json"):
                 if stale.stem[4:].isdigit() and int(stale.stem[4:]) >= self.par.world:
                     stale.unlink(missing_ok=True)
@@ -213,9 +250,9 @@ class Trainer:
 
         state = ck.read_state(ckpt)
         par, o = self.par, self.cfg.optim
-        if (ckpt / "optimizer").exists():           # absent when saved before the first optimizer step
+        if (ckpt / "optimizer").exists():  # absent when saved before the first optimizer step
             par.load_optimizer(self.optimizer, self.model, str(ckpt / "optimizer"))
-            for group in self.optimizer.param_groups:   # the config's hyper-parameters, not the saved ones
+            for group in self.optimizer.param_groups:  # the config's hyper-parameters, not the saved ones
                 group.update(weight_decay=o.weight_decay, eps=o.adam_eps, betas=tuple(o.betas))
         try:
             self.loader.load_state_dict(state["loader"], reset_data=reset_data)
@@ -226,8 +263,10 @@ class Trainer:
         self.wandb_id = state.get("wandb_id")
         self.generation = self.loader.generation
         if self.rank0:
-            say(f"resumed from {ckpt}: step {self.global_step}, epoch {self.loader.epoch}, position "
-                f"{self.loader.consumed}" + (" (data position reset)" if reset_data else ""))
+            say(
+                f"resumed from {ckpt}: step {self.global_step}, epoch {self.loader.epoch}, position "
+                f"{self.loader.consumed}" + (" (data position reset)" if reset_data else "")
+            )
 
     def _total_steps(self) -> int:
         """Optimizer steps of the whole stage: the rest of this epoch plus the remaining epochs.
@@ -264,8 +303,12 @@ class Trainer:
                 masks.append(torch.as_tensor(self.masks.get_masks(1, t_lat, np.random.default_rng(s))))
             gd = torch.Generator(device=dev).manual_seed(s)
             noise.append(torch.randn(x.shape[1:], generator=gd, device=dev, dtype=torch.float32))
-        return {"t": torch.cat(ts).float(), "noise": torch.stack(noise),
-                "caption_drop": torch.tensor(drops), "x_mask": torch.cat(masks).bool() if masks else None}
+        return {
+            "t": torch.cat(ts).float(),
+            "noise": torch.stack(noise),
+            "caption_drop": torch.tensor(drops),
+            "x_mask": torch.cat(masks).bool() if masks else None,
+        }
 
     def step(self, batch) -> dict:
         """One optimizer step on this rank's micro-batch (a collective: every rank calls it)."""
@@ -286,13 +329,18 @@ class Trainer:
         d = self.draws(batch)
         fps = torch.nan_to_num(batch["fps"].float(), nan=cfg.data.default_fps)
         fps = torch.floor(fps / self.buckets.frame_interval)
-        hw = lambda v: torch.full((b,), float(v))     # noqa: E731
+        hw = lambda v: torch.full((b,), float(v))  # noqa: E731
         t = d["t"]
         if cfg.flow.use_timestep_transform:
             t = timestep_transform(t, hw(height), hw(width), hw(frames))
-        kwargs = {"y": batch["text"].to(dev, non_blocking=True).to(x0.dtype),
-                  "mask": batch["text_mask"].to(dev, non_blocking=True), "fps": fps.to(dev), "height": hw(height).to(dev),
-                  "width": hw(width).to(dev), "caption_drop": d["caption_drop"].to(dev)}
+        kwargs = {
+            "y": batch["text"].to(dev, non_blocking=True).to(x0.dtype),
+            "mask": batch["text_mask"].to(dev, non_blocking=True),
+            "fps": fps.to(dev),
+            "height": hw(height).to(dev),
+            "width": hw(width).to(dev),
+            "caption_drop": d["caption_drop"].to(dev),
+        }
         x_mask = d["x_mask"].to(dev) if d["x_mask"] is not None else None
         losses = training_losses(self.model, x0, kwargs, d["noise"], t.to(dev), x_mask=x_mask)
         if cfg.run.loss_reduction == "sample":
@@ -301,10 +349,18 @@ class Trainer:
             loss = losses.mean() * (weight * par.world / max(r_real, 1.0))
         par.backward(loss, self.optimizer)
         loss_sum = float(par.sum([float(losses.detach().sum()) * weight])[0])
-        return {"batch": batch, "losses": losses.detach(), "loss": loss_sum / max(n_real, 1.0), "samples": n_real,
-                "local_samples": real,
-                "frames": frames, "height": height, "width": width, "latent_shape": tuple(x0.shape[2:]),
-                "text_len": int(batch["text"].shape[1])}
+        return {
+            "batch": batch,
+            "losses": losses.detach(),
+            "loss": loss_sum / max(n_real, 1.0),
+            "samples": n_real,
+            "local_samples": real,
+            "frames": frames,
+            "height": height,
+            "width": width,
+            "latent_shape": tuple(x0.shape[2:]),
+            "text_len": int(batch["text"].shape[1]),
+        }
 
     def update(self, out: dict) -> dict:
         """Guard, optimizer step, EMA; gradients cleared either way."""
@@ -342,12 +398,20 @@ class Trainer:
     def _record_bad(self, batch, loss, gnorm, reason):
         clips = self.par.gather_objects(list(batch["clip_id"]) if batch["weight"] else [])
         if self.rank0:
-            rec = {"step": self.global_step, "epoch": self.loader.epoch, "loss": loss, "grad_norm": gnorm,
-                   "reason": reason, "clip_ids": [c for r in clips for c in r]}
+            rec = {
+                "step": self.global_step,
+                "epoch": self.loader.epoch,
+                "loss": loss,
+                "grad_norm": gnorm,
+                "reason": reason,
+                "clip_ids": [c for r in clips for c in r],
+            }
             with open(self.run_dir / "bad_steps.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
-            say(f"step {self.global_step}: skipped ({reason}); clips: {', '.join(rec['clip_ids'][:8])}"
-                + (" ..." if len(rec["clip_ids"]) > 8 else ""))
+            say(
+                f"step {self.global_step}: skipped ({reason}); clips: {', '.join(rec['clip_ids'][:8])}"
+                + (" ..." if len(rec["clip_ids"]) > 8 else "")
+            )
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self) -> None:
@@ -357,13 +421,21 @@ class Trainer:
         model_state = {**self.frozen, **masters} if self.rank0 else None
         # The epoch and the data fingerprint are the loader's (its state says the next epoch at a boundary);
         # the learning rate follows from opt_steps and config.json's optim section.
-        state = {"global_step": self.global_step, "opt_steps": self.opt_steps, "loader": self.loader.state_dict(),
-                 "guard": self.guard.state_dict(), "wandb_id": self.log.run_id if self.rank0 else None,
-                 "run": self.cfg.run.name, "world_size": par.world, "model_preset": self.cfg.model.preset,
-                 "init_from": self.loaded_from, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "versions": _versions()}
+        state = {
+            "global_step": self.global_step,
+            "opt_steps": self.opt_steps,
+            "loader": self.loader.state_dict(),
+            "guard": self.guard.state_dict(),
+            "wandb_id": self.log.run_id if self.rank0 else None,
+            "run": self.cfg.run.name,
+            "world_size": par.world,
+            "model_preset": self.cfg.model.preset,
+            "init_from": self.loaded_from,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "versions": _versions(),
+        }
         if self.rank0:
-            self.log.flush()                   # metrics up to this step exist before the checkpoint does
+            self.log.flush()  # metrics up to this step exist before the checkpoint does
         if self.loader.log:
             self.loader.log.flush()
         optim = par.optimizer_state(self.optimizer, self.model) if self.opt_steps else None
@@ -380,8 +452,14 @@ class Trainer:
         cfg, par = self.cfg, self.par
         self.model.train()
         last_saved = self.global_step if self.ckpt_path is not None else -1
-        dog = Watchdog(self.run_dir, par.rank, cfg.run.watchdog_factor, cfg.run.watchdog_floor_s,
-                       cfg.run.watchdog_limit_s, alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}"))
+        dog = Watchdog(
+            self.run_dir,
+            par.rank,
+            cfg.run.watchdog_factor,
+            cfg.run.watchdog_floor_s,
+            cfg.run.watchdog_limit_s,
+            alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}"),
+        )
         try:
             while self.loader.epoch < cfg.run.epochs and not self._done():
                 sched, k = self.loader.schedule(), 0
@@ -425,8 +503,11 @@ class Trainer:
         if k < len(sched):
             _, index, pad = sched[k]
             plan = self.loader.plan()
-            info.update(bucket=plan.buckets[plan.bucket[index]], padding=pad,
-                        clip_ids=[str(c) for c in self.loader.clip_id[plan.batch(index)]])
+            info.update(
+                bucket=plan.buckets[plan.bucket[index]],
+                padding=pad,
+                clip_ids=[str(c) for c in self.loader.clip_id[plan.batch(index)]],
+            )
         return info
 
     def _done(self) -> bool:
@@ -446,25 +527,42 @@ class Trainer:
         with torch.no_grad():
             params = [p.detach() for p in self.module.parameters()]
             wnorm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params))))
-        self.log.log({"step": self.global_step - 1, "epoch": self.loader.epoch, "epoch_step": int(batch["step"]),
-                      "loss": out["loss"],
-                      "lr": out["lr"] if out["lr"] is not None else float("nan"), "grad_norm": out["grad_norm"],
-                      "weight_norm": wnorm, "samples": out["samples"], "samples_per_s": out["samples"] / step_s,
-                      "tokens_per_s": tokens / step_s, "step_s": step_s, "data_wait_s": wait_s,
-                      "data_share": wait_s / step_s,
-                      "mfu": flops / step_s / (self.peak * par.world) if self.peak else None,
-                      "buckets": json.dumps(hist, sort_keys=True), "skipped": out["skipped"]})
+        self.log.log(
+            {
+                "step": self.global_step - 1,
+                "epoch": self.loader.epoch,
+                "epoch_step": int(batch["step"]),
+                "loss": out["loss"],
+                "lr": out["lr"] if out["lr"] is not None else float("nan"),
+                "grad_norm": out["grad_norm"],
+                "weight_norm": wnorm,
+                "samples": out["samples"],
+                "samples_per_s": out["samples"] / step_s,
+                "tokens_per_s": tokens / step_s,
+                "step_s": step_s,
+                "data_wait_s": wait_s,
+                "data_share": wait_s / step_s,
+                "mfu": flops / step_s / (self.peak * par.world) if self.peak else None,
+                "buckets": json.dumps(hist, sort_keys=True),
+                "skipped": out["skipped"],
+            }
+        )
 
     def _diverged_message(self) -> str:
         from reelcache.train import checkpoint as ck
 
         found = ck.list_checkpoints(self.run_dir)
         last = found[-1] if found else None
-        cmd = (f"reelcache train <config> --root {self.root} --load {last}" if last else
-               "no checkpoint yet: start again with another seed or a lower lr")
-        return (f"stopping: {self.guard.bad} consecutive bad steps (non-finite or spiking loss/gradient) up to step "
-                f"{self.global_step}; see {self.run_dir / 'bad_steps.jsonl'} for the clips. Last good checkpoint: "
-                f"{last or 'none'}. Resume with: {cmd} (consider a lower optim.lr, or --reset-data)")
+        cmd = (
+            f"reelcache train <config> --root {self.root} --load {last}"
+            if last
+            else "no checkpoint yet: start again with another seed or a lower lr"
+        )
+        return (
+            f"stopping: {self.guard.bad} consecutive bad steps (non-finite or spiking loss/gradient) up to step "
+            f"{self.global_step}; see {self.run_dir / 'bad_steps.jsonl'} for the clips. Last good checkpoint: "
+            f"{last or 'none'}. Resume with: {cmd} (consider a lower optim.lr, or --reset-data)"
+        )
 
 
 def proc_start(pid: int) -> int | None:

@@ -30,14 +30,22 @@ def install_stack_signal(run_dir, rank: int):
     """SIGUSR1 appends all threads' stacks to runs/<run>/stacks/rank<R>.txt. Returns the file."""
     d = Path(run_dir) / "stacks"
     d.mkdir(parents=True, exist_ok=True)
-    f = open(d / f"rank{rank:05d}.txt", "a")        # kept open for the process's life (faulthandler's need)
+    f = open(d / f"rank{rank:05d}.txt", "a")  # kept open for the process's life (faulthandler's need)
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
     return f
 
 
 class Watchdog:
-    def __init__(self, run_dir, rank: int, factor: float = 10.0, floor_s: float = 600.0, limit_s: float = 0.0,
-                 window: int = 50, alert=None):
+    def __init__(
+        self,
+        run_dir,
+        rank: int,
+        factor: float = 10.0,
+        floor_s: float = 600.0,
+        limit_s: float = 0.0,
+        window: int = 50,
+        alert=None,
+    ):
         self.dir, self.rank = Path(run_dir) / "hangs", rank
         self.factor, self.floor_s, self.limit_s = factor, floor_s, limit_s
         self.times: deque[float] = deque(maxlen=window)
@@ -81,13 +89,18 @@ class Watchdog:
                 with self._lock:
                     self._fired = True
                 path = self.report(info, elapsed)
-                self.alert(f"step {info.get('step')} has run {elapsed:.0f} s (threshold {self.threshold():.0f} s): "
-                           f"rank stacks in {path.parent}")
+                self.alert(
+                    f"step {info.get('step')} has run {elapsed:.0f} s (threshold {self.threshold():.0f} s): "
+                    f"rank stacks in {path.parent}"
+                )
             if self.limit_s and elapsed > self.limit_s:
                 path = self.report(info, elapsed)
-                os.write(2, f"reelcache: rank {self.rank}: step {info.get('step')} exceeded the hard limit "
-                            f"({elapsed:.0f} s > run.watchdog_limit_s = {self.limit_s:.0f} s); stacks in {path}. "
-                            "Ending this process instead of waiting for the collective timeout.\n".encode())
+                os.write(
+                    2,
+                    f"reelcache: rank {self.rank}: step {info.get('step')} exceeded the hard limit "
+                    f"({elapsed:.0f} s > run.watchdog_limit_s = {self.limit_s:.0f} s); stacks in {path}. "
+                    "Ending this process instead of waiting for the collective timeout.\n".encode(),
+                )
                 os._exit(3)
 
     def report(self, info: dict, elapsed: float) -> Path:
@@ -95,8 +108,20 @@ class Watchdog:
         d.mkdir(parents=True, exist_ok=True)
         path = d / f"rank{self.rank:05d}.txt"
         with open(path, "w") as f:
-            f.write(json.dumps({**info, "rank": self.rank, "pid": os.getpid(), "elapsed_s": round(elapsed, 3),
-                                "threshold_s": round(self.threshold(), 3), "time": time.time()}, default=str) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        **info,
+                        "rank": self.rank,
+                        "pid": os.getpid(),
+                        "elapsed_s": round(elapsed, 3),
+                        "threshold_s": round(self.threshold(), 3),
+                        "time": time.time(),
+                    },
+                    default=str,
+                )
+                + "\n"
+            )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         return path

@@ -80,10 +80,12 @@ def save_sharded(state_dict: dict[str, torch.Tensor], folder, max_shard_bytes: f
 def _torch_load(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:     # old pickles with non-tensor objects (args, optimizers)
-        warnings.warn(f"{path.name}: not loadable with weights_only=True ({type(e).__name__}); loading it "
-                      f"as a full pickle, which runs code from the file: use only checkpoints you trust",
-                      stacklevel=3)
+    except pickle.UnpicklingError as e:  # old pickles with non-tensor objects (args, optimizers)
+        warnings.warn(
+            f"{path.name}: not loadable with weights_only=True ({type(e).__name__}); loading it "
+            f"as a full pickle, which runs code from the file: use only checkpoints you trust",
+            stacklevel=3,
+        )
         return torch.load(path, map_location="cpu", weights_only=False)
 
 
@@ -106,8 +108,10 @@ def read_sharded(folder) -> dict[str, torch.Tensor]:
     singles = sorted(folder.glob("*.safetensors"))
     if len(singles) == 1:
         return load_file(singles[0])
-    raise FileNotFoundError(f"{folder}: no model.safetensors[.index.json] or pytorch_model.bin[.index.json] "
-                            f"(found: {sorted(p.name for p in folder.iterdir())[:10]})")
+    raise FileNotFoundError(
+        f"{folder}: no model.safetensors[.index.json] or pytorch_model.bin[.index.json] "
+        f"(found: {sorted(p.name for p in folder.iterdir())[:10]})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,8 +148,11 @@ def _group(keys: list[str], universe: set[str]) -> list[str]:
             all_blocks = {int(m.group(2)) for u in everything if (m := _BLOCK.match(u))}
             rest = sorted(every - set(patterns))
             if not rest:  # whole blocks, not all of them
-                out.append(", ".join(f"{top}.{i}.*" for i in sorted(blocks)) if len(blocks) <= 4
-                           else f"{top}.* ({len(blocks)} of {len(all_blocks)} blocks)")
+                out.append(
+                    ", ".join(f"{top}.{i}.*" for i in sorted(blocks))
+                    if len(blocks) <= 4
+                    else f"{top}.* ({len(blocks)} of {len(all_blocks)} blocks)"
+                )
                 continue
             if blocks == all_blocks and len(rest) < len(patterns):  # name the few sub-keys NOT here
                 out.append(f"{top}.* ({len(blocks)} blocks) except " + ", ".join(rest))
@@ -172,10 +179,15 @@ class LoadReport:
         return not (self.missing or self.unexpected or self.mismatched)
 
     def summary(self) -> str:
-        lines = [f"{self.source} ({self.kind}): {len(self.loaded)} tensors loaded, {len(self.missing)} fresh, "
-                 f"{len(self.unexpected)} ignored, {len(self.mismatched)} shape-mismatched"]
-        for label, keys in (("loaded", self.loaded), ("fresh (kept from init)", self.missing),
-                            ("ignored (not in the model)", self.unexpected)):
+        lines = [
+            f"{self.source} ({self.kind}): {len(self.loaded)} tensors loaded, {len(self.missing)} fresh, "
+            f"{len(self.unexpected)} ignored, {len(self.mismatched)} shape-mismatched"
+        ]
+        for label, keys in (
+            ("loaded", self.loaded),
+            ("fresh (kept from init)", self.missing),
+            ("ignored (not in the model)", self.unexpected),
+        ):
             if keys:
                 lines.append(f"  {label}: " + "; ".join(_group(keys, self.universe)))
         for key, got, want in self.mismatched:
@@ -204,8 +216,9 @@ def _apply(model: torch.nn.Module, state: dict[str, torch.Tensor], report: LoadR
     if strict and not report.complete:
         raise ValueError(f"strict load refused, the model was not changed:\n{report.summary()}")
     if report.mismatched:
-        warnings.warn(f"{report.source}: {len(report.mismatched)} tensors have other shapes and stay fresh",
-                      stacklevel=3)
+        warnings.warn(
+            f"{report.source}: {len(report.mismatched)} tensors have other shapes and stay fresh", stacklevel=3
+        )
     with torch.no_grad():
         model.load_state_dict({k: state[k] for k in report.loaded}, strict=False)
     return report
@@ -213,7 +226,7 @@ def _apply(model: torch.nn.Module, state: dict[str, torch.Tensor], report: LoadR
 
 def _strip_module_prefix(state: dict) -> dict:
     if state and all(k.startswith("module.") for k in state):
-        return {k[len("module."):]: v for k, v in state.items()}
+        return {k[len("module.") :]: v for k, v in state.items()}
     return state
 
 
@@ -255,8 +268,18 @@ def _config_notes(folder: Path, model) -> list[str]:
         return []
     theirs = json.loads(cfg_path.read_text())
     notes = []
-    for name in ("in_channels", "hidden_size", "depth", "num_heads", "mlp_ratio", "caption_channels",
-                 "model_max_length", "qk_norm", "pred_sigma", "patch_size"):
+    for name in (
+        "in_channels",
+        "hidden_size",
+        "depth",
+        "num_heads",
+        "mlp_ratio",
+        "caption_channels",
+        "model_max_length",
+        "qk_norm",
+        "pred_sigma",
+        "patch_size",
+    ):
         if name in theirs:
             mine, other = getattr(model.config, name), theirs[name]
             if (tuple(other) if isinstance(other, list) else other) != mine:
@@ -313,10 +336,14 @@ def load_weights(model: torch.nn.Module, path, *, strict: bool | None = None, wh
                 raise FileNotFoundError(f"{path} has no ema/ (trained with ema_decay = 0?)")
             report = LoadReport(src, "reelcache checkpoint, ema/ over model/")
             ema = read_sharded(path / "ema")
-            report.notes.append(f"{len(ema)} tensors from ema/, the other {len(set(base) - set(ema))} "
-                                f"(frozen parameters, buffers) from model/")
-            return _apply(model, {**base, **ema}, report, strict)      # model/ under the EMA overlay
+            report.notes.append(
+                f"{len(ema)} tensors from ema/, the other {len(set(base) - set(ema))} "
+                f"(frozen parameters, buffers) from model/"
+            )
+            return _apply(model, {**base, **ema}, report, strict)  # model/ under the EMA overlay
         return _apply(model, base, LoadReport(src, "reelcache checkpoint, model/"), strict)
 
-    raise FileNotFoundError(f"{path}: not a weight file or a known checkpoint folder (expected *.safetensors, "
-                            f"*.pth, a folder with {INDEX} or model.safetensors, or a checkpoint with model/)")
+    raise FileNotFoundError(
+        f"{path}: not a weight file or a known checkpoint folder (expected *.safetensors, "
+        f"*.pth, a folder with {INDEX} or model.safetensors, or a checkpoint with model/)"
+    )

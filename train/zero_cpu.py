@@ -66,16 +66,18 @@ class _TorchCpuAdam:
     def __init__(self, lr, beta1, beta2, eps, weight_decay, adamw_mode):
         self.adamw_mode = adamw_mode
 
-    def step(self, step, lr, beta1, beta2, eps, weight_decay, bias_correction, param, grad, exp_avg, exp_avg_sq,
-             div_scale=-1):
+    def step(
+        self, step, lr, beta1, beta2, eps, weight_decay, bias_correction, param, grad, exp_avg, exp_avg_sq, div_scale=-1
+    ):
         from colossalai.nn.optimizer.cpu_adam import CPUAdam
 
         if div_scale > 0:
             grad = grad / div_scale
-        bc1 = 1 - beta1 ** step if bias_correction else 1.0
-        bc2 = 1 - beta2 ** step if bias_correction else 1.0
-        CPUAdam.torch_adam_update(None, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay,
-                                  bc1, bc2, self.adamw_mode)
+        bc1 = 1 - beta1**step if bias_correction else 1.0
+        bc2 = 1 - beta2**step if bias_correction else 1.0
+        CPUAdam.torch_adam_update(
+            None, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, bc1, bc2, self.adamw_mode
+        )
 
 
 class _TorchCpuAdamModule:
