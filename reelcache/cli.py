@@ -10,10 +10,11 @@ import textwrap
 
 from reelcache import UserError, __version__
 
-# The stages, in pipeline order: each has a ``cli`` module with ``add_commands(subparsers)`` (its
-# commands and arguments) and may have ``add_demo(subparsers)`` (its step of ``reelcache demo``).
-# The modules import nothing heavy; their commands import their stage when they run.
-STAGES = ("ingest", "catalog", "cache", "train", "eval")
+# The stages, in pipeline order (cluster, the operator's checks, beside train): each has a ``cli``
+# module with ``add_commands(subparsers)`` (its commands and arguments) and may have
+# ``add_demo(subparsers)`` (its step of ``reelcache demo``). The modules import nothing heavy;
+# their commands import their stage when they run.
+STAGES = ("ingest", "catalog", "cache", "train", "cluster", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

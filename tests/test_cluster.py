@@ -99,7 +99,7 @@ GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, 40299, python -c import a,b, [N/A]
 
 
 def test_chronyc_tracking_is_parsed():
-    from reelcache.train.cluster_clocks import daemon_summary, parse_chronyc
+    from reelcache.cluster.clocks import daemon_summary, parse_chronyc
 
     c = parse_chronyc(CHRONYC_AWS)
     assert c["offset_s"] == pytest.approx(-0.000000626)  # "slow of NTP time": behind, negative
@@ -114,7 +114,7 @@ def test_chronyc_tracking_is_parsed():
 
 
 def test_nvidia_smi_csv_is_parsed():
-    from reelcache.train.cluster import gpu_report, parse_apps_csv, parse_gpu_csv
+    from reelcache.cluster.gpus import gpu_report, parse_apps_csv, parse_gpu_csv
 
     gpus = parse_gpu_csv(GPU_CSV)
     assert [g["index"] for g in gpus] == [0, 1]
@@ -146,7 +146,7 @@ def test_nvidia_smi_csv_is_parsed():
 
 def test_hostfile_is_read_like_an_sshloginfile(tmp_path):
     from reelcache import UserError
-    from reelcache.train.cluster import read_hostfile
+    from reelcache.cluster.hosts import read_hostfile
 
     f = tmp_path / "nodes.txt"
     f.write_text("# head\n:\n8/gpu01\n  user@gpu02  \nssh -p 2222 gpu03   # other port\n\n")
@@ -157,7 +157,7 @@ def test_hostfile_is_read_like_an_sshloginfile(tmp_path):
 
 
 def test_stack_summary_names_the_odd_rank():
-    from reelcache.train.cluster_procs import main_frames, summarize
+    from reelcache.cluster.procs import main_frames, summarize
 
     pyspy = (
         "Process 7: python -m reelcache.train\nPython v3.11.7 (/usr/bin/python3.11)\n\n"
@@ -182,7 +182,7 @@ def test_stack_summary_names_the_odd_rank():
 
 
 def test_clocks_against_this_machine(tmp_path):
-    from reelcache.train.cluster_clocks import clock_check, daemon_summary
+    from reelcache.cluster.clocks import clock_check, daemon_summary
 
     r = clock_check([":"], sys.executable, samples=8, reads=100_000)[":"]
     assert "error" not in r, r
@@ -351,7 +351,7 @@ def test_clocks_measure_a_node_ahead_and_catch_one_that_steps_back(tmp_path, mon
     """Independent reference: the offset the node's clock was given. A read bracketed by the head's
     two reads is the head's time + AHEAD + (its place in the bracket), so the measured offset is
     AHEAD to within the uncertainty, with its sign (> 0: the node is ahead)."""
-    from reelcache.train.cluster_clocks import clock_check
+    from reelcache.cluster.clocks import clock_check
 
     ssh = tmp_path / "ssh"
     ssh.write_text(FAKE_SSH)

@@ -1,4 +1,4 @@
-"""The wheel installs only `reelcache.*`: bare train/cache/catalog/ingest are not ours to take."""
+"""The wheel installs only `reelcache.*`: bare train/cache/catalog/ingest/eval/cluster are not ours to take."""
 
 from __future__ import annotations
 
@@ -39,15 +39,17 @@ def test_wheel_contains_only_the_reelcache_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops <= {"reelcache", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    for stage in ("ingest", "catalog", "cache", "train", "eval"):
+    for stage in ("ingest", "catalog", "cache", "train", "eval", "cluster"):
         assert f"reelcache/{stage}/__init__.py" in names
     assert "reelcache/catalog/schema.sql" in names
+    assert "reelcache/cluster/agent.py" in names  # read as source text and sent to every node
 
 
 def test_bare_stage_names_are_not_importable(tmp_path):
     code = (
         "import importlib.util as u, reelcache.catalog, reelcache.ingest, reelcache.cache, reelcache.train,"
-        " reelcache.eval; print([n for n in ('train','cache','catalog','ingest','eval') if u.find_spec(n)])"
+        " reelcache.eval, reelcache.cluster;"
+        " print([n for n in ('train','cache','catalog','ingest','eval','cluster') if u.find_spec(n)])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
@@ -62,17 +64,20 @@ def test_cli_starts_without_heavy_imports(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
-def test_stages_import_only_catalog_and_the_root():
+def test_who_may_import_whom():
     """DESIGN.md: ingest, cache and train depend on catalog and reelcache/, never on each other;
-    eval, the stage after train, composes cache's encoders with train's model and sampler."""
+    eval, the stage after train, composes cache's encoders with train's model and sampler. cluster
+    (operations over the hostfiles of every stage) depends on catalog only; train writes its rank
+    records through cluster.ranks, and eval may use cluster too."""
     import re
 
     allowed = {
         "ingest": {"catalog"},
         "cache": {"catalog"},
-        "train": {"catalog"},
+        "train": {"catalog", "cluster"},
         "catalog": set(),
-        "eval": {"catalog", "cache", "train"},
+        "cluster": {"catalog"},
+        "eval": {"catalog", "cache", "train", "cluster"},
     }
     for stage, ok in allowed.items():
         for path in (REPO / stage).glob("*.py"):
@@ -89,8 +94,35 @@ def test_root_cli_only_assembles_the_stages():
     from reelcache.cli import STAGES, build_parser
 
     src = (REPO / "reelcache/cli.py").read_text()
-    assert not re.findall(r"reelcache\.(?:ingest|catalog|cache|train|eval)\b", src)
+    assert not re.findall(r"reelcache\.(?:ingest|catalog|cache|train|eval|cluster)\b", src)
     assert src.count("add_argument(") == 1  # --version
     assert set(STAGES) == {p.name for p in REPO.iterdir() if (p / "cli.py").exists()} - {"reelcache"}
     top = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert {"ingest", "catalog", "cache", "train", "loader", "cluster", "eval", "demo"} <= set(top.choices)
+
+
+def test_cluster_never_imports_torch_or_another_stage(tmp_path):
+    """`reelcache cluster` runs on a head node with no torch: importing every cluster module (and
+    building its parser) loads neither torch nor a stage other than catalog."""
+    code = (
+        "import sys, argparse, pkgutil, importlib, reelcache.cluster as c\n"
+        "for m in pkgutil.iter_modules(c.__path__): importlib.import_module(f'reelcache.cluster.{m.name}')\n"
+        "from reelcache.cluster.cli import add_commands\n"
+        "add_commands(argparse.ArgumentParser().add_subparsers())\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'"
+        " or m.split('.')[:2] in (['reelcache', s] for s in ('train', 'cache', 'ingest', 'eval'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_cluster_agent_needs_only_the_standard_library():
+    """agent.py is sent as source to nodes where reelcache may not be importable: it imports the
+    standard library only, and nothing of ours."""
+    import ast
+
+    tree = ast.parse((REPO / "cluster/agent.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    assert not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))
+    assert imported <= set(sys.stdlib_module_names), imported - set(sys.stdlib_module_names)

@@ -1,4 +1,4 @@
-"""``reelcache train``, ``reelcache loader simulate``, ``reelcache cluster`` and ``reelcache demo train``:
+"""``reelcache train``, ``reelcache loader simulate`` and ``reelcache demo train``:
 the train stage's command-line arguments (reelcache/cli.py only assembles). Nothing heavy is imported
 here: the parser builds without torch.
 
@@ -39,7 +39,7 @@ examples:
 
 
 def add_commands(top) -> None:
-    """``train``, ``loader simulate`` and ``cluster`` under the top-level ``reelcache`` parser."""
+    """``train`` and ``loader simulate`` under the top-level ``reelcache`` parser."""
     fmt = argparse.RawDescriptionHelpFormatter
     tr = top.add_parser(
         "train",
@@ -84,10 +84,6 @@ def add_commands(top) -> None:
     sim.add_argument("--save-at", type=arg(int, ge=0), help="save the data state at this global step, then resume")
     sim.add_argument("--resume-world-size", type=arg(int, ge=1), help="world size to resume on (default: the same)")
     sim.set_defaults(fn=_simulate)
-
-    from reelcache.train import cluster
-
-    cluster.add_commands(top)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ import subprocess
 import time
 
 from reelcache import UserError
-from reelcache.train.cluster import _result, agent_code, agent_shell, node_name, read_hostfile
+from reelcache.cluster.hosts import agent_code, agent_result, agent_shell, node_name, read_hostfile
 
 
 def parse_chronyc(text: str) -> dict:
@@ -160,7 +160,7 @@ def clock_check(
             continue
         res = None
         while res is None and (line := s.line(deadline)) is not None:
-            res = _result(line)
+            res = agent_result(line)
         if res is None:
             out[lg] = {"error": f"no final report: {s.fail()}"}
             continue

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 from collections import Counter
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.train.cluster import read_hostfile, run_agents
+from reelcache.cluster.hosts import login_for, read_hostfile, run_agents
 
 FIELDS = ("rank", "pid", "proc_start", "boot_id", "stacks")
 
@@ -35,18 +34,6 @@ def read_ranks(run_dir) -> list[dict]:
             f"no rank records in {Path(run_dir) / 'ranks'}: is {run_dir} a run directory whose trainer has started?"
         )
     return [json.loads(f.read_text()) for f in files]
-
-
-def login_for(host: str, logins: list[str]) -> str:
-    """The sshlogin that reaches a recorded host: ':' for this machine, else the hostfile's line for
-    it (``user@gpu01``, ``ssh -p 2222 gpu01``; short and full names match), else the name itself."""
-    if host == socket.gethostname():
-        return ":"
-    for login in logins:
-        name = login.split()[-1].rsplit("@", 1)[-1]
-        if name == host or name.split(".")[0] == host.split(".")[0]:
-            return login
-    return host
 
 
 def by_login(recs: list[dict], logins: list[str] = ()) -> dict[str, list[dict]]:

@@ -1,7 +1,7 @@
 """What ``reelcache cluster`` runs ON each node: standard library only, sent as source text.
 
 The head never assumes reelcache is importable on a node, only that the same Python path exists
-there (the usual shared install; ``--python`` overrides it). ``cluster.py`` sends this file's
+there (the usual shared install; ``--python`` overrides it). ``hosts.py`` sends this file's
 source base64-encoded in one ``python -c`` argument, so no quoting layer (GNU parallel, ssh, the
 remote shell) can touch it, followed by a call of :func:`main` with the request.
 
