@@ -48,17 +48,18 @@ def boot_id() -> str:
         return ""
 
 
-def pid_start(pid: int) -> str | None:
-    """The pid's start time in clock ticks since boot (None: gone, a zombie, or no /proc)."""
+def pid_start(pid: int) -> int | None:
+    """The pid's start time in clock ticks since boot, /proc/<pid>/stat field 22 (None: gone, a
+    zombie, or no /proc). With the boot id it names one process for good: rank records hold it too."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()  # the command name may contain spaces
-    return None if fields[0] == "Z" else fields[19]
+    return None if fields[0] == "Z" else int(fields[19])
 
 
-def _pid_alive(pid: int, start: str | None) -> bool:
+def _pid_alive(pid: int, start: int | None) -> bool:
     if Path("/proc/self/stat").exists():
         now = pid_start(pid)
         return now is not None and (start is None or now == start)
@@ -87,7 +88,7 @@ class Holder:
     host: str
     boot_id: str
     pid: int
-    pid_start: str | None
+    pid_start: int | None
     started_at: str
     token: str
     age_s: float = 0.0  # seconds since its last heartbeat, by the storage clock
@@ -117,6 +118,8 @@ def read_holder(path: Path) -> Holder | None:
     try:
         doc = json.loads(raw)
         holder = Holder(**{k: doc[k] for k in ("host", "boot_id", "pid", "pid_start", "started_at", "token")})
+        if isinstance(holder.pid_start, str):  # leases written before it was an int hold a string
+            holder.pid_start = int(holder.pid_start)
     except (ValueError, TypeError, KeyError):
         holder = Holder("?", "?", -1, None, "?", "unreadable")
     holder.age_s = max(0.0, _storage_now(path.parent) - st.st_mtime)

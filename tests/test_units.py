@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -196,7 +197,7 @@ def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
                 "host": "gpu-node-17",
                 "boot_id": "x",
                 "pid": 1,
-                "pid_start": "1",
+                "pid_start": 1,
                 "started_at": "2026-01-01T00:00:00Z",
                 "token": "abc",
             }
@@ -213,6 +214,23 @@ def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
     assert json.loads(lease.read_text())["pid"] == os.getpid()
     end_unit(sidecar)
     assert not lease.exists()
+
+
+def test_a_lease_with_its_pid_start_as_a_string_still_reads(tmp_path):
+    """Leases written before pid_start was an int hold the start ticks as a string: read as the int, so
+    the same-host rule still tells a live holder from a pid now used by another process."""
+    from reelcache.catalog import lease as leases
+
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+    me = {"host": socket.gethostname(), "boot_id": leases.boot_id(), "pid": os.getpid()}
+    lease = tmp_path / "000004.lease"
+    for start, stale in ((ticks, False), (ticks - 1, True)):
+        lease.write_text(
+            json.dumps({**me, "pid_start": str(start), "started_at": "2026-01-01T00:00:00Z", "token": "a"})
+        )
+        holder = leases.read_holder(lease)
+        assert holder.pid_start == start and leases.is_stale(holder) == stale
+    assert leases.pid_start(os.getpid()) == ticks
 
 
 # `ingest run` with a heartbeat every 0.05 s (30 s in production) and a unit slowed by 2 s before
