@@ -13,7 +13,15 @@ own diffusers pipeline normalizes latents before its transformer (``normalizatio
 rule, with the pipeline file it comes from): z' = (z - shift) x scale per channel, applied to the
 mean, with log(scale^2) added to the log-variance, so a sample drawn at load time is a sample of
 the normalized posterior and is training-ready. ``VideoEncoder.decode`` is the inverse, for the
-evaluation server's samples: z = z' / scale + shift, then the VAE's own decoder.
+evaluation server's samples: z = z' / scale + shift, then the VAE's own decoder. The per-channel
+shift and scale are tensors built once with the encoder, in fp32 whatever its dtype: the
+normalization is computed in fp32 and only its result is stored in bf16.
+
+Frames are folded into the batch (``fold_frames``: [B, C, T, H, W] -> [(B T), C, H, W], and
+``unfold_frames`` back) for the VAEs whose convolutions are 2-D: ``sd-per-frame`` (an image VAE,
+so every frame is encoded alone) and the Open-Sora VAE's spatial stage (the SDXL VAE, per frame
+before its temporal VAE compresses time). The video VAEs (``wan``, ``cogvideox``, ``hunyuan``,
+``ltx``) take [B, C, T, H, W] as it is: their 3-D causal convolutions see time themselves.
 
 Identity (``spec_identity``): kind, config, dtype, a hash of the weight files (or the seed of a
 tiny model's random init) and library versions, computed without loading the model, so ``plan``
@@ -27,11 +35,18 @@ import functools
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 from reelcache import UserError
 from reelcache.settings import TEXT, check, setting
+from reelcache.words import ADJ, CAMERA, PLACES, SUBJECTS, THINGS, VERBS
+
+# torch, diffusers, transformers and tokenizers are imported inside the functions that use them:
+# `cache plan` (cache/plan.py imports this module) computes identities on a CPU head node, and
+# it and `reelcache --help` must start without loading them.
 
 TINY_VIDEO = {
     # Tiny models carry latent statistics that are not 0/1, so a normalization that is skipped shows.
@@ -121,13 +136,11 @@ SPATIAL_MULTIPLE = {
 
 
 def _versions() -> dict:
-    from importlib.metadata import version
-
     return {m: version(m) for m in ("torch", "diffusers", "transformers")}
 
 
 def _dtype(name: str):
-    import torch
+    import torch  # deferred: see the imports
 
     try:
         return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
@@ -225,7 +238,7 @@ class EncoderSpec:
 
 class VideoEncoder:
     def __init__(self, spec: EncoderSpec, device: str = "cpu"):
-        import diffusers
+        import diffusers  # deferred: see the imports
         import torch
 
         if spec.kind not in TINY_VIDEO:
@@ -233,7 +246,7 @@ class VideoEncoder:
         self.spec, self.device, self.dtype = spec, device, _dtype(spec.dtype)
         cls_name, tiny_cfg = TINY_VIDEO[spec.kind]
         if spec.kind == "opensora-v1.2":
-            from reelcache.cache.opensora_vae import OpenSoraVAE
+            from reelcache.cache.opensora_vae import OpenSoraVAE  # imports torch and diffusers
 
             torch.manual_seed(spec.seed)
             self.model = (
@@ -261,7 +274,11 @@ class VideoEncoder:
         self.model.eval()
         self.per_frame = spec.kind == "sd-per-frame"
         self.opensora = spec.kind == "opensora-v1.2"  # normalizes inside its own encode
-        self.shift, self.scale = normalization(spec.kind, self.model)
+        # [1, C, 1, 1, 1] in fp32 on the model's device: the normalization is computed in fp32 (module docstring)
+        shift, scale = normalization(spec.kind, self.model)
+        self.shift = torch.tensor(shift, device=device, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        self.scale = torch.tensor(scale, device=device, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        self.logvar_shift = 2 * torch.log(self.scale)  # log(scale^2): the log-variance of (z - shift) x scale
 
     def identity(self) -> dict:
         return spec_identity(self.spec)
@@ -269,7 +286,7 @@ class VideoEncoder:
     @functools.cached_property
     def spatial_factor(self) -> int:
         """Pixels per latent along H and W, measured once on a small input (any VAE, tiny or real)."""
-        import torch
+        import torch  # deferred: see the imports
 
         m = spatial_multiple(self.spec)
         t = 1 + temporal_ratio(self.spec) if not self.opensora else 1
@@ -278,7 +295,7 @@ class VideoEncoder:
 
     def encode(self, frames) -> dict:
         """uint8 [B, T, H, W, 3] -> {'mean', 'logvar'}: [B, C, t, h, w], normalized, on CPU in bf16."""
-        import torch
+        import torch  # deferred: see the imports
 
         x = torch.as_tensor(frames).to(self.device, non_blocking=True)
         x = x.permute(0, 4, 1, 2, 3).to(self.dtype).div_(127.5).sub_(1.0)  # [B, 3, T, H, W] in [-1, 1]
@@ -286,18 +303,13 @@ class VideoEncoder:
             if self.opensora:
                 mean, logvar = self.model.encode(x)
             elif self.per_frame:
-                b, c, t, h, w = x.shape
-                dist = self.model.encode(x.transpose(1, 2).reshape(b * t, c, h, w)).latent_dist
-                mean = dist.mean.reshape(b, t, *dist.mean.shape[1:]).transpose(1, 2)
-                logvar = dist.logvar.reshape(b, t, *dist.logvar.shape[1:]).transpose(1, 2)
+                dist = self.model.encode(fold_frames(x)).latent_dist
+                mean, logvar = unfold_frames(dist.mean, len(x)), unfold_frames(dist.logvar, len(x))
             else:
                 dist = self.model.encode(x).latent_dist
                 mean, logvar = dist.mean, dist.logvar
-            shape = (1, -1, 1, 1, 1)
-            shift = torch.tensor(self.shift, device=mean.device, dtype=torch.float32).view(shape)
-            scale = torch.tensor(self.scale, device=mean.device, dtype=torch.float32).view(shape)
-            mean = (mean.float() - shift) * scale
-            logvar = logvar.float() + 2 * torch.log(scale)
+            mean = (mean.float() - self.shift) * self.scale
+            logvar = logvar.float() + self.logvar_shift
         return {"mean": mean.to(torch.bfloat16).cpu(), "logvar": logvar.to(torch.bfloat16).cpu()}
 
     def decode(self, z, num_frames: int):
@@ -309,21 +321,16 @@ class VideoEncoder:
         decodes every frame; the video VAEs decode the clip. Causal VAEs return 1 + k x ratio
         frames: the first ``num_frames`` are kept. Real LTX-Video 0.9.1+ VAEs condition their
         decoder on a timestep; this decodes with the VAE's defaults (no timestep)."""
-        import torch
+        import torch  # deferred: see the imports
 
         z = torch.as_tensor(z).to(self.device)
         with torch.inference_mode():
             if self.opensora:
                 x = self.model.decode(z.to(self.dtype), num_frames=num_frames)
             else:
-                shape = (1, -1) + (1,) * (z.dim() - 2)
-                shift = torch.tensor(self.shift, dtype=torch.float32, device=z.device).view(shape)
-                scale = torch.tensor(self.scale, dtype=torch.float32, device=z.device).view(shape)
-                raw = (z.float() / scale + shift).to(self.dtype)
+                raw = (z.float() / self.scale + self.shift).to(self.dtype)
                 if self.per_frame:
-                    b, c, t, h, w = raw.shape
-                    img = self.model.decode(raw.transpose(1, 2).reshape(b * t, c, h, w)).sample
-                    x = img.reshape(b, t, *img.shape[1:]).transpose(1, 2)
+                    x = unfold_frames(self.model.decode(fold_frames(raw)).sample, len(raw))
                 else:
                     x = self.model.decode(raw).sample
         if x.shape[2] < num_frames:
@@ -334,9 +341,21 @@ class VideoEncoder:
         return to_uint8(x[:, :, :num_frames])
 
 
+def fold_frames(x):
+    """[B, C, T, H, W] -> [(B T), C, H, W], batch-major: every frame an image, for a VAE that sees
+    one frame at a time (the module docstring says which)."""
+    b, c, t, h, w = x.shape
+    return x.transpose(1, 2).reshape(b * t, c, h, w)
+
+
+def unfold_frames(x, batch: int):
+    """[(B T), C, H, W] -> [B, C, T, H, W] for ``batch`` = B: the inverse of ``fold_frames``."""
+    return x.reshape(batch, -1, *x.shape[1:]).transpose(1, 2)
+
+
 def to_uint8(x):
     """[B, 3, T, H, W] in [-1, 1] -> uint8 [B, T, H, W, 3] on CPU (the inverse of the input's x / 127.5 - 1)."""
-    import torch
+    import torch  # deferred: see the imports
 
     x = (x.float().clamp(-1, 1) + 1) * 127.5
     return x.round().to(torch.uint8).permute(0, 2, 3, 4, 1).contiguous().cpu()
@@ -375,7 +394,7 @@ def normalization(kind: str, model) -> tuple[list[float], list[float]]:
 
 class TextEncoder:
     def __init__(self, spec: EncoderSpec, device: str = "cpu"):
-        import torch
+        import torch  # deferred: see the imports
         from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
         if spec.kind != "t5":
@@ -405,7 +424,7 @@ class TextEncoder:
 
     def encode(self, texts: list[str]) -> list:
         """Embeddings trimmed to each caption's real tokens: [L_i, D] bf16 on CPU."""
-        import torch
+        import torch  # deferred: see the imports
 
         tok = self.tokenizer(texts, max_length=self.spec.max_tokens, padding=True, truncation=True, return_tensors="pt")
         with torch.inference_mode():
@@ -423,12 +442,8 @@ def tiny_tokenizer():
     in an unspecified order, and a tokenizer that differs between processes would break the
     cache's bit-exact reproducibility.
     """
-    import re
-
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors  # deferred: see the imports
     from transformers import PreTrainedTokenizerFast
-
-    from reelcache.words import ADJ, CAMERA, PLACES, SUBJECTS, THINGS, VERBS
 
     text = (
         " ".join(ADJ + PLACES + SUBJECTS + THINGS + VERBS + CAMERA) + " a an the and with in of while next to "
@@ -437,7 +452,7 @@ def tiny_tokenizer():
     words = sorted({w.lower() for w in re.findall(r"\w+|[^\w\s]", text)})
     vocab = {tok: i for i, tok in enumerate(["<pad>", "</s>", "<unk>"] + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.normalizer = __import__("tokenizers").normalizers.Lowercase()
+    tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="</s>")
@@ -449,6 +464,6 @@ def _jsonable(config) -> dict:
 
 
 def default_device() -> str:
-    import torch
+    import torch  # deferred: see the imports
 
     return "cuda" if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "0") != "" else "cpu"

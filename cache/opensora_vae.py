@@ -28,9 +28,15 @@ Open-Sora's own tiny reference fixtures, use the same code.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from diffusers import AutoencoderKL
+from safetensors.torch import load_file
 from torch import nn
+
+from reelcache.cache.encoders import fold_frames, unfold_frames
 
 SHIFT = (-0.10, 0.34, 0.27, 0.98)
 SCALE = (3.85, 2.32, 2.33, 3.06)
@@ -182,8 +188,6 @@ class TemporalVAE(nn.Module):
 class OpenSoraVAE(nn.Module):
     def __init__(self, tiny: bool = False, spatial: dict | None = None, temporal: dict | None = None):
         super().__init__()
-        from diffusers import AutoencoderKL
-
         self.spatial = AutoencoderKL(**(spatial or (TINY_SPATIAL if tiny else SDXL_VAE)))
         self.temporal = TemporalVAE(**(temporal or (TINY_TEMPORAL if tiny else TEMPORAL)))
         self.register_buffer("shift", torch.tensor(SHIFT).view(1, 4, 1, 1, 1), persistent=False)
@@ -192,10 +196,6 @@ class OpenSoraVAE(nn.Module):
     @classmethod
     def from_checkpoint(cls, path, spatial: dict | None = None, temporal: dict | None = None) -> OpenSoraVAE:
         """Load hpcai-tech/OpenSora-VAE-v1.2's model.safetensors (a file, or the folder holding it)."""
-        from pathlib import Path
-
-        from safetensors.torch import load_file
-
         p = Path(path)
         files = [p] if p.is_file() else sorted(p.glob("*.safetensors"))
         if not files:
@@ -240,18 +240,14 @@ class OpenSoraVAE(nn.Module):
         Without noise the posteriors' modes are used; with ``spatial_eps`` [B, 4, T, h, w] and
         ``temporal_eps`` [B, 4, t, h, w] the sampling path is followed with that noise.
         """
-        b, c, t, h, w = x.shape
-        frames = x.transpose(1, 2).reshape(b * t, c, h, w)
+        b, t = x.shape[0], x.shape[2]
+        frames = fold_frames(x)
         dists = [
             self.spatial.encode(frames[i : i + MICRO_BATCH]).latent_dist for i in range(0, len(frames), MICRO_BATCH)
         ]
-
-        def video(z):  # [(B T), C, h, w] -> [B, C, T, h, w]
-            return z.reshape(b, t, *z.shape[1:]).transpose(1, 2)
-
         out = {
-            "spatial_mean": video(torch.cat([d.mean for d in dists])),
-            "spatial_logvar": video(torch.cat([d.logvar for d in dists])),
+            "spatial_mean": unfold_frames(torch.cat([d.mean for d in dists]), b),
+            "spatial_logvar": unfold_frames(torch.cat([d.logvar for d in dists]), b),
         }
         z = out["spatial_mean"]
         if spatial_eps is not None:
@@ -281,13 +277,11 @@ class OpenSoraVAE(nn.Module):
         for i in range(0, z.shape[2], chunk):
             parts.append(self.temporal.decode(z[:, :, i : i + chunk], num_frames=min(MICRO_FRAMES, left)))
             left -= MICRO_FRAMES
-        x = torch.cat(parts, dim=2) / SPATIAL_SCALE
-        b, c, t, h, w = x.shape
-        flat = x.transpose(1, 2).reshape(b * t, c, h, w)
+        flat = fold_frames(torch.cat(parts, dim=2) / SPATIAL_SCALE)
         img = torch.cat(
             [self.spatial.decode(flat[i : i + MICRO_BATCH]).sample for i in range(0, len(flat), MICRO_BATCH)]
         )
-        return img.reshape(b, t, *img.shape[1:]).transpose(1, 2)
+        return unfold_frames(img, len(z))
 
 
 def latent_frames(t: int) -> int:
