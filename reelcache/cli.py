@@ -44,12 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run_command(fn) -> int:
     """Run a command: its exit status is what it returns (None: 0); a UserError is a message and
     exit status 2, never a traceback."""
-    import warnings
+    from reelcache.log import setup_logging
 
-    from reelcache.progress import quiet_libraries
-
-    warnings.formatwarning = lambda msg, category, *a, **k: f"warning: {msg}\n"
-    quiet_libraries()
+    setup_logging()
     try:
         return fn() or 0
     except UserError as e:

@@ -2,6 +2,7 @@
 
 Bars show count, rate and ETA when stderr is a terminal; under GNU parallel or CI (no tty)
 they stay silent and the caller prints one summary line instead, so logs are not flooded.
+Status lines are ``say`` (reelcache/log.py), re-exported here where the stages import it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ import os
 import sys
 
 from tqdm import tqdm
+
+from reelcache.log import quiet_libraries, say
+
+__all__ = ["bar", "fmt_eta", "quiet_libraries", "say"]
 
 
 def bar(total_or_iterable=None, desc: str = "", unit: str = "it", **kw) -> tqdm:
@@ -23,11 +28,6 @@ def bar(total_or_iterable=None, desc: str = "", unit: str = "it", **kw) -> tqdm:
     return tqdm(desc=desc, unit=unit, disable=disable, dynamic_ncols=True, smoothing=0.1, file=sys.stderr, **kw)
 
 
-def say(msg: str) -> None:
-    """One line of human-facing status on stderr."""
-    print(msg, file=sys.stderr, flush=True)
-
-
 def fmt_eta(seconds: float) -> str:
     """A duration for humans: 42s, 7m05s, 3h02m, 2d04h (a stage's ETA runs to days)."""
     s = max(0, int(round(seconds)))
@@ -39,24 +39,3 @@ def fmt_eta(seconds: float) -> str:
     if h:
         return f"{h}h{m:02d}m"
     return f"{m}m{s:02d}s" if m else f"{s}s"
-
-
-# Libraries whose import-time and internal chatter is not about the run: bitsandbytes (imported by
-# peft, which diffusers imports when installed) warns that an optional CPU kernel cannot be fetched
-# from a hub; ColossalAI logs each plugin's set-up; ZeRO 0.5.0 calls torch names torch 2.x deprecates.
-QUIET_LOGGERS = ("bitsandbytes", "colossalai")
-QUIET_WARNINGS = (
-    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
-    r"TypedStorage is deprecated",
-)
-
-
-def quiet_libraries() -> None:
-    """Keep libraries' noise off the console: errors still show. Call before they are imported."""
-    import logging
-    import warnings
-
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    for message in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
