@@ -7,7 +7,7 @@ matches on every host. Each check here reads the hostfile that ingest, cache and
 use, prints a table per node and exits 1 when something is wrong.
 
 Modules: ``hosts`` (the hostfile and the transport to every node), ``agent`` (what runs on each
-node, stdlib only), ``gpus``, ``clocks``, ``procs`` (dump and stop of one run's recorded
-ranks), ``cli``. Nothing here imports torch or another stage
-than ``catalog``: the checks run on a head node with nothing but this package installed.
+node, stdlib only), ``gpus``, ``clocks``, ``procs`` (dump and stop of one run's recorded ranks),
+``ranks`` (the rank record every trainer rank writes and dump/stop read), ``cli``. Nothing here
+imports torch or a stage other than ``catalog``: the checks run on a head node without them.
 """

@@ -7,7 +7,8 @@ remote shell) can touch it, followed by a call of :func:`main` with the request.
 
 The agent reports raw tool outputs (nvidia-smi, chronyc, timedatectl, py-spy) as one JSON line
 and leaves parsing to the head, where the parsers are tested on real sample texts. Processes are
-only ever addressed as exactly the recorded (pid, kernel start time, boot id): a pidfd is opened
+only ever addressed as exactly the recorded (pid, kernel start time, boot id) of a rank record
+(``ranks.py``, sent as its JSON object; this file cannot import it): a pidfd is opened
 first and the record verified after, so a signal sent through the pidfd cannot reach a process
 that took the pid over in between (Linux >= 5.3; older kernels verify-then-kill).
 """
@@ -124,7 +125,9 @@ def _boot_id():
 
 
 def verify(rec) -> str:
-    """'' when rec's pid is still the recorded process and alive; else why not."""
+    """'' when rec's pid is still the recorded process and alive; else why not. ``rec`` is a rank
+    record as the head sends it (``RankRecord.to_json()``, ranks.py): ``proc_start`` is the int the
+    kernel shows as field 22 of /proc/<pid>/stat, which :func:`_stat` reads the same way."""
     if rec.get("boot_id") and rec["boot_id"] != _boot_id():
         return "pid gone or reused (the node rebooted since)"
     st = _stat(rec["pid"])

@@ -1,11 +1,10 @@
 """``cluster dump`` and ``cluster stop``: act on exactly one run's recorded ranks, never a pattern.
 
-The trainer writes ``RUN/ranks/rank<R>.json`` at start: host, pid, the kernel's start time of that
-pid (``/proc/<pid>/stat`` field 22) and the boot id. A pid alone is not an identity (pids are
-reused, and a decoy with the very same command line is indistinguishable to ``pkill -f``); the
-triple is. On each rank's host the agent opens a pidfd, then checks the triple, and signals
-through the pidfd, so neither a dump nor a stop can reach another process; a record whose pid
-now belongs to someone else is reported and skipped.
+Each rank of a run records itself in ``RUN/ranks/`` (``ranks.py``: host, pid, the kernel's start
+time of that pid and the boot id, a triple no later process can match). On each rank's host the
+agent opens a pidfd, then checks the triple, and signals through the pidfd, so neither a dump
+nor a stop can reach another process; a record whose pid now belongs to someone else is reported
+and skipped.
 
 ``dump`` writes ``RUN/dumps/<UTC time>/rank<R>.txt`` (py-spy's stacks of every thread; without
 py-spy, the tail the rank's faulthandler appends on SIGUSR1) and ``summary.txt``: each rank's
@@ -15,32 +14,21 @@ shares. A hang shows there as all ranks in one collective, or all but one (the o
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections import Counter
 from pathlib import Path
 
-from reelcache import UserError
+from reelcache.cluster import ranks
 from reelcache.cluster.hosts import login_for, read_hostfile, run_agents
-
-FIELDS = ("rank", "pid", "proc_start", "boot_id", "stacks")
-
-
-def read_ranks(run_dir) -> list[dict]:
-    files = sorted((Path(run_dir) / "ranks").glob("rank*.json"))
-    if not files:
-        raise UserError(
-            f"no rank records in {Path(run_dir) / 'ranks'}: is {run_dir} a run directory whose trainer has started?"
-        )
-    return [json.loads(f.read_text()) for f in files]
+from reelcache.cluster.ranks import RankRecord
 
 
-def by_login(recs: list[dict], logins: list[str] = ()) -> dict[str, list[dict]]:
+def by_login(recs: list[RankRecord], logins: list[str] = ()) -> dict[str, list[RankRecord]]:
     """Ranks grouped by the sshlogin that reaches their host."""
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[RankRecord]] = {}
     for r in recs:
-        groups.setdefault(login_for(r["host"], list(logins)), []).append({k: r.get(k) for k in FIELDS})
+        groups.setdefault(login_for(r.host, list(logins)), []).append(r)
     return groups
 
 
@@ -124,14 +112,20 @@ def summarize(stacks: dict[int, list[tuple]], depth: int = 6) -> list[str]:
 
 def cmd_dump(a) -> int:
     run = Path(a.run)
-    recs = read_ranks(run)
+    recs = ranks.read(run)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = run / "dumps" / stamp
     out.mkdir(parents=True, exist_ok=True)
     groups = by_login(recs, _logins(a))
-    info = {r["rank"]: r for r in recs}
+    info = {r.rank: r for r in recs}
     jobs = {
-        lg: {"op": "dump", "ranks": rs, "timeout": a.timeout, "native": a.native, "method": a.method}
+        lg: {
+            "op": "dump",
+            "ranks": [r.to_json() for r in rs],
+            "timeout": a.timeout,
+            "native": a.native,
+            "method": a.method,
+        }
         for lg, rs in groups.items()
     }
     answers = run_agents(jobs, a.python, timeout=30 + 2 * a.timeout * max(len(rs) for rs in groups.values()))
@@ -140,12 +134,12 @@ def cmd_dump(a) -> int:
         if res is None or "error" in res:
             why = err if res is None else res["error"]
             for r in groups[lg]:
-                notes.append(f"rank {r['rank']}: host {info[r['rank']]['host']} not dumped: {why}")
+                notes.append(f"rank {r.rank}: host {r.host} not dumped: {why}")
             bad += 1
             continue
         for r in res["ranks"]:
             rec = info[r["rank"]]
-            where = f"host {rec['host']} pid {rec['pid']}"
+            where = f"host {rec.host} pid {rec.pid}"
             if "skipped" in r:
                 notes.append(f"rank {r['rank']}: {r['skipped']}, skipped ({where})")
             elif "error" in r:
@@ -153,9 +147,7 @@ def cmd_dump(a) -> int:
                 bad += 1
             else:
                 path = out / f"rank{r['rank']:05d}.txt"
-                path.write_text(
-                    f"# rank {r['rank']} of {rec.get('world_size')}, {where}, {r['method']}, {stamp}\n{r['text']}"
-                )
+                path.write_text(f"# rank {r['rank']} of {rec.world_size}, {where}, {r['method']}, {stamp}\n{r['text']}")
                 stacks[r["rank"]] = main_frames(r["text"])
                 print(f"rank {r['rank']}: {path} ({r['method']})")
                 if r.get("py_spy_error"):
@@ -170,20 +162,19 @@ def cmd_dump(a) -> int:
 
 
 def cmd_stop(a) -> int:
-    recs = read_ranks(a.run)
+    recs = ranks.read(a.run)
     groups = by_login(recs, _logins(a))
-    info = {r["rank"]: r for r in recs}
-    answers = run_agents(
-        {lg: {"op": "stop", "ranks": rs, "grace": a.grace} for lg, rs in groups.items()}, a.python, timeout=a.grace + 60
-    )
+    info = {r.rank: r for r in recs}
+    jobs = {lg: {"op": "stop", "ranks": [r.to_json() for r in rs], "grace": a.grace} for lg, rs in groups.items()}
+    answers = run_agents(jobs, a.python, timeout=a.grace + 60)
     bad = 0
     for lg, (res, err) in sorted(answers.items()):
         if res is None:
-            print(f"host {lg}: UNREACHABLE, ranks {[r['rank'] for r in groups[lg]]} not stopped: {err}")
+            print(f"host {lg}: UNREACHABLE, ranks {[r.rank for r in groups[lg]]} not stopped: {err}")
             bad += 1
             continue
         for r in res["ranks"]:
             rec = info[r["rank"]]
-            print(f"rank {r['rank']:05d} host {rec['host']} pid {rec['pid']}: {r['result']}")
+            print(f"rank {r['rank']:05d} host {rec.host} pid {rec.pid}: {r['result']}")
             bad += r["survived"]
     return 1 if bad else 0

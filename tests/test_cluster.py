@@ -8,6 +8,7 @@ one clock lies inside the bracket, so |offset| <= uncertainty exactly).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,6 +21,10 @@ from pathlib import Path
 
 import pytest
 from latent_data import write_latents
+
+from reelcache import UserError
+from reelcache.cluster import agent, ranks
+from reelcache.cluster.ranks import RankRecord
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/train/debug/stage1.toml"
@@ -178,6 +183,83 @@ def test_stack_summary_names_the_odd_rank():
     assert text.split("dumped ranks (innermost first):\n")[1].splitlines()[0] == "  train (trainer.py)"
 
 
+# --- the rank record --------------------------------------------------------------------------
+
+# The keys of a record as the trainer has written them since it records its launcher: read() must
+# keep reading them, and write() writes exactly these.
+TRAINER_KEYS = [
+    "rank",
+    "world_size",
+    "local_rank",
+    "host",
+    "pid",
+    "proc_start",
+    "boot_id",
+    "started",
+    "launcher_pid",
+    "launcher_proc_start",
+    "stacks",
+]
+
+
+def _boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def test_a_rank_record_names_this_process_as_the_kernel_does(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = ranks.write("run", 1, 2, 1, "stacks/rank00001.txt")
+    assert path.resolve() == tmp_path / "run/ranks/rank00001.json"
+    doc = json.loads(path.read_text())
+    assert list(doc) == TRAINER_KEYS
+    assert (doc["rank"], doc["world_size"], doc["local_rank"]) == (1, 2, 1)
+    assert (doc["pid"], doc["proc_start"]) == (os.getpid(), _stat(os.getpid())[1])
+    assert (doc["launcher_pid"], doc["launcher_proc_start"]) == (os.getppid(), _stat(os.getppid())[1])
+    assert doc["host"] == socket.gethostname() and doc["boot_id"] == _boot_id()
+    assert doc["stacks"] == str(tmp_path / "stacks/rank00001.txt") and abs(doc["started"] - time.time()) < 60
+    assert ranks.proc_start(os.getpid()) == _stat(os.getpid())[1]
+    (rec,) = ranks.read("run")
+    assert rec.to_json() == doc
+    # the agent on a node judges the record it is sent by /proc, as ranks.py wrote it: this process,
+    # alive; the same pid with another start time is another process
+    assert agent.verify(rec.to_json()) == ""
+    assert "reused" in agent.verify(dataclasses.replace(rec, proc_start=rec.proc_start - 1).to_json())
+
+
+def test_rank_0_removes_the_records_of_an_earlier_larger_launch(tmp_path):
+    for r in (10, 2, 0, 1):
+        ranks.write(tmp_path, r, 12, r % 8, None)
+    assert [r.rank for r in ranks.read(tmp_path)] == [0, 1, 2, 10]  # by rank
+    ranks.write(tmp_path, 1, 2, 1, None)  # a relaunch on 2 ranks: rank 1 removes nothing
+    assert [r.rank for r in ranks.read(tmp_path)] == [0, 1, 2, 10]
+    ranks.write(tmp_path, 0, 2, 0, None)
+    assert [(r.rank, r.world_size) for r in ranks.read(tmp_path)] == [(0, 2), (1, 2)]
+
+
+def test_a_malformed_rank_record_is_refused_by_name(tmp_path):
+    path = ranks.write(tmp_path, 0, 1, 0, None)
+    doc = json.loads(path.read_text())
+    for text, why in (
+        ("{", "Expecting property name"),
+        (json.dumps([doc]), "a rank record is a JSON object, not list"),
+        (json.dumps({**doc, "pid": "123"}), "pid must be an integer >= 0, not '123'"),
+        (json.dumps({**doc, "proc_start": 1.5}), "proc_start must be an integer >= 0 or null, not 1.5"),
+        (json.dumps({k: v for k, v in doc.items() if k not in ("host", "stacks")}), "no host, stacks"),
+        (json.dumps({**doc, "rank": 3}), "it records rank 3"),
+    ):
+        path.write_text(text)
+        with pytest.raises(UserError) as e:
+            ranks.read(tmp_path)
+        assert f"malformed rank record {path}: " in str(e.value) and why in str(e.value), str(e.value)
+    # a record from before the launcher was recorded reads; a newer writer's extra key is ignored
+    path.write_text(json.dumps({**{k: v for k, v in doc.items() if not k.startswith("launcher")}, "gpu": 3}))
+    (rec,) = ranks.read(tmp_path)
+    assert rec.launcher_pid is None and rec.launcher_proc_start is None and rec.pid == doc["pid"]
+    path.unlink()
+    with pytest.raises(UserError, match="no rank records in"):
+        ranks.read(tmp_path)
+
+
 # --- real runs against ':' ------------------------------------------------------------------
 
 
@@ -285,20 +367,22 @@ def _alive(pid: int, start: int) -> bool:
     return st is not None and st[1] == start and st[0] != "Z"
 
 
-def _record(run: Path, rank: int, pid: int, host: str) -> dict:
-    rec = {
-        "rank": rank,
-        "world_size": 2,
-        "local_rank": rank,
-        "host": host,
-        "pid": pid,
-        "proc_start": _stat(pid)[1],
-        "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-        "started": time.time(),
-        "stacks": None,
-    }
-    (run / "ranks").mkdir(parents=True, exist_ok=True)
-    (run / f"ranks/rank{rank:05d}.json").write_text(json.dumps(rec))
+def _record(run: Path, rank: int, pid: int, host: str, stacks: Path | None = None) -> RankRecord:
+    """The record of another process (a stand-in rank), as the trainer would have written it."""
+    rec = RankRecord(
+        rank=rank,
+        world_size=2,
+        local_rank=rank,
+        host=host,
+        pid=pid,
+        proc_start=_stat(pid)[1],
+        boot_id=_boot_id(),
+        started=time.time(),
+        launcher_pid=os.getpid(),
+        launcher_proc_start=_stat(os.getpid())[1],
+        stacks=None if stacks is None else str(stacks),
+    )
+    rec.save(run)
     return rec
 
 
@@ -455,8 +539,7 @@ waiting_for_the_collective()
     try:
         assert rank.stdout.readline().strip() == "ready"
         run = tmp_path / "run"
-        rec = _record(run, 0, rank.pid, socket.gethostname()) | {"stacks": str(stacks)}
-        (run / "ranks/rank00000.json").write_text(json.dumps(rec))
+        _record(run, 0, rank.pid, socket.gethostname(), stacks)
         p = cli("dump", "--run", run, "--timeout", 10, env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"})
         assert p.returncode == 0, p.stdout + p.stderr
         assert "rank 0: py-spy: Error: Permission denied (os error 13); used the SIGUSR1 stacks instead" in p.stdout
@@ -553,33 +636,34 @@ def training(tmp_path_factory):
 
 def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
     run, launcher = training
-    ranks = [json.loads((run / f"ranks/rank{r:05d}.json").read_text()) for r in (0, 1)]
-    assert all(_alive(r["pid"], r["proc_start"]) for r in ranks)
+    recs = ranks.read(run)  # the records the trainer wrote
+    assert [r.rank for r in recs] == [0, 1] and all(r.world_size == 2 for r in recs)
+    assert all(_alive(r.pid, r.proc_start) for r in recs)
+    assert all((r.launcher_pid, r.launcher_proc_start) == (launcher.pid, _stat(launcher.pid)[1]) for r in recs)
 
     # A decoy whose command line equals rank 0's byte for byte (what `pkill -f` would also match):
     # the same argv, kept asleep by a sitecustomize before it ever reaches the trainer.
-    argv = Path(f"/proc/{ranks[0]['pid']}/cmdline").read_bytes().split(b"\0")[:-1]
+    argv = Path(f"/proc/{recs[0].pid}/cmdline").read_bytes().split(b"\0")[:-1]
     (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(300)\n")
     decoy = subprocess.Popen(
         [a.decode() for a in argv],
-        cwd=Path(f"/proc/{ranks[0]['pid']}/cwd").resolve(),
+        cwd=Path(f"/proc/{recs[0].pid}/cwd").resolve(),
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )
     try:
         time.sleep(0.5)
-        assert Path(f"/proc/{decoy.pid}/cmdline").read_bytes() == Path(f"/proc/{ranks[0]['pid']}/cmdline").read_bytes()
+        assert Path(f"/proc/{decoy.pid}/cmdline").read_bytes() == Path(f"/proc/{recs[0].pid}/cmdline").read_bytes()
         decoy_start = _stat(decoy.pid)[1]
         # a stale record: the decoy's pid, but another process's start time (the pid was reused)
-        stale = {**ranks[1], "rank": 2, "pid": decoy.pid, "proc_start": decoy_start - 1}
-        (run / "ranks/rank00002.json").write_text(json.dumps(stale))
+        dataclasses.replace(recs[1], rank=2, pid=decoy.pid, proc_start=decoy_start - 1).save(run)
 
         p = cli("dump", "--run", run)
         assert p.returncode == 0, p.stdout + p.stderr
         (out,) = (run / "dumps").iterdir()
         assert sorted(f.name for f in out.iterdir()) == ["rank00000.txt", "rank00001.txt", "summary.txt"]
-        for r in ranks:
-            text = (out / f"rank{r['rank']:05d}.txt").read_text()
-            assert f"Process {r['pid']}:" in text  # py-spy's own header: that process
+        for r in recs:
+            text = (out / f"rank{r.rank:05d}.txt").read_text()
+            assert f"Process {r.pid}:" in text  # py-spy's own header: that process
             assert "reelcache.train" in text and "trainer.py" in text and "MainThread" in text
         summary = (out / "summary.txt").read_text()
         assert "2 of 3 ranks dumped" in summary and "rank 2: pid gone or reused" in summary
@@ -590,16 +674,16 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
         p = cli("dump", "--run", run, "--method", "signal")
         assert p.returncode == 0, p.stdout + p.stderr
         newest = sorted((run / "dumps").iterdir())[-1]
-        for r in ranks:
-            text = (newest / f"rank{r['rank']:05d}.txt").read_text()
+        for r in recs:
+            text = (newest / f"rank{r.rank:05d}.txt").read_text()
             assert "(most recent call first)" in text and "trainer.py" in text
         assert _alive(decoy.pid, decoy_start)
 
         p = cli("stop", "--run", run, "--grace", 10)
         assert p.returncode == 0, p.stdout + p.stderr
-        for r in ranks:
-            assert f"rank {r['rank']:05d} host {r['host']} pid {r['pid']}: stopped by SIG" in p.stdout
-            assert not _alive(r["pid"], r["proc_start"])
+        for r in recs:
+            assert f"rank {r.rank:05d} host {r.host} pid {r.pid}: stopped by SIG" in p.stdout
+            assert not _alive(r.pid, r.proc_start)
         assert "rank 00002" in p.stdout and "pid gone or reused" in p.stdout
         assert _alive(decoy.pid, decoy_start), "the decoy with the same command line was stopped"
         launcher.wait(timeout=60)  # its workers gone, the launcher gives up by itself

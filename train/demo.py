@@ -12,7 +12,6 @@ The demo's two run directories are recreated on every call, so ``make demo`` run
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.cluster import ranks
 from reelcache.progress import say
 
 STAGES = ("configs/train/debug/stage1.toml", "configs/train/debug/stage2.toml")
@@ -73,10 +73,10 @@ def run(root, nproc: int = 2) -> None:
             p.kill()
             raise UserError("stage 1 wrote no second checkpoint in 10 minutes")
         time.sleep(0.2)
-    victim = json.loads((run1 / "ranks" / f"rank{nproc - 1:05d}.json").read_text())
+    victim = {r.rank: r for r in ranks.read(run1)}[nproc - 1]
     killed_after = list_checkpoints(run1)[-1]
-    os.kill(victim["pid"], signal.SIGKILL)
-    say(f"demo: killed rank {nproc - 1} (pid {victim['pid']}) with SIGKILL after {killed_after.name}")
+    os.kill(victim.pid, signal.SIGKILL)
+    say(f"demo: killed rank {nproc - 1} (pid {victim.pid}) with SIGKILL after {killed_after.name}")
     p.wait()
     say(f"demo: the job stopped (exit {p.returncode}); resuming from the newest checkpoint")
     _wait(_launch(STAGES[0], root, nproc, "--load", "latest"), "resuming stage 1")
