@@ -52,10 +52,10 @@ def config(name: str):
         [
             f'run.name="{name}"',
             f"run.max_steps={STEPS}",
-            'run.wandb_mode="disabled"',
-            "run.ckpt_every=0",
+            'log.wandb_mode="disabled"',
+            "checkpoint.every=0",
             "run.epochs=100",
-            "run.log_every=1",
+            "log.every=1",
         ],
     )
 
@@ -92,10 +92,10 @@ def cached(tr):
     """The real trainer's step over the latent cache; per step: samples, step seconds, data wait."""
     for batch, wait in batches(tr):
         t0 = time.monotonic()
-        out = tr.step(batch)
+        out = tr.step(batch, tr.state)
         sync(tr)
-        tr.global_step += 1
-        yield {"samples": out["samples"], "step_s": wait + time.monotonic() - t0, "wait_s": wait}
+        tr.state.global_step += 1
+        yield {"samples": out.samples, "step_s": wait + time.monotonic() - t0, "wait_s": wait}
 
 
 def online(tr):
@@ -132,12 +132,13 @@ def online(tr):
                 "text": y,
                 "text_mask": mask,
                 "fps": torch.tensor([float(jobs[c]["fps"] or 24) for c in batch["clip_id"]]),
-            }
+            },
+            tr.state,
         )
         sync(tr)  # as the trainer does: a step ends when the device is done
         t3 = time.monotonic()
-        tr.global_step += 1
-        yield {"samples": out["samples"], "decode": t1 - t0, "encode": t2 - t1, "step": t3 - t2}
+        tr.state.global_step += 1
+        yield {"samples": out.samples, "decode": t1 - t0, "encode": t2 - t1, "step": t3 - t2}
 
 
 def block(steps, n: int) -> dict:

@@ -79,6 +79,13 @@ def bucket_hw(resolution: str, ar_key: str) -> tuple[int, int]:
     return round(math.sqrt(budget * ar)), round(math.sqrt(budget / ar))
 
 
+def bucket_geometry(bucket: str) -> tuple[int, int, int]:
+    """(pixel frames, pixel height, pixel width) of a bucket name "<resolution>/<T>/<ar key>"."""
+    res, t, ar = bucket.split("/")
+    h, w = bucket_hw(res, ar)
+    return int(t), h, w
+
+
 def nearest_ratio(height: int, width: int) -> str:
     ar = height / width
     return min(ASPECT_RATIOS, key=lambda k: (abs(float(k) - ar), k))

@@ -44,7 +44,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32"], help="model dtype (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--cache", help="latent cache whose encoders decode and encode (default: the val manifest's)")
     p.add_argument(
-        "--wandb-mode", choices=["offline", "online", "disabled"], help="default: the run's own run.wandb_mode"
+        "--wandb-mode", choices=["offline", "online", "disabled"], help="default: the run's own log.wandb_mode"
     )
 
 

@@ -9,7 +9,7 @@ a state.json: the trainer renames a finished ``.tmp-ckpt-*`` into place, so a ha
 never seen). Each poll processes the pending ones in ascending step order, re-listing after each,
 so a checkpoint written meanwhile joins the queue in order and none is skipped (Open-Sora's
 server globbed unsorted and remembered only the last step it did, so it skipped checkpoints).
-``--every N`` keeps the steps on every N-th save of the run (multiples of N x run.ckpt_every,
+``--every N`` keeps the steps on every N-th save of the run (multiples of N x checkpoint.every,
 a grid that pruning does not shift) plus a run's final off-grid checkpoint; ``--latest-only``
 takes only the newest pending one per poll.
 
@@ -26,7 +26,7 @@ Failures: an exception on one checkpoint (a corrupt file, say) is written to
 ``<tag>/error-<n>.txt`` and the server goes on with the next; the checkpoint is retried on later
 polls until it has failed ``max_attempts`` times (the error files count, across restarts), then
 left alone with a message. A checkpoint that the trainer pruned before its turn is skipped and
-said so: give the trainer ``run.keep_every`` (or keep_last) wide enough for the evaluator's lag.
+said so: give the trainer ``checkpoint.keep_every`` (or keep_last) wide enough for the evaluator's lag.
 
 wandb (eval/runlog.py): the numbers and videos go into the SAME run as training, under
 ``eval/<tag>/...`` with their own x axis ``eval/global_step`` (define_metric), never ``step=``.
@@ -93,7 +93,7 @@ class Evaluator:
     cache: str | None = None
     val_batch: int = 4
     val_max_clips: int | None = None
-    wandb_mode: str | None = None  # None: the run's own run.wandb_mode
+    wandb_mode: str | None = None  # None: the run's own log.wandb_mode
     max_attempts: int = 3
 
     def __post_init__(self):
@@ -128,7 +128,7 @@ class Evaluator:
         found = list_checkpoints(self.run_dir)
         if not found:
             return []
-        ckpt_every = int(self._config(found[-1]).run.ckpt_every) if every > 1 else 0
+        ckpt_every = int(self._config(found[-1]).checkpoint.every) if every > 1 else 0
         todo = [c for c in select(found, every, ckpt_every) if not self.done(c) and c.name not in self._given_up]
         for c in list(todo):
             if self.attempts(c) >= self.max_attempts:

@@ -1,7 +1,7 @@
 """Evaluation results into the training run's own wandb run, from a second process.
 
 The run is the trainer's: its id is ``runs/<run>/wandb_id`` (or a checkpoint's state.json), its
-project and mode the run's config.json (``run.wandb_project``, ``run.wandb_mode``). Keys:
+project and mode the run's config.json (``log.wandb_project``, ``log.wandb_mode``). Keys:
 
     eval/global_step                   the checkpoint's global step: the x axis of everything below
     eval/<tag>/val_loss                overall validation loss
@@ -32,12 +32,15 @@ Two processes, one run, as wandb 0.31 offers it:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 
 from reelcache.progress import say
+from reelcache.train.checkpoint import list_checkpoints, read_state
+from reelcache.train.config import from_dict
 
 __all__ = ["log_eval", "run_wandb"]
 
@@ -51,14 +54,12 @@ def run_wandb(run_dir: Path) -> dict:
     if (run_dir / "wandb_id").exists():
         run_id = (run_dir / "wandb_id").read_text().strip() or None
     if run_id is None:
-        from reelcache.train.checkpoint import list_checkpoints, read_state
-
         for c in reversed(list_checkpoints(run_dir)):
             if run_id := read_state(c).get("wandb_id"):
                 break
     cfg = {}
     if (run_dir / "config.json").exists():
-        cfg = json.loads((run_dir / "config.json").read_text()).get("run", {})
+        cfg = dataclasses.asdict(from_dict(json.loads((run_dir / "config.json").read_text())).log)
     return {"id": run_id, "project": cfg.get("wandb_project", "reelcache"), "mode": cfg.get("wandb_mode", "offline")}
 
 

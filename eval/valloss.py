@@ -29,14 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from reelcache.train.flow import NUM_TIMESTEPS, conditioning, stable_seed, training_losses
+from reelcache.train.loader import load_source, pad_text, read_sample, shard_path
+
 __all__ = ["TIMESTEPS", "eval_timesteps", "validation_loss"]
 
 TIMESTEPS = 10
 
 
 def eval_timesteps(k: int = TIMESTEPS) -> list[float]:
-    from reelcache.train.flow import NUM_TIMESTEPS
-
     return [(i + 0.5) * float(NUM_TIMESTEPS) / k for i in range(k)]
 
 
@@ -62,10 +63,6 @@ def validation_loss(
     """The loss of ``model`` (eval mode) over a loader manifest: {overall, buckets, timesteps, clips}.
 
     ``progress(done, total)`` is called after each batch."""
-    from reelcache.train.flow import training_losses
-    from reelcache.train.loader import load_source, pad_text, read_sample, shard_path
-    from reelcache.train.trainer import bucket_geometry, stable_seed
-
     src = load_source(manifest)
     order = np.arange(len(src.clip_id))
     if max_clips:
@@ -79,7 +76,6 @@ def validation_loss(
     sums = {b: np.zeros(len(ts)) for b in by_bucket}
     root = Path(root)
     for bucket, idx in sorted(by_bucket.items()):
-        _, height, width = bucket_geometry(bucket)
         for s in range(0, len(idx), batch_size):
             part = idx[s : s + batch_size]
             samples = []
@@ -87,15 +83,10 @@ def validation_loss(
                 samples.append(read_sample(shard_path(root, str(src.shard[i])), int(src.offset[i])))
             x0 = torch.stack([_latent(smp) for smp in samples]).to(device)
             y, mask, _ = pad_text([smp["text"] for smp in samples])
-            fps = torch.from_numpy(np.nan_to_num(src.fps[part].astype(np.float64), nan=default_fps)).float()
+            cond = conditioning(bucket, src.fps[part].astype(np.float32), frame_interval, default_fps)
+            del cond["num_frames"]  # evaluated at fixed timesteps: no resolution shift
             b = len(part)
-            kwargs = {
-                "y": y.to(device, dtype),
-                "mask": mask.to(device),
-                "fps": torch.floor(fps / frame_interval).to(device),
-                "height": torch.full((b,), float(height), device=device),
-                "width": torch.full((b,), float(width), device=device),
-            }
+            kwargs = {"y": y.to(device, dtype), "mask": mask.to(device), **{k: v.to(device) for k, v in cond.items()}}
             for k, t in enumerate(ts):
                 noise = torch.stack(
                     [

@@ -23,11 +23,12 @@ import sys
 
 import torch
 
+from reelcache.catalog.buckets import bucket_geometry
 from reelcache.train.config import load_config
 from reelcache.train.flow import timestep_transform, training_losses
 from reelcache.train.loader import LatentLoader
 from reelcache.train.schedule import lr_at
-from reelcache.train.trainer import Trainer, bucket_geometry
+from reelcache.train.trainer import Trainer
 
 CLIP = 0.05
 
@@ -42,7 +43,7 @@ def debug_stage_config(config, manifest, plugin: str, dtype: str, *extra: str):
             'data.buckets="configs/buckets/tiny.toml"',
             "model.overrides={caption_channels=8, model_max_length=300}",
             "data.workers=0",
-            'run.wandb_mode="disabled"',
+            'log.wandb_mode="disabled"',
             f'run.plugin="{plugin}"',
             f'model.dtype="{dtype}"',
             *extra,
@@ -51,7 +52,7 @@ def debug_stage_config(config, manifest, plugin: str, dtype: str, *extra: str):
 
 
 def reference_losses(trainer, module, batch):
-    d = trainer.draws(batch)
+    d = trainer.step.draws(batch, trainer.state.global_step)
     frames, h, w = bucket_geometry(batch["bucket"])
     b = batch["x"].shape[0]
     full = lambda v: torch.full((b,), float(v))  # noqa: E731
@@ -131,7 +132,7 @@ def check(config, root, manifest, plugin, dtype):
                 mine = dict(batches[0], weight=0.0)
             ref = copy.deepcopy(working)
             tr.optimizer.zero_grad()
-            out = tr.forward_backward(mine)
+            out = tr.step.forward_backward(mine, tr.state.global_step)
             got = trainer_grads(tr)
             reference_loss(tr, Cast(ref), [batches[0]] if case == "padding rank" else batches, reduction).backward()
             want = {n: p.grad.float() for n, p in ref.named_parameters() if p.grad is not None}
@@ -142,8 +143,8 @@ def check(config, root, manifest, plugin, dtype):
                     "case": case,
                     "reduction": reduction,
                     "max_rel_err": rel_err(got, want),
-                    "loss": out["loss"],
-                    "samples": out["samples"],
+                    "loss": out.loss,
+                    "samples": out.samples,
                 }
             )
     tr.optimizer.zero_grad()
@@ -164,8 +165,8 @@ def check(config, root, manifest, plugin, dtype):
             refs[clip] = (m, master, opt)
     norms = []
     for k in range(2):
-        out = tr.step(dict(batches[rank]))
-        norms.append(out["grad_norm"])
+        out = tr.step(dict(batches[rank]), tr.state)
+        norms.append(out.grad_norm)
         for clip, (m, master, opt) in refs.items():
             params = dict(m.named_parameters())
             with torch.no_grad():
@@ -181,7 +182,7 @@ def check(config, root, manifest, plugin, dtype):
             for g in opt.param_groups:
                 g["lr"] = lr_at(k, o)
             opt.step()
-        tr.global_step += 1
+        tr.state.global_step += 1
     masters = tr.par.gather_full(tr.par.master_chunks(tr.model, tr.optimizer), tr.shapes)
     if rank == 0:
         moved = {n: masters[n] - masters0[n] for n in masters}

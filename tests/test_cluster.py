@@ -591,9 +591,9 @@ def training(tmp_path_factory):
         '--data.buckets="configs/buckets/tiny.toml"',
         "--model.overrides={caption_channels=8, model_max_length=300}",
         "--data.workers=1",
-        "--run.wandb_mode=disabled",
+        "--log.wandb_mode=disabled",
         "--run.epochs=1000",
-        "--run.ckpt_every=0",
+        "--checkpoint.every=0",
         "--run.name=live",
     ]
     env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}

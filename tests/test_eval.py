@@ -25,6 +25,7 @@ import pytest
 from wandb_files import history, run_files
 
 from reelcache.cli import main
+from reelcache.log import LINE_PREFIX
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "configs/eval/debug-prompts.txt"
@@ -92,8 +93,8 @@ def trained(ingested, tmp_path_factory) -> Path:
             f"--run.name={RUN}",
             '--data.manifests=[{name="lat"}]',
             "--run.max_steps=4",
-            "--run.ckpt_every=2",
-            "--run.keep_last=10",
+            "--checkpoint.every=2",
+            "--checkpoint.keep_last=10",
             "--run.epochs=20",
         ],
         cwd=REPO,
@@ -514,7 +515,8 @@ def _serve_in_process(root: Path, run: str, *extra: str) -> int:
 
 def _started(log: str) -> list[str]:
     """The checkpoints the server took up, in order (its "eval: ckpt-... (N pending)" lines)."""
-    return [ln.split()[1] for ln in log.splitlines() if ln.startswith("eval: ckpt-") and "pending)" in ln]
+    lines = LINE_PREFIX.sub("", log).splitlines()  # each line starts with the logger's time
+    return [ln.split()[1] for ln in lines if ln.startswith("eval: ckpt-") and "pending)" in ln]
 
 
 @pytest.mark.parametrize("latest_only", [True, False])

@@ -250,7 +250,7 @@ def test_the_issue_examples_say_exactly_what_is_allowed():
 
     assert error("optim.lr=abc") == "optim.lr = 'abc': expected a number >= 0"
     assert error("run.epochs=2.5") == "run.epochs = 2.5: expected an integer >= 1"
-    assert error("run.ckpt_every=-3") == "run.ckpt_every = -3: expected an integer >= 0"
+    assert error("checkpoint.every=-3") == "checkpoint.every = -3: expected an integer >= 0"
     assert error("flow.caption_dropout=1.5") == "flow.caption_dropout = 1.5: expected a number in [0, 1]"
     assert error("optim.betas=[0.9]") == "optim.betas = [0.9]: expected a list of 2 numbers in [0, 1)"
     assert (
@@ -260,7 +260,7 @@ def test_the_issue_examples_say_exactly_what_is_allowed():
     assert error("run.compile=1") == "run.compile = 1: expected true or false"
     assert error("optim=3") == "optim = 3: expected a table"
     assert error("optim.lr=inf") == "optim.lr = inf: expected a number >= 0"
-    assert load_config(STAGE, ["optim.lr=0.0", "run.ckpt_every=0"]).optim.lr == 0.0  # 0: frozen; 0: at the end
+    assert load_config(STAGE, ["optim.lr=0.0", "checkpoint.every=0"]).optim.lr == 0.0  # 0: frozen; 0: at the end
 
 
 def test_model_overrides_are_stdit3_fields_of_their_type():
@@ -332,7 +332,11 @@ def test_option_choices_are_the_configs():
     def choices(prog, option):
         return tuple(next(a.choices for p, a in ACTIONS if p == prog and option in a.option_strings))
 
-    fields = {f.name: rule_of(f).choices for c in (IngestConfig, train_config.RunConfig) for f in dataclasses.fields(c)}
+    fields = {
+        f.name: rule_of(f).choices
+        for c in (IngestConfig, train_config.RunConfig, train_config.LogConfig)
+        for f in dataclasses.fields(c)
+    }
     assert choices("ingest plan", "--source") == FORMATS
     assert choices("ingest plan", "--verify") == fields["verify"]
     assert choices("ingest plan", "--tagger") == fields["tagger"]
@@ -345,7 +349,7 @@ def test_option_choices_are_the_configs():
     [
         ("--optim.lr=abc", "optim.lr = 'abc': expected a number >= 0"),
         ("--run.epochs=2.5", "run.epochs = 2.5: expected an integer >= 1"),
-        ("--run.ckpt_every=-3", "run.ckpt_every = -3: expected an integer >= 0"),
+        ("--checkpoint.every=-3", "checkpoint.every = -3: expected an integer >= 0"),
         ("--flow.caption_dropout=1.5", "flow.caption_dropout = 1.5: expected a number in [0, 1]"),
     ],
 )

@@ -38,7 +38,7 @@ def data_args(manifest: Path, *extra: str) -> list[str]:
         '--data.buckets="configs/buckets/tiny.toml"',
         "--model.overrides={caption_channels=8, model_max_length=300}",
         "--data.workers=1",
-        "--run.wandb_mode=disabled",
+        "--log.wandb_mode=disabled",
         *extra,
     ]
 
@@ -166,7 +166,7 @@ PLUGINS = {
 def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root, plugin):
     """kill -9 of one rank mid-run, --load latest: the same batches, losses and weights as without the kill."""
     r, manifest = root
-    args = data_args(manifest, "--run.epochs=3", "--run.ckpt_every=4", "--run.keep_last=10", *PLUGINS[plugin])
+    args = data_args(manifest, "--run.epochs=3", "--checkpoint.every=4", "--checkpoint.keep_last=10", *PLUGINS[plugin])
     train(r, args + [f"--run.name=whole-{plugin}"], nproc=2)
     whole = metrics(r / f"runs/whole-{plugin}")
     steps = sorted(whole)
@@ -243,7 +243,7 @@ def ema_rule_error(before: Path, after: Path) -> float:
 
 def test_init_from_load_and_reset_data(root):
     r, manifest = root
-    args = data_args(manifest, "--run.ckpt_every=1", "--run.keep_last=10")
+    args = data_args(manifest, "--checkpoint.every=1", "--checkpoint.keep_last=10")
     train(r, args + ["--run.name=a", "--run.max_steps=4"])
     a4 = r / "runs/a/ckpt-00000004"
     state = json.loads((a4 / "state.json").read_text())
@@ -335,7 +335,7 @@ def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):
             str(r),
             "--run.name=logged",
             "--run.max_steps=3",
-            "--run.wandb_mode=offline",
+            "--log.wandb_mode=offline",
         ],
         cwd=REPO,
         env=env,
@@ -389,7 +389,7 @@ def adam_step_gradient(before: Path | None, after: Path) -> torch.Tensor:
 
 
 CONSOLE = re.compile(
-    r"^step (\d+)/(\d+) ep (\d+) \| loss (\S+) \| lr (\S+) \| gnorm (\S+) \| (\S+) samples/s \| "
+    r"^\d\d:\d\d:\d\d r0 step (\d+)/(\d+) ep (\d+) \| loss (\S+) \| lr (\S+) \| gnorm (\S+) \| (\S+) samples/s \| "
     r"step (\S+)s, data (\d+)% \| ETA (\d+[smhd]\S*)$",
     re.M,
 )
@@ -426,10 +426,10 @@ def test_requeued_run_resumes_prunes_logs_one_wandb_run_and_clips_at_1(root):
     args = data_args(
         manifest,
         "--run.name=requeued",
-        "--run.ckpt_every=1",
-        "--run.keep_last=2",
-        "--run.keep_every=3",
-        "--run.wandb_mode=offline",
+        "--checkpoint.every=1",
+        "--checkpoint.keep_last=2",
+        "--checkpoint.keep_every=3",
+        "--log.wandb_mode=offline",
         "--resume",
     )
     out = train(r, args + ["--run.max_steps=2", "--init-from", str(nowhere)], ok=False)  # no checkpoint: --init-from
@@ -547,7 +547,7 @@ def poisoned_manifest(root: Path, manifest: Path) -> tuple[Path, str]:
 def test_divergence_guard_skips_a_nan_step_on_every_rank_and_stops_after_n(root):
     r, manifest = root
     bad_manifest, clip = poisoned_manifest(r, manifest)
-    args = data_args(bad_manifest, "--run.epochs=1", "--run.ckpt_every=3")
+    args = data_args(bad_manifest, "--run.epochs=1", "--checkpoint.every=3")
     out = train(r, args + ["--run.name=guarded"], nproc=2)
     run = r / "runs/guarded"
     (rec,) = [json.loads(ln) for ln in (run / "bad_steps.jsonl").read_text().splitlines()]
@@ -557,7 +557,7 @@ def test_divergence_guard_skips_a_nan_step_on_every_rank_and_stops_after_n(root)
     assert all(v.isfinite().all() for v in weights(run / f"ckpt-{max(m) + 1:08d}").values())
     assert "skipped" in out
     # With max_bad_steps = 1 the same step stops the run, naming the checkpoint to resume from.
-    out = train(r, args + ["--run.name=stopped", "--run.max_bad_steps=1"], nproc=2, ok=False)
+    out = train(r, args + ["--run.name=stopped", "--guard.max_bad_steps=1"], nproc=2, ok=False)
     assert "consecutive bad steps" in out and "--load" in out
 
 
@@ -596,9 +596,9 @@ def test_watchdog_writes_every_ranks_stack_when_a_read_hangs(root):
             path,
             "--run.name=hung",
             "--run.epochs=1",
-            "--run.ckpt_every=0",
-            "--run.watchdog_floor_s=2",
-            "--run.watchdog_factor=3",
+            "--checkpoint.every=0",
+            "--watchdog.floor_s=2",
+            "--watchdog.factor=3",
         ),
         nproc=2,
     )
@@ -625,7 +625,7 @@ def test_debug_stage_losses_equal_the_regression_record(tmp_path):
 
 
 def test_watchdog_limit_ends_a_stuck_run_with_a_message(root):
-    """run.watchdog_limit_s: a step that lasts longer (every read sleeps 8 s) ends the run after the
+    """watchdog.limit_s: a step that lasts longer (every read sleeps 8 s) ends the run after the
     limit, not when the read returns, saying why and where the stacks are."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -636,12 +636,10 @@ def test_watchdog_limit_ends_a_stuck_run_with_a_message(root):
         row["shard"] = f"pipe:exec 2>/dev/null; sleep 8; cat {r / row['shard']}"
     path = r / "manifests/stuck.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    p = launch(
-        r, data_args(path, "--run.name=stuck", "--run.max_steps=1", "--data.workers=0", "--run.watchdog_limit_s=2")
-    )
+    p = launch(r, data_args(path, "--run.name=stuck", "--run.max_steps=1", "--data.workers=0", "--watchdog.limit_s=2"))
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 3, out[-3000:]
-    assert "step 0 exceeded the hard limit" in out and "run.watchdog_limit_s = 2 s" in out, out[-3000:]
+    assert "step 0 exceeded the hard limit" in out and "watchdog.limit_s = 2 s" in out, out[-3000:]
     (report,) = (r / "runs/stuck/hangs/step-00000000").glob("rank*.txt")
     assert str(report) in out
     info = json.loads(report.read_text().splitlines()[0])
@@ -661,7 +659,9 @@ def test_zero2_on_cuda_resumes_with_the_same_losses(root):
 
     r, manifest = root
     nproc = min(2, torch.cuda.device_count())
-    args = data_args(manifest, "--run.ckpt_every=2", "--run.max_steps=4", "--run.keep_last=5", *PLUGINS["zero2-bf16"])
+    args = data_args(
+        manifest, "--checkpoint.every=2", "--run.max_steps=4", "--checkpoint.keep_last=5", *PLUGINS["zero2-bf16"]
+    )
     train(r, args + ["--run.name=gpu"], nproc=nproc)
     train(r, args + ["--run.name=gpu-resumed", "--load", str(r / "runs/gpu/ckpt-00000002")], nproc=nproc)
     a, b = metrics(r / "runs/gpu"), metrics(r / "runs/gpu-resumed")

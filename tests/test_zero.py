@@ -75,8 +75,8 @@ def test_zero_resumes_on_another_world_size(root, before, after):
     args = data_args(
         manifest,
         "--run.epochs=1",
-        "--run.ckpt_every=2",
-        "--run.keep_last=5",
+        "--checkpoint.every=2",
+        "--checkpoint.keep_last=5",
         f"--run.name={name}",
         *PLUGINS["zero2-fp32"],
     )
@@ -113,9 +113,9 @@ def test_background_writer_copies_and_a_failed_write_stops_every_rank(root):
     args = data_args(
         manifest,
         "--run.epochs=1",
-        "--run.ckpt_every=2",
+        "--checkpoint.every=2",
         "--run.max_steps=4",
-        "--run.keep_last=5",
+        "--checkpoint.keep_last=5",
         *PLUGINS["zero2-bf16"],
     )
     train(r, args + ["--run.name=prompt"], nproc=2)
@@ -152,9 +152,9 @@ def test_checkpoints_move_between_ddp_and_zero(root, source, target):
     args = data_args(
         manifest,
         "--run.epochs=1",
-        "--run.ckpt_every=2",
+        "--checkpoint.every=2",
         "--run.max_steps=4",
-        "--run.keep_last=5",
+        "--checkpoint.keep_last=5",
         "--optim.adam_eps=1e-6",
     )
     whole = f"cross-{source}"

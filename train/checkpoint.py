@@ -28,9 +28,13 @@ import json
 import os
 import re
 import shutil
+import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from reelcache.settings import setting
 
 CKPT_RE = re.compile(r"^ckpt-(\d{8})$")
 
@@ -71,6 +75,15 @@ def resolve(path, root=None, run_dir=None) -> Path:
     return p
 
 
+@dataclass
+class CheckpointConfig:
+    """[checkpoint]: when a run saves and which checkpoints it keeps."""
+
+    every: int = setting(100, "steps between checkpoints (0 = only at the end and on a stop request)", ge=0)
+    keep_last: int = setting(3, "newest checkpoints kept (0 = all) ...", ge=0)
+    keep_every: int = setting(0, "... plus every checkpoint whose step is a multiple of this (0 = none)", ge=0)
+
+
 def read_state(ckpt) -> dict:
     return json.loads((Path(ckpt) / "state.json").read_text())
 
@@ -85,12 +98,42 @@ def _fsync_tree(folder: Path) -> None:
                 os.close(fd)
 
 
-class Checkpointer:
-    """Writes and prunes a run's checkpoints; one per run and process."""
+class StopRequest:
+    """A request to checkpoint and stop: SIGUSR2 to any rank (Slurm's ``--signal=USR2@<s>`` before a
+    time limit), or the file ``runs/<run>/stop`` (``touch`` it from anywhere that sees the run
+    directory). SIGUSR1 stays the stack dump (train/watchdog.py)."""
 
-    def __init__(self, run_dir, par, keep_last: int = 3, keep_every: int = 0):
-        self.run_dir, self.par = Path(run_dir), par
-        self.keep_last, self.keep_every = keep_last, keep_every
+    def __init__(self, run_dir: Path):
+        self.file = run_dir / "stop"
+        self.signalled = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR2, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = True
+
+    def local(self) -> bool:
+        return self.signalled or self.file.exists()
+
+    def consume(self) -> None:
+        self.file.unlink(missing_ok=True)
+
+
+class Checkpointer:
+    """Decides when a run saves, writes and prunes its checkpoints; one per run and process.
+
+    ``snapshot()`` is the trainer's: a collective returning what one checkpoint holds (host copies
+    of the weights, EMA and optimizer moments on rank 0, the trainer's state and config). The loop
+    calls ``save(step)`` after every step and ``save(step, last=True)`` at its end; the
+    checkpointer saves on its cadence, at the last step, or when a stop was requested on any rank,
+    and then sets ``stopping``."""
+
+    def __init__(self, cfg: CheckpointConfig, run_dir, par, snapshot=None, saved_step: int | None = None):
+        self.cfg, self.run_dir, self.par, self.snapshot = cfg, Path(run_dir), par, snapshot
+        self.keep_last, self.keep_every = cfg.keep_last, cfg.keep_every
+        self.saved_step = saved_step  # the step of the newest checkpoint this run wrote or loaded
+        self.stopping = False
+        self.stop = StopRequest(self.run_dir)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         if par.rank == 0:
@@ -98,7 +141,24 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         par.barrier()
 
-    def save(
+    def due(self, step: int, last: bool = False) -> bool:
+        """Collective: whether ``step`` saves. A stop request on any rank counts for all of them."""
+        if not self.stopping and self.par.max([1.0 if self.stop.local() else 0.0])[0] > 0:
+            self.stopping = True
+        every = self.cfg.every
+        return step != self.saved_step and (last or self.stopping or bool(every and step % every == 0))
+
+    def save(self, step: int, last: bool = False) -> Path | None:
+        """Collective, after a step: writes a checkpoint if it is due; returns its path, or None."""
+        if not self.due(step, last):
+            return None
+        path = self.write(step, *self.snapshot())
+        self.saved_step = step
+        if self.stopping and self.par.rank == 0:
+            self.stop.consume()
+        return path
+
+    def write(
         self,
         step: int,
         model_state: dict | None,

@@ -9,7 +9,6 @@ or ``colossalai run --nproc_per_node 8 --hostfile nodes.txt -m reelcache.train .
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from reelcache import UserError
 from reelcache.settings import arg, existing_dir, existing_file, option
@@ -123,7 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=option("reelcache.train.config:RunConfig.name"),
         help="run name (= run.name; default: the config file's stem)",
     )
-    p.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], help="= run.wandb_mode")
+    p.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], help="= log.wandb_mode")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -149,21 +148,14 @@ def run(a, overrides: list[str]) -> None:
     if a.run:
         overrides.append(f'run.name="{a.run}"')
     if a.wandb_mode:
-        overrides.append(f'run.wandb_mode="{a.wandb_mode}"')
+        overrides.append(f'log.wandb_mode="{a.wandb_mode}"')
     cfg = load_config(a.config, overrides)
 
+    from reelcache.train.guard import DivergedError
     from reelcache.train.trainer import Trainer
 
-    load, init_from = a.load, a.init_from
-    if a.resume:
-        from reelcache.train.checkpoint import list_checkpoints
-
-        if list_checkpoints(Path(a.root) / "runs" / cfg.run.name):
-            load, init_from = "latest", None
-    from reelcache.train.guard import DivergedError
-
     try:
-        Trainer(cfg, a.root, load=load, init_from=init_from, reset_data=a.reset_data).train()
+        Trainer(cfg, a.root, load=a.load, resume=a.resume, init_from=a.init_from, reset_data=a.reset_data).train()
     except DivergedError as e:
         raise UserError(str(e)) from None
 

@@ -25,6 +25,28 @@ import tomllib
 
 from reelcache import UserError
 from reelcache.settings import NAME, TEXT, Pattern, build, check, load_toml, read, setting
+from reelcache.train.checkpoint import CheckpointConfig
+from reelcache.train.guard import GuardConfig
+from reelcache.train.runlog import LogConfig
+from reelcache.train.watchdog import WatchdogConfig
+
+# config.json's format. 1: one [run] table held the checkpoint, log, guard and watchdog settings
+# (MOVED says where each went); 2: they are sections of their own.
+VERSION = 2
+MOVED = {
+    "run.ckpt_every": "checkpoint.every",
+    "run.keep_last": "checkpoint.keep_last",
+    "run.keep_every": "checkpoint.keep_every",
+    "run.log_every": "log.every",
+    "run.wandb_project": "log.wandb_project",
+    "run.wandb_mode": "log.wandb_mode",
+    "run.spike_z": "guard.spike_z",
+    "run.spike_window": "guard.window",
+    "run.max_bad_steps": "guard.max_bad_steps",
+    "run.watchdog_factor": "watchdog.factor",
+    "run.watchdog_floor_s": "watchdog.floor_s",
+    "run.watchdog_limit_s": "watchdog.limit_s",
+}
 
 # train/model.py PRESETS (named here so that reading a config imports no torch; a test compares them)
 MODEL_PRESETS = ("STDiT3-XL/2", "STDiT3-3B/2", "tiny")
@@ -108,19 +130,7 @@ class RunConfig:
         "auto (zero2 on CUDA, ddp on CPU) | zero2 (on CPU: train/zero_cpu.py) | ddp",
         choices=("auto", "zero2", "ddp"),
     )
-    ckpt_every: int = setting(100, "steps between checkpoints (0 = only at the end)", ge=0)
-    keep_last: int = setting(3, "newest checkpoints kept (0 = all) ...", ge=0)
-    keep_every: int = setting(0, "... plus every checkpoint whose step is a multiple of this (0 = none)", ge=0)
-    log_every: int = setting(1, "steps between metric rows (console, wandb, metrics parquet)", ge=1)
-    wandb_project: str = setting("reelcache", "wandb project", pattern=TEXT)
-    wandb_mode: str = setting("offline", "offline | online | disabled", choices=("offline", "online", "disabled"))
-    spike_z: float = setting(6.0, "a loss this many std above the running window is a spike (0 = off)", ge=0)
-    spike_window: int = setting(100, "steps in the running loss window (spike detection starts when full)", ge=2)
-    max_bad_steps: int = setting(5, "consecutive skipped steps before the run stops with a message", ge=1)
     compile: bool = setting(False, "torch.compile the blocks (GPU)")
-    watchdog_factor: float = setting(10.0, "a step slower than this x the median step time is a hang ...", gt=0)
-    watchdog_floor_s: float = setting(600.0, "... and slower than this many seconds: every rank dumps its stacks", ge=0)
-    watchdog_limit_s: float = setting(0.0, "a step this long ends the run with a message (0 = wait for NCCL)", ge=0)
 
 
 @dataclass
@@ -131,7 +141,11 @@ class TrainConfig:
     flow: FlowConfig = setting(
         doc="[flow]: rectified flow's timesteps, caption dropout, frame masks", factory=FlowConfig
     )
-    run: RunConfig = setting(doc="[run]: the run directory, length, checkpoints, logging, guards", factory=RunConfig)
+    run: RunConfig = setting(doc="[run]: the run directory, its length, seed, EMA and parallelism", factory=RunConfig)
+    checkpoint: CheckpointConfig = setting(doc="[checkpoint]: train/checkpoint.py", factory=CheckpointConfig)
+    log: LogConfig = setting(doc="[log]: train/runlog.py", factory=LogConfig)
+    guard: GuardConfig = setting(doc="[guard]: train/guard.py", factory=GuardConfig)
+    watchdog: WatchdogConfig = setting(doc="[watchdog]: train/watchdog.py", factory=WatchdogConfig)
 
     def validate(self) -> TrainConfig:
         """Every field against its own rule (settings.check), then the rules that relate fields."""
@@ -172,7 +186,8 @@ class TrainConfig:
             raise UserError(f"flow.mask_ratios: {e}") from None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """config.json: every section, and the format's version (``from_dict`` reads older ones)."""
+        return {"version": VERSION, **dataclasses.asdict(self)}
 
     def model_config(self):
         """The STDiT3Config this stage trains: the preset, its overrides, the frozen caption projection."""
@@ -191,6 +206,10 @@ class TrainConfig:
 
 def _build(doc: dict) -> TrainConfig:
     """A whole config table -> TrainConfig, every value checked (a manifest may be given by name alone)."""
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        if isinstance(doc.get(section), dict) and key in doc[section]:
+            raise UserError(f"{old} is now {new} (the [{new.split('.')[0]}] section): rename it")
     data = doc.get("data")
     if isinstance(data, dict) and isinstance(data.get("manifests"), list):
         data["manifests"] = [{"name": m} if isinstance(m, str) else m for m in data["manifests"]]
@@ -238,5 +257,42 @@ def load_config(path, overrides: list[str] = ()) -> TrainConfig:
 
 
 def from_dict(doc: dict) -> TrainConfig:
-    """The inverse of ``to_dict`` (a run directory's config.json)."""
-    return _build(json.loads(json.dumps(doc))).validate()
+    """The inverse of ``to_dict`` (a run directory's or a checkpoint's config.json), any version."""
+    doc = json.loads(json.dumps(doc))
+    version = doc.pop("version", 1)
+    if version > VERSION:
+        raise UserError(f"config.json has version {version}; this reelcache reads up to {VERSION}: upgrade it")
+    if version == 1:
+        for old, new in MOVED.items():
+            section, key = old.split(".")
+            if key in doc.get(section, {}):
+                to, name = new.split(".")
+                doc.setdefault(to, {})[name] = doc[section].pop(key)
+    return _build(doc).validate()
+
+
+# A resumed run (--load) may change anything but the model's architecture: the saved weights would
+# load into another model, or, where a field changes no tensor shape (model.overrides.input_sq_size),
+# silently change what they compute. The data position is guarded by the loader, which compares the
+# manifests' contents, weights, batch sizes, block and seed (a fingerprint), not their names or paths.
+FIXED_ON_RESUME = ("model.preset", "model.overrides", "model.freeze_y_embedder")
+
+
+def _flat(cfg: TrainConfig) -> dict:
+    """{"section.key": value} (a table-valued key such as model.overrides stays one value)."""
+    return {f"{s}.{k}": v for s, table in dataclasses.asdict(cfg).items() for k, v in table.items()}
+
+
+def resume_changes(saved: TrainConfig, now: TrainConfig) -> list[str]:
+    """What differs between a checkpoint's config and this run's, as ``key: old -> new`` lines;
+    a UserError if a FIXED_ON_RESUME key differs."""
+    old, new = _flat(saved), _flat(now)
+    changed = [k for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k) and k != "run.name"]
+    fixed = [k for k in changed if k in FIXED_ON_RESUME]
+    if fixed:
+        k = fixed[0]
+        raise UserError(
+            f"{k} = {new.get(k)!r}, but the checkpoint was trained with {old.get(k)!r}: a resumed run keeps its "
+            f"model (start a new run with --init-from <checkpoint> to train the weights as another model)"
+        )
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed]

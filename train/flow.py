@@ -25,22 +25,51 @@ classifier-free guidance with the batch doubled as [cond; null].
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
 import torch
 
+from reelcache.catalog.buckets import bucket_geometry
+
 __all__ = [
     "MASK_NAMES",
     "MaskGenerator",
     "add_noise",
+    "conditioning",
     "euler_sample",
     "sample_timesteps",
+    "stable_seed",
     "timestep_transform",
     "training_losses",
 ]
 
 NUM_TIMESTEPS = 1000
+
+
+def stable_seed(*parts) -> int:
+    """A 63-bit seed from a hash of the parts (the same on every node, in every process): a training
+    step's draws are seeded by (run seed, global step, clip id, index), validation noise by
+    ("val-noise", clip id, k)."""
+    h = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def conditioning(bucket: str, fps, frame_interval: int, default_fps: float) -> dict:
+    """The model's size and rate inputs for a batch of one bucket, as Open-Sora 1.2 builds them:
+    ``fps`` (NaN: ``default_fps``) divided by the bucket table's frame interval and floored,
+    ``height`` and ``width`` the bucket's pixel size, ``num_frames`` its pixel frame count (what
+    ``timestep_transform`` shifts by; not a model input). Float32 tensors of the batch size, on CPU."""
+    frames, height, width = bucket_geometry(bucket)
+    fps = torch.nan_to_num(torch.as_tensor(fps).float(), nan=default_fps)
+    b = fps.shape[0]
+    return {
+        "fps": torch.floor(fps / frame_interval),
+        "height": torch.full((b,), float(height)),
+        "width": torch.full((b,), float(width)),
+        "num_frames": torch.full((b,), float(frames)),
+    }
 
 
 def timestep_transform(

@@ -12,6 +12,21 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
+
+from reelcache.settings import setting
+
+
+@dataclass
+class GuardConfig:
+    """[guard]: which steps are skipped as divergent, and how many in a row stop the run."""
+
+    spike_z: float = setting(6.0, "a loss this many std above the running window is a spike (0 = off)", ge=0)
+    window: int = setting(100, "steps in the running loss window (spike detection starts when full)", ge=2)
+    max_bad_steps: int = setting(5, "consecutive skipped steps before the run stops with a message", ge=1)
+
+    def build(self) -> Guard:
+        return Guard(self.spike_z, self.window, self.max_bad_steps)
 
 
 class DivergedError(RuntimeError):

@@ -28,9 +28,20 @@ import json
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache.progress import fmt_eta, say
+from reelcache.settings import TEXT, setting
+
+
+@dataclass
+class LogConfig:
+    """[log]: how often a step's metrics are gathered and where they go."""
+
+    every: int = setting(10, "steps between metric rows (console, wandb, metrics parquet); skipped steps always", ge=1)
+    wandb_project: str = setting("reelcache", "wandb project", pattern=TEXT)
+    wandb_mode: str = setting("offline", "offline | online | disabled", choices=("offline", "online", "disabled"))
 
 
 def wandb_settings(mode: str, *, label: str, primary: bool):

@@ -1,122 +1,134 @@
 """The training loop: STDiT3 + rectified flow on the latent cache, one stage per run.
 
     reelcache train configs/train/opensora12/stage1.toml --root /data/rc --init-from PixArt-Sigma-XL-2-2K-MS.pth
-    reelcache train configs/train/opensora12/stage1.toml --root /data/rc --load latest
+    reelcache train configs/train/opensora12/stage1.toml --root /data/rc --resume
 
-Per step, on every rank: a micro-batch from the streaming loader (one bucket; its latents are
-already VAE posteriors and T5 embeddings), per-sample draws seeded by (seed, step, clip id)
-(timestep, noise, frame mask, caption dropout), the rectified-flow loss, backward, the global
-gradient norm, the divergence guard, the optimizer step, the EMA update.
-
-The step's gradient is the mean over the real samples of all ranks (``loss_reduction =
-"sample"``): rank r backpropagates R * sum(loss_i) / N, where N is the all-reduced count of real
-samples and the data-parallel average divides by R again. Ranks hold different buckets and
-batch sizes, and a rank with a padding batch (weight 0) contributes nothing, so it neither
-shrinks nor skews the step. Open-Sora averages the ranks' means with equal weight (``"rank"``),
-which weighs a 360p sample of a batch of 8 like 2.5 samples of a 240p batch of 20.
+The loop is short on purpose: each concern is a component built from its config section and
+called once per step. ``Step`` (train/step.py) is the step itself; the ``Checkpointer``
+(train/checkpoint.py) decides when to save (its cadence, the last step, a stop request) and saves
+what ``snapshot`` gathers; ``TrainState`` is the one object a checkpoint's state.json restores;
+the ``Watchdog`` times each step, the ``Guard`` judges it, ``metrics_row`` (train/metrics.py)
+measures it on logged steps and the ``RunLog`` writes it. Rank records (cluster/ranks.py) say
+which process runs each rank, for ``reelcache cluster dump|stop``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
-import socket
 import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from reelcache import UserError
+from reelcache.catalog.buckets import BucketConfig
+from reelcache.cluster import ranks
+from reelcache.log import log_to_file
 from reelcache.progress import say
-from reelcache.train.config import TrainConfig
+from reelcache.train import checkpoint as ck
+from reelcache.train.config import TrainConfig, from_dict, resume_changes
+from reelcache.train.guard import DivergedError, Guard
+from reelcache.train.loader import LatentLoader
+from reelcache.train.metrics import metrics_row, peak_flops
+from reelcache.train.model import STDiT3
+from reelcache.train.parallel import Parallel
+from reelcache.train.runlog import RunLog
+from reelcache.train.step import EMA, Step, StepResult
+from reelcache.train.watchdog import install_stack_signal
+from reelcache.train.weights import load_weights, read_sharded
 
-# Dense bf16 peak of the GPU, for MFU (FLOP/s). Unknown devices report no MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
+@dataclass
+class TrainState:
+    """What a checkpoint's state.json restores: the loop's counters and its stateful parts (the
+    loader's position and the guard's window). The epoch and the data fingerprint are the loader's;
+    the learning rate follows from ``opt_steps`` and the config's [optim]."""
 
-def stable_seed(*parts) -> int:
-    """A 63-bit seed from a hash of the parts (the same on every node, in every process)."""
-    h = hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") & 0x7FFF_FFFF_FFFF_FFFF
+    loader: LatentLoader
+    guard: Guard
+    global_step: int = 0
+    opt_steps: int = 0
+    wandb_id: str | None = None
 
+    def state_dict(self) -> dict:
+        return {
+            "global_step": self.global_step,
+            "opt_steps": self.opt_steps,
+            "loader": self.loader.state_dict(),
+            "guard": self.guard.state_dict(),
+            "wandb_id": self.wandb_id,
+        }
 
-def bucket_geometry(bucket: str) -> tuple[int, int, int]:
-    """(pixel frames, pixel height, pixel width) of a bucket name "<resolution>/<T>/<ar key>"."""
-    from reelcache.catalog.buckets import bucket_hw
-
-    res, t, ar = bucket.split("/")
-    h, w = bucket_hw(res, ar)
-    return int(t), h, w
+    def load_state_dict(self, state: dict, reset_data: bool = False) -> None:
+        self.loader.load_state_dict(state["loader"], reset_data=reset_data)
+        self.global_step, self.opt_steps = int(state["global_step"]), int(state["opt_steps"])
+        self.guard.load_state_dict(state.get("guard", {}))
+        self.wandb_id = state.get("wandb_id")
 
 
 class Trainer:
     def __init__(
-        self, cfg: TrainConfig, root, *, load=None, init_from=None, reset_data: bool = False, config_path=None
+        self, cfg: TrainConfig, root, *, load=None, resume: bool = False, init_from=None, reset_data: bool = False
     ):
-        from reelcache.train.parallel import Parallel
-
+        """``load``: a checkpoint (or "latest") to continue; ``resume``: continue from the run's newest
+        checkpoint if it has one, else start (what a requeued job runs); ``init_from``: weights to
+        start a new run from."""
         self.cfg, self.root = cfg, Path(root)
         self.run_dir = self.root / "runs" / cfg.run.name
         self.par = Parallel.setup(cfg.run.plugin, cfg.model.dtype, cfg.optim.grad_clip)
         self.rank0 = self.par.rank == 0
         try:
-            self._build(load, init_from, reset_data)
+            self._build(load, resume, init_from, reset_data)
         except BaseException:
             self.par.close()
             raise
 
     # -- setup -----------------------------------------------------------------------------
-    def _build(self, load, init_from, reset_data):
-        from reelcache.catalog.buckets import BucketConfig
-        from reelcache.train import checkpoint as ck
-        from reelcache.train.flow import MaskGenerator
-        from reelcache.train.guard import Guard
-        from reelcache.train.loader import LatentLoader
-        from reelcache.train.model import STDiT3
-
+    def _build(self, load, resume, init_from, reset_data):
         cfg, par = self.cfg, self.par
+        existing = ck.list_checkpoints(self.run_dir)
+        if resume and load is None and existing:
+            load = existing[-1]
         self.ckpt_path = None
         if load is not None:
             try:
                 self.ckpt_path = ck.resolve(load, self.root, self.run_dir)
             except FileNotFoundError as e:
                 raise UserError(str(e)) from None
-        existing = ck.list_checkpoints(self.run_dir)
-        if existing and self.ckpt_path is None:
+        elif existing:
             raise UserError(
-                f"{self.run_dir} already has checkpoints up to {existing[-1].name}: resume with "
-                f"--load latest (or --load {existing[-1]}), or train under another run.name"
+                f"{self.run_dir} already has checkpoints up to {existing[-1].name}: continue it with --resume "
+                f"(= --load latest; or --load {existing[-1]}), or train under another run.name"
             )
+        if self.ckpt_path is not None and (self.ckpt_path / "config.json").exists():
+            saved = from_dict(json.loads((self.ckpt_path / "config.json").read_text()))
+            changes = resume_changes(saved, cfg)  # a UserError if the model differs
+            if changes and self.rank0:
+                say(f"config changes since {self.ckpt_path.name}:\n  " + "\n  ".join(changes))
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._record_rank()
+        log_to_file(self.run_dir / "log" / f"rank{par.rank:05d}.log")  # every line this rank says, timed
+        self._stacks = install_stack_signal(self.run_dir, par.rank)  # SIGUSR1 dumps this rank's stacks
+        ranks.write(self.run_dir, par.rank, par.world, par.local_rank, Path(self._stacks.name).resolve())
 
         # Data.
         self.buckets = BucketConfig.from_toml(cfg.data.buckets)
         manifests = [(m.name, m.weight) for m in cfg.data.manifests]
         try:
             self.loader = LatentLoader(
-                manifests,
-                self.buckets,
-                root=self.root,
-                rank=par.rank,
-                world_size=par.world,
-                seed=cfg.run.seed,
-                workers=cfg.data.workers,
-                prefetch=cfg.data.prefetch,
-                block=cfg.data.block,
-                consumed_log=self.run_dir / "consumed",
-                log_every=max(1, cfg.run.ckpt_every or 100),
-            )
+                manifests, self.buckets, root=self.root, rank=par.rank, world_size=par.world, seed=cfg.run.seed,
+                workers=cfg.data.workers, prefetch=cfg.data.prefetch, block=cfg.data.block,
+                consumed_log=self.run_dir / "consumed", log_every=max(1, cfg.checkpoint.every or 100),
+            )  # fmt: skip
         except ValueError as e:
             raise UserError(str(e)) from e
 
-        # Model, EMA, optimizer.
-        mcfg = self.model_cfg = cfg.model_config()
+        # Model, optimizer, EMA.
+        self.model_cfg = cfg.model_config()
         torch.manual_seed(cfg.run.seed)  # the same fresh init on every rank
-        model = STDiT3(mcfg)
+        model = STDiT3(self.model_cfg)
         if cfg.model.grad_checkpoint:
             model.set_grad_checkpointing(True)
         self.loaded_from = None
@@ -129,11 +141,11 @@ class Trainer:
         # the fp32 masters from those rounded values; frozen entries are saved from here too.
         fp32 = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         self.frozen = {k: v for k, v in fp32.items() if k not in self.shapes}
-        model = model.to(par.device)
-        params = [p for p in model.parameters() if p.requires_grad]
+        o = cfg.optim
         opt = par.optimizer(
-            params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, eps=cfg.optim.adam_eps, betas=cfg.optim.betas
-        )
+            [p for p in model.to(par.device).parameters() if p.requires_grad],
+            lr=o.lr, weight_decay=o.weight_decay, eps=o.adam_eps, betas=o.betas,
+        )  # fmt: skip
         self.model, self.optimizer = par.boost(model, opt)
         if par.zero:
             for n, m in par.master_chunks(self.model, self.optimizer).items():
@@ -142,54 +154,27 @@ class Trainer:
         if cfg.run.compile:
             for blk in list(self.module.spatial_blocks) + list(self.module.temporal_blocks):
                 blk.compile()
-        self.masks = MaskGenerator(cfg.flow.mask_ratios) if cfg.flow.mask_ratios else None
-        self.guard = Guard(cfg.run.spike_z, cfg.run.spike_window, cfg.run.max_bad_steps)
-        self.global_step = self.opt_steps = 0
-        self.wandb_id = None
-        self.generation = 0
 
+        self.state = TrainState(self.loader, cfg.guard.build())
         if self.ckpt_path is not None:
             self._resume(self.ckpt_path, reset_data)
-        if cfg.run.ema_decay > 0:
-            if self.ckpt_path is not None and (self.ckpt_path / "ema").exists():
-                from reelcache.train.weights import read_sharded
-
-                full = read_sharded(self.ckpt_path / "ema")
-                self.ema = {n: par.chunk(full[n].float().reshape(-1)).clone().to(par.device) for n in self.shapes}
-            else:  # fresh, or --init-from: the EMA starts as the weights
-                self.ema = {n: c.detach().clone() for n, c in par.master_chunks(self.model, self.optimizer).items()}
-        else:
-            self.ema = None
-
-        from reelcache.train.checkpoint import Checkpointer
-        from reelcache.train.runlog import RunLog
-
-        self.ckpt = Checkpointer(self.run_dir, par, cfg.run.keep_last, cfg.run.keep_every)
+        self.ema = self._ema() if cfg.run.ema_decay > 0 else None
+        self.step = Step(cfg, par, self.model, self.optimizer, self.state.guard, self.ema, self.buckets.frame_interval)
+        saved = self.state.global_step if self.ckpt_path is not None else None
+        self.ckpt = ck.Checkpointer(cfg.checkpoint, self.run_dir, par, snapshot=self.snapshot, saved_step=saved)
         resolved = cfg.to_dict()
         if self.rank0:
             (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
         self.total_steps = self._total_steps()
         self.log = RunLog(
-            self.run_dir,
-            enabled=self.rank0,
-            project=cfg.run.wandb_project,
-            mode=cfg.run.wandb_mode,
-            name=cfg.run.name,
-            config=resolved,
-            run_id=self.wandb_id,
-            generation=self.generation,
+            self.run_dir, enabled=self.rank0, project=cfg.log.wandb_project, mode=cfg.log.wandb_mode,
+            name=cfg.run.name, config=resolved, run_id=self.state.wandb_id, generation=self.loader.generation,
             total_steps=self.total_steps,
-        )
+        )  # fmt: skip
+        self.state.wandb_id = self.log.run_id if self.rank0 else None
         if self.rank0 and self.log.run_id:
             (self.run_dir / "wandb_id").write_text(self.log.run_id)
-        self.peak = next(
-            (
-                v
-                for k, v in PEAK_FLOPS.items()
-                if par.device.type == "cuda" and k in torch.cuda.get_device_name(par.device)
-            ),
-            None,
-        )
+        self.peak = peak_flops(par.device)
         if self.rank0:
             n = sum(p.numel() for p in self.module.parameters())
             t = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
@@ -203,40 +188,7 @@ class Trainer:
     def module(self):
         return self.model.unwrap()
 
-    def _record_rank(self):
-        """Who runs this rank: host, pid and the kernel's start time of that pid (so a dump or a stop
-        reaches exactly this process, never a later one that reused the pid); SIGUSR1 dumps stacks."""
-        from reelcache.catalog.lease import boot_id
-        from reelcache.train.watchdog import install_stack_signal
-
-        d = self.run_dir / "ranks"
-        d.mkdir(parents=True, exist_ok=True)
-        self._stacks = install_stack_signal(self.run_dir, self.par.rank)
-        info = {
-            "rank": self.par.rank,
-            "world_size": self.par.world,
-            "local_rank": self.par.local_rank,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "proc_start": proc_start(os.getpid()),
-            "boot_id": boot_id(),
-            "started": time.time(),
-            "launcher_pid": os.getppid(),
-            "launcher_proc_start": proc_start(os.getppid()),
-            "stacks": str(Path(self._stacks.name).resolve()),
-        }
-        from reelcache.catalog.shards import atomic_path
-
-        with atomic_path(d / f"rank{self.par.rank:05d}.json") as tmp:
-            Path(tmp).write_text(json.dumps(info))
-        if self.rank0:  # records of a launch with more ranks are not this run's
-            for stale in d.glob("rank*.json"):
-                if stale.stem[4:].isdigit() and int(stale.stem[4:]) >= self.par.world:
-                    stale.unlink(missing_ok=True)
-
     def _load_weights(self, model, path, strict):
-        from reelcache.train.weights import load_weights
-
         try:
             report = load_weights(model, path, strict=strict)
         except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
@@ -245,28 +197,31 @@ class Trainer:
         if self.rank0:
             say(f"weights from {path}:\n{report.summary()}")
 
-    def _resume(self, ckpt, reset_data):
-        from reelcache.train import checkpoint as ck
-
-        state = ck.read_state(ckpt)
-        par, o = self.par, self.cfg.optim
+    def _resume(self, ckpt: Path, reset_data: bool):
+        o = self.cfg.optim
         if (ckpt / "optimizer").exists():  # absent when saved before the first optimizer step
-            par.load_optimizer(self.optimizer, self.model, str(ckpt / "optimizer"))
+            self.par.load_optimizer(self.optimizer, self.model, str(ckpt / "optimizer"))
             for group in self.optimizer.param_groups:  # the config's hyper-parameters, not the saved ones
                 group.update(weight_decay=o.weight_decay, eps=o.adam_eps, betas=tuple(o.betas))
         try:
-            self.loader.load_state_dict(state["loader"], reset_data=reset_data)
+            self.state.load_state_dict(ck.read_state(ckpt), reset_data=reset_data)
         except ValueError as e:
             raise UserError(f"--load {ckpt}: {e}") from e
-        self.global_step, self.opt_steps = int(state["global_step"]), int(state["opt_steps"])
-        self.guard.load_state_dict(state.get("guard", {}))
-        self.wandb_id = state.get("wandb_id")
-        self.generation = self.loader.generation
         if self.rank0:
             say(
-                f"resumed from {ckpt}: step {self.global_step}, epoch {self.loader.epoch}, position "
+                f"resumed from {ckpt}: step {self.state.global_step}, epoch {self.loader.epoch}, position "
                 f"{self.loader.consumed}" + (" (data position reset)" if reset_data else "")
             )
+
+    def _ema(self) -> EMA:
+        """The checkpoint's EMA, or (fresh, or --init-from) the weights themselves."""
+        par = self.par
+        if self.ckpt_path is not None and (self.ckpt_path / "ema").exists():
+            full = read_sharded(self.ckpt_path / "ema")
+            chunks = {n: par.chunk(full[n].float().reshape(-1)).clone().to(par.device) for n in self.shapes}
+        else:
+            chunks = {n: c.detach().clone() for n, c in par.master_chunks(self.model, self.optimizer).items()}
+        return EMA(self.cfg.run.ema_decay, chunks)
 
     def _total_steps(self) -> int:
         """Optimizer steps of the whole stage: the rest of this epoch plus the remaining epochs.
@@ -274,7 +229,7 @@ class Trainer:
         One plan per distinct set of mixing weights, not per epoch (a plan costs about a second at
         1.3M clips, and upstream configs say epochs = 1000): for the ETA, epochs with the same
         weights are taken to have the same number of micro-batches."""
-        total = self.global_step + self.loader.steps_remaining()
+        total = self.state.global_step + self.loader.steps_remaining()
         per_weights: dict[tuple, int] = {}
         for e in range(self.loader.epoch + 1, self.cfg.run.epochs):
             key = tuple(s.weight for s in self.loader.epoch_sources(e))
@@ -285,148 +240,15 @@ class Trainer:
             total = min(total, self.cfg.run.max_steps)
         return total
 
-    # -- one step --------------------------------------------------------------------------
-    def draws(self, batch) -> dict:
-        """The step's random draws, one generator per sample: (seed, step, clip id, index)."""
-        from reelcache.train.flow import sample_timesteps
-
-        dev = self.par.device
-        x = batch["x"]
-        b, _, t_lat = x.shape[:3]
-        ts, noise, drops, masks = [], [], [], []
-        for i, clip in enumerate(batch["clip_id"]):
-            s = stable_seed(self.cfg.run.seed, self.global_step, clip, i)
-            g = torch.Generator().manual_seed(s)
-            ts.append(sample_timesteps(1, g, method=self.cfg.flow.sample_method))
-            drops.append(bool(torch.rand(1, generator=g).item() < self.cfg.flow.caption_dropout))
-            if self.masks is not None:
-                masks.append(torch.as_tensor(self.masks.get_masks(1, t_lat, np.random.default_rng(s))))
-            gd = torch.Generator(device=dev).manual_seed(s)
-            noise.append(torch.randn(x.shape[1:], generator=gd, device=dev, dtype=torch.float32))
-        return {
-            "t": torch.cat(ts).float(),
-            "noise": torch.stack(noise),
-            "caption_drop": torch.tensor(drops),
-            "x_mask": torch.cat(masks).bool() if masks else None,
-        }
-
-    def step(self, batch) -> dict:
-        """One optimizer step on this rank's micro-batch (a collective: every rank calls it)."""
-        return self.update(self.forward_backward(batch))
-
-    def forward_backward(self, batch) -> dict:
-        """Loss and gradients of the step; gradients end up as the mean over all ranks' real samples."""
-        from reelcache.train.flow import timestep_transform, training_losses
-
-        cfg, par, dev = self.cfg, self.par, self.par.device
-        frames, height, width = bucket_geometry(batch["bucket"])
-        x0 = batch["x"].to(dev, non_blocking=True).float()
-        b = x0.shape[0]
-        weight = float(batch["weight"])
-        real = b * weight
-        # How many real samples (and real ranks) this step has: known before the forward.
-        n_real, r_real = par.sum([real, 1.0 if weight > 0 else 0.0]).tolist()
-        d = self.draws(batch)
-        fps = torch.nan_to_num(batch["fps"].float(), nan=cfg.data.default_fps)
-        fps = torch.floor(fps / self.buckets.frame_interval)
-        hw = lambda v: torch.full((b,), float(v))  # noqa: E731
-        t = d["t"]
-        if cfg.flow.use_timestep_transform:
-            t = timestep_transform(t, hw(height), hw(width), hw(frames))
-        kwargs = {
-            "y": batch["text"].to(dev, non_blocking=True).to(x0.dtype),
-            "mask": batch["text_mask"].to(dev, non_blocking=True),
-            "fps": fps.to(dev),
-            "height": hw(height).to(dev),
-            "width": hw(width).to(dev),
-            "caption_drop": d["caption_drop"].to(dev),
-        }
-        x_mask = d["x_mask"].to(dev) if d["x_mask"] is not None else None
-        losses = training_losses(self.model, x0, kwargs, d["noise"], t.to(dev), x_mask=x_mask)
-        if cfg.run.loss_reduction == "sample":
-            loss = losses.sum() * (weight * par.world / max(n_real, 1.0))
-        else:
-            loss = losses.mean() * (weight * par.world / max(r_real, 1.0))
-        par.backward(loss, self.optimizer)
-        loss_sum = float(par.sum([float(losses.detach().sum()) * weight])[0])
-        return {
-            "batch": batch,
-            "losses": losses.detach(),
-            "loss": loss_sum / max(n_real, 1.0),
-            "samples": n_real,
-            "local_samples": real,
-            "frames": frames,
-            "height": height,
-            "width": width,
-            "latent_shape": tuple(x0.shape[2:]),
-            "text_len": int(batch["text"].shape[1]),
-        }
-
-    def update(self, out: dict) -> dict:
-        """Guard, optimizer step, EMA; gradients cleared either way."""
-        cfg, par = self.cfg, self.par
-        batch, mean_loss = out.pop("batch"), out["loss"]
-        gnorm = float(par.grad_norm(self.model, self.optimizer, cfg.optim.grad_clip))
-        reason = self.guard.verdict(mean_loss, gnorm)
-        bad = bool(par.max([1.0 if reason else 0.0])[0] > 0)
-        if bad and reason is None:
-            reason = "another rank found this step bad"
-        lr = None
-        if bad:
-            self._record_bad(batch, mean_loss, gnorm, reason)
-        else:
-            from reelcache.train.schedule import lr_at
-
-            lr = lr_at(self.opt_steps, cfg.optim)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            self.opt_steps += 1
-            self._update_ema()
-        self.optimizer.zero_grad()
-        self.guard.record(mean_loss, bad)
-        return {**out, "grad_norm": gnorm, "lr": lr, "skipped": reason if bad else None}
-
-    @torch.no_grad()
-    def _update_ema(self):
-        if self.ema is None:
-            return
-        masters = self.par.master_chunks(self.model, self.optimizer)
-        names = list(self.ema)
-        torch._foreach_lerp_([self.ema[n] for n in names], [masters[n] for n in names], 1 - self.cfg.run.ema_decay)
-
-    def _record_bad(self, batch, loss, gnorm, reason):
-        clips = self.par.gather_objects(list(batch["clip_id"]) if batch["weight"] else [])
-        if self.rank0:
-            rec = {
-                "step": self.global_step,
-                "epoch": self.loader.epoch,
-                "loss": loss,
-                "grad_norm": gnorm,
-                "reason": reason,
-                "clip_ids": [c for r in clips for c in r],
-            }
-            with open(self.run_dir / "bad_steps.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            say(
-                f"step {self.global_step}: skipped ({reason}); clips: {', '.join(rec['clip_ids'][:8])}"
-                + (" ..." if len(rec["clip_ids"]) > 8 else "")
-            )
-
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self) -> None:
+    def snapshot(self) -> tuple:
+        """A collective: (model, EMA, optimizer state on rank 0; the TrainState's dict, the config)."""
         par = self.par
         masters = par.gather_full(par.master_chunks(self.model, self.optimizer), self.shapes)
-        ema = par.gather_full(self.ema, self.shapes) if self.ema is not None else None
+        ema = par.gather_full(self.ema.chunks, self.shapes) if self.ema is not None else None
         model_state = {**self.frozen, **masters} if self.rank0 else None
-        # The epoch and the data fingerprint are the loader's (its state says the next epoch at a boundary);
-        # the learning rate follows from opt_steps and config.json's optim section.
         state = {
-            "global_step": self.global_step,
-            "opt_steps": self.opt_steps,
-            "loader": self.loader.state_dict(),
-            "guard": self.guard.state_dict(),
-            "wandb_id": self.log.run_id if self.rank0 else None,
+            **self.state.state_dict(),
             "run": self.cfg.run.name,
             "world_size": par.world,
             "model_preset": self.cfg.model.preset,
@@ -438,58 +260,55 @@ class Trainer:
             self.log.flush()  # metrics up to this step exist before the checkpoint does
         if self.loader.log:
             self.loader.log.flush()
-        optim = par.optimizer_state(self.optimizer, self.model) if self.opt_steps else None
-        path = self.ckpt.save(self.global_step, model_state, ema, optim, state, self.cfg.to_dict())
-        if self.rank0:
+        optim = par.optimizer_state(self.optimizer, self.model) if self.state.opt_steps else None
+        return model_state, ema, optim, state, self.cfg.to_dict()
+
+    def _save(self, last: bool = False) -> None:
+        path = self.ckpt.save(self.state.global_step, last=last)
+        if path is not None and self.rank0:
             say(f"checkpoint {path.name} (writing in the background)")
 
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> None:
-        from reelcache.train.guard import DivergedError
-        from reelcache.train.model import flops_per_sample
-        from reelcache.train.watchdog import Watchdog
-
-        cfg, par = self.cfg, self.par
+        cfg, par, st = self.cfg, self.par, self.state
         self.model.train()
-        last_saved = self.global_step if self.ckpt_path is not None else -1
-        dog = Watchdog(
-            self.run_dir,
-            par.rank,
-            cfg.run.watchdog_factor,
-            cfg.run.watchdog_floor_s,
-            cfg.run.watchdog_limit_s,
-            alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}"),
-        )
+        dog = cfg.watchdog.build(self.run_dir, par.rank, alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}"))
         try:
             while self.loader.epoch < cfg.run.epochs and not self._done():
                 sched, k = self.loader.schedule(), 0
-                dog.begin(self.global_step, **self._upcoming(sched, k))
+                dog.begin(st.global_step, **self._upcoming(sched, k))
                 t_data = time.monotonic()
                 for batch in self.loader:
                     dog.working_on(waiting_for_data=False, bucket=batch["bucket"], clip_ids=list(batch["clip_id"]))
                     t_step = time.monotonic()
-                    out = self.step(batch)
+                    out = self.step(batch, st)
                     if par.device.type == "cuda":
                         torch.cuda.synchronize()
                     t_end = time.monotonic()
-                    self.global_step += 1
+                    st.global_step += 1
                     dog.end()
-                    if out["skipped"] and self.guard.exhausted:
-                        raise DivergedError(self._diverged_message())
-                    if self.global_step % cfg.run.log_every == 0 or out["skipped"]:
-                        self._log(batch, out, t_end - t_data, t_step - t_data, flops_per_sample)
-                    if cfg.run.ckpt_every and self.global_step % cfg.run.ckpt_every == 0:
-                        self.save()
-                        last_saved = self.global_step
-                    if self._done():
+                    if out.skipped:
+                        self._record_bad(batch, out)
+                        if st.guard.exhausted:
+                            raise DivergedError(self._diverged_message())
+                    if st.global_step % cfg.log.every == 0 or out.skipped:
+                        self._log(batch, out, t_end - t_data, t_step - t_data)
+                    self._save(last=self._done())
+                    if self._done() or self.ckpt.stopping:
                         break
                     k += 1
-                    dog.begin(self.global_step, **self._upcoming(sched, k))
+                    dog.begin(st.global_step, **self._upcoming(sched, k))
                     t_data = time.monotonic()
                 dog.end()
-            if last_saved != self.global_step:
-                self.save()
+                if self.ckpt.stopping:
+                    break
+            self._save(last=True)
             self.ckpt.wait()
+            if self.ckpt.stopping and self.rank0:
+                say(
+                    f"stopped on request at step {st.global_step} (SIGUSR2 or {self.ckpt.stop.file}); "
+                    f"continue with --resume"
+                )
         finally:
             dog.close()
             self.log.finish()
@@ -511,46 +330,32 @@ class Trainer:
         return info
 
     def _done(self) -> bool:
-        return bool(self.cfg.run.max_steps) and self.global_step >= self.cfg.run.max_steps
+        return bool(self.cfg.run.max_steps) and self.state.global_step >= self.cfg.run.max_steps
 
-    def _log(self, batch, out, step_s, wait_s, flops_per_sample):
-        par = self.par
-        # Ranks hold different buckets: tokens and FLOPs are summed over every rank's own shapes.
-        local = out["local_samples"]
-        ranks = par.gather_objects((batch["bucket"], local, out["latent_shape"], out["text_len"]))
-        tokens = flops = 0.0
-        hist = {}
-        for bucket, n, (t, h, w), length in ranks:
-            hist[bucket] = hist.get(bucket, 0) + 1
-            tokens += n * t * math.ceil(h / 2) * math.ceil(w / 2)
-            flops += 3 * flops_per_sample(self.model_cfg, t, h, w, length) * n
-        with torch.no_grad():
-            params = [p.detach() for p in self.module.parameters()]
-            wnorm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params))))
-        self.log.log(
-            {
-                "step": self.global_step - 1,
+    def _log(self, batch, out: StepResult, step_s: float, wait_s: float) -> None:
+        row = metrics_row(self.par, self.module, self.model_cfg, out, step_s=step_s, wait_s=wait_s, peak=self.peak)
+        head = {"step": self.state.global_step - 1, "epoch": self.loader.epoch, "epoch_step": int(batch["step"])}
+        self.log.log({**head, **row})
+
+    def _record_bad(self, batch, out: StepResult) -> None:
+        clips = self.par.gather_objects(list(batch["clip_id"]) if batch["weight"] else [])
+        if self.rank0:
+            rec = {
+                "step": self.state.global_step - 1,
                 "epoch": self.loader.epoch,
-                "epoch_step": int(batch["step"]),
-                "loss": out["loss"],
-                "lr": out["lr"] if out["lr"] is not None else float("nan"),
-                "grad_norm": out["grad_norm"],
-                "weight_norm": wnorm,
-                "samples": out["samples"],
-                "samples_per_s": out["samples"] / step_s,
-                "tokens_per_s": tokens / step_s,
-                "step_s": step_s,
-                "data_wait_s": wait_s,
-                "data_share": wait_s / step_s,
-                "mfu": flops / step_s / (self.peak * par.world) if self.peak else None,
-                "buckets": json.dumps(hist, sort_keys=True),
-                "skipped": out["skipped"],
+                "loss": out.loss,
+                "grad_norm": out.grad_norm,
+                "reason": out.skipped,
+                "clip_ids": [c for r in clips for c in r],
             }
-        )
+            with open(self.run_dir / "bad_steps.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            say(
+                f"step {rec['step']}: skipped ({out.skipped}); clips: {', '.join(rec['clip_ids'][:8])}"
+                + (" ..." if len(rec["clip_ids"]) > 8 else "")
+            )
 
     def _diverged_message(self) -> str:
-        from reelcache.train import checkpoint as ck
-
         found = ck.list_checkpoints(self.run_dir)
         last = found[-1] if found else None
         cmd = (
@@ -559,24 +364,13 @@ class Trainer:
             else "no checkpoint yet: start again with another seed or a lower lr"
         )
         return (
-            f"stopping: {self.guard.bad} consecutive bad steps (non-finite or spiking loss/gradient) up to step "
-            f"{self.global_step}; see {self.run_dir / 'bad_steps.jsonl'} for the clips. Last good checkpoint: "
-            f"{last or 'none'}. Resume with: {cmd} (consider a lower optim.lr, or --reset-data)"
+            f"stopping: {self.state.guard.bad} consecutive bad steps (non-finite or spiking loss/gradient) up to "
+            f"step {self.state.global_step}; see {self.run_dir / 'bad_steps.jsonl'} for the clips. Last good "
+            f"checkpoint: {last or 'none'}. Resume with: {cmd} (consider a lower optim.lr, or --reset-data)"
         )
 
 
-def proc_start(pid: int) -> int | None:
-    """The kernel's start time of a process (clock ticks after boot; /proc/<pid>/stat field 22), as
-    the unit leases read it; an int, as `reelcache cluster` compares it."""
-    from reelcache.catalog.lease import pid_start
-
-    ticks = pid_start(pid)
-    return int(ticks) if ticks else None
-
-
 def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for m in ("torch", "colossalai", "reelcache"):
         try:

@@ -23,7 +23,22 @@ import statistics
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+
+from reelcache.settings import setting
+
+
+@dataclass
+class WatchdogConfig:
+    """[watchdog]: when a slow step counts as a hang (stacks dumped) and when it ends the run."""
+
+    factor: float = setting(10.0, "a step slower than this x the median step time is a hang ...", gt=0)
+    floor_s: float = setting(600.0, "... and slower than this many seconds: every rank dumps its stacks", ge=0)
+    limit_s: float = setting(0.0, "a step this long ends the run with a message (0 = wait for NCCL)", ge=0)
+
+    def build(self, run_dir, rank: int, alert=None) -> Watchdog:
+        return Watchdog(run_dir, rank, self.factor, self.floor_s, self.limit_s, alert=alert)
 
 
 def install_stack_signal(run_dir, rank: int):
@@ -98,7 +113,7 @@ class Watchdog:
                 os.write(
                     2,
                     f"reelcache: rank {self.rank}: step {info.get('step')} exceeded the hard limit "
-                    f"({elapsed:.0f} s > run.watchdog_limit_s = {self.limit_s:.0f} s); stacks in {path}. "
+                    f"({elapsed:.0f} s > watchdog.limit_s = {self.limit_s:.0f} s); stacks in {path}. "
                     "Ending this process instead of waiting for the collective timeout.\n".encode(),
                 )
                 os._exit(3)

@@ -1,0 +1,155 @@
+"""One training step on every rank: draws, rectified-flow loss, backward, guard, AdamW, EMA.
+
+Per step, on every rank: a micro-batch from the streaming loader (one bucket; its latents are
+already VAE posteriors and T5 embeddings), per-sample draws seeded by (seed, step, clip id)
+(timestep, noise, frame mask, caption dropout), the rectified-flow loss, backward, the global
+gradient norm, the divergence guard, the optimizer step, the EMA update.
+
+The step's gradient is the mean over the real samples of all ranks (``loss_reduction =
+"sample"``): rank r backpropagates R * sum(loss_i) / N, where N is the all-reduced count of real
+samples and the data-parallel average divides by R again. Ranks hold different buckets and
+batch sizes, and a rank with a padding batch (weight 0) contributes nothing, so it neither
+shrinks nor skews the step. Open-Sora averages the ranks' means with equal weight (``"rank"``),
+which weighs a 360p sample of a batch of 8 like 2.5 samples of a 240p batch of 20.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from reelcache.train.config import TrainConfig
+from reelcache.train.flow import (
+    MaskGenerator,
+    conditioning,
+    sample_timesteps,
+    stable_seed,
+    timestep_transform,
+    training_losses,
+)
+from reelcache.train.schedule import lr_at
+
+
+@dataclass
+class StepResult:
+    """What one step did, the same on every rank except the ``local_``/shape fields."""
+
+    loss: float  # mean loss over all ranks' real samples
+    samples: float  # real samples over all ranks
+    local_samples: float  # this rank's real samples (batch size x weight: 0 for a padding batch)
+    bucket: str  # this rank's bucket
+    latent_shape: tuple[int, int, int]  # this rank's (T, H, W) in latents
+    text_len: int  # this rank's caption tokens
+    losses: torch.Tensor  # this rank's per-sample losses
+    grad_norm: float = math.nan
+    lr: float | None = None  # None: skipped
+    skipped: str | None = None  # why the guard skipped the step, or None
+
+
+class EMA:
+    """fp32 exponential moving average of this rank's master chunks (all of them under DDP)."""
+
+    def __init__(self, decay: float, chunks: dict[str, torch.Tensor]):
+        self.decay, self.chunks = decay, chunks
+
+    @torch.no_grad()
+    def update(self, masters: dict[str, torch.Tensor]) -> None:
+        names = list(self.chunks)
+        torch._foreach_lerp_([self.chunks[n] for n in names], [masters[n] for n in names], 1 - self.decay)
+
+
+class Step:
+    """The step function; ``state`` (the trainer's TrainState) gives the global step the draws are
+    seeded by and counts optimizer steps (the lr schedule's position)."""
+
+    def __init__(self, cfg: TrainConfig, par, model, optimizer, guard, ema: EMA | None, frame_interval: int):
+        self.cfg, self.par, self.model, self.optimizer = cfg, par, model, optimizer
+        self.guard, self.ema, self.frame_interval = guard, ema, frame_interval
+        self.masks = MaskGenerator(cfg.flow.mask_ratios) if cfg.flow.mask_ratios else None
+
+    def __call__(self, batch, state) -> StepResult:
+        """One optimizer step on this rank's micro-batch (a collective: every rank calls it)."""
+        return self.update(self.forward_backward(batch, state.global_step), state)
+
+    def draws(self, batch, global_step: int) -> dict:
+        """The step's random draws, one generator per sample: (seed, step, clip id, index)."""
+        dev, flow = self.par.device, self.cfg.flow
+        x = batch["x"]
+        t_lat = x.shape[2]
+        ts, noise, drops, masks = [], [], [], []
+        for i, clip in enumerate(batch["clip_id"]):
+            s = stable_seed(self.cfg.run.seed, global_step, clip, i)
+            g = torch.Generator().manual_seed(s)
+            ts.append(sample_timesteps(1, g, method=flow.sample_method))
+            drops.append(bool(torch.rand(1, generator=g).item() < flow.caption_dropout))
+            if self.masks is not None:
+                masks.append(torch.as_tensor(self.masks.get_masks(1, t_lat, np.random.default_rng(s))))
+            gd = torch.Generator(device=dev).manual_seed(s)
+            noise.append(torch.randn(x.shape[1:], generator=gd, device=dev, dtype=torch.float32))
+        return {
+            "t": torch.cat(ts).float(),
+            "noise": torch.stack(noise),
+            "caption_drop": torch.tensor(drops),
+            "x_mask": torch.cat(masks).bool() if masks else None,
+        }
+
+    def forward_backward(self, batch, global_step: int) -> StepResult:
+        """Loss and gradients of the step; gradients end up as the mean over all ranks' real samples."""
+        cfg, par, dev = self.cfg, self.par, self.par.device
+        x0 = batch["x"].to(dev, non_blocking=True).float()
+        weight = float(batch["weight"])
+        real = x0.shape[0] * weight
+        # How many real samples (and real ranks) this step has: known before the forward.
+        n_real, r_real = par.sum([real, 1.0 if weight > 0 else 0.0]).tolist()
+        d = self.draws(batch, global_step)
+        cond = conditioning(batch["bucket"], batch["fps"], self.frame_interval, cfg.data.default_fps)
+        frames = cond.pop("num_frames")
+        t = d["t"]
+        if cfg.flow.use_timestep_transform:
+            t = timestep_transform(t, cond["height"], cond["width"], frames)
+        kwargs = {
+            "y": batch["text"].to(dev, non_blocking=True).to(x0.dtype),
+            "mask": batch["text_mask"].to(dev, non_blocking=True),
+            **{k: v.to(dev) for k, v in cond.items()},
+            "caption_drop": d["caption_drop"].to(dev),
+        }
+        x_mask = d["x_mask"].to(dev) if d["x_mask"] is not None else None
+        losses = training_losses(self.model, x0, kwargs, d["noise"], t.to(dev), x_mask=x_mask)
+        if cfg.run.loss_reduction == "sample":
+            loss = losses.sum() * (weight * par.world / max(n_real, 1.0))
+        else:
+            loss = losses.mean() * (weight * par.world / max(r_real, 1.0))
+        par.backward(loss, self.optimizer)
+        loss_sum = float(par.sum([float(losses.detach().sum()) * weight])[0])
+        return StepResult(
+            loss=loss_sum / max(n_real, 1.0),
+            samples=n_real,
+            local_samples=real,
+            bucket=batch["bucket"],
+            latent_shape=tuple(x0.shape[2:]),
+            text_len=int(batch["text"].shape[1]),
+            losses=losses.detach(),
+        )
+
+    def update(self, out: StepResult, state) -> StepResult:
+        """Guard, optimizer step, EMA; gradients cleared either way."""
+        par = self.par
+        out.grad_norm = float(par.grad_norm(self.model, self.optimizer, self.cfg.optim.grad_clip))
+        reason = self.guard.verdict(out.loss, out.grad_norm)
+        bad = bool(par.max([1.0 if reason else 0.0])[0] > 0)
+        if bad:
+            out.skipped = reason or "another rank found this step bad"
+        else:
+            out.lr = lr_at(state.opt_steps, self.cfg.optim)
+            for group in self.optimizer.param_groups:
+                group["lr"] = out.lr
+            self.optimizer.step()
+            state.opt_steps += 1
+            if self.ema is not None:
+                self.ema.update(par.master_chunks(self.model, self.optimizer))
+        self.optimizer.zero_grad()
+        self.guard.record(out.loss, bad)
+        return out
