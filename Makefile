@@ -34,8 +34,10 @@ GPU_STAMP := $(VENV)/.installed-gpu
 
 # The programs the pipeline runs besides Python: ffmpeg (the tests' reference decoder) and GNU parallel
 # (ingest and cache units, cluster checks). Installed once, with apt-get as root or through sudo;
-# anywhere else, one line says what to install.
-SYSDEPS := ffmpeg parallel
+# anywhere else, one line says what to install. As root also Debian's Slurm and munge, for the suite's
+# one-node Slurm (tests/slurm_local.py, which runs only as root: elsewhere its tests skip, so no sudo
+# for them); each name is a package and the command that shows it installed (slurmctld brings sbatch).
+SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd)
 sysdeps:
 	@missing=""; for c in $(SYSDEPS); do command -v $$c >/dev/null || missing="$$missing $$c"; done; \
 	[ -z "$$missing" ] && exit 0; \
