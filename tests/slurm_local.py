@@ -31,9 +31,10 @@ Settings chosen for tests (each is a keyword of ``LocalSlurm``):
   ``RealMemory`` 90% of MemTotal (more than slurmd finds would drain the node), partition ``debug``;
   ``select/cons_tres`` with ``CR_CPU``: jobs share the node one CPU each, memory is not consumed;
 - ``MaxArraySize`` small (16 by default), so a too-large array is cheap to submit;
-- ``JobRequeue=1``; ``AuthInfo=cred_expire=10``: a requeued job waits ``cred_expire + 1`` s before
-  it may start again (121 s with Slurm's default 120), and ``sched_interval=1,bf_interval=1`` so
-  the scheduler looks at it within a second after that (60 s and 30 s by default);
+- ``JobRequeue=1``; ``AuthInfo=cred_expire=5`` (Slurm refuses 2): a requeued job waits
+  ``cred_expire + 1`` s before it may start again (121 s with Slurm's default 120), and
+  ``sched_interval=1,bf_interval=1`` so the scheduler looks at it within a second after that (60 s
+  and 30 s by default): a requeued task restarts about 6 s after ``scontrol requeue``;
 - fake GPUs: ``GresTypes=gpu`` and ``File=`` device nodes made with mknod (``c 1 3``, /dev/null's
   numbers). Slurm sets ``CUDA_VISIBLE_DEVICES``, ``GPU_DEVICE_ORDINAL`` and ``SLURM_STEP_GPUS``
   from them for ``--gpus-per-task`` / ``--gres=gpu:N``, as on a real node. Plain files would be
@@ -81,7 +82,7 @@ class LocalSlurm:
     gpus: int = 2
     max_array_size: int = 16
     partition: str = "debug"
-    cred_expire: int = 10
+    cred_expire: int = 5
     start_timeout: float = 30.0
     node: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     env: dict = field(init=False, default_factory=dict)
