@@ -221,6 +221,33 @@ def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root, plugin):
     assert all((ea[k] == eb[k]).all() for k in ea)
 
 
+def test_a_stop_request_to_one_rank_checkpoints_every_rank_and_resume_continues_exactly(root):
+    """SIGUSR2 to rank 1 only (what Slurm's --signal sends before a time limit): every rank saves at the
+    same step, off the checkpoint cadence, and the run exits 0; --resume then ends where an uninterrupted
+    run ends, loss for loss and weight for weight."""
+    r, manifest = root
+    args = data_args(manifest, "--run.epochs=3", "--checkpoint.every=4", "--checkpoint.keep_last=10")
+    if not (r / "runs/whole-ddp/ckpt-00000015").exists():  # made by the kill test above when it ran
+        train(r, args + ["--run.name=whole-ddp"], nproc=2)
+    run = r / "runs/stopped"
+    p = launch(r, args + ["--run.name=stopped"], nproc=2)
+    deadline = time.monotonic() + 180
+    while not (run / "ckpt-00000004").exists():
+        assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:]
+        time.sleep(0.05)
+    os.kill(json.loads((run / "ranks/rank00001.json").read_text())["pid"], signal.SIGUSR2)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0, out[-3000:]
+    stopped = max(checkpoints(run))
+    assert 4 < stopped < 15 and f"stopped on request at step {stopped}" in out, out[-3000:]
+    assert json.loads((run / f"ckpt-{stopped:08d}/state.json").read_text())["global_step"] == stopped
+    train(r, args + ["--run.name=stopped", "--resume"], nproc=2)
+    whole, resumed = metrics(r / "runs/whole-ddp"), metrics(run)
+    assert sorted(resumed) == sorted(whole) and [resumed[s]["loss"] for s in whole] == [whole[s]["loss"] for s in whole]
+    a, b = weights(r / "runs/whole-ddp/ckpt-00000015"), weights(run / "ckpt-00000015")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
 def checkpoints(run_dir: Path) -> dict[int, Path]:
     """step -> the run's checkpoint folder, as listed on disk."""
     return {int(c.name.removeprefix("ckpt-")): c for c in run_dir.glob("ckpt-*")}

@@ -272,6 +272,7 @@ class Trainer:
     def train(self) -> None:
         cfg, par, st = self.cfg, self.par, self.state
         self.model.train()
+        self._since_log: list[float] = []  # losses of the good steps since the last metrics row
         dog = cfg.watchdog.build(self.run_dir, par.rank, alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}"))
         try:
             while self.loader.epoch < cfg.run.epochs and not self._done():
@@ -287,6 +288,8 @@ class Trainer:
                     t_end = time.monotonic()
                     st.global_step += 1
                     dog.end()
+                    if not out.skipped:
+                        self._since_log.append(out.loss)
                     if out.skipped:
                         self._record_bad(batch, out)
                         if st.guard.exhausted:
@@ -335,7 +338,9 @@ class Trainer:
     def _log(self, batch, out: StepResult, step_s: float, wait_s: float) -> None:
         row = metrics_row(self.par, self.module, self.model_cfg, out, step_s=step_s, wait_s=wait_s, peak=self.peak)
         head = {"step": self.state.global_step - 1, "epoch": self.loader.epoch, "epoch_step": int(batch["step"])}
-        self.log.log({**head, **row})
+        mean = sum(self._since_log) / len(self._since_log) if self._since_log else float("nan")
+        self._since_log.clear()
+        self.log.log({**head, **row, "loss_mean": mean})
 
     def _record_bad(self, batch, out: StepResult) -> None:
         clips = self.par.gather_objects(list(batch["clip_id"]) if batch["weight"] else [])
