@@ -1,6 +1,7 @@
 """``reelcache train``, ``reelcache loader simulate`` and ``reelcache demo train``:
 the train stage's command-line arguments (reelcache/cli.py only assembles). Nothing heavy is imported
-here: the parser builds without torch.
+here: the parser builds without torch. Each command imports its stage modules when it runs (the
+imports inside the functions below), so ``reelcache --help`` and ``reelcache catalog ...`` start fast.
 
 The same arguments work under a launcher: ``torchrun --nproc_per_node 8 -m reelcache.train ...``
 or ``colossalai run --nproc_per_node 8 --hostfile nodes.txt -m reelcache.train ...``.
