@@ -14,10 +14,12 @@ EXAMPLES = """\
 examples:
   reelcache cluster gpus   --hostfile nodes.txt --expect-idle     # before launching: no stale GPU processes
   reelcache cluster clocks --hostfile nodes.txt --warn-ms 50     # offsets vs this node, sync daemon, clock steps back
+  srun -N4 --ntasks=1 reelcache cluster gpus --expect-idle       # in a Slurm allocation: its nodes (SLURM_JOB_NODELIST)
   reelcache cluster dump   --run /data/rc/runs/stage1           # py-spy of every rank of THIS run
   reelcache cluster stop   --run /data/rc/runs/stage1 --grace 30 # SIGTERM, then SIGKILL, to exactly its recorded pids
 
-The hostfile is GNU parallel's sshloginfile (the one ingest and cache use; ':' = this machine).
+The hostfile is GNU parallel's sshloginfile (the one ingest and cache use; ':' = this machine). Without one,
+gpus and clocks take a Slurm node list: --nodelist, else the allocation's SLURM_JOB_NODELIST.
 Exit status 1: a node unreachable, a GPU process with --expect-idle, a clock error (or a warning
 with --strict), a rank that could not be dumped, a process that survived stop.
 """
@@ -34,6 +36,13 @@ def add_commands(top) -> None:
     )
     sub = cl.add_subparsers(dest="cmd", required=True)
 
+    def nodes(p):
+        p.add_argument("--hostfile", help="GNU parallel sshloginfile (':' = this machine)")
+        p.add_argument(
+            "--nodelist",
+            help="a Slurm node list (gpu[01-04]); default, without --hostfile: the allocation's SLURM_JOB_NODELIST",
+        )
+
     def common(p):
         p.add_argument(
             "--python",
@@ -45,7 +54,7 @@ def add_commands(top) -> None:
     g = sub.add_parser(
         "gpus", help="GPUs, memory, mean power and GPU processes per node", epilog=EXAMPLES, formatter_class=fmt
     )
-    g.add_argument("--hostfile", required=True, help="GNU parallel sshloginfile (':' = this machine)")
+    nodes(g)
     g.add_argument("--expect-idle", action="store_true", help="exit 1 if any GPU process runs (stale jobs)")
     g.add_argument("--reads", type=arg(int, ge=1), default=5, help="power reads to average (5)")
     common(g)
@@ -56,7 +65,7 @@ def add_commands(top) -> None:
         epilog=EXAMPLES,
         formatter_class=fmt,
     )
-    c.add_argument("--hostfile", required=True)
+    nodes(c)
     c.add_argument("--warn-ms", type=arg(float, ge=0), default=50.0, help="warn above this offset (50)")
     c.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     c.add_argument("--samples", type=arg(int, ge=1), default=16, help="round trips per node; the shortest counts (16)")

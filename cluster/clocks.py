@@ -30,7 +30,7 @@ import subprocess
 import time
 
 from reelcache import UserError
-from reelcache.cluster.hosts import agent_code, agent_result, agent_shell, node_name, read_hostfile
+from reelcache.cluster.hosts import agent_code, agent_result, agent_shell, node_logins, node_name
 
 
 def parse_chronyc(text: str) -> dict:
@@ -173,7 +173,7 @@ def clock_check(
 def cmd_clocks(a) -> int:
     if a.samples < 1:
         raise UserError("--samples must be >= 1 (round trips a node; the shortest counts)")
-    logins = read_hostfile(a.hostfile)
+    logins = node_logins(a.hostfile, a.nodelist)
     print(
         f"clocks vs {socket.gethostname()} (offset > 0: the node is ahead); {a.samples} round trips a node, "
         f"the shortest kept; {a.reads} reads for steps back"

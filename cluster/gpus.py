@@ -8,7 +8,7 @@ CSV; the parsing is here, tested on nvidia-smi's documented output, "[N/A]" valu
 
 from __future__ import annotations
 
-from reelcache.cluster.hosts import node_name, read_hostfile, run_agents
+from reelcache.cluster.hosts import node_logins, node_name, run_agents
 
 
 def _num(v: str):
@@ -92,7 +92,7 @@ def gpu_report(res: dict) -> tuple[list[str], list[str], int]:
 
 
 def cmd_gpus(a) -> int:
-    logins = read_hostfile(a.hostfile)
+    logins = node_logins(a.hostfile, a.nodelist)
     answers = run_agents({lg: {"op": "gpus", "reads": a.reads} for lg in logins}, a.python, a.timeout)
     bad = 0
     for login in logins:

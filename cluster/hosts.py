@@ -46,6 +46,58 @@ def read_hostfile(path) -> list[str]:
     return logins
 
 
+def expand_nodelist(expr: str) -> list[str]:
+    """A Slurm node list (``SLURM_JOB_NODELIST``) as ``scontrol show hostnames`` expands it:
+    ``gpu[01-03,7],cpu5`` -> gpu01 gpu02 gpu03 gpu7 cpu5. Commas separate names outside brackets and
+    ranges inside them; a range keeps its lower bound's zero padding; several bracket groups in one
+    name expand as a product, the leftmost varying slowest."""
+    names: list[str] = []
+    for part in _split_top(expr.strip()):
+        pieces = re.split(r"\[([^\]]*)\]", part)  # text, group, text, group, ..., text
+        combos = [""]
+        for k, piece in enumerate(pieces):
+            options = _expand_group(piece, expr) if k % 2 else [piece]
+            combos = [c + o for c in combos for o in options]
+        names.extend(combos)
+    if not names or any(not n or "[" in n or "]" in n for n in names):
+        raise UserError(f"node list {expr!r} is not a Slurm node list (e.g. gpu[01-04,07],cpu1)")
+    return list(dict.fromkeys(names))
+
+
+def _split_top(expr: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in expr:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [p for p in [*parts, cur] if p]
+
+
+def _expand_group(group: str, expr: str) -> list[str]:
+    out = []
+    for r in group.split(","):
+        lo, _, hi = r.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise UserError(f"node list {expr!r}: {r!r} is not a number or a range lo-hi")
+        out.extend(f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def node_logins(hostfile=None, nodelist: str | None = None) -> list[str]:
+    """The nodes a cluster check runs on: a hostfile's sshlogins, else a Slurm node list (``--nodelist``,
+    else the allocation's ``SLURM_JOB_NODELIST``), in which this machine is ':' (no ssh to itself)."""
+    if hostfile:
+        return read_hostfile(hostfile)
+    nodelist = nodelist or os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise UserError("give --hostfile (GNU parallel's sshloginfile), --nodelist, or run inside a Slurm allocation")
+    here = socket.gethostname().split(".")[0]
+    return [":" if n.split(".")[0] == here else n for n in expand_nodelist(nodelist)]
+
+
 def node_name(login: str, res) -> str:
     """How a node is shown: its login, and for ':' the host name the agent reported."""
     return f": ({res['host']})" if login == ":" and res else login

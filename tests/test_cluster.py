@@ -693,3 +693,28 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
     finally:
         decoy.kill()
         decoy.wait()
+
+
+# -- nodes from a Slurm allocation -------------------------------------------------------------------------------
+
+
+def test_a_slurm_node_list_expands_like_scontrol(monkeypatch):
+    """Expected lists written out by hand from Slurm's hostlist rules (tests/test_slurm_train.py compares
+    with `scontrol show hostnames` itself where a local Slurm runs)."""
+    from reelcache import UserError
+    from reelcache.cluster.hosts import expand_nodelist, node_logins
+
+    assert expand_nodelist("gpu[01-03,7],cpu5") == ["gpu01", "gpu02", "gpu03", "gpu7", "cpu5"]
+    assert expand_nodelist("n[001-002]-ib[1-2]") == ["n001-ib1", "n001-ib2", "n002-ib1", "n002-ib2"]
+    assert expand_nodelist("a[8-11]") == ["a8", "a9", "a10", "a11"]
+    assert expand_nodelist("solo") == ["solo"]
+    for bad in ("gpu[3-1]", "gpu[x]", "gpu[1", ""):
+        with pytest.raises(UserError, match="node list"):
+            expand_nodelist(bad)
+    here = socket.gethostname().split(".")[0]
+    monkeypatch.setenv("SLURM_JOB_NODELIST", f"{here},other[1-2]")
+    assert node_logins() == [":", "other1", "other2"]
+    assert node_logins(nodelist="x[1-2]") == ["x1", "x2"]
+    monkeypatch.delenv("SLURM_JOB_NODELIST")
+    with pytest.raises(UserError, match="--hostfile"):
+        node_logins()
