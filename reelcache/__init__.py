@@ -1,9 +1,10 @@
 """reelcache: the data path of a text-to-video training run.
 
 Stages live in their own top-level folders and are imported as ``reelcache.ingest``,
-``reelcache.catalog``, ``reelcache.cache`` and ``reelcache.train``. This root package
-holds only what every stage shares: the CLI, errors, progress reporting, isolated workers
-and how a video container is read (``media``).
+``reelcache.catalog``, ``reelcache.cache``, ``reelcache.train``, ``reelcache.eval`` and
+``reelcache.cluster``. This root package holds only what every stage shares: the CLI, errors,
+settings, logging and progress reporting, isolated workers and how a video container is read
+(``media``).
 """
 
 __version__ = "0.1.0"

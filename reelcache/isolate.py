@@ -19,7 +19,9 @@ of the work list. The trade-off: pipe traffic per item (~50 µs), negligible nex
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import resource
+import signal
 import time
 import traceback
 from collections import deque
@@ -64,8 +66,6 @@ def _worker(conn, fn, memory_mb, init):
 
 
 def _picklable(e) -> bool:
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return True
@@ -187,8 +187,6 @@ def _death(proc) -> str:
     proc.join(timeout=1)
     code = proc.exitcode
     if code is not None and code < 0:
-        import signal
-
         try:
             return f"worker killed by {signal.Signals(-code).name}"
         except ValueError:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import av
+
 
 def video_stream(container):
     """The first video stream that is not an attached picture (cover art), or None."""
-    import av
-
     return next((s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic), None)
 
 

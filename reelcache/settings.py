@@ -35,6 +35,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
+
 from reelcache import UserError
 
 _META = "reelcache.setting"
@@ -321,8 +323,6 @@ def build(cls, doc, where: str = "", *, source=None):
 
 def load_toml(path) -> dict:
     """A TOML file's table; a missing or malformed file is a UserError naming it."""
-    import tomllib
-
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
