@@ -35,6 +35,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
+
 from reelcache import UserError
 from reelcache.settings import build, check, setting
 
@@ -162,8 +164,6 @@ class BucketConfig:
     def from_toml(cls, path) -> BucketConfig:
         """A bucket config file; a bad value is one line naming the file and the key. A missing
         file raises FileNotFoundError (its readers decide what that means)."""
-        import tomllib
-
         with open(path, "rb") as f:
             try:
                 doc = tomllib.load(f)

@@ -7,6 +7,9 @@ import argparse
 
 from reelcache.settings import arg, existing_dir
 
+# merge, query, stats and manifest (duckdb, pyarrow, matplotlib) are imported by the command that
+# runs them: `reelcache --help` builds every stage's parser.
+
 EXAMPLES = """\
 examples:
   reelcache catalog merge --root /data/rc

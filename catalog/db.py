@@ -11,7 +11,11 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+import duckdb
+
 from reelcache import UserError
+
+# pyarrow is imported by clips_table, the writers' function: `catalog query` starts without it.
 
 SCHEMA_FILE = Path(__file__).with_name("schema.sql")
 DB_NAME = "catalog.duckdb"
@@ -42,8 +46,6 @@ def db_path(root: str | Path) -> Path:
 
 def open_catalog(root: str | Path, *, write: bool = False):
     """Open ROOT/catalog.duckdb; create it when writing, refuse a foreign schema version."""
-    import duckdb
-
     path = db_path(root)
     if not write:
         if not path.exists():
@@ -74,8 +76,6 @@ def open_catalog(root: str | Path, *, write: bool = False):
 @lru_cache(maxsize=1)
 def clips_arrow_schema():
     """The Arrow schema of `clips`, derived from schema.sql: what every sidecar is cast to."""
-    import duckdb
-
     con = duckdb.connect()
     con.execute(schema_sql())
     schema = con.sql("SELECT * FROM clips LIMIT 0").to_arrow_table().schema

@@ -14,6 +14,9 @@ an absolute path, or any URL webdataset opens; shard_offset: where the member's 
 
 from __future__ import annotations
 
+# safetensors.torch (torch) is imported by encode and decode: the loader reads MANIFEST_COLUMNS while it
+# plans, and `reelcache loader simulate` plans without torch.
+
 LATENT_EXT = "safetensors"
 MANIFEST_COLUMNS = ("clip_id", "bucket", "shard", "shard_offset")
 

@@ -25,8 +25,13 @@ drops exactly the hardest 0.01%.
 from __future__ import annotations
 
 from functools import lru_cache
+from importlib.metadata import version
 
 from reelcache import UserError
+
+# textblob and spacy are imported by the tagger that uses them: ingest plan reads only TAGGERS and
+# catalog merge only ranks counts (textblob takes 0.2 s to import), and spacy is optional (its absence
+# is a UserError saying what to install).
 
 TAGGERS = ("pattern", "spacy")
 NOUN_TAGS = {"NN", "NNS", "NNP", "NNPS"}
@@ -35,8 +40,6 @@ NOUN_TAGS = {"NN", "NNS", "NNP", "NNPS"}
 @lru_cache(maxsize=2)
 def _tagger(name: str):
     if name == "pattern":
-        from importlib.metadata import version
-
         from textblob.en.taggers import PatternTagger
 
         tagger = PatternTagger()
@@ -53,8 +56,8 @@ def _tagger(name: str):
                 "--tagger spacy needs spaCy and its en_core_web_sm model installed "
                 f"(pip install spacy, then the model package): {e}"
             ) from e
-        version = f"spacy-{spacy.__version__}-{nlp.meta['name']}-{nlp.meta['version']}"
-        return version, lambda texts: [
+        label = f"spacy-{spacy.__version__}-{nlp.meta['name']}-{nlp.meta['version']}"
+        return label, lambda texts: [
             sum(1 for tok in doc if tok.pos_ in ("NOUN", "PROPN")) for doc in nlp.pipe(texts, batch_size=256)
         ]
     raise UserError(f"unknown tagger {name!r}; choose one of {', '.join(TAGGERS)}")

@@ -24,9 +24,16 @@ import re
 import time
 from pathlib import Path
 
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from reelcache import UserError
-from reelcache.catalog.db import open_catalog
+from reelcache.catalog.db import db_path, open_catalog
 from reelcache.catalog.shards import atomic_path
+from reelcache.progress import say
 
 MANIFEST_COLUMNS = [
     "clip_id",
@@ -64,10 +71,6 @@ FINGERPRINT_VERSION = b"reelcache-manifest-rows-v1"
 
 def _canonical(h, arr) -> None:
     """Feed one column's values to `h` in a form independent of its Arrow type and layout."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     t = arr.type
     if pa.types.is_dictionary(t):
         arr, t = arr.dictionary_decode(), t.value_type
@@ -94,8 +97,6 @@ def _canonical(h, arr) -> None:
 
 def fingerprint(table) -> str:
     """SHA-256 of the rows' values (see the module docstring): not of their Arrow encoding."""
-    import pyarrow.compute as pc
-
     if "clip_id" in table.column_names and table.num_rows > 1:
         ids = table.column("clip_id")
         if not pc.all(pc.less_equal(ids.slice(0, len(ids) - 1), ids.slice(1))).as_py():
@@ -111,9 +112,6 @@ def fingerprint(table) -> str:
 
 def make_manifest(root, name: str, where: str = "true", cache: str | None = None) -> Path:
     """Freeze ok clips matching `where`; with `cache`, only those it encoded, with their latents."""
-    import duckdb
-    import pyarrow.parquet as pq
-
     if not name.replace("-", "").replace("_", "").isalnum():
         raise UserError(f"--name {name!r}: use letters, digits, '-' and '_' only")
     root = Path(root)
@@ -135,8 +133,6 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
                 "run `reelcache cache run` on its units and `catalog merge` first"
             )
         if table.num_rows < 0.5 * selected:
-            from reelcache.progress import say
-
             say(
                 f"warning: only {table.num_rows} of {selected} selected clips have latents in cache {cache!r} "
                 f"({100 * table.num_rows / selected:.1f}%)"
@@ -168,7 +164,6 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
         )
     finally:
         con.close()
-    from reelcache.progress import say
 
     say(f"manifest {name!r}: {table.num_rows} clips, fingerprint {fp[:16]}")
     return path
@@ -176,10 +171,6 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
 
 def _from_catalog(root: Path, name: str) -> Path | None:
     """The newest manifest of exactly this name in the catalog's `manifests` table, if readable."""
-    import duckdb
-
-    from reelcache.catalog.db import db_path
-
     if not db_path(root).exists():
         return None
     try:
@@ -223,7 +214,5 @@ def resolve_manifest(root, name_or_path) -> Path:
 
 def read_manifest(path) -> tuple[object, str]:
     """(table, fingerprint) of a manifest file, the fingerprint re-derived from its content."""
-    import pyarrow.parquet as pq
-
     table = pq.read_table(path)
     return table, fingerprint(table)

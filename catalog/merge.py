@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pyarrow as pa
+
 from reelcache import UserError
 from reelcache.catalog.db import open_catalog
 from reelcache.catalog.levels import recompute_levels
@@ -52,8 +54,6 @@ def orphan_shards(root: Path, units: dict[str, Path], stage: str = "ingest") -> 
 
 def _merge_stage(con, root: Path, stage: str, sidecars: dict[str, Path], pbar) -> tuple[int, list[str], list[Path]]:
     """Load one stage's new or changed sidecars; returns (units merged, vanished units, orphan shards)."""
-    import pyarrow as pa
-
     table = STAGES[stage][1]
     known = dict(con.execute("SELECT unit, signature FROM units WHERE stage = ?", [stage]).fetchall())
     items = sorted((u, p) for u, p in sidecars.items() if known.get(u) != _signature(p))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import duckdb
+
 from reelcache import UserError
 from reelcache.catalog.db import open_catalog
 from reelcache.catalog.shards import atomic_path
@@ -29,7 +31,6 @@ def copy_to(con, query: str, out: str) -> int:
     if ext not in WRITERS:
         raise UserError(f"--out {out}: use a .csv, .json or .parquet file name")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    import duckdb
 
     with atomic_path(out) as tmp:
         try:
@@ -40,8 +41,6 @@ def copy_to(con, query: str, out: str) -> int:
 
 
 def run_sql(root, query: str, out: str | None = None, limit: int = 50) -> None:
-    import duckdb
-
     con = open_catalog(root)
     try:
         if out:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import tarfile
 import time
 from contextlib import contextmanager
@@ -33,6 +34,9 @@ from pathlib import Path
 
 from reelcache import UserError
 from reelcache.catalog import lease as leases
+
+# reelcache.progress (tqdm) and pyarrow are imported where used: cluster/ranks.py imports this module for
+# atomic_path, and `reelcache --help` and `reelcache cluster` (head nodes) start without them.
 
 BLOCK = 512
 
@@ -251,8 +255,6 @@ def atomic_path(path):
 
 def parse_unit(unit: str) -> tuple[str, int]:
     """'<name>/<NNNNNN>' (as `plan` prints it) -> (name, index)."""
-    from reelcache import UserError
-
     try:
         name, idx = unit.strip().rsplit("/", 1)
         return name, int(idx)
@@ -272,8 +274,6 @@ def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Path | Non
     Another live run holding the lease is a UserError naming it, or with `wait`, waited for. The
     lease is released when the sidecar is renamed into place, by `end_unit`, or at exit.
     """
-    import signal
-
     from reelcache.progress import say
 
     directory = Path(directory)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+from matplotlib.figure import Figure
+
 from reelcache.catalog.db import open_catalog
 from reelcache.catalog.query import print_table
 
@@ -58,14 +61,9 @@ def stats(root, out_dir: str | None = None) -> Path:
 
 
 def _plot(data: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
     ok = data["ok"]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig = Figure(figsize=(15, 8.5))  # no pyplot: no backend to choose, no global figure to close
+    axes = fig.subplots(2, 3)
     panels = [
         ("height", "height (px, displayed)", 30),
         ("duration", "duration (s)", 40),
@@ -90,4 +88,3 @@ def _plot(data: dict, png: Path) -> None:
     fig.suptitle(f"reelcache catalog: {len(ok['height'])} ok clips")
     fig.tight_layout()
     fig.savefig(png, dpi=80)
-    plt.close(fig)
