@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
-from reelcache.settings import arg, existing_dir, existing_file, option
+from reelcache.ingest.filters import Thresholds
+from reelcache.settings import arg, build, existing_dir, existing_file, load_toml, option
+
+# ingest.plan, ingest.run and ingest.demo (pyarrow, duckdb, av) are imported by the command that runs
+# them: `reelcache --help` builds every stage's parser.
 
 PLAN_EXAMPLES = """\
 examples:
@@ -112,11 +117,7 @@ def _threshold(name: str):
 
 
 def _plan(a) -> None:
-    import dataclasses
-
-    from reelcache.ingest.filters import Thresholds
     from reelcache.ingest.plan import IngestConfig, make_plan
-    from reelcache.settings import build, load_toml
 
     conf = load_toml(a.config) if a.config else {}
     thresholds = conf.pop("thresholds", {})

@@ -18,13 +18,19 @@ libx264 ``ultrafast``: a few hundred clips take about a minute on two cores.
 from __future__ import annotations
 
 import csv
+import os
 import random
 import zlib
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+import av
+import numpy as np
+
 from reelcache.ingest.sources import OPENVID_COLUMNS
+from reelcache.progress import bar
 from reelcache.words import ADJ, CAMERA, PLACES, SUBJECTS, THINGS, VERBS
 
 SIZES = [
@@ -113,8 +119,6 @@ CODEC_SPECIALS = {
 
 def codec_specials() -> dict[str, ClipSpec]:
     """The CODEC_SPECIALS this PyAV/FFmpeg build can encode (426x240, 25 fps, 2.4 s each)."""
-    import av
-
     out = {}
     for key, (kw, encoder) in CODEC_SPECIALS.items():
         if encoder in av.codecs_available:
@@ -124,11 +128,6 @@ def codec_specials() -> dict[str, ClipSpec]:
 
 def write_clip(path: Path, spec: ClipSpec) -> int:
     """Encode one clip; returns its frame count."""
-    import os
-
-    import av
-    import numpy as np
-
     os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1: errors only, not its banner on every clip
     n = max(1, round(spec.seconds * spec.rate))
     ext = path.suffix
@@ -188,10 +187,6 @@ def _write_one(args):
 
 def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2) -> Path:
     """Write ``out_dir/videos/*`` and ``out_dir/OpenVid-demo.csv``; returns the CSV path."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    from reelcache.progress import bar
-
     rng = random.Random(seed)
     out = Path(out_dir)
     vdir = out / "videos"
@@ -288,9 +283,6 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
 
 def _mux_tone(out, stream, seconds: float, rate: int = 16000) -> None:
     """A 440 Hz tone into an AAC stream of `out`."""
-    import av
-    import numpy as np
-
     t = np.arange(int(rate * seconds)) / rate
     frame = av.AudioFrame.from_ndarray(
         (0.2 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)[None, :], format="fltp", layout="mono"
@@ -304,9 +296,6 @@ def _mux_tone(out, stream, seconds: float, rate: int = 16000) -> None:
 
 def _write_audio_only(path: Path, cover: bool = False) -> None:
     """An AAC tone; with `cover`, plus cover art: a JPEG in a video stream marked as an attached picture."""
-    import av
-    import numpy as np
-
     out = av.open(str(path), "w", format="mp4")
     try:
         audio = out.add_stream("aac", rate=16000)

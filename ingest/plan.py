@@ -18,11 +18,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from reelcache import UserError
+from reelcache.catalog.lease import live_holders
 from reelcache.catalog.levels import TAGGERS
 from reelcache.catalog.shards import atomic_path
 from reelcache.ingest.filters import Thresholds
-from reelcache.ingest.sources import FORMATS, MIRADATA_CAPTIONS
+from reelcache.ingest.sources import FORMATS, MIRADATA_CAPTIONS, read_source
 from reelcache.progress import say
 from reelcache.settings import NAME, TEXT, build, check, setting
 
@@ -78,8 +82,6 @@ def load_plan(root, source: str) -> tuple[IngestConfig, dict]:
 
 
 def _fingerprint(cfg: IngestConfig, table) -> str:
-    import pyarrow as pa
-
     h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as w:
@@ -89,10 +91,6 @@ def _fingerprint(cfg: IngestConfig, table) -> str:
 
 
 def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[str]:
-    import pyarrow.parquet as pq
-
-    from reelcache.ingest.sources import read_source
-
     say(f"reading {cfg.meta or cfg.videos} as {cfg.format} ...")
     table = read_source(cfg.format, cfg.source, cfg.meta, cfg.videos, cfg.caption)
     if table.num_rows == 0:
@@ -115,8 +113,6 @@ def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[st
                 f"{src} and start over."
             )
     if replace and src.exists():
-        from reelcache.catalog.lease import live_holders
-
         if busy := live_holders(src):
             raise UserError(
                 f"--replace would delete {src} while {len(busy)} of its units are running, e.g. "

@@ -24,7 +24,10 @@ Everything wrong with the file is raised as ``Rejected(reason, detail)``.
 from __future__ import annotations
 
 import os
+import struct
 from fractions import Fraction
+
+import av
 
 from reelcache.ingest.filters import Reason, Rejected
 from reelcache.media import sample_aspect_ratio, video_stream
@@ -34,8 +37,6 @@ INDEXED_FORMATS = ("mov", "mp4")
 
 
 def _bit_depth(pix_fmt: str | None) -> int | None:
-    import av
-
     try:
         return max(c.bits for c in av.VideoFormat(pix_fmt).components)
     except Exception:
@@ -50,9 +51,8 @@ def _frame_rate(stream) -> Fraction | None:
 
 
 def preload() -> None:
-    """Import PyAV ahead of the first file (probe workers call this before taking work)."""
-    import av  # noqa: F401
-    import av.error  # noqa: F401
+    """Nothing left to do: PyAV is imported with this module, which a spawned probe worker imports
+    (to unpickle ``probe``) before it reports ready. Kept for callers that pass it as ``init``."""
 
 
 def mp4_cut(path: str, size: int) -> str | None:
@@ -61,8 +61,6 @@ def mp4_cut(path: str, size: int) -> str | None:
     A download or copy that stopped early leaves a top-level box (usually mdat) that claims to
     run past the end of the file, and, when the index was to be written last, no moov box.
     """
-    import struct
-
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8 or head[4:8] != b"ftyp":
@@ -90,8 +88,6 @@ def mp4_cut(path: str, size: int) -> str | None:
 
 def probe(path: str, *, max_file_mb: float | None = None, verify: str = "header") -> dict:
     """Return the probe columns of `clips` for `path`, or raise Rejected."""
-    import av
-
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -117,8 +113,6 @@ def probe(path: str, *, max_file_mb: float | None = None, verify: str = "header"
 
 
 def _probe_open(container, path: str, size: int, verify: str) -> dict:
-    import av
-
     vs = video_stream(container)
     if vs is None:
         kinds = sorted({s.type if s.type != "video" else "video (attached picture)" for s in container.streams}) or [

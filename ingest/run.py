@@ -24,7 +24,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from reelcache import UserError
+from reelcache.catalog.db import clips_table
+from reelcache.catalog.levels import count_nouns, tagger_name
 from reelcache.catalog.shards import (
     ShardWriter,
     ShortRead,
@@ -37,7 +41,7 @@ from reelcache.catalog.shards import (
 )
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason, Rejected, first_reject
 from reelcache.ingest.plan import load_plan, source_dir
-from reelcache.ingest.probe import preload, probe
+from reelcache.ingest.probe import probe
 from reelcache.isolate import Failed, isolated_map
 from reelcache.progress import bar, say
 
@@ -99,11 +103,6 @@ def run_unit(root: str, unit: str, wait: bool = False) -> dict:
 
 
 def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, sidecar: Path) -> dict:
-    import pyarrow.parquet as pq
-
-    from reelcache.catalog.db import clips_table
-    from reelcache.catalog.levels import count_nouns, tagger_name
-
     source, stem = sdir.name, f"{index:06d}"
     t0 = time.monotonic()
     rows = unit_rows(sdir, index)
@@ -126,7 +125,6 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, sidecar: Path) -> d
                 workers=cfg.workers,
                 timeout=timeout,
                 memory_mb=cfg.worker_memory_mb,
-                init=preload,
             )
             for r, (_, res) in zip(todo, results):
                 pbar.update(1)

@@ -24,7 +24,12 @@ import os
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from reelcache import UserError
+from reelcache.catalog.db import clips_arrow_schema
+from reelcache.progress import bar
 
 OPENVID_COLUMNS = [
     "video",
@@ -175,8 +180,6 @@ def _records(kind: str, meta: Path | None, videos: Path):
     if meta is None or not meta.exists():
         raise UserError(f"--meta {meta} does not exist")
     if kind == "parquet" or meta.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         table = pq.read_table(meta)
         _check_header("parquet" if kind == "parquet" else kind, table.column_names, str(meta))
         for r in table.to_pylist():
@@ -190,8 +193,6 @@ def _records(kind: str, meta: Path | None, videos: Path):
 
 def read_source(kind: str, source: str, meta: str | None, videos: str, caption: str | None = None):
     """Read any supported table into the normalized input table (pyarrow), one row per input row."""
-    import pyarrow as pa
-
     if kind not in FORMATS:
         raise UserError(f"unknown --source format {kind!r}; choose one of {', '.join(FORMATS)}")
     if kind == "miradata":
@@ -205,7 +206,6 @@ def read_source(kind: str, source: str, meta: str | None, videos: str, caption: 
         if caption not in MIRADATA_CAPTIONS:
             raise UserError(f"--caption {caption!r} is not a MiraData caption column")
     videos_dir = Path(videos).resolve()
-    from reelcache.progress import bar
 
     seen: dict[str, tuple[int, int]] = {}
     out = []
@@ -232,10 +232,6 @@ def read_source(kind: str, source: str, meta: str | None, videos: str, caption: 
 
 
 def input_schema():
-    import pyarrow as pa
-
-    from reelcache.catalog.db import clips_arrow_schema
-
     clips = clips_arrow_schema()
     fields = [clips.field(n) for n in SHARED]
     fields += [pa.field(n, t) for n, t in INTERNAL.items()]
