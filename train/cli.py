@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from reelcache import UserError
+from reelcache.cluster import sbatch
 from reelcache.settings import arg, existing_dir, existing_file, option
 
 EXAMPLES = """\
@@ -124,6 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run name (= run.name; default: the config file's stem)",
     )
     p.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], help="= log.wandb_mode")
+    sbatch.add_arguments(p, training=True)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -151,6 +153,8 @@ def run(a, overrides: list[str]) -> None:
     if a.wandb_mode:
         overrides.append(f'log.wandb_mode="{a.wandb_mode}"')
     cfg = load_config(a.config, overrides)
+    if a.slurm:
+        return _submit(a, cfg, overrides)
 
     from reelcache.train.guard import DivergedError
     from reelcache.train.trainer import Trainer
@@ -159,6 +163,36 @@ def run(a, overrides: list[str]) -> None:
         Trainer(cfg, a.root, load=a.load, resume=a.resume, init_from=a.init_from, reset_data=a.reset_data).train()
     except DivergedError as e:
         raise UserError(str(e)) from None
+
+
+def _submit(a, cfg, overrides: list[str]) -> None:
+    """``train --slurm``: the same command as a requeueable batch job (cluster/sbatch.py)."""
+    import shutil
+    from pathlib import Path
+
+    if a.load or a.reset_data:
+        raise UserError(
+            "--slurm runs with --resume (the run's newest checkpoint, else a start): drop --load/--reset-data"
+        )
+    res = sbatch.resources(a)
+    nproc = a.nproc_per_node or a.gpus_per_node
+    if not nproc:
+        raise UserError("--gpus-per-node 0 (CPU nodes): give --nproc-per-node, the ranks per node")
+    train_args = [f"--{o}" for o in overrides if not o.startswith("run.name=")]
+    if a.init_from:
+        train_args += ["--init-from", str(Path(a.init_from).resolve())]
+    root = Path(a.root).resolve()
+    script, text = sbatch.train_script(
+        a.config, root, cfg.run.name, res, nproc=nproc, signal_s=a.signal_s, train_args=train_args
+    )
+    if not a.dry_run or shutil.which("sinfo"):
+        sbatch.check(res)
+    job = sbatch.submit(sbatch.write(script, text), dry_run=a.dry_run)
+    if job:
+        print(
+            f"submitted job {job}: {cfg.run.name} on {res.nodes} node(s) x {nproc} rank(s); log "
+            f"{script.parent}/train-{cfg.run.name}-{job}.out; stop and requeue: touch {root}/runs/{cfg.run.name}/stop"
+        )
 
 
 class _ManifestArg(argparse.Action):

@@ -1,0 +1,282 @@
+"""Training and evaluation as Slurm batch jobs: one script template, checked against the cluster first.
+
+    reelcache slurm train configs/train/opensora12/stage1.toml --root /data/rc --partition h100 \
+        --nodes 24 --gpus-per-node 8 --time 2-00:00:00 --init-from /weights/PixArt-Sigma-XL-2-2K-MS.pth
+    reelcache slurm eval --partition h100 --after 4242 -- --root /data/rc --run runs/os12-stage1 ...
+
+Plain ``sbatch`` scripts rendered from one template (``render``) rather than submitit: the jobs
+are shell (``srun`` starting one ``torchrun`` per node), a user can read, keep and resubmit the
+script we write beside the run (``runs/<run>/slurm/``), and nothing new is installed on the nodes.
+
+Training. One job of N nodes; ``srun`` starts one ``torchrun`` per node (``--node_rank`` =
+``SLURM_NODEID``, the master address the first host of ``scontrol show hostnames
+$SLURM_JOB_NODELIST``, a port derived from the job id), so the ranks are the same on every attempt.
+The trainer always runs with ``--resume``: the first attempt starts the run (from ``--init-from``
+if given), every later one continues from the run's newest checkpoint in the same run directory
+and the same wandb run. Attempts come from three places:
+
+- ``#SBATCH --requeue``: Slurm requeues the job after a node failure or a preemption (the run loses
+  at most ``checkpoint.every`` steps);
+- the time limit: ``--signal=B:USR2@<s>`` makes Slurm signal the batch shell ``s`` seconds before the
+  limit; its trap writes ``runs/<run>/stop`` (every node sees the run directory), the trainer
+  checkpoints at the next step on all ranks and exits 0, and the script requeues its own job
+  (``scontrol requeue``), which continues where it stopped;
+- ``scontrol requeue <job>`` by hand.
+
+Every attempt appends to the same log, ``runs/<run>/slurm/<job name>-<job id>.out``.
+
+Checks before submitting, one line each: a partition that does not exist, an account the cluster
+does not know (where it keeps accounts: without an accounting database Slurm checks none, and we
+say so), more nodes than the partition has, more GPUs per node than its nodes have.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reelcache import UserError
+from reelcache.settings import arg
+
+TEMPLATE = """#!/bin/bash
+# Written by `reelcache {command} --slurm`; resubmit with: sbatch {script}
+{directives}
+set -uo pipefail
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+{body}
+"""
+
+TRAIN_BODY = """requeue=0
+trap 'echo "$(date +%T) slurm: time limit near: the run checkpoints at its next step and is requeued"; \\
+touch {stop}; requeue=1' USR2
+head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+port=$((20000 + SLURM_JOB_ID % 20000))
+echo "$(date +%T) slurm: job $SLURM_JOB_ID attempt ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST"
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'exec {python} -m torch.distributed.run \\
+    --nnodes="$SLURM_NNODES" --node_rank="$SLURM_NODEID" --nproc_per_node={nproc} \\
+    --master_addr='"$head"' --master_port='"$port"' -m reelcache.train {args}' &
+step=$!
+while true; do
+    wait "$step"
+    status=$?
+    kill -0 "$step" 2>/dev/null || break   # wait returns early when the trap runs: the step goes on
+done
+if [ "$requeue" = 1 ] && [ "$status" = 0 ]; then
+    echo "$(date +%T) slurm: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
+"""
+
+
+@dataclass
+class Resources:
+    """Where a job runs: the sbatch options every command takes."""
+
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int | None = None
+    extra: list[str] = field(default_factory=list)  # more sbatch options, verbatim
+
+    def directives(self) -> list[str]:
+        out = [f"--nodes={self.nodes}"]
+        for opt, v in (("partition", self.partition), ("account", self.account), ("time", self.time)):
+            if v:
+                out.append(f"--{opt}={v}")
+        if self.gpus_per_node:
+            out.append(f"--gpus-per-node={self.gpus_per_node}")
+        if self.cpus_per_task:
+            out.append(f"--cpus-per-task={self.cpus_per_task}")
+        return out + list(self.extra)
+
+
+def _inner(text: str) -> str:
+    """``text`` quoted for the shell, inside a single-quoted ``bash -c '...'``."""
+    return shlex.quote(text).replace("'", "'\"'\"'")
+
+
+def render(command: str, script: Path, directives: list[str], body: str) -> str:
+    lines = "\n".join(f"#SBATCH {shlex.quote(d) if ' ' in d else d}" for d in directives)
+    return TEMPLATE.format(command=command, script=script, directives=lines, body=body)
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise UserError(f"{cmd[0]} not found: run this on a node of the Slurm cluster (a login node)") from None
+
+
+def cluster_config() -> dict[str, str]:
+    """``scontrol show config`` as {key: value}."""
+    p = _run("scontrol", "show", "config")
+    if p.returncode:
+        raise UserError(f"scontrol show config failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+    out = {}
+    for line in p.stdout.splitlines():
+        k, sep, v = line.partition("=")
+        if sep:
+            out[k.strip()] = v.strip()
+    return out
+
+
+def partition_nodes(partition: str | None) -> tuple[str, list[tuple[str, int]]]:
+    """(the partition's name, [(node, GPUs)]) of the given partition, or of the default one."""
+    names = [ln.strip() for ln in _run("sinfo", "-h", "-o", "%P").stdout.split()]
+    default = next((n.rstrip("*") for n in names if n.endswith("*")), None)
+    plain = [n.rstrip("*") for n in names]
+    name = partition or default
+    if name is None:
+        raise UserError("this cluster has no default partition: give --partition")
+    if name not in plain:
+        raise UserError(f"--partition {name}: no such partition; this cluster has {', '.join(plain) or 'none'}")
+    rows = _run("sinfo", "-h", "-N", "-p", name, "-o", "%N %G").stdout.splitlines()
+    nodes = {}
+    for row in rows:
+        node, _, gres = row.partition(" ")
+        nodes[node] = sum(int(m) for m in re.findall(r"gpu(?::[^:(,]+)?:(\d+)", gres))
+    return name, sorted(nodes.items())
+
+
+def check(res: Resources, array: int | None = None) -> None:
+    """What would make sbatch refuse the job, or leave it pending forever, as one line."""
+    name, nodes = partition_nodes(res.partition)
+    if res.nodes > len(nodes):
+        raise UserError(f"--nodes {res.nodes}: partition {name} has {len(nodes)} node(s)")
+    if res.gpus_per_node:
+        most = max((g for _, g in nodes), default=0)
+        fit = sum(1 for _, g in nodes if g >= res.gpus_per_node)
+        if fit < res.nodes:
+            raise UserError(
+                f"--gpus-per-node {res.gpus_per_node} on {res.nodes} node(s): partition {name} has {fit} node(s) "
+                f"with {res.gpus_per_node} GPUs (at most {most} per node)"
+            )
+    conf = cluster_config()
+    if array is not None:
+        limit = int(conf.get("MaxArraySize", "1001"))
+        if array > limit - 1:
+            raise UserError(f"{array} tasks: this cluster's MaxArraySize is {limit} (array indices 0..{limit - 2})")
+    if res.account:
+        if conf.get("AccountingStorageType", "accounting_storage/none").endswith("/none"):
+            print(
+                f"slurm: this cluster keeps no accounts (AccountingStorageType none): --account {res.account} "
+                "is passed on unchecked",
+                file=sys.stderr,
+            )
+        else:
+            p = _run("sacctmgr", "-n", "-P", "show", "account", res.account, "format=account")
+            if not p.stdout.strip():
+                raise UserError(f"--account {res.account}: the cluster's accounting has no such account")
+
+
+def submit(script: Path, dry_run: bool = False) -> str | None:
+    """sbatch the script; its job id (None on a dry run, which only prints the script)."""
+    if dry_run:
+        print(script.read_text())
+        return None
+    p = _run("sbatch", "--parsable", str(script))
+    if p.returncode:
+        msg = (p.stderr or p.stdout).strip().splitlines()
+        raise UserError(f"sbatch refused {script}: {msg[-1] if msg else p.returncode}")
+    return p.stdout.strip().split(";")[0]
+
+
+def train_script(
+    config: str,
+    root: Path,
+    run: str,
+    res: Resources,
+    *,
+    nproc: int,
+    signal_s: int,
+    train_args: list[str],
+    python: str = sys.executable,
+) -> tuple[Path, str]:
+    """(path, text) of the training job's script, written under ``runs/<run>/slurm/``."""
+    run_dir = root / "runs" / run
+    folder = run_dir / "slurm"
+    script = folder / "train.sbatch"
+    args = [str(Path(config).resolve()), "--root", str(root), "--resume", f"--run.name={run}", *train_args]
+    directives = [
+        f"--job-name=train-{run}",
+        *res.directives(),
+        "--ntasks-per-node=1",
+        "--requeue",
+        f"--signal=B:USR2@{signal_s}",
+        "--open-mode=append",
+        f"--output={folder}/%x-%j.out",
+    ]
+    body = TRAIN_BODY.format(
+        python=_inner(python),
+        nproc=nproc,
+        stop=_inner(str(run_dir / "stop")),
+        args=" ".join(_inner(a) for a in args),
+    )
+    return script, render("train", script, directives, body)
+
+
+def eval_script(
+    root: Path, run: str, res: Resources, *, after: str | None, eval_args: list[str], python: str = sys.executable
+) -> tuple[Path, str]:
+    """(path, text) of an evaluation server job beside a training run: one task, ``eval serve``."""
+    folder = root / "runs" / run / "slurm"
+    script = folder / "eval.sbatch"
+    directives = [
+        f"--job-name=eval-{run}",
+        *res.directives(),
+        "--ntasks=1",
+        "--requeue",
+        "--open-mode=append",
+        f"--output={folder}/%x-%j.out",
+    ]
+    if after:
+        directives.append(f"--dependency=after:{after}")
+    cmd = [python, "-m", "reelcache", "eval", "serve", "--root", str(root), "--run", f"runs/{run}", *eval_args]
+    return script, render("eval serve", script, directives, "exec " + " ".join(shlex.quote(c) for c in cmd))
+
+
+def write(script: Path, text: str) -> Path:
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(text)
+    return script
+
+
+def add_arguments(p, *, training: bool) -> None:
+    """The sbatch options of a stage command that submits itself (``train --slurm``, ``eval serve --slurm``)."""
+    g = p.add_argument_group("Slurm (with --slurm: submit this command as a batch job instead of running it)")
+    g.add_argument("--slurm", action="store_true", help="submit to Slurm (the script is kept under runs/<run>/slurm/)")
+    g.add_argument("--partition", help="default: the cluster's default partition")
+    g.add_argument("--account", help="the account to charge")
+    g.add_argument("--time", help="time limit, e.g. 2-00:00:00")
+    g.add_argument("--gpus-per-node", type=arg(int, ge=0), default=1 if not training else 8, help="GPUs per node")
+    g.add_argument("--sbatch", action="append", default=[], metavar="OPT", help="more sbatch options, verbatim")
+    g.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    if training:
+        g.add_argument("--nodes", type=arg(int, ge=1), default=1, help="nodes (1)")
+        g.add_argument("--nproc-per-node", type=arg(int, ge=1), help="ranks per node (default: --gpus-per-node)")
+        g.add_argument(
+            "--signal-s",
+            type=arg(int, ge=10),
+            default=300,
+            help="seconds before the time limit when the run checkpoints and requeues itself (300)",
+        )
+    else:
+        g.add_argument("--after", metavar="JOBID", help="start once this job (the training) has started")
+
+
+def resources(a) -> Resources:
+    return Resources(
+        partition=a.partition,
+        account=a.account,
+        time=a.time,
+        nodes=getattr(a, "nodes", 1),
+        gpus_per_node=a.gpus_per_node,
+        extra=list(a.sbatch),
+    )
