@@ -8,6 +8,9 @@ import sys
 
 from reelcache.settings import existing_dir, existing_file
 
+# cache.plan and cache.run (pyarrow, duckdb, av, torch) are imported by the command that runs them:
+# `reelcache --help` builds every stage's parser.
+
 PLAN_EXAMPLES = """\
 examples:
   reelcache cache plan --root /data/rc --config configs/cache/wan-stage1.toml > units.txt

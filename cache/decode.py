@@ -31,8 +31,16 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from multiprocessing import shared_memory
+from pathlib import Path
 
+import av
 import numpy as np
+
+from reelcache.media import sample_aspect_ratio, video_stream
+
+# `cache run`'s decode workers are spawned processes that import this module (to unpickle
+# decode_clip_shared) and no other of the cache: keep it to numpy and PyAV, without torch or pyarrow.
 
 
 class FileSlice(io.RawIOBase):
@@ -135,12 +143,48 @@ def decode_window(
         container.close()
 
 
+class FrameBufferError(OSError):
+    """The worker could not create the shared memory for a window: our own output failed."""
+
+
+def decode_clip(job: dict, root: str, out=None) -> np.ndarray:
+    """A cache job's window (cache/run.py builds the job) as uint8 [T, H, W, 3], read in place from
+    its raw shard (into `out` when given)."""
+    src = FileSlice(str(Path(root) / job["raw_shard"]), job["raw_offset"], job["file_size"])
+    try:
+        return decode_window(
+            src,
+            frames=job["num_frames"],
+            interval=job["interval"],
+            height=job["height"],
+            width=job["width"],
+            start=job["window_start"],
+            fps=job["fps"],
+            out=out,
+        )
+    finally:
+        src.close()
+
+
+def decode_clip_shared(job: dict, root: str) -> tuple:
+    """In a decode worker: decode into the shared-memory block job["shm"]; return (name, shape)."""
+    shape = (job["num_frames"], job["height"], job["width"], 3)
+    try:
+        shm = shared_memory.SharedMemory(name=job["shm"], create=True, size=int(np.prod(shape)))
+    except OSError as e:
+        raise FrameBufferError(e.errno, f"cannot create shared memory /dev/shm/{job['shm']}: {e.strerror}") from None
+    try:
+        decode_clip(job, root, out=np.ndarray(shape, np.uint8, buffer=shm.buf))
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    shm.close()
+    return job["shm"], shape
+
+
 def _open(source):
     """(container, its video stream as ingest probed it) with threaded decoding."""
-    import av
-
-    from reelcache.media import video_stream
-
     container = av.open(source, metadata_errors="ignore")
     vs = video_stream(container)
     if vs is None:
@@ -170,8 +214,6 @@ def _pts_index(vs, rate: float):
 
 
 def _sar(vs) -> float:
-    from reelcache.media import sample_aspect_ratio
-
     return float(sample_aspect_ratio(vs))
 
 

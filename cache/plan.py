@@ -17,9 +17,14 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from reelcache import UserError
+from reelcache.cache.decode import window_start
 from reelcache.cache.encoders import TINY_VIDEO, EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
 from reelcache.catalog.buckets import BucketConfig
+from reelcache.catalog.manifest import read_manifest, resolve_manifest
 from reelcache.catalog.shards import atomic_path
 from reelcache.progress import say
 from reelcache.settings import NAME, TEXT, build, load_toml, setting
@@ -121,12 +126,6 @@ def load_cache(root, name: str) -> tuple[dict, CacheConfig, dict]:
 
 
 def make_plan(root, cfg: CacheConfig) -> list[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from reelcache.cache.decode import window_start
-    from reelcache.catalog.manifest import read_manifest, resolve_manifest
-
     buckets = BucketConfig.from_toml(cfg.buckets)
     ratio = temporal_ratio(cfg.video_encoder)
     bad = sorted({t for _, t, *_ in buckets.table if t > 1 and (t - 1) % ratio})
@@ -212,8 +211,6 @@ def _report(rows: list[dict], cdir: Path, interval: int) -> None:
 
 def projection(cdir: Path, clips: int) -> str:
     """GPU-hours for the whole cache from the rate finished units measured, if any."""
-    import pyarrow.parquet as pq
-
     done = sorted(cdir.glob("[0-9]*.parquet"))
     secs = n = 0
     for p in done:

@@ -2,9 +2,10 @@
 
 Decoding runs in isolated worker processes (a deadline and an optional memory cap per clip; a
 clip that fails to decode becomes a recorded reject), reading the video straight out of the raw
-shard. Each worker decodes a window straight into a shared-memory block named by the parent
-(``/dev/shm``); only the block's name crosses the pipe, never the frames (pickling a 10-140 MB
-window through a pipe costs two copies and blocks the worker until the parent reads it). A
+shard; a worker runs ``cache/decode.py``'s ``decode_clip_shared`` and imports that module only, not
+this one (torch, pyarrow). Each worker decodes a window straight into a shared-memory block named by
+the parent (``/dev/shm``); only the block's name crosses the pipe, never the frames (pickling a
+10-140 MB window through a pipe costs two copies and blocks the worker until the parent reads it). A
 feeder thread keeps the workers busy, so decoding continues while the main thread encodes: the
 parent batches clips of one bucket and runs the VAE, encodes captions (identical captions once),
 validates every output (shape, dtype, finite), and appends ``<clip_id>.safetensors`` samples to
@@ -28,11 +29,25 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from multiprocessing import shared_memory
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
 from reelcache import UserError
+from reelcache.cache.decode import (
+    FrameBufferError,
+    clip_seed,
+    decode_clip,  # noqa: F401 - tests and bench/ import it from here
+    decode_clip_shared,
+)
+from reelcache.cache.encoders import TextEncoder, VideoEncoder, default_device
 from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, projection
 from reelcache.catalog.buckets import BucketConfig
+from reelcache.catalog.latents import LATENT_EXT, encode
 from reelcache.catalog.shards import OutputError, ShardWriter, atomic_path, begin_unit, end_unit, parse_unit, unit_rows
 from reelcache.isolate import Failed, isolated_map
 from reelcache.progress import bar, say
@@ -40,59 +55,10 @@ from reelcache.progress import bar, say
 _CALLS = itertools.count()
 
 
-class FrameBufferError(OSError):
-    """The worker could not create the shared memory for a window: our own output failed."""
-
-
-def decode_clip(job: dict, root: str, out=None) -> object:
-    """The clip's window as uint8 [T, H, W, 3] (into `out` when given)."""
-    from reelcache.cache.decode import FileSlice, decode_window
-
-    src = FileSlice(str(Path(root) / job["raw_shard"]), job["raw_offset"], job["file_size"])
-    try:
-        return decode_window(
-            src,
-            frames=job["num_frames"],
-            interval=job["interval"],
-            height=job["height"],
-            width=job["width"],
-            start=job["window_start"],
-            fps=job["fps"],
-            out=out,
-        )
-    finally:
-        src.close()
-
-
-def decode_clip_shared(job: dict, root: str) -> tuple:
-    """In a worker: decode into the shared-memory block job["shm"]; return (name, shape)."""
-    from multiprocessing import shared_memory
-
-    import numpy as np
-
-    shape = (job["num_frames"], job["height"], job["width"], 3)
-    try:
-        shm = shared_memory.SharedMemory(name=job["shm"], create=True, size=int(np.prod(shape)))
-    except OSError as e:
-        raise FrameBufferError(e.errno, f"cannot create shared memory /dev/shm/{job['shm']}: {e.strerror}") from None
-    try:
-        decode_clip(job, root, out=np.ndarray(shape, np.uint8, buffer=shm.buf))
-    except BaseException:
-        shm.close()
-        shm.unlink()
-        raise
-    shm.close()
-    return job["shm"], shape
-
-
 class SharedFrames:
     """The parent's handle on a decoded window in shared memory; `release` frees it."""
 
     def __init__(self, name: str, shape):
-        from multiprocessing import shared_memory
-
-        import numpy as np
-
         self.shm = shared_memory.SharedMemory(name=name)
         self.array = np.ndarray(shape, np.uint8, buffer=self.shm.buf)
 
@@ -103,8 +69,6 @@ class SharedFrames:
 
 
 def _unlink_shared(name: str) -> None:
-    from multiprocessing import shared_memory
-
     try:
         shared_memory.SharedMemory(name=name).unlink()
     except (FileNotFoundError, OSError):
@@ -133,7 +97,6 @@ def decoded(
             workers=workers,
             timeout=timeout,
             memory_mb=memory_mb,
-            init=_preload,
         )
         try:
             for item in gen:
@@ -181,11 +144,6 @@ def decoded(
                 _unlink_shared(job["shm"])
 
 
-def _preload():
-    import av  # noqa: F401
-    import numpy  # noqa: F401
-
-
 def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False) -> dict:
     name, index = parse_unit(unit)
     plan, cfg, ident = load_cache(root, name)
@@ -218,15 +176,6 @@ def _run(
     sidecar: Path,
     device: str | None,
 ) -> dict:
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-
-    from reelcache.cache.decode import clip_seed
-    from reelcache.cache.encoders import TextEncoder, VideoEncoder, default_device
-    from reelcache.catalog.latents import LATENT_EXT, encode
-
     name, stem = cdir.name, f"{index:06d}"
     t0 = time.monotonic()
     rows = unit_rows(cdir, index)
