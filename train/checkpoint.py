@@ -36,6 +36,9 @@ from pathlib import Path
 
 from reelcache.settings import setting
 
+# train.parallel and train.weights (torch, safetensors) are imported by the writer thread that uses them:
+# train/config.py imports this module (CheckpointConfig), and importing a config module loads no torch.
+
 CKPT_RE = re.compile(r"^ckpt-(\d{8})$")
 
 

@@ -24,11 +24,16 @@ from pathlib import Path
 import tomllib
 
 from reelcache import UserError
+from reelcache.catalog.buckets import BucketConfig
 from reelcache.settings import NAME, TEXT, Pattern, build, check, load_toml, read, setting
 from reelcache.train.checkpoint import CheckpointConfig
 from reelcache.train.guard import GuardConfig
 from reelcache.train.runlog import LogConfig
 from reelcache.train.watchdog import WatchdogConfig
+
+# train.flow and train.model (torch) are imported by the checks that build them: importing this module
+# loads no torch, pyarrow or wandb (nor do checkpoint, guard, runlog and watchdog, which it imports).
+# Reading a config does: validate() checks model.overrides and flow.mask_ratios by building them.
 
 # config.json's format. 1: one [run] table held the checkpoint, log, guard and watchdog settings
 # (MOVED says where each went); 2: they are sections of their own.
@@ -199,8 +204,6 @@ class TrainConfig:
 
     def frame_interval(self) -> int:
         """The bucket config's frame interval (what the model's fps input is divided by)."""
-        from reelcache.catalog.buckets import BucketConfig
-
         return BucketConfig.from_toml(self.data.buckets).frame_interval
 
 
@@ -234,8 +237,6 @@ def _set(doc: dict, dotted: str, value) -> None:
 
 def load_config(path, overrides: list[str] = ()) -> TrainConfig:
     """Stage file + ``key.sub=value`` overrides -> a validated TrainConfig, its bucket file read."""
-    from reelcache.catalog.buckets import BucketConfig
-
     path = Path(path)
     doc = load_toml(path)
     for o in overrides:

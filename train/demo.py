@@ -20,16 +20,20 @@ import sys
 import time
 from pathlib import Path
 
+import duckdb
+from matplotlib.figure import Figure
+
 from reelcache import UserError
 from reelcache.cluster import ranks
 from reelcache.progress import say
+from reelcache.train.checkpoint import ckpt_step, list_checkpoints
+from reelcache.train.config import load_config
+from reelcache.train.parallel import free_port
 
 STAGES = ("configs/train/debug/stage1.toml", "configs/train/debug/stage2.toml")
 
 
 def _launch(config: str, root: Path, nproc: int, *extra: str) -> subprocess.Popen:
-    from reelcache.train.parallel import free_port
-
     cmd = [
         sys.executable,
         "-m",
@@ -55,9 +59,6 @@ def _wait(p: subprocess.Popen, what: str) -> None:
 
 
 def run(root, nproc: int = 2) -> None:
-    from reelcache.train.checkpoint import ckpt_step, list_checkpoints
-    from reelcache.train.config import load_config
-
     root = Path(root)
     names = [load_config(c).run.name for c in STAGES]
     for n in names:
@@ -88,8 +89,6 @@ def run(root, nproc: int = 2) -> None:
 
 def metrics(run_dir: Path) -> list[dict]:
     """Per step, the newest generation's row (after a resume, what trained)."""
-    import duckdb
-
     return (
         duckdb.sql(f"""SELECT step, loss, generation FROM '{run_dir}/metrics/*.parquet'
         QUALIFY generation = max(generation) OVER (PARTITION BY step) ORDER BY step""")
@@ -99,12 +98,8 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def plot(root: Path, names, killed_at: int) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig = Figure(figsize=(8, 4))  # no pyplot: no backend to choose, no global figure to close
+    ax = fig.subplots()
     offset = 0
     for n in names:
         rows = metrics(root / "runs" / n)
@@ -120,5 +115,4 @@ def plot(root: Path, names, killed_at: int) -> Path:
     out = root / "runs" / "demo-loss.png"
     fig.tight_layout()
     fig.savefig(out, dpi=120)
-    plt.close(fig)
     return out

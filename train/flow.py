@@ -30,6 +30,7 @@ import math
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from reelcache.catalog.buckets import bucket_geometry
 
@@ -337,8 +338,6 @@ def euler_sample(
         ts = [timestep_transform(t, height, width, num_frames) for t in ts]
     it = range(steps)
     if progress:
-        from tqdm.auto import tqdm
-
         it = tqdm(it, desc="sampling")
     for i in it:
         t = ts[i]

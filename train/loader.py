@@ -29,20 +29,23 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from reelcache.catalog.buckets import BucketConfig
-from reelcache.catalog.manifest import resolve_manifest
+from reelcache.catalog.latents import MANIFEST_COLUMNS, decode
+from reelcache.catalog.manifest import fingerprint, resolve_manifest
+from reelcache.catalog.shards import atomic_path
 from reelcache.train.plan import PLAN_VERSION, Plan, Source, epoch_plan, stage_fingerprint
+
+# torch is imported where tensors are made: `reelcache loader simulate` runs the loader with read=False,
+# which makes none, on a machine without torch. webdataset (~0.9 s to import) only for shards given as
+# URLs or pipe: commands.
 
 
 def load_source(path, weight: float = 1.0, min_kept: float = 0.5) -> Source:
     """A loader manifest -> Source. Rows without latents (no bucket/shard) are dropped, loudly."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from reelcache.catalog.latents import MANIFEST_COLUMNS
-    from reelcache.catalog.manifest import fingerprint
-
     table = pq.read_table(path)
     missing = [c for c in MANIFEST_COLUMNS if c not in table.column_names]
     if missing:
@@ -309,8 +312,6 @@ def shard_path(root, shard: str) -> str:
 
 def read_sample(path: str, offset: int) -> dict:
     """One latent sample: a ranged read at its offset (files), or a scan of the stream (URLs)."""
-    from reelcache.catalog.latents import decode
-
     if "://" in path or path.startswith("pipe:"):
         import webdataset as wds
 
@@ -381,10 +382,6 @@ class ConsumedLog:
     def flush(self) -> None:
         if not self.rows:
             return
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from reelcache.catalog.shards import atomic_path
 
         cols = list(zip(*self.rows))
         t = pa.table(

@@ -20,10 +20,19 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from reelcache.progress import quiet_libraries
+
+# colossalai is imported by Parallel.setup, first through _colossalai() (quietly: its import prints
+# notices about optional CUDA kernels), and so is train/zero_cpu.py, which imports it at its top; what
+# else uses this module (free_port, the optimizer files for the checkpoint writer) needs no colossalai.
 
 
 @dataclass
@@ -97,8 +106,6 @@ class Parallel:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps, betas=tuple(betas))
 
     def boost(self, model, optimizer):
-        import warnings
-
         with warnings.catch_warnings():  # torch's notice about DDP's broadcast_buffers, set by the plugin
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")
             model, optimizer, *_ = self.booster.boost(model, optimizer)
@@ -271,8 +278,6 @@ def _inner(optimizer):
 
 def write_optimizer(path, tensors: dict, meta: dict) -> None:
     """``optimizer/``: state.safetensors (the moments by parameter name) + optimizer.json."""
-    from safetensors.torch import save_file
-
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "state.safetensors"))
     with open(os.path.join(path, "optimizer.json"), "w") as f:
@@ -280,8 +285,6 @@ def write_optimizer(path, tensors: dict, meta: dict) -> None:
 
 
 def read_optimizer(path) -> tuple[dict, dict]:
-    from safetensors.torch import load_file
-
     with open(os.path.join(path, "optimizer.json")) as f:
         meta = json.load(f)
     return load_file(os.path.join(path, "state.safetensors")), meta
@@ -289,10 +292,6 @@ def read_optimizer(path) -> tuple[dict, dict]:
 
 def _colossalai():
     """ColossalAI's booster and plugins, without the import-time noise about optional CUDA kernels."""
-    import warnings
-
-    from reelcache.progress import quiet_libraries
-
     quiet_libraries()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -302,8 +301,6 @@ def _colossalai():
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

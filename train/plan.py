@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import pyarrow as pa
 
 from reelcache.catalog.buckets import BucketConfig
 
@@ -152,8 +153,6 @@ def _argsort(keys: list[np.ndarray], bounds: list[int]) -> np.ndarray:
 
 def _codes(values: np.ndarray) -> tuple[list[str], np.ndarray]:
     """Dictionary-encode strings (hash-based: fast at millions of rows), codes in sorted-name order."""
-    import pyarrow as pa
-
     enc = pa.array(values, type=pa.string()).dictionary_encode()
     names = enc.dictionary.to_pylist()
     remap = np.empty(len(names), dtype=np.int32)

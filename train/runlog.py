@@ -31,8 +31,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from reelcache.catalog.shards import atomic_path
 from reelcache.progress import fmt_eta, say
 from reelcache.settings import TEXT, setting
+
+# wandb (optional: the [train] extra; 0.3 s to import) and pyarrow are imported where used:
+# train/config.py imports this module (LogConfig), and importing a config module stays light.
 
 
 @dataclass
@@ -134,8 +138,6 @@ class RunLog:
             return
         import pyarrow as pa
         import pyarrow.parquet as pq
-
-        from reelcache.catalog.shards import atomic_path
 
         table = pa.Table.from_pylist(self.rows)
         name = f"g{self.generation:03d}-s{self.rows[0]['step']:09d}-{self.rows[-1]['step']:09d}.parquet"

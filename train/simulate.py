@@ -14,7 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from reelcache.progress import bar, say
+from reelcache.train.loader import LatentLoader
 
 
 def simulate(
@@ -31,11 +35,6 @@ def simulate(
     resume_world_size: int | None = None,
     block: int = 64,
 ):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from reelcache.train.loader import LatentLoader
-
     def make(world):
         return [
             LatentLoader(manifests, buckets, root=root, rank=r, world_size=world, seed=seed, read=False, block=block)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 __all__ = ["LoadReport", "load_weights", "read_sharded", "save_sharded"]
 
@@ -51,8 +52,6 @@ def save_sharded(state_dict: dict[str, torch.Tensor], folder, max_shard_bytes: f
     """Write ``model-0000N-of-0000M.safetensors`` + ``model.safetensors.index.json`` into ``folder``
     (created). Tensors go to shards greedily in state-dict order; one larger than the limit gets a
     shard of its own. Not atomic by itself: the caller writes into a temporary parent and renames it."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -92,8 +91,6 @@ def _torch_load(path: Path) -> dict:
 def read_sharded(folder) -> dict[str, torch.Tensor]:
     """One state dict from a folder of safetensors (index + shards, or model.safetensors) or of
     PyTorch shards (``pytorch_model.bin.index.json`` + ``pytorch_model-0000N.bin``, or one .bin)."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     if (folder / INDEX).exists():
         files = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
@@ -300,8 +297,6 @@ def load_weights(model: torch.nn.Module, path, *, strict: bool | None = None, wh
 
     if path.is_file():
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
             report = LoadReport(src, "safetensors")
             return _apply(model, load_file(path), report, True if strict is None else strict)
         if path.suffix == ".bin":

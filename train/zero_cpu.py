@@ -29,6 +29,13 @@ its CPU-Adam loader and the optimizer's sanity check, none of which a CUDA run t
 from __future__ import annotations
 
 import torch
+from colossalai.accelerator.cpu_accelerator import CpuAccelerator
+from colossalai.kernel import kernel_loader
+from colossalai.nn.optimizer.cpu_adam import CPUAdam
+from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+# colossalai at the top: train/parallel.py imports this module only in Parallel.setup, after its
+# quiet import of colossalai.
 
 _enabled = False
 
@@ -38,9 +45,6 @@ def enable() -> None:
     global _enabled
     if _enabled:
         return
-    from colossalai.accelerator.cpu_accelerator import CpuAccelerator
-    from colossalai.kernel import kernel_loader
-    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
 
     LowLevelZeroOptimizer._sanity_checks = _dtype_checks_only
     CpuAccelerator.Stream = lambda self, *a, **k: torch.cpu.Stream()
@@ -69,8 +73,6 @@ class _TorchCpuAdam:
     def step(
         self, step, lr, beta1, beta2, eps, weight_decay, bias_correction, param, grad, exp_avg, exp_avg_sq, div_scale=-1
     ):
-        from colossalai.nn.optimizer.cpu_adam import CPUAdam
-
         if div_scale > 0:
             grad = grad / div_scale
         bc1 = 1 - beta1**step if bias_correction else 1.0
