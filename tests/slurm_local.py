@@ -498,6 +498,12 @@ def _up(directory: str | None) -> None:
     import tempfile
 
     d = Path(directory or tempfile.mkdtemp(prefix="slurm-"))
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
+        signal.signal(sig, stop)
     with local_slurm(d) as s:
         print(f"up in {s.started_in:.1f} s: {s.node}, partition {s.partition}, {s.cpus} CPUs, {s.gpus} fake GPUs")
         print(f"export SLURM_CONF={s.conf}")
