@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import argparse
 
+from reelcache import UserError
 from reelcache.settings import arg, existing_dir, existing_file
+
+# The evaluator, its samples and the checkpoint listing (torch, and cache/ and train/ modules) are imported
+# by the command that runs them: `reelcache --help` builds every stage's parser.
 
 EXAMPLES = """\
 examples:
@@ -87,7 +91,6 @@ def add_commands(top) -> None:
 
 
 def _evaluator(a, max_attempts: int = 3):
-    from reelcache import UserError
     from reelcache.cache.encoders import default_device
     from reelcache.eval.evaluate import Evaluator
     from reelcache.eval.samples import read_prompts
@@ -121,7 +124,6 @@ def _serve(a) -> None:
 
 
 def _once(a) -> None:
-    from reelcache import UserError
     from reelcache.train.checkpoint import list_checkpoints
 
     ev = _evaluator(a)

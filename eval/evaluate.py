@@ -40,9 +40,25 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
 from reelcache import UserError
+from reelcache.cache.encoders import TextEncoder, VideoEncoder, spec_identity
+from reelcache.cache.plan import diff, load_cache
+from reelcache.catalog.manifest import read_manifest, resolve_manifest
+from reelcache.catalog.shards import atomic_path
+from reelcache.eval.runlog import log_eval
+from reelcache.eval.samples import PRESETS, sample
+from reelcache.eval.valloss import validation_loss
+from reelcache.eval.video import write_mp4
 from reelcache.progress import fmt_eta, say
-from reelcache.train.checkpoint import ckpt_step
+from reelcache.train.checkpoint import ckpt_step, list_checkpoints, read_state
+from reelcache.train.config import from_dict
+from reelcache.train.loader import load_source
+from reelcache.train.model import STDiT3
+from reelcache.train.weights import load_weights
 
 __all__ = ["Evaluator", "select"]
 
@@ -65,8 +81,6 @@ class _Progress:
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    from reelcache.catalog.shards import atomic_path
-
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         Path(tmp).write_text(json.dumps(doc, indent=2, default=str))
@@ -97,8 +111,6 @@ class Evaluator:
     max_attempts: int = 3
 
     def __post_init__(self):
-        from reelcache.eval.samples import PRESETS
-
         self.root, self.run_dir = Path(self.root), Path(self.run_dir)
         if not self.run_dir.is_absolute() and not self.run_dir.exists():
             self.run_dir = self.root / self.run_dir
@@ -123,8 +135,6 @@ class Evaluator:
         return len(list((self.out / ckpt.name / self.tag).glob("error-*.txt")))
 
     def pending(self, every: int = 1, latest_only: bool = False) -> list[Path]:
-        from reelcache.train.checkpoint import list_checkpoints
-
         found = list_checkpoints(self.run_dir)
         if not found:
             return []
@@ -145,8 +155,6 @@ class Evaluator:
         if not self.prompts and not self.val_manifest:
             raise UserError("nothing to evaluate: give --prompts and/or --val-manifest")
         if self.val_manifest:
-            from reelcache.train.loader import load_source
-
             try:
                 load_source(self.manifest())
             except ValueError as e:
@@ -202,10 +210,6 @@ class Evaluator:
 
     # -- one checkpoint --------------------------------------------------------------------
     def evaluate(self, ckpt) -> dict:
-        import torch
-
-        from reelcache.train.checkpoint import read_state
-
         ckpt = Path(ckpt)
         if not ckpt.is_absolute() and not ckpt.exists():
             ckpt = self.run_dir / ckpt
@@ -223,9 +227,6 @@ class Evaluator:
             result["val_loss"] = self._val_loss(ckpt, model, step, used)
             say(f"  val loss {result['val_loss']['overall']:.5f} over {result['val_loss']['clips']} clips")
         if self.prompts:
-            from reelcache.eval.samples import PRESETS, sample
-            from reelcache.eval.video import write_mp4
-
             video_enc, text = self.encoders()[0], self.prompt_text()
             p = PRESETS[self.preset]
             videos, frames = sample(
@@ -252,22 +253,13 @@ class Evaluator:
         return result
 
     def _torch_dtype(self):
-        import torch
-
         return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
 
     def _config(self, ckpt: Path):
-        from reelcache.train.config import from_dict
-
         return from_dict(json.loads((ckpt / "config.json").read_text()))
 
     def _model(self, ckpt: Path):
         """STDiT3 as configured in the checkpoint's config.json, with its EMA (or model) weights."""
-        import torch
-
-        from reelcache.train.model import STDiT3
-        from reelcache.train.weights import load_weights
-
         model = STDiT3(self._config(ckpt).model_config())
         used = self.weights
         if used == "ema" and not (ckpt / "ema").is_dir():
@@ -279,8 +271,6 @@ class Evaluator:
     # -- validation loss -------------------------------------------------------------------
     def manifest(self) -> Path:
         if self._manifest is None:
-            from reelcache.catalog.manifest import resolve_manifest
-
             try:
                 self._manifest = resolve_manifest(self.root, self.val_manifest)
             except ValueError as e:
@@ -290,16 +280,10 @@ class Evaluator:
     def manifest_fingerprint(self) -> str:
         """The val manifest's fingerprint, read once (its file name carries it: it cannot change)."""
         if self._manifest_fp is None:
-            from reelcache.catalog.manifest import read_manifest
-
             self._manifest_fp = read_manifest(self.manifest())[1]
         return self._manifest_fp
 
     def _val_loss(self, ckpt: Path, model, step: int, used: str) -> dict:
-        import torch
-
-        from reelcache.eval.valloss import validation_loss
-
         path = self.out / ckpt.name / ("val_loss.json" if used == "ema" else f"val_loss-{used}.json")
         fp = self.manifest_fingerprint()
         if path.exists():
@@ -350,11 +334,6 @@ class Evaluator:
             return 1
 
     def _write_parquet(self) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from reelcache.catalog.shards import atomic_path
-
         rows = []
         for f in sorted(self.out.glob("ckpt-*/val_loss*.json")):
             doc = json.loads(f.read_text())
@@ -381,8 +360,6 @@ class Evaluator:
         """--cache, else the cache the val manifest was made from, else the one the run trained on."""
         if self.cache:
             return self.cache
-        from reelcache.catalog.manifest import resolve_manifest
-        from reelcache.train.checkpoint import list_checkpoints
 
         candidates = []
         if self.val_manifest:
@@ -398,7 +375,6 @@ class Evaluator:
             side = m.with_suffix(".json")
             if side.exists() and (name := json.loads(side.read_text()).get("cache")):
                 return name
-            import pyarrow.parquet as pq
 
             shard = pq.read_table(m, columns=["shard"]).column(0)[0].as_py()
             parts = Path(shard).parts
@@ -409,17 +385,12 @@ class Evaluator:
     def _cache(self):
         """(plan, CacheConfig, identity) of the cache whose encoders this evaluator uses, read once."""
         if self._cache_doc is None:
-            from reelcache.cache.plan import load_cache
-
             self._cache_doc = load_cache(self.root, self._cache_name())
         return self._cache_doc
 
     def encoders(self):
         """(VideoEncoder, TextEncoder) rebuilt from the cache's plan, checked against its cache.json."""
         if self._encoders is None:
-            from reelcache.cache.encoders import TextEncoder, VideoEncoder, spec_identity
-            from reelcache.cache.plan import diff
-
             _, cfg, ident = self._cache()
             specs = {"video_encoder": cfg.video_encoder, "text_encoder": cfg.text_encoder}
             for k, spec in specs.items():
@@ -449,6 +420,4 @@ class Evaluator:
 
     # -- wandb -----------------------------------------------------------------------------
     def _log_wandb(self, result: dict) -> None:
-        from reelcache.eval.runlog import log_eval
-
         log_eval(self.run_dir, self.tag, result, self.prompts, mode=self.wandb_mode)

@@ -41,8 +41,11 @@ from pathlib import Path
 from reelcache.progress import say
 from reelcache.train.checkpoint import list_checkpoints, read_state
 from reelcache.train.config import from_dict
+from reelcache.train.runlog import wandb_settings
 
 __all__ = ["log_eval", "run_wandb"]
+
+# wandb (optional: the [train] extra; 0.3 s to import) is imported when a run logs to it, not in disabled mode.
 
 _last_init = 0.0
 
@@ -87,8 +90,6 @@ def log_eval(run_dir, tag: str, result: dict, prompts: list[str], mode: str | No
         data.update({f"eval/{tag}/val_loss_t/{t}": x for t, x in v["timesteps"].items()})
     for i, path in enumerate(result.get("videos", [])):
         data[f"eval/{tag}/video_{i}"] = wandb.Video(path, caption=prompts[i], format="mp4")
-
-    from reelcache.train.runlog import wandb_settings
 
     offline = mode != "online"
     if offline:

@@ -28,12 +28,19 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from reelcache.cache.encoders import spatial_multiple, temporal_ratio
 from reelcache.settings import check, setting
+from reelcache.train.flow import euler_sample
+from reelcache.train.loader import pad_text
 
 __all__ = ["PRESETS", "Preset", "latent_shape", "read_prompts", "sample"]
+
+# cache/opensora_vae.py (diffusers: ~3 s to import) is imported by latent_shape for an Open-Sora VAE, whose
+# encoder has imported it already: an evaluation of the validation loss alone starts without it.
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,6 @@ PRESETS = {
 
 def read_prompts(path) -> list[str]:
     """One prompt per line; blank lines and lines starting with # are skipped."""
-    from pathlib import Path
-
     lines = [ln.strip() for ln in Path(path).read_text().splitlines()]
     prompts = [ln for ln in lines if ln and not ln.startswith("#")]
     if not prompts:
@@ -72,8 +77,6 @@ def read_prompts(path) -> list[str]:
 
 def latent_shape(encoder, channels: int, frames: int, height: int, width: int) -> tuple[tuple, int, int, int]:
     """((C, t, h, w), pixel frames, pixel height, pixel width) the VAE actually produces/decodes."""
-    from reelcache.cache.encoders import spatial_multiple, temporal_ratio
-
     m = spatial_multiple(encoder.spec)
     height, width = height - height % m, width - width % m
     f = encoder.spatial_factor
@@ -96,9 +99,6 @@ def sample(
     cache's TextEncoder.encode returns them): a list of uint8 [T, H, W, 3], and the frame count used.
 
     ``progress(done_steps, total_steps)`` is called after each sampler batch."""
-    from reelcache.train.flow import euler_sample
-    from reelcache.train.loader import pad_text
-
     shape, frames, height, width = latent_shape(
         video_encoder, model.config.in_channels, preset.frames, preset.height, preset.width
     )

@@ -11,15 +11,16 @@ from __future__ import annotations
 from fractions import Fraction
 from pathlib import Path
 
+import av
 import numpy as np
+
+from reelcache.catalog.shards import atomic_path
 
 __all__ = ["write_mp4"]
 
 
 def write_mp4(frames, path, fps: float = 24.0, crf: int = 18) -> Path:
     """uint8 [T, H, W, 3] (numpy or torch) -> ``path`` (atomic). Returns the path."""
-    import av
-
     frames = np.asarray(frames.numpy() if hasattr(frames, "numpy") else frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"need uint8 frames [T, H, W, 3], got {frames.dtype} {frames.shape}")
@@ -28,7 +29,6 @@ def write_mp4(frames, path, fps: float = 24.0, crf: int = 18) -> Path:
     if t == 0 or h2 == 0 or w2 == 0:
         raise ValueError(f"cannot write an mp4 of shape {frames.shape}")
     frames = frames[:, :h2, :w2]
-    from reelcache.catalog.shards import atomic_path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
