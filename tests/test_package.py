@@ -64,6 +64,19 @@ def test_cli_starts_without_heavy_imports(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
+def test_importing_the_train_config_loads_no_torch(tmp_path):
+    """train/config.py, with checkpoint, guard, runlog and watchdog, which it imports for their config
+    sections, loads neither torch nor pyarrow nor wandb. Reading a stage file with ``load_config`` does
+    import torch: ``validate`` builds the model's config (train/model.py) to check model.overrides."""
+    code = (
+        "import sys, reelcache.train.config;"
+        "print([m for m in ('torch', 'pyarrow', 'wandb') if m in sys.modules],"
+        " [m for m in ('checkpoint', 'guard', 'runlog', 'watchdog') if f'reelcache.train.{m}' not in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[] []"
+
+
 def test_who_may_import_whom():
     """DESIGN.md: ingest, cache and train depend on catalog and reelcache/, never on each other;
     eval, the stage after train, composes cache's encoders with train's model and sampler. cluster
