@@ -1,8 +1,8 @@
 """Training and evaluation as Slurm batch jobs: one script template, checked against the cluster first.
 
-    reelcache slurm train configs/train/opensora12/stage1.toml --root /data/rc --partition h100 \
-        --nodes 24 --gpus-per-node 8 --time 2-00:00:00 --init-from /weights/PixArt-Sigma-XL-2-2K-MS.pth
-    reelcache slurm eval --partition h100 --after 4242 -- --root /data/rc --run runs/os12-stage1 ...
+    reelcache train configs/train/opensora12/stage1.toml --root /data/rc --init-from /weights/PixArt.pth \
+        --slurm --partition h100 --nodes 24 --gpus-per-node 8 --time 2-00:00:00
+    reelcache eval serve --root /data/rc --run runs/os12-stage1 ... --slurm --partition h100 --after 4242
 
 Plain ``sbatch`` scripts rendered from one template (``render``) rather than submitit: the jobs
 are shell (``srun`` starting one ``torchrun`` per node), a user can read, keep and resubmit the
@@ -58,7 +58,7 @@ port=$((20000 + SLURM_JOB_ID % 20000))
 echo "$(date +%T) slurm: job $SLURM_JOB_ID attempt ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST"
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'exec {python} -m torch.distributed.run \\
     --nnodes="$SLURM_NNODES" --node_rank="$SLURM_NODEID" --nproc_per_node={nproc} \\
-    --master_addr='"$head"' --master_port='"$port"' -m reelcache.train {args}' &
+    --master_addr='"$head"' --master_port='"$port"' -m reelcache train {args}' &
 step=$!
 while true; do
     wait "$step"

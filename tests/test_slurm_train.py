@@ -118,7 +118,7 @@ def test_bad_resources_are_one_line_before_anything_is_submitted(slurm, root, ar
     r, manifest = root
     p = submit(slurm, r, *args, *data_args(manifest), "--run.name=bad", ok=False)
     assert p.returncode == 2 and p.stderr.strip() == f"reelcache: error: {message}", p.stderr
-    assert not slurm.run("squeue", "--noheader").stdout.strip()
+    assert not slurm.run("squeue", "--noheader", "--name=train-bad").stdout.strip()
 
 
 def test_an_account_is_passed_on_unchecked_where_slurm_keeps_no_accounts(slurm, root):
