@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -223,13 +224,13 @@ def train_script(
 
 
 def eval_script(
-    root: Path, run: str, res: Resources, *, after: str | None, eval_args: list[str], python: str = sys.executable
+    run_dir: Path, res: Resources, *, after: str | None, args: list[str], python: str = sys.executable
 ) -> tuple[Path, str]:
-    """(path, text) of an evaluation server job beside a training run: one task, ``eval serve``."""
-    folder = root / "runs" / run / "slurm"
+    """(path, text) of an evaluation server job beside a training run: one task, ``eval serve ARGS``."""
+    folder = run_dir / "slurm"
     script = folder / "eval.sbatch"
     directives = [
-        f"--job-name=eval-{run}",
+        f"--job-name=eval-{run_dir.name}",
         *res.directives(),
         "--ntasks=1",
         "--requeue",
@@ -238,14 +239,39 @@ def eval_script(
     ]
     if after:
         directives.append(f"--dependency=after:{after}")
-    cmd = [python, "-m", "reelcache", "eval", "serve", "--root", str(root), "--run", f"runs/{run}", *eval_args]
+    cmd = [python, "-m", "reelcache", "eval", "serve", *args]
     return script, render("eval serve", script, directives, "exec " + " ".join(shlex.quote(c) for c in cmd))
 
 
-def write(script: Path, text: str) -> Path:
+# The options add_arguments declares, and how many values each takes: what a command drops from its own
+# arguments to run the same command inside the job.
+OPTIONS = {"--slurm": 0, "--dry-run": 0, "--partition": 1, "--account": 1, "--time": 1, "--gpus-per-node": 1,
+           "--sbatch": 1, "--nodes": 1, "--nproc-per-node": 1, "--signal-s": 1, "--after": 1}  # fmt: skip
+
+
+def without_slurm_options(argv: list[str]) -> list[str]:
+    out, skip = [], 0
+    for x in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = x.split("=", 1)[0]
+        if name in OPTIONS:
+            skip = OPTIONS[name] if "=" not in x else 0
+            continue
+        out.append(x)
+    return out
+
+
+def launch(script: Path, text: str, res: Resources, dry_run: bool = False) -> str | None:
+    """Check the resources, write the script and submit it; its job id. A dry run prints it instead
+    (checked too where a cluster answers ``sinfo``)."""
+    online = shutil.which("sinfo") is not None and _run("sinfo", "-h").returncode == 0
+    if not dry_run or online:
+        check(res)
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(text)
-    return script
+    return submit(script, dry_run)
 
 
 def add_arguments(p, *, training: bool) -> None:

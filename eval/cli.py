@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from reelcache import UserError
+from reelcache.cluster import sbatch
 from reelcache.settings import arg, existing_dir, existing_file
 
 # The evaluator, its samples and the checkpoint listing (torch, and cache/ and train/ modules) are imported
@@ -83,6 +84,7 @@ def add_commands(top) -> None:
     s.add_argument(
         "--max-attempts", type=arg(int, ge=1), default=3, help="tries per checkpoint before it is left alone"
     )
+    sbatch.add_arguments(s, training=False)
     s.set_defaults(fn=_serve)
     o = iev.add_parser("once", help="evaluate one checkpoint", epilog=EXAMPLES, formatter_class=fmt)
     _common(o)
@@ -119,8 +121,24 @@ def _evaluator(a, max_attempts: int = 3):
 
 
 def _serve(a) -> None:
+    if a.slurm:
+        return _submit(a)
     ev = _evaluator(a, a.max_attempts)
     ev.serve(poll=a.poll, every=a.every, latest_only=a.latest_only, exit_idle=a.exit_idle)
+
+
+def _submit(a) -> None:
+    """``eval serve --slurm``: the same command as a job on one GPU (cluster/sbatch.py), after --after starts."""
+    import sys
+    from pathlib import Path
+
+    run_dir = (Path(a.run) if Path(a.run).is_absolute() else Path(a.root) / a.run).resolve()
+    argv = sys.argv[sys.argv.index("serve") + 1 :]
+    res = sbatch.resources(a)
+    script, text = sbatch.eval_script(run_dir, res, after=a.after, args=sbatch.without_slurm_options(argv))
+    job = sbatch.launch(script, text, res, a.dry_run)
+    if job:
+        print(f"submitted job {job}: eval serve of {run_dir.name}; log {script.parent}/eval-{run_dir.name}-{job}.out")
 
 
 def _once(a) -> None:

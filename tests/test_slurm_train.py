@@ -131,3 +131,22 @@ def test_node_lists_expand_as_scontrol_does(slurm):
     for expr in ("gpu[01-03,7],cpu5", "n[001-002]-ib[1-2]", "a[8-11],b", slurm.node):
         want = slurm.run("scontrol", "show", "hostnames", expr).stdout.split()
         assert expand_nodelist(expr) == want, expr
+
+
+def test_eval_serve_runs_as_its_own_job_beside_the_run(slurm, root):
+    """eval serve --slurm: one task with one (fake) GPU, following the trained run until it is idle."""
+    r, manifest = root
+    if not (r / "runs/whole/ckpt-00000012").exists():  # made by the requeue test when it ran
+        train(r, data_args(manifest, "--run.epochs=3", "--checkpoint.every=4", "--run.name=whole"), nproc=2)
+    cmd = [sys.executable, "-m", "reelcache", "eval", "serve", "--root", str(r), "--run", "runs/whole"]
+    cmd += ["--preset", "debug", "--device", "cpu", "--val-manifest", str(manifest), "--val-max-clips", "4"]
+    cmd += ["--every", "3", "--poll", "1", "--exit-idle", "3", "--wandb-mode", "disabled"]
+    p = subprocess.run(
+        [*cmd, "--slurm", "--gpus-per-node", "1"], env=slurm.env, cwd=REPO, capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr
+    (record,) = slurm.wait(p.stdout.split("submitted job ")[1].split(":")[0], timeout=240)
+    log = "".join(f.read_text() for f in (r / "runs/whole/slurm").glob("eval-*.out"))
+    assert record["JobState"] == "COMPLETED", (record, log[-3000:])
+    assert (r / "runs/whole/eval/ckpt-00000012/val_loss.json").exists(), log[-3000:]
+    assert "#SBATCH --gpus-per-node=1" in (r / "runs/whole/slurm/eval.sbatch").read_text()

@@ -167,7 +167,6 @@ def run(a, overrides: list[str]) -> None:
 
 def _submit(a, cfg, overrides: list[str]) -> None:
     """``train --slurm``: the same command as a requeueable batch job (cluster/sbatch.py)."""
-    import shutil
     from pathlib import Path
 
     if a.load or a.reset_data:
@@ -185,9 +184,7 @@ def _submit(a, cfg, overrides: list[str]) -> None:
     script, text = sbatch.train_script(
         a.config, root, cfg.run.name, res, nproc=nproc, signal_s=a.signal_s, train_args=train_args
     )
-    if not a.dry_run or shutil.which("sinfo"):
-        sbatch.check(res)
-    job = sbatch.submit(sbatch.write(script, text), dry_run=a.dry_run)
+    job = sbatch.launch(script, text, res, a.dry_run)
     if job:
         print(
             f"submitted job {job}: {cfg.run.name} on {res.nodes} node(s) x {nproc} rank(s); log "
