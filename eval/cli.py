@@ -6,6 +6,8 @@ Nothing heavy is imported here: the parser must build without torch (tests/test_
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from reelcache import UserError
 from reelcache.cluster import sbatch
@@ -129,9 +131,6 @@ def _serve(a) -> None:
 
 def _submit(a) -> None:
     """``eval serve --slurm``: the same command as a job on one GPU (cluster/sbatch.py), after --after starts."""
-    import sys
-    from pathlib import Path
-
     run_dir = (Path(a.run) if Path(a.run).is_absolute() else Path(a.root) / a.run).resolve()
     argv = sys.argv[sys.argv.index("serve") + 1 :]
     res = sbatch.resources(a)
