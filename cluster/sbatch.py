@@ -32,15 +32,14 @@ say so), more nodes than the partition has, more GPUs per node than its nodes ha
 
 from __future__ import annotations
 
-import re
 import shlex
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.cluster import slurm
 from reelcache.settings import arg
 
 TEMPLATE = """#!/bin/bash
@@ -108,73 +107,32 @@ def render(command: str, script: Path, directives: list[str], body: str) -> str:
     return TEMPLATE.format(command=command, script=script, directives=lines, body=body)
 
 
-def _run(*cmd: str) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:
-        raise UserError(f"{cmd[0]} not found: run this on a node of the Slurm cluster (a login node)") from None
-
-
-def cluster_config() -> dict[str, str]:
-    """``scontrol show config`` as {key: value}."""
-    p = _run("scontrol", "show", "config")
-    if p.returncode:
-        raise UserError(f"scontrol show config failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
-    out = {}
-    for line in p.stdout.splitlines():
-        k, sep, v = line.partition("=")
-        if sep:
-            out[k.strip()] = v.strip()
-    return out
-
-
-def partition_nodes(partition: str | None) -> tuple[str, list[tuple[str, int]]]:
-    """(the partition's name, [(node, GPUs)]) of the given partition, or of the default one."""
-    names = [ln.strip() for ln in _run("sinfo", "-h", "-o", "%P").stdout.split()]
+def default_partition() -> str:
+    names = slurm.slurm("sinfo", "--noheader", "--format", "%P").stdout.split()
     default = next((n.rstrip("*") for n in names if n.endswith("*")), None)
-    plain = [n.rstrip("*") for n in names]
-    name = partition or default
-    if name is None:
+    if default is None:
         raise UserError("this cluster has no default partition: give --partition")
-    if name not in plain:
-        raise UserError(f"--partition {name}: no such partition; this cluster has {', '.join(plain) or 'none'}")
-    rows = _run("sinfo", "-h", "-N", "-p", name, "-o", "%N %G").stdout.splitlines()
-    nodes = {}
-    for row in rows:
-        node, _, gres = row.partition(" ")
-        nodes[node] = sum(int(m) for m in re.findall(r"gpu(?::[^:(,]+)?:(\d+)", gres))
-    return name, sorted(nodes.items())
+    return default
 
 
-def check(res: Resources, array: int | None = None) -> None:
-    """What would make sbatch refuse the job, or leave it pending forever, as one line."""
-    name, nodes = partition_nodes(res.partition)
-    if res.nodes > len(nodes):
-        raise UserError(f"--nodes {res.nodes}: partition {name} has {len(nodes)} node(s)")
-    if res.gpus_per_node:
-        most = max((g for _, g in nodes), default=0)
-        fit = sum(1 for _, g in nodes if g >= res.gpus_per_node)
-        if fit < res.nodes:
-            raise UserError(
-                f"--gpus-per-node {res.gpus_per_node} on {res.nodes} node(s): partition {name} has {fit} node(s) "
-                f"with {res.gpus_per_node} GPUs (at most {most} per node)"
-            )
-    conf = cluster_config()
-    if array is not None:
-        limit = int(conf.get("MaxArraySize", "1001"))
-        if array > limit - 1:
-            raise UserError(f"{array} tasks: this cluster's MaxArraySize is {limit} (array indices 0..{limit - 2})")
+def check(res: Resources) -> None:
+    """What would make sbatch refuse the job, or leave it pending forever, as one line (the partition
+    and account rules are the job arrays', cluster/slurm.py); warnings are printed."""
+    name = res.partition or default_partition()
+    warnings = slurm.check_partition(name)
+    gpus = slurm.partition_gpus(name)
+    if res.nodes > len(gpus):
+        raise UserError(f"--nodes {res.nodes}: partition {name} has {len(gpus)} node(s)")
+    fit = sum(1 for g in gpus if g >= res.gpus_per_node)
+    if res.gpus_per_node and fit < res.nodes:
+        raise UserError(
+            f"--gpus-per-node {res.gpus_per_node} on {res.nodes} node(s): partition {name} has {fit} node(s) "
+            f"with {res.gpus_per_node} GPUs (at most {max(gpus, default=0)} per node)"
+        )
     if res.account:
-        if conf.get("AccountingStorageType", "accounting_storage/none").endswith("/none"):
-            print(
-                f"slurm: this cluster keeps no accounts (AccountingStorageType none): --account {res.account} "
-                "is passed on unchecked",
-                file=sys.stderr,
-            )
-        else:
-            p = _run("sacctmgr", "-n", "-P", "show", "account", res.account, "format=account")
-            if not p.stdout.strip():
-                raise UserError(f"--account {res.account}: the cluster's accounting has no such account")
+        warnings += slurm.check_account(res.account, slurm.cluster_config())
+    for w in warnings:
+        print(f"slurm: warning: {w}", file=sys.stderr)
 
 
 def submit(script: Path, dry_run: bool = False) -> str | None:
@@ -182,7 +140,7 @@ def submit(script: Path, dry_run: bool = False) -> str | None:
     if dry_run:
         print(script.read_text())
         return None
-    p = _run("sbatch", "--parsable", str(script))
+    p = slurm.slurm("sbatch", "--parsable", str(script))
     if p.returncode:
         msg = (p.stderr or p.stdout).strip().splitlines()
         raise UserError(f"sbatch refused {script}: {msg[-1] if msg else p.returncode}")
@@ -266,7 +224,7 @@ def without_slurm_options(argv: list[str]) -> list[str]:
 def launch(script: Path, text: str, res: Resources, dry_run: bool = False) -> str | None:
     """Check the resources, write the script and submit it; its job id. A dry run prints it instead
     (checked too where a cluster answers ``sinfo``)."""
-    online = shutil.which("sinfo") is not None and _run("sinfo", "-h").returncode == 0
+    online = shutil.which("sinfo") is not None and slurm.slurm("sinfo", "-h").returncode == 0
     if not dry_run or online:
         check(res)
     script.parent.mkdir(parents=True, exist_ok=True)

@@ -201,18 +201,46 @@ def node_gpus(gres: str) -> int:
     return total
 
 
-def check(req: Request) -> list[str]:
-    """Every check that can be made before submitting: raises UserError, returns warnings."""
-    warnings = []
-    done = slurm("scontrol", "show", "partition", req.partition, "--oneliner")
+def check_partition(partition: str) -> list[str]:
+    """A UserError if the partition does not exist; warnings (it is not UP)."""
+    done = slurm("scontrol", "show", "partition", partition, "--oneliner")
     if done.returncode or not done.stdout.strip():
         names = slurm("sinfo", "--noheader", "--format", "%R").stdout.split()
         raise UserError(
-            f"partition {req.partition!r} does not exist on this cluster (partitions: {', '.join(names) or 'none'})"
+            f"partition {partition!r} does not exist on this cluster (partitions: {', '.join(names) or 'none'})"
         )
     state = re.search(r"\bState=(\S+)", done.stdout)
     if state and state.group(1) != "UP":
-        warnings.append(f"partition {req.partition} is {state.group(1)}: the jobs wait until it is UP")
+        return [f"partition {partition} is {state.group(1)}: the jobs wait until it is UP"]
+    return []
+
+
+def partition_gpus(partition: str) -> list[int]:
+    """The GPUs of each node of the partition."""
+    nodes = slurm("sinfo", "--noheader", "--Node", "--partition", partition, "--format", "%N|%G").stdout
+    found = dict(line.split("|", 1) for line in nodes.splitlines() if "|" in line)  # a node listed once
+    return [node_gpus(g) for g in found.values()]
+
+
+def check_account(account: str, config: dict[str, str]) -> list[str]:
+    """A UserError if the cluster's accounting does not know the account; warnings (it keeps none)."""
+    storage = config.get("AccountingStorageType", "accounting_storage/none")
+    if storage == "accounting_storage/none":
+        return [
+            f"accounting is off on this cluster (AccountingStorageType={storage}): Slurm accepts any "
+            f"--account, so {account!r} cannot be checked"
+        ]
+    known = slurm("sacctmgr", "--noheader", "--parsable2", "show", "account", account, "format=Account")
+    if known.returncode:
+        return [f"--account {account} not checked: sacctmgr: {_said(known)}"]
+    if account not in known.stdout.split():
+        raise UserError(f"account {account!r} does not exist (sacctmgr show account {account})")
+    return []
+
+
+def check(req: Request) -> list[str]:
+    """Every check that can be made before submitting: raises UserError, returns warnings."""
+    warnings = check_partition(req.partition)
     config = cluster_config()
     max_array = int(config.get("MaxArraySize", "1001"))
     if len(req.units) > max_array:
@@ -221,26 +249,14 @@ def check(req: Request) -> list[str]:
             f"indices 0..{max_array - 1}): plan larger units, or submit the units in parts of {max_array}"
         )
     if req.gpus_per_task:
-        nodes = slurm("sinfo", "--noheader", "--Node", "--partition", req.partition, "--format", "%N|%G").stdout
-        most = max((node_gpus(line.split("|", 1)[1]) for line in nodes.splitlines() if "|" in line), default=0)
+        most = max(partition_gpus(req.partition), default=0)
         if req.gpus_per_task > most:
             raise UserError(
                 f"--gpus-per-task {req.gpus_per_task}: no node of partition {req.partition} has more than "
                 f"{most} GPU{'s' if most != 1 else ''}"
             )
     if req.account:
-        storage = config.get("AccountingStorageType", "accounting_storage/none")
-        if storage == "accounting_storage/none":
-            warnings.append(
-                f"accounting is off on this cluster (AccountingStorageType={storage}): Slurm accepts any "
-                f"--account, so {req.account!r} cannot be checked"
-            )
-        else:
-            known = slurm("sacctmgr", "--noheader", "--parsable2", "show", "account", req.account, "format=Account")
-            if known.returncode:
-                warnings.append(f"--account {req.account} not checked: sacctmgr: {_said(known)}")
-            elif req.account not in known.stdout.split():
-                raise UserError(f"account {req.account!r} does not exist (sacctmgr show account {req.account})")
+        warnings += check_account(req.account, config)
     return warnings
 
 
