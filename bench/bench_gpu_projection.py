@@ -31,9 +31,8 @@ import json
 import os
 import textwrap
 import time
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 AR, CAPTION, PARTS = "0.56", 300, ("dit", "vae", "t5")

@@ -32,10 +32,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from reelcache import UserError
 from reelcache.settings import build, check, setting

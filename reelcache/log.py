@@ -32,8 +32,6 @@ import warnings
 from datetime import datetime
 from pathlib import Path
 
-from tqdm import tqdm
-
 log = logging.getLogger("reelcache")
 # Warnings from any module, ours or a library's, are records of this child: every handler of
 # ``reelcache`` (console, files) gets them.
@@ -87,8 +85,12 @@ class _Console(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            stream = sys.stderr
-            tqdm.write(self.format(record), file=stream)
+            stream, text = sys.stderr, self.format(record)
+            tq = sys.modules.get("tqdm")  # a bar can be live only where tqdm is loaded: --help stays without it
+            if tq is not None:
+                tq.tqdm.write(text, file=stream)
+            else:
+                stream.write(text + "\n")
             stream.flush()
         except Exception:
             self.handleError(record)

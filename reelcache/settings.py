@@ -30,12 +30,11 @@ import functools
 import importlib
 import math
 import re
+import tomllib
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from reelcache import UserError
 

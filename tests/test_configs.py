@@ -7,11 +7,11 @@ tables B1-B3 and the verified lr values), never taken from the code under test.
 from __future__ import annotations
 
 import math
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tomllib
 
 from reelcache.cache.plan import CacheConfig
 from reelcache.catalog.buckets import BucketConfig

@@ -388,9 +388,9 @@ def test_validation_loss_of_one_clip_from_its_definition(once_ref):
     mean over C, T, H, W of (v - (x0 - eps))^2 with x_t = (1 - t/1000) x0 + t/1000 eps."""
     import hashlib
     import tarfile
+    import tomllib
 
     import pyarrow.parquet as pq
-    import tomllib
     import torch
     from safetensors.torch import load as load_safetensors
 

@@ -58,7 +58,7 @@ def test_bare_stage_names_are_not_importable(tmp_path):
 def test_cli_starts_without_heavy_imports(tmp_path):
     code = (
         "import sys; from reelcache.cli import build_parser; build_parser();"
-        "print([m for m in ('torch','duckdb','av','pyarrow','matplotlib') if m in sys.modules])"
+        "print([m for m in ('torch','duckdb','av','pyarrow','matplotlib', 'tqdm') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"

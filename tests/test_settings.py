@@ -15,11 +15,11 @@ import dataclasses
 import re
 import subprocess
 import sys
+import tomllib
 import typing
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from reelcache import UserError
 from reelcache.cache.plan import CacheConfig

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from reelcache import UserError
 from reelcache.catalog.buckets import BucketConfig
