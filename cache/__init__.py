@@ -1,4 +1,5 @@
-"""reelcache.cache: VAE and T5 latents precomputed once into latent shards (not built yet).
+"""reelcache.cache: VAE and T5 latents precomputed once into latent shards, keyed by encoder identity.
 
-Same shape as ingest: ``plan`` -> ``run UNIT`` on many GPU nodes -> ``catalog merge``.
+Same shape as ingest: ``plan`` -> ``run UNIT`` on many GPU nodes (GNU parallel or a Slurm job
+array) -> ``catalog merge``.
 """
