@@ -584,8 +584,8 @@ def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tm
     import pyarrow.parquet as pq
     import torch
 
-    import reelcache.eval.video
-    import reelcache.train.flow
+    import reelcache.eval.evaluate
+    import reelcache.eval.samples
     from reelcache.cache.encoders import VideoEncoder
     from reelcache.catalog.manifest import resolve_manifest
 
@@ -611,9 +611,10 @@ def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tm
         written.append((Path(path).name, fps))
         return Path(path)
 
-    monkeypatch.setattr(reelcache.train.flow, "euler_sample", euler_sample)
+    # where the evaluator looks them up (its modules import them by name)
+    monkeypatch.setattr(reelcache.eval.samples, "euler_sample", euler_sample)
     monkeypatch.setattr(VideoEncoder, "decode", decode)
-    monkeypatch.setattr(reelcache.eval.video, "write_mp4", write_mp4)
+    monkeypatch.setattr(reelcache.eval.evaluate, "write_mp4", write_mp4)
     for name, (frames, height, width, batch, steps) in PRESET_TABLE.items():
         for record in (sampled, decoded, written):
             record.clear()

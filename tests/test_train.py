@@ -229,8 +229,8 @@ def test_a_stop_request_to_one_rank_checkpoints_every_rank_and_resume_continues_
     args = data_args(manifest, "--run.epochs=3", "--checkpoint.every=4", "--checkpoint.keep_last=10")
     if not (r / "runs/whole-ddp/ckpt-00000015").exists():  # made by the kill test above when it ran
         train(r, args + ["--run.name=whole-ddp"], nproc=2)
-    run = r / "runs/stopped"
-    p = launch(r, args + ["--run.name=stopped"], nproc=2)
+    run = r / "runs/stop-requested"
+    p = launch(r, args + ["--run.name=stop-requested"], nproc=2)
     deadline = time.monotonic() + 180
     while not (run / "ckpt-00000004").exists():
         assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:]
@@ -241,7 +241,7 @@ def test_a_stop_request_to_one_rank_checkpoints_every_rank_and_resume_continues_
     stopped = max(checkpoints(run))
     assert 4 < stopped < 15 and f"stopped on request at step {stopped}" in out, out[-3000:]
     assert json.loads((run / f"ckpt-{stopped:08d}/state.json").read_text())["global_step"] == stopped
-    train(r, args + ["--run.name=stopped", "--resume"], nproc=2)
+    train(r, args + ["--run.name=stop-requested", "--resume"], nproc=2)
     whole, resumed = metrics(r / "runs/whole-ddp"), metrics(run)
     assert sorted(resumed) == sorted(whole) and [resumed[s]["loss"] for s in whole] == [whole[s]["loss"] for s in whole]
     a, b = weights(r / "runs/whole-ddp/ckpt-00000015"), weights(run / "ckpt-00000015")
