@@ -1,8 +1,8 @@
 """Decode exactly the frames a bucket needs: one container, a window, resized inside swscale.
 
 For a clip assigned to bucket (T frames at H x W) with frame interval k, the window is
-L = (T - 1) k + 1 consecutive source frames starting at a frame drawn from (seed, clip id), so
-every node picks the same window. Decoding:
+L = (T - 1) k + 1 consecutive source frames starting at a frame drawn from (seed, view, clip id),
+so every node picks the same window. Decoding:
 
 - one PyAV container per clip, closed explicitly, ``thread_type="AUTO"`` (frame threads: 1.3-1.6x
   over the default slice threading at 720p-1080p);
@@ -85,10 +85,12 @@ def clip_seed(purpose: str, seed: int, clip_id: str) -> int:
     return int(np.random.SeedSequence(int.from_bytes(h, "big")).generate_state(1, np.uint64)[0])
 
 
-def window_start(clip_id: str, seed: int, num_frames: int, span: int) -> int:
-    """First source frame of the window: a pure function of (seed, clip id)."""
+def window_start(clip_id: str, seed: int, num_frames: int, span: int, view: int = 0) -> int:
+    """First source frame of the window: uniform over the num_frames - span + 1 valid starts, a pure
+    function of (seed, view, clip id). View 0 is the one window of a single-view cache (its key has no
+    view, so those caches keep their windows); view v >= 1 of a ``views = K`` cache draws again."""
     room = max(0, num_frames - span)
-    return clip_seed("window", seed, clip_id) % (room + 1)
+    return clip_seed("window" if view == 0 else f"window/{view}", seed, clip_id) % (room + 1)
 
 
 class _Fallback(Exception):

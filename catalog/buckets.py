@@ -15,12 +15,18 @@ down:
    chosen (T = 1, the image bucket, only for single-frame clips);
 3. p_res then keeps the clip at (resolution, T) or demotes it to the next resolution; an entry
    with batch size 0 (upstream's ``(0.0, None)``) is a length that is never kept, so a clip that
-   reaches it is demoted too. Every draw is a hash of (seed, clip id, resolution, T, which):
-   assignment is a pure function of (seed, clip id, config), reproducible on any node in any order;
+   reaches it is demoted too. Every draw is a hash of (seed, clip id, resolution, T, which, view):
+   assignment is a pure function of (seed, clip id, config, view), reproducible on any node in any
+   order;
 4. the aspect ratio is the nearest key of the table: |H/W - key| smallest.
 
 Every entry is checked as it is read (``Bucket``'s rules: a known resolution, probabilities in
 [0, 1], a batch size >= 0), so a bad one is one line naming the file and its key.
+
+Open-Sora 1.2 makes this draw again every epoch (its sampler seeds it with seed + epoch). A cache
+with ``views = K`` stores K independent draws per clip: ``view`` v is one more draw by the same
+rule from its own hashes (view 0 hashes exactly as a single-draw cache always has, so its buckets
+never change), and the loader shows view v(e) at epoch e (train/plan.py).
 
 A clip that fits nowhere gets no bucket and a reason (too_small, too_short, not_kept); the
 cache records it instead of losing it. Both the cache (assignment) and the loader (batch sizes)
@@ -92,8 +98,10 @@ def nearest_ratio(height: int, width: int) -> str:
     return min(ASPECT_RATIOS, key=lambda k: (abs(float(k) - ar), k))
 
 
-def _uniform(seed: int, clip_id: str, resolution: str, frames: int, which: str = "") -> float:
-    h = hashlib.blake2b(f"{seed}|{clip_id}|{resolution}|{frames}{which}".encode(), digest_size=8).digest()
+def _uniform(seed: int, clip_id: str, resolution: str, frames: int, which: str = "", view: int = 0) -> float:
+    # view 0 keeps the key of a single-draw cache (no view in it): those caches keep their buckets
+    key = f"{seed}|{clip_id}|{resolution}|{frames}{which}" + (f"|view{view}" if view else "")
+    h = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(h, "big") / 2**64
 
 
@@ -211,7 +219,10 @@ class BucketConfig:
             by_res.setdefault(res, []).append((t, keep, keep_t))
         return [(res, sorted(by_res[res], reverse=True)) for res in sorted(by_res, key=lambda r: -RESOLUTIONS[r])]
 
-    def assign(self, clip_id: str, height: int, width: int, num_frames: int, seed: int = 0) -> Assignment:
+    def assign(
+        self, clip_id: str, height: int, width: int, num_frames: int, seed: int = 0, view: int = 0
+    ) -> Assignment:
+        """The clip's bucket in draw `view` (0: the one draw of a single-view cache; see the module doc)."""
         sized = fitted = False
         for res, lengths in self._by_resolution:
             if height * width < 0.8 * RESOLUTIONS[res]:
@@ -223,13 +234,13 @@ class BucketConfig:
                 if not fits:
                     continue
                 fitted = True
-                if keep_t >= 1.0 or _uniform(seed, clip_id, res, t, "/t") < keep_t:
+                if keep_t >= 1.0 or _uniform(seed, clip_id, res, t, "/t", view) < keep_t:
                     chosen = (t, keep)
                     break
             if chosen is None:
                 continue
             t, keep = chosen
-            if keep >= 1.0 or _uniform(seed, clip_id, res, t) < keep:
+            if keep >= 1.0 or _uniform(seed, clip_id, res, t, view=view) < keep:
                 ar = nearest_ratio(height, width)
                 h, w = bucket_hw(res, ar)
                 return Assignment(f"{res}/{t}/{ar}", res, t, h, w)
