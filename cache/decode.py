@@ -22,6 +22,20 @@ so every node picks the same window. Decoding:
   rotated and centre-cropped to (H, W) in uint8. Nothing is converted to float here; decoding
   stops after the window's last frame.
 
+``resize="opensora"`` (the cache config's ``resize``) resizes as Open-Sora 1.2's training data
+does instead (``resize_crop_to_fill`` in its ``datasets/video_transforms.py``): the frame is
+converted to RGB at its coded size (``frame.to_rgb()``, as its reader) and rotated, then resized with
+``torch.nn.functional.interpolate(mode="bilinear", align_corners=False)`` (no antialias: a
+downscale samples 2 x 2 source pixels per output pixel, so it aliases where area averages) to
+cover the bucket's EXACT size (240 x 426, not 424; Python's ``round`` on the side that
+overflows), and centre-cropped to it; the cache then keeps the centre (H, W) of that crop (H, W:
+rounded down to the encoder's spatial multiple). Only the kept pixels are computed: bilinear
+reads 2 x 2 taps per output pixel, so cropping first is exact. The interpolation is numpy (this
+module stays without torch), with torch's CPU arithmetic: float32 scale in/out, source index
+(i + 0.5) x scale - 0.5 rounded once, clamped at 0; it agrees with torch 2.x to ~3e-5 of a level
+before rounding to uint8. It costs an RGB conversion at full size per frame, so it is slower than
+the area path at 1080p.
+
 Raw shards are read in place: the video member of ``raw/<source>/NNNNNN-KK.tar`` is opened as a
 file-like window at its byte offset, so the cache needs neither the original files nor a copy.
 """
@@ -37,10 +51,14 @@ from pathlib import Path
 import av
 import numpy as np
 
+from reelcache.catalog.buckets import bucket_geometry
 from reelcache.media import sample_aspect_ratio, video_stream
 
 # `cache run`'s decode workers are spawned processes that import this module (to unpickle
-# decode_clip_shared) and no other of the cache: keep it to numpy and PyAV, without torch or pyarrow.
+# decode_clip_shared) and no other of the cache: keep it to numpy and PyAV, without torch or pyarrow
+# (catalog/buckets.py is the standard library only).
+
+RESIZES = ("area", "opensora")  # the cache config's `resize`: swscale area, or Open-Sora 1.2's bilinear
 
 
 class FileSlice(io.RawIOBase):
@@ -107,13 +125,21 @@ def decode_window(
     start: int = 0,
     fps: float | None = None,
     out: np.ndarray | None = None,
+    resize: str = "area",
+    fit: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """uint8 [frames, height, width, 3]: frames start, start+interval, ... resized and centre-cropped.
 
     `source` is a path or a seekable file-like object (FileSlice). `out`, if given, receives the
-    frames (e.g. a shared-memory array). Raises ValueError if the clip cannot fill the window.
+    frames (e.g. a shared-memory array). `resize`: "area" or "opensora" (module docstring); with
+    "opensora", `fit` is the bucket's exact (H, W) that Open-Sora crops to (default: (height,
+    width)). Raises ValueError if the clip cannot fill the window.
     """
 
+    if resize not in RESIZES:
+        raise ValueError(f"resize = {resize!r}: expected one of {', '.join(map(repr, RESIZES))}")
+    fit = None if resize == "area" else fit or (height, width)
+    assert fit is None or (fit[0] >= height and fit[1] >= width), (fit, height, width)
     wanted = [start + i * interval for i in range(frames)]
     if out is None:
         out = np.empty((frames, height, width, 3), dtype=np.uint8)
@@ -127,7 +153,7 @@ def decode_window(
                     (vs.start_time or 0) + int((start / rate - back) / vs.time_base), stream=vs, backward=True
                 )
                 try:
-                    got = _fill(container.decode(vs), out, wanted, height, width, _sar(vs), _pts_index(vs, rate))
+                    got = _fill(container.decode(vs), out, wanted, height, width, _sar(vs), _pts_index(vs, rate), fit)
                 except _Fallback:
                     break
                 if got is not None:
@@ -138,7 +164,7 @@ def decode_window(
             if hasattr(source, "seek"):
                 source.seek(0)
             container, vs = _open(source)
-        got = _fill(container.decode(vs), out, wanted, height, width, _sar(vs), None)
+        got = _fill(container.decode(vs), out, wanted, height, width, _sar(vs), None, fit)
         _complete(got, frames, start)
         return out
     finally:
@@ -151,7 +177,9 @@ class FrameBufferError(OSError):
 
 def decode_clip(job: dict, root: str, out=None) -> np.ndarray:
     """A cache job's window (cache/run.py builds the job) as uint8 [T, H, W, 3], read in place from
-    its raw shard (into `out` when given)."""
+    its raw shard (into `out` when given). job["resize"] (default "area") picks the resize; the
+    "opensora" one covers and crops the bucket's exact size, from its name."""
+    resize = job.get("resize", "area")
     src = FileSlice(str(Path(root) / job["raw_shard"]), job["raw_offset"], job["file_size"])
     try:
         return decode_window(
@@ -163,6 +191,8 @@ def decode_clip(job: dict, root: str, out=None) -> np.ndarray:
             start=job["window_start"],
             fps=job["fps"],
             out=out,
+            resize=resize,
+            fit=bucket_geometry(job["bucket"])[1:] if resize == "opensora" else None,
         )
     finally:
         src.close()
@@ -219,9 +249,10 @@ def _sar(vs) -> float:
     return float(sample_aspect_ratio(vs))
 
 
-def _fill(frames_iter, out, wanted, height, width, sar, index):
+def _fill(frames_iter, out, wanted, height, width, sar, index, fit=None):
     """Decode into out[k] the frames whose index is wanted[k]; return how many were filled, or
-    None when a seek landed past wanted[0]. `index` maps a frame to its index (None: count)."""
+    None when a seek landed past wanted[0]. `index` maps a frame to its index (None: count).
+    `fit`: None resizes by area; (H, W) as Open-Sora 1.2 does, cropping that size first."""
     got, k, prev, geometry = 0, 0, None, None
     for frame in frames_iter:
         idx = k if index is None else index(frame)
@@ -232,6 +263,14 @@ def _fill(frames_iter, out, wanted, height, width, sar, index):
             raise _Fallback  # a missing or repeated index: counting is the only truth
         prev = idx
         if idx != wanted[got]:
+            continue
+        if fit is not None:
+            if geometry is None:
+                geometry = _bilinear_geometry(frame, height, width, fit, sar)
+            out[got] = _bilinear(frame, *geometry)
+            got += 1
+            if got == len(wanted):
+                break
             continue
         if geometry is None:
             geometry = _geometry(frame, height, width, sar)
@@ -263,3 +302,54 @@ def _geometry(frame, height: int, width: int, sar: float = 1.0) -> tuple[int, in
     sdw, sdh = max(width, math.ceil(dw * scale - 1e-6)), max(height, math.ceil(dh * scale - 1e-6))
     sw, sh = (sdh, sdw) if rot in (90, 270) else (sdw, sdh)
     return sw, sh, rot
+
+
+def _bilinear_geometry(frame, height: int, width: int, fit: tuple[int, int], sar: float = 1.0) -> tuple:
+    """(rotation, row taps, column taps) of Open-Sora 1.2's resize_crop_to_fill to `fit` = (th, tw),
+    restricted to the centre (height, width) of its crop.
+
+    Upstream, on the (T, C, h, w) clip: rh, rw = th / h, tw / w; if rh > rw: (sh, sw) = (th,
+    round(w rh)), else (round(h rw), tw); bilinear to (sh, sw); crop (th, tw) at
+    (int(round(sh - th) / 2.0), int(round(sw - tw) / 2.0)), i.e. the floor of half the excess.
+    Here h, w are the displayed picture's (SAR, rotation), so a non-square SAR is a per-axis scale
+    of the same one interpolation (upstream ignores the SAR; for square pixels this is upstream's)."""
+    rot = int(frame.rotation or 0) % 360
+    pw, ph = frame.width * sar, frame.height
+    dw, dh = (ph, pw) if rot in (90, 270) else (pw, ph)
+    th, tw = fit
+    rh, rw = th / dh, tw / dw
+    sh, sw = (th, round(dw * rh)) if rh > rw else (round(dh * rw), tw)
+    y = (sh - th) // 2 + (th - height) // 2
+    x = (sw - tw) // 2 + (tw - width) // 2
+    ih, iw = (frame.width, frame.height) if rot in (90, 270) else (frame.height, frame.width)  # rotated, coded
+    return rot, _taps(ih, sh, y, height), _taps(iw, sw, x, width)
+
+
+def _taps(n_in: int, n_out: int, first: int, count: int) -> tuple:
+    """torch's bilinear (align_corners=False) along one axis resized n_in -> n_out, for the outputs
+    first .. first + count - 1: (i0, i1, w0, w1), output = w0 x[i0] + w1 x[i1].
+
+    As torch's CPU kernel computes them: scale = float32(n_in) / n_out; source = (i + 0.5) x scale
+    - 0.5 with one rounding to float32 (a fused multiply-add), clamped at 0; i0 = floor, i1 = i0 + 1
+    within the input; w1 = source - i0."""
+    scale = np.float32(n_in) / np.float32(n_out)
+    src = ((np.arange(first, first + count) + 0.5) * np.float64(scale) - 0.5).astype(np.float32)
+    src = np.maximum(src, np.float32(0.0))
+    i0 = np.minimum(src.astype(np.intp), n_in - 1)
+    w1 = np.clip(src - i0.astype(np.float32), np.float32(0.0), np.float32(1.0))
+    return i0, np.minimum(i0 + 1, n_in - 1), np.float32(1.0) - w1, w1
+
+
+def _bilinear(frame, rot: int, rows: tuple, cols: tuple) -> np.ndarray:
+    """One frame through `_bilinear_geometry`'s taps: uint8 [height, width, 3]."""
+    rgb = frame.to_rgb().to_ndarray()  # at its coded size, as upstream's read_video_av
+    if rot:
+        rgb = np.rot90(rgb, k=rot // 90)
+    (r0, r1, a0, a1), (c0, c1, b0, b1) = rows, cols
+    b0, b1 = b0[:, None], b1[:, None]
+    top, bottom = rgb[r0], rgb[r1]
+    # along W, then H: the order of torch's kernel; float32, on 0..255 (upstream: 0..1, the same up to rounding)
+    top = top[:, c0] * b0 + top[:, c1] * b1
+    bottom = bottom[:, c0] * b0 + bottom[:, c1] * b1
+    v = top * a0[:, None, None] + bottom * a1[:, None, None]
+    return (v + 0.5).astype(np.uint8)  # round half up: v is a convex combination of 0..255

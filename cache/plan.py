@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache import UserError
-from reelcache.cache.decode import window_start
+from reelcache.cache.decode import RESIZES, window_start
 from reelcache.cache.encoders import TINY_VIDEO, EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.catalog.manifest import read_manifest, resolve_manifest
@@ -30,6 +30,13 @@ from reelcache.progress import say
 from reelcache.settings import NAME, TEXT, build, load_toml, setting
 
 CACHE_VERSION = 1
+# cache.json's preprocess.resize for each `resize`. "area"'s is the text every cache had before the
+# option existed: a default cache keeps its identity (no new key), and one resized otherwise differs.
+RESIZE_IDENTITY = {
+    "area": "swscale area, cover",
+    "opensora": "Open-Sora 1.2 resize_crop_to_fill: rgb24 at coded size, bilinear without antialias "
+    "(torch interpolate, align_corners=False), cover the bucket's exact size (round), centre crop to it",
+}
 
 
 @dataclass
@@ -49,6 +56,12 @@ class CacheConfig:
     shard_mb: float = setting(1000.0, "cap on one latent shard's size", gt=0)
     store: str = setting(
         "posterior", "posterior: mean + logvar (sampled at load); sample: one draw", choices=("posterior", "sample")
+    )
+    resize: str = setting(
+        "area",
+        "area: swscale's area filter (antialiased) covering (H, W); opensora: Open-Sora 1.2's bilinear without "
+        "antialias, covering and cropping the bucket's exact size (e.g. 240 x 426), then the centre (H, W)",
+        choices=RESIZES,
     )
     extra: dict = setting(doc="free-form, recorded with the plan", factory=dict)
 
@@ -94,7 +107,7 @@ def identity(cfg: CacheConfig, buckets: BucketConfig, manifest_fp: str) -> dict:
         "spatial_multiple": spatial_multiple(cfg.video_encoder),
         "preprocess": {
             "decode": "pyav, frames in presentation order, displayed picture (SAR, rotation)",
-            "resize": "swscale area, cover",
+            "resize": RESIZE_IDENTITY[cfg.resize],
             "crop": "centre",
             "window": "SeedSequence(blake2b-256(window|seed|clip_id))",
             "range": [-1, 1],
@@ -154,6 +167,7 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
     old_plan = cdir / "_plan" / "plan.json"
     if old_plan.exists() and any(cdir.glob("[0-9]*.parquet")):
         prev = json.loads(old_plan.read_text())["config"]
+        prev.setdefault("resize", "area")  # a plan made before the option resized by area
         if d := diff(prev, json.loads(json.dumps(dataclasses.asdict(cfg), default=str))):
             raise UserError(
                 f"cache {cfg.name!r} has finished units planned with another configuration "

@@ -193,7 +193,7 @@ def _run(
             "width": r["width"],
             "window_start": r["window_start"],
         }
-    jobs = [dict(r, interval=buckets.frame_interval) for r in rows if r["bucket"]]
+    jobs = [dict(r, interval=buckets.frame_interval, resize=cfg.resize) for r in rows if r["bucket"]]
 
     device = device or default_device()
     video = VideoEncoder(cfg.video_encoder, device)
