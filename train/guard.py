@@ -6,6 +6,13 @@ lies more than ``spike_z`` standard deviations above the mean of the last ``wind
 flags are max-reduced once more, so all ranks skip the optimizer step together: no collective
 ever falls out of step. Bad steps do not enter the window. After ``max_bad`` consecutive bad
 steps the run stops, naming the last good checkpoint and the command that resumes from it.
+
+Open-Sora never skips a step. ``spike_z = 0`` and ``skip_nonfinite = false`` (the
+``opensora12-original`` configs) give its behaviour: a non-finite step then updates the weights
+as upstream's would (they usually become NaN, and so does every later loss). Such a step is still
+bad: it is recorded and logged, and ``max_bad`` of them in a row stop the run where upstream would
+train on NaN weights to the end; the checkpoint the message names is then the newest one saved
+before the first of them (``stepped_from``), not one holding the NaN weights.
 """
 
 from __future__ import annotations
@@ -23,10 +30,13 @@ class GuardConfig:
 
     spike_z: float = setting(6.0, "a loss this many std above the running window is a spike (0 = off)", ge=0)
     window: int = setting(100, "steps in the running loss window (spike detection starts when full)", ge=2)
-    max_bad_steps: int = setting(5, "consecutive skipped steps before the run stops with a message", ge=1)
+    max_bad_steps: int = setting(5, "consecutive bad steps (skipped or not) before the run stops with a message", ge=1)
+    skip_nonfinite: bool = setting(
+        True, "skip a step whose loss or gradient norm is not finite; false: step anyway, as Open-Sora does"
+    )
 
     def build(self) -> Guard:
-        return Guard(self.spike_z, self.window, self.max_bad_steps)
+        return Guard(self.spike_z, self.window, self.max_bad_steps, self.skip_nonfinite)
 
 
 class DivergedError(RuntimeError):
@@ -34,10 +44,11 @@ class DivergedError(RuntimeError):
 
 
 class Guard:
-    def __init__(self, spike_z: float = 6.0, window: int = 100, max_bad: int = 5):
-        self.spike_z, self.max_bad = spike_z, max_bad
+    def __init__(self, spike_z: float = 6.0, window: int = 100, max_bad: int = 5, skip_nonfinite: bool = True):
+        self.spike_z, self.max_bad, self.skip_nonfinite = spike_z, max_bad, skip_nonfinite
         self.window: deque[float] = deque(maxlen=max(2, window))
         self.bad = 0
+        self.stepped_from: int | None = None  # the first bad step of this streak that updated the weights
 
     def verdict(self, loss: float, grad_norm: float) -> str | None:
         """None for a good step, else the reason it is bad (the window is not updated here)."""
@@ -56,11 +67,19 @@ class Guard:
                 )
         return None
 
-    def record(self, loss: float, bad: bool) -> None:
+    def skips(self, loss: float, grad_norm: float) -> bool:
+        """Whether a bad step is skipped: always for a spike; a non-finite one unless skip_nonfinite is off."""
+        return self.skip_nonfinite or (math.isfinite(loss) and math.isfinite(grad_norm))
+
+    def record(self, loss: float, bad: bool, stepped_at: int | None = None) -> None:
+        """``stepped_at``: the global step of a bad step the optimizer took anyway."""
         if bad:
             self.bad += 1
+            if stepped_at is not None and self.stepped_from is None:
+                self.stepped_from = stepped_at
         else:
             self.bad = 0
+            self.stepped_from = None
             self.window.append(loss)
 
     @property
@@ -68,9 +87,10 @@ class Guard:
         return self.bad >= self.max_bad
 
     def state_dict(self) -> dict:
-        return {"window": list(self.window), "bad": self.bad}
+        return {"window": list(self.window), "bad": self.bad, "stepped_from": self.stepped_from}
 
     def load_state_dict(self, state: dict) -> None:
         self.window.clear()
         self.window.extend(state.get("window", []))
         self.bad = int(state.get("bad", 0))
+        self.stepped_from = state.get("stepped_from")

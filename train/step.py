@@ -46,6 +46,7 @@ class StepResult:
     losses: torch.Tensor  # this rank's per-sample losses
     grad_norm: float = math.nan
     lr: float | None = None  # None: skipped
+    bad: str | None = None  # why the guard found the step bad (skipped or not), or None
     skipped: str | None = None  # why the guard skipped the step, or None
 
 
@@ -135,14 +136,18 @@ class Step:
         )
 
     def update(self, out: StepResult, state) -> StepResult:
-        """Guard, optimizer step, EMA; gradients cleared either way."""
+        """Guard, optimizer step (unless the guard skips it), EMA; gradients cleared either way."""
         par = self.par
+        guard = self.guard
         out.grad_norm = float(par.grad_norm(self.model, self.optimizer, self.cfg.optim.grad_clip))
-        reason = self.guard.verdict(out.loss, out.grad_norm)
-        bad = bool(par.max([1.0 if reason else 0.0])[0] > 0)
+        reason = guard.verdict(out.loss, out.grad_norm)
+        skip = reason is not None and guard.skips(out.loss, out.grad_norm)
+        bad, skip = (par.max([1.0 if reason else 0.0, 1.0 if skip else 0.0]) > 0).tolist()
         if bad:
-            out.skipped = reason or "another rank found this step bad"
-        else:
+            out.bad = reason or "another rank found this step bad"
+        if skip:
+            out.skipped = out.bad
+        else:  # a good step, or a non-finite one with guard.skip_nonfinite off (Open-Sora steps on it)
             out.lr = lr_at(state.opt_steps, self.cfg.optim)
             for group in self.optimizer.param_groups:
                 group["lr"] = out.lr
@@ -151,5 +156,5 @@ class Step:
             if self.ema is not None:
                 self.ema.update(par.master_chunks(self.model, self.optimizer))
         self.optimizer.zero_grad()
-        self.guard.record(out.loss, bad)
+        guard.record(out.loss, bad, stepped_at=state.global_step if bad and not skip else None)
         return out

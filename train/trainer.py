@@ -290,11 +290,11 @@ class Trainer:
                     dog.end()
                     if not out.skipped:
                         self._since_log.append(out.loss)
-                    if out.skipped:
+                    if out.bad:
                         self._record_bad(batch, out)
                         if st.guard.exhausted:
                             raise DivergedError(self._diverged_message())
-                    if st.global_step % cfg.log.every == 0 or out.skipped:
+                    if st.global_step % cfg.log.every == 0 or out.bad:
                         self._log(batch, out, t_end - t_data, t_step - t_data)
                     self._save(last=self._done())
                     if self._done() or self.ckpt.stopping:
@@ -350,18 +350,23 @@ class Trainer:
                 "epoch": self.loader.epoch,
                 "loss": out.loss,
                 "grad_norm": out.grad_norm,
-                "reason": out.skipped,
+                "reason": out.bad,
+                "skipped": bool(out.skipped),
                 "clip_ids": [c for r in clips for c in r],
             }
             with open(self.run_dir / "bad_steps.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            what = "skipped" if out.skipped else "NOT skipped (guard.skip_nonfinite = false), the optimizer stepped"
             say(
-                f"step {rec['step']}: skipped ({out.skipped}); clips: {', '.join(rec['clip_ids'][:8])}"
+                f"step {rec['step']}: {what} ({out.bad}); clips: {', '.join(rec['clip_ids'][:8])}"
                 + (" ..." if len(rec["clip_ids"]) > 8 else "")
             )
 
     def _diverged_message(self) -> str:
         found = ck.list_checkpoints(self.run_dir)
+        stepped = self.state.guard.stepped_from  # bad steps that changed the weights: a checkpoint before them
+        if stepped is not None:
+            found = [c for c in found if ck.ckpt_step(c) <= stepped]
         last = found[-1] if found else None
         cmd = (
             f"reelcache train <config> --root {self.root} --load {last}"
