@@ -9,7 +9,9 @@ the state-dict keys of a published STDiT3 checkpoint (``fc1``/``fc2`` from timm'
 Numerics follow upstream where it is particular, since released checkpoints were trained with
 them: RMSNorm's statistics in fp32, RoPE angles in the frequencies' dtype (bf16 once the model is
 cast), the final layer's second normalisation of t=0 frames, positions scaled by the FIRST
-sample's picture size. Where the implementation differs (SDPA with a boolean key mask instead of
+sample's picture size. The 2D positions' frequencies are fp32 unless asked to be rounded to bf16
+as upstream's cast buffer is (``STDiT3Config.pos_embed_bf16_freqs``): ours are computed, not a
+buffer, so no cast reaches them. Where the implementation differs (SDPA with a boolean key mask instead of
 xformers' packed block-diagonal mask, positions without a host sync), the result does not: see
 train/model.py's docstring.
 """
@@ -190,13 +192,22 @@ class PatchEmbed3D(nn.Module):
         return self.proj(x)  # (B, C, T', H', W')
 
 
-def pos_embed_2d(hidden: int, h: int, w: int, height, width, input_sq_size: int, device, dtype):
+def pos_embed_2d(
+    hidden: int, h: int, w: int, height, width, input_sq_size: int, device, dtype, bf16_freqs: bool = False
+):
     """Sin-cos positions of the (h, w) patch grid, (h*w, C): first C/2 channels the column
     coordinate, last C/2 the row, each [sin | cos]; coord = idx / scale * base_size / n_axis with
     scale = sqrt(height*width)/input_sq_size (pixels of the FIRST sample) and base_size =
-    round(sqrt(h*w)). Tensor arithmetic so a GPU batch needs no host sync."""
+    round(sqrt(h*w)). Tensor arithmetic so a GPU batch needs no host sync.
+
+    ``bf16_freqs``: the frequencies rounded to bf16, as upstream's are once ``model.to(bf16)`` has
+    cast its ``inv_freq`` buffer (the angles and sin/cos stay fp32 there too: its einsum promotes
+    the bf16 frequencies against the fp32 grid). Up to 0.058 away from the fp32 embedding at
+    XL/2's width, for every picture size of the stage tables."""
     half = hidden // 2
     inv_freq = 1.0 / (10000 ** (torch.arange(0, half, 2, device=device).float() / half))
+    if bf16_freqs:
+        inv_freq = inv_freq.bfloat16().float()
     scale = torch.sqrt(height[0].to(device, torch.float64) * width[0].to(device, torch.float64)) / input_sq_size
     base = round((h * w) ** 0.5)
     gw = (torch.arange(w, device=device) / scale).float() * (base / w)

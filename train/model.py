@@ -27,6 +27,8 @@ Where this differs from upstream's implementation (not its result):
   * ``mask=None`` means "every token of each sample is valid"; upstream then lets every sample
     attend to all samples' captions (an upstream quirk, never used by training).
   * The pos-embedding scale is computed with tensor ops (no ``.item()``, no host sync on GPU).
+  * The pos-embedding frequencies are fp32: upstream's are a buffer that its bf16 cast rounds.
+    ``pos_embed_bf16_freqs`` rounds them the same way (the opensora12-original configs set it).
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ class STDiT3Config:
     """Freeze the caption projection (all Open-Sora 1.2 stages do)."""
     skip_y_embedder: bool = False
     """Captions arrive already projected to hidden_size (y_proj is not applied)."""
+    pos_embed_bf16_freqs: bool = False
+    """Round the 2D position embedding's frequencies to bf16, as upstream's ``model.to(bf16)`` rounds its
+    ``inv_freq`` buffer (what Open-Sora's weights were trained with; up to 0.058 off the fp32 embedding).
+    Not upstream's config key (its config.json lacks it); RoPE's freqs are a parameter, cast with the model."""
 
     def __post_init__(self):
         self.patch_size = tuple(int(p) for p in self.patch_size)
@@ -290,7 +296,7 @@ class STDiT3(nn.Module):
         x = self.x_embedder(x)  # (B, C, T, H', W')
         _, c, t_, h_, w_ = x.shape
         x = x.flatten(3).transpose(1, 2).transpose(2, 3)  # (B, T, S, C)
-        x = x + pos_embed_2d(c, h_, w_, height, width, cfg.input_sq_size, x.device, dtype)
+        x = x + pos_embed_2d(c, h_, w_, height, width, cfg.input_sq_size, x.device, dtype, cfg.pos_embed_bf16_freqs)
         rope = self.rope.cos_sin(t_, dtype)
 
         ckpt = self.grad_checkpointing and self.training and torch.is_grad_enabled()
