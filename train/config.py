@@ -81,6 +81,11 @@ class DataConfig:
     prefetch: int = setting(2, "batches in flight per worker", ge=1)
     block: int = setting(64, "block-shuffle size (samples read close together on disk)", ge=1)
     default_fps: float = setting(24.0, "fps for clips whose manifest carries none", gt=0)
+    image_fps: float = setting(
+        0.0,
+        "the fps input of image buckets (T = 1); 0 = as a video's (manifest, else default_fps); Open-Sora: 120",
+        ge=0,
+    )
 
 
 @dataclass

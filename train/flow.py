@@ -57,16 +57,24 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(h, "big") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def conditioning(bucket: str, fps, frame_interval: int, default_fps: float) -> dict:
+def conditioning(bucket: str, fps, frame_interval: int, default_fps: float, image_fps: float = 0.0) -> dict:
     """The model's size and rate inputs for a batch of one bucket, as Open-Sora 1.2 builds them:
     ``fps`` (NaN: ``default_fps``) divided by the bucket table's frame interval and floored,
     ``height`` and ``width`` the bucket's pixel size, ``num_frames`` its pixel frame count (what
-    ``timestep_transform`` shifts by; not a model input). Float32 tensors of the batch size, on CPU."""
+    ``timestep_transform`` shifts by; not a model input). Float32 tensors of the batch size, on CPU.
+
+    ``image_fps`` > 0: the fps of an image bucket (T = 1, single-frame clips only), as given (not
+    divided by the frame interval): Open-Sora's images carry IMG_FPS = 120. 0: an image's fps is
+    found as a video's."""
     frames, height, width = bucket_geometry(bucket)
     fps = torch.nan_to_num(torch.as_tensor(fps).float(), nan=default_fps)
     b = fps.shape[0]
+    if frames == 1 and image_fps > 0:
+        rate = torch.full((b,), float(image_fps))
+    else:
+        rate = torch.floor(fps / frame_interval)
     return {
-        "fps": torch.floor(fps / frame_interval),
+        "fps": rate,
         "height": torch.full((b,), float(height)),
         "width": torch.full((b,), float(width)),
         "num_frames": torch.full((b,), float(frames)),

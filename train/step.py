@@ -106,7 +106,9 @@ class Step:
         # How many real samples (and real ranks) this step has: known before the forward.
         n_real, r_real = par.sum([real, 1.0 if weight > 0 else 0.0]).tolist()
         d = self.draws(batch, global_step)
-        cond = conditioning(batch["bucket"], batch["fps"], self.frame_interval, cfg.data.default_fps)
+        cond = conditioning(
+            batch["bucket"], batch["fps"], self.frame_interval, cfg.data.default_fps, cfg.data.image_fps
+        )
         frames = cond.pop("num_frames")
         t = d["t"]
         if cfg.flow.use_timestep_transform:
