@@ -85,6 +85,10 @@ class CheckpointConfig:
     every: int = setting(100, "steps between checkpoints (0 = only at the end and on a stop request)", ge=0)
     keep_last: int = setting(3, "newest checkpoints kept (0 = all) ...", ge=0)
     keep_every: int = setting(0, "... plus every checkpoint whose step is a multiple of this (0 = none)", ge=0)
+    at_start: bool = setting(
+        False,
+        "save ckpt-00000000 before the first step of a run that resumes nothing (Open-Sora's epoch0-global_step0)",
+    )
 
 
 def read_state(ckpt) -> dict:
@@ -127,9 +131,9 @@ class Checkpointer:
 
     ``snapshot()`` is the trainer's: a collective returning what one checkpoint holds (host copies
     of the weights, EMA and optimizer moments on rank 0, the trainer's state and config). The loop
-    calls ``save(step)`` after every step and ``save(step, last=True)`` at its end; the
-    checkpointer saves on its cadence, at the last step, or when a stop was requested on any rank,
-    and then sets ``stopping``."""
+    calls ``start(step)`` before its first step, ``save(step)`` after every step and ``save(step,
+    last=True)`` at its end; the checkpointer saves at the start if asked (``at_start``), on its
+    cadence, at the last step, or when a stop was requested on any rank, and then sets ``stopping``."""
 
     def __init__(self, cfg: CheckpointConfig, run_dir, par, snapshot=None, saved_step: int | None = None):
         self.cfg, self.run_dir, self.par, self.snapshot = cfg, Path(run_dir), par, snapshot
@@ -143,6 +147,14 @@ class Checkpointer:
             for stale in self.run_dir.glob(".tmp-ckpt-*"):  # left by a run killed while saving
                 shutil.rmtree(stale, ignore_errors=True)
         par.barrier()
+
+    def start(self, step: int) -> Path | None:
+        """Collective, before the first step: ``ckpt-00000000`` with ``at_start`` when the run starts at
+        step 0 from nothing saved (a fresh start or --init-from, as upstream saves epoch0-global_step0;
+        a resumed run never). Its weights are the initial ones, its EMA a copy of them, no optimizer/."""
+        if not (self.cfg.at_start and step == 0 and self.saved_step is None):
+            return None
+        return self.save(step, last=True)
 
     def due(self, step: int, last: bool = False) -> bool:
         """Collective: whether ``step`` saves. A stop request on any rank counts for all of them."""

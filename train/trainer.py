@@ -275,6 +275,9 @@ class Trainer:
         self._since_log: list[float] = []  # losses of the good steps since the last metrics row
         dog = cfg.watchdog.build(self.run_dir, par.rank, alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}"))
         try:
+            path = self.ckpt.start(st.global_step)
+            if path is not None and self.rank0:
+                say(f"checkpoint {path.name} before the first step (checkpoint.at_start; writing in the background)")
             while self.loader.epoch < cfg.run.epochs and not self._done():
                 sched, k = self.loader.schedule(), 0
                 dog.begin(st.global_step, **self._upcoming(sched, k))
