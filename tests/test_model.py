@@ -273,7 +273,8 @@ def test_load_safetensors_file_and_hub_folder(tmp_path):
     )
     model = STDiT3(fixture_config())
     report = load_weights(model, hub)
-    assert report.complete and not report.notes
+    # the only note: Open-Sora trained the published weights with bf16-rounded position frequencies
+    assert report.complete and len(report.notes) == 1 and "pos_embed_bf16_freqs = true" in report.notes[0]
     _assert_state(model, ref)
     # a strict load that does not fit is refused before anything is copied
     other = STDiT3(STDiT3Config.preset("tiny", model_max_length=8))
@@ -341,7 +342,7 @@ def test_open_sora_checkpoint_folder_loads_non_strict_and_reports(tmp_path):
     fresh = STDiT3(fixture_config())
     init = {k: v.clone() for k, v in fresh.state_dict().items()}
     report = load_weights(fresh, folder)
-    assert report.kind == "Open-Sora checkpoint, model/ (non-EMA)"
+    assert report.kind.startswith("Open-Sora checkpoint, model/ (non-EMA")
     assert report.unexpected == ["extra.bias"]
     assert set(report.missing) == {k for k in ref if k.startswith("temporal_blocks.1.")}
     _assert_state(fresh, {k: ref[k].to(torch.bfloat16).float() for k in keys})

@@ -2,7 +2,8 @@
 
     ckpt-00002210/
       model/       fp32 master weights (trainable) + frozen ones and buffers, safetensors shards + index
-      ema/         fp32 EMA, same layout (absent when run.ema_decay = 0)
+      ema/         fp32 EMA of the trainable tensors beside model/'s frozen ones and buffers: a complete
+                   state dict, same layout (absent when run.ema_decay = 0)
       optimizer/   full Adam moments by parameter name (safetensors) + step counts (JSON), the
                    same for ZeRO and DDP at any world size (absent before the first optimizer step)
       state.json   global and optimizer steps, the loader's state (epoch, position, data

@@ -24,6 +24,8 @@ examples:
   reelcache train configs/train/opensora12/stage2.toml --root /data/rc \\
       --init-from /data/rc/runs/stage1/ckpt-00002210                                      # next stage: weights only
   reelcache train configs/train/opensora12/stage3.toml --root /data/rc --load runs/stage3/ckpt-00007099 --reset-data
+  reelcache train configs/train/opensora12-original/stage3.toml --root /data/rc \\
+      --init-from outputs/010-STDiT3-XL-2/epoch4-global_step14778 --init-from-weights ema    # an Open-Sora run's EMA
   torchrun --nproc_per_node 2 -m reelcache.train configs/train/debug/stage1.toml --root demo-root   # CPU
 
 Any config field can be overridden after the file: --optim.lr=2e-4 --run.name=stage1-try2 --run.epochs=3
@@ -109,6 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "published STDiT3 folder / .safetensors, or a PixArt-Sigma .pth",
     )
     p.add_argument(
+        "--init-from-weights",
+        choices=["model", "ema"],
+        help="with --init-from a checkpoint folder: its training weights (model/, the default, as "
+        "Open-Sora's own loader takes) or its EMA (our ema/, Open-Sora's ema.pt)",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="resume from this run's newest checkpoint if it has one, else start (from --init-from "
@@ -147,6 +155,8 @@ def run(a, overrides: list[str]) -> None:
         raise UserError(f"unrecognized arguments {bad}: config overrides look like --optim.lr=2e-4")
     if a.reset_data and not a.load:
         raise UserError("--reset-data goes with --load (it keeps the optimizer and restarts the data)")
+    if a.init_from_weights and not a.init_from:
+        raise UserError("--init-from-weights goes with --init-from (which weights of that checkpoint to start from)")
     overrides = [o[2:] for o in overrides]
     if a.run:
         overrides.append(f'run.name="{a.run}"')
@@ -160,7 +170,15 @@ def run(a, overrides: list[str]) -> None:
     from reelcache.train.trainer import Trainer
 
     try:
-        Trainer(cfg, a.root, load=a.load, resume=a.resume, init_from=a.init_from, reset_data=a.reset_data).train()
+        Trainer(
+            cfg,
+            a.root,
+            load=a.load,
+            resume=a.resume,
+            init_from=a.init_from,
+            init_weights=a.init_from_weights or "model",
+            reset_data=a.reset_data,
+        ).train()
     except DivergedError as e:
         raise UserError(str(e)) from None
 
@@ -180,6 +198,8 @@ def _submit(a, cfg, overrides: list[str]) -> None:
     train_args = [f"--{o}" for o in overrides if not o.startswith("run.name=")]
     if a.init_from:
         train_args += ["--init-from", str(Path(a.init_from).resolve())]
+    if a.init_from_weights:
+        train_args += ["--init-from-weights", a.init_from_weights]
     root = Path(a.root).resolve()
     script, text = sbatch.train_script(
         a.config, root, cfg.run.name, res, nproc=nproc, signal_s=a.signal_s, train_args=train_args

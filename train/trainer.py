@@ -71,12 +71,20 @@ class TrainState:
 
 class Trainer:
     def __init__(
-        self, cfg: TrainConfig, root, *, load=None, resume: bool = False, init_from=None, reset_data: bool = False
+        self,
+        cfg: TrainConfig,
+        root,
+        *,
+        load=None,
+        resume: bool = False,
+        init_from=None,
+        init_weights: str = "model",
+        reset_data: bool = False,
     ):
         """``load``: a checkpoint (or "latest") to continue; ``resume``: continue from the run's newest
         checkpoint if it has one, else start (what a requeued job runs); ``init_from``: weights to
-        start a new run from."""
-        self.cfg, self.root = cfg, Path(root)
+        start a new run from, ``init_weights`` which of a checkpoint folder's ("model" or "ema")."""
+        self.cfg, self.root, self.init_weights = cfg, Path(root), init_weights
         self.run_dir = self.root / "runs" / cfg.run.name
         self.par = Parallel.setup(cfg.run.plugin, cfg.model.dtype, cfg.optim.grad_clip)
         self.rank0 = self.par.rank == 0
@@ -131,11 +139,11 @@ class Trainer:
         model = STDiT3(self.model_cfg)
         if cfg.model.grad_checkpoint:
             model.set_grad_checkpointing(True)
-        self.loaded_from = None
+        self.loaded_from = self.loaded_which = None
         if self.ckpt_path is not None:
             self._load_weights(model, self.ckpt_path, strict=True)
         elif init_from is not None:
-            self._load_weights(model, init_from, strict=None)
+            self._load_weights(model, init_from, strict=None, which=self.init_weights)
         self.shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
         # fp32 values as initialised or loaded: ZeRO's boost casts the module to bf16 and would build
         # the fp32 masters from those rounded values; frozen entries are saved from here too.
@@ -188,12 +196,12 @@ class Trainer:
     def module(self):
         return self.model.unwrap()
 
-    def _load_weights(self, model, path, strict):
+    def _load_weights(self, model, path, strict, which: str = "model"):
         try:
-            report = load_weights(model, path, strict=strict)
+            report = load_weights(model, path, strict=strict, which=which, chosen=set(self.cfg.model.overrides))
         except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
             raise UserError(f"cannot load weights from {path}: {e}") from e
-        self.loaded_from = str(path)
+        self.loaded_from, self.loaded_which = str(path), which
         if self.rank0:
             say(f"weights from {path}:\n{report.summary()}")
 
@@ -247,12 +255,17 @@ class Trainer:
         masters = par.gather_full(par.master_chunks(self.model, self.optimizer), self.shapes)
         ema = par.gather_full(self.ema.chunks, self.shapes) if self.ema is not None else None
         model_state = {**self.frozen, **masters} if self.rank0 else None
+        if ema is not None and self.rank0:
+            # a complete state dict, as Open-Sora's ema.pt is: the frozen entries and buffers beside the
+            # EMA tensors, so ema/ alone loads strictly anywhere (an upstream loader, inference tools)
+            ema = {**self.frozen, **ema}
         state = {
             **self.state.state_dict(),
             "run": self.cfg.run.name,
             "world_size": par.world,
             "model_preset": self.cfg.model.preset,
             "init_from": self.loaded_from,
+            "init_weights": self.loaded_which,  # model or ema: which of init_from's weights
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "versions": _versions(),
         }

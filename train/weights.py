@@ -6,8 +6,9 @@
   folder with ``model.safetensors[.index.json]``   a published STDiT3 (hpcai-tech/OpenSora-STDiT-v3:
                                                    config.json + model.safetensors), or any shard set
   ``ckpt-<step>/`` (``model/`` + ``ema/``)          a reelcache checkpoint: model/, or with which="ema"
-                                                   model/ overlaid by ema/ (the EMA holds trainable
-                                                   tensors only; frozen ones and buffers come from model/)
+                                                   ema/ (a complete state dict; one written before it
+                                                   was holds the trainable tensors only, and the frozen
+                                                   ones and buffers come from model/)
   ``epochN-global_stepM/`` (``model/`` + ``running_states.json`` or pytorch_model shards)
                                                    an Open-Sora checkpoint: model/ = the NON-EMA
                                                    weights, strict=False like upstream (``ema.pt``
@@ -22,6 +23,11 @@ ignored (unexpected) or skipped for a shape mismatch, with a grouped ``summary()
 loads with strict=False silently, we load the same keys but always say what stayed fresh; a
 strict load checks everything before touching the model, so a refused load leaves it unchanged.
 
+A folder that says which model config trained it (a published folder's config.json, Open-Sora's
+``model/config.json``, our ``config.json``) is compared with the model first: a field that changes
+no tensor but what the weights compute (``input_sq_size``, ``num_heads``...) would load strictly and
+silently give other outputs, so a difference is an error naming the field (``check_config``).
+
 ``save_sharded`` writes safetensors shards + ``model.safetensors.index.json`` in transformers'
 naming (so the folders open with transformers/diffusers tools too); ``read_sharded`` reads any
 of the folder layouts above back into one dict.
@@ -29,6 +35,7 @@ of the folder layouts above back into one dict.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import re
@@ -39,7 +46,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["LoadReport", "load_weights", "read_sharded", "save_sharded"]
+__all__ = ["LoadReport", "check_config", "load_weights", "read_sharded", "save_sharded"]
 
 INDEX = "model.safetensors.index.json"
 
@@ -259,43 +266,106 @@ def reparameter_pixart(state: dict, model, notes: list[str]) -> dict:
     return renamed
 
 
-def _config_notes(folder: Path, model) -> list[str]:
-    cfg_path = folder / "config.json"
-    if not cfg_path.exists() or not hasattr(model, "config"):
+# STDiT3Config fields that change the tensors' shapes or names: a difference shows in the load itself
+# (refused when strict, reported as fresh or shape-mismatched when not); named here as a note.
+SHAPE_FIELDS = (
+    "in_channels",
+    "hidden_size",
+    "depth",
+    "mlp_ratio",
+    "caption_channels",
+    "model_max_length",
+    "qk_norm",
+    "pred_sigma",
+    "patch_size",
+)
+# Fields that change what the weights compute and no tensor: a difference would load strictly and
+# silently compute something else, so it is an error unless the run's model.overrides names the field.
+SILENT_FIELDS = ("input_sq_size", "num_heads", "skip_y_embedder", "pos_embed_bf16_freqs")
+
+
+def _norm(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def check_config(theirs: dict, model, source: str, chosen=()) -> list[str]:
+    """Compare the model config that trained the weights (``theirs``: STDiT3Config fields, as a
+    checkpoint's config.json has them) with ``model.config``. Returns notes for the shape fields; raises
+    ValueError naming each silent field that differs, unless it is in ``chosen`` (set on purpose)."""
+    mine = getattr(model, "config", None)
+    if mine is None or not hasattr(mine, "input_sq_size"):
         return []
-    theirs = json.loads(cfg_path.read_text())
-    notes = []
-    for name in (
-        "in_channels",
-        "hidden_size",
-        "depth",
-        "num_heads",
-        "mlp_ratio",
-        "caption_channels",
-        "model_max_length",
-        "qk_norm",
-        "pred_sigma",
-        "patch_size",
-    ):
-        if name in theirs:
-            mine, other = getattr(model.config, name), theirs[name]
-            if (tuple(other) if isinstance(other, list) else other) != mine:
-                notes.append(f"config.json {name}={other} differs from the model's {mine}")
+    notes, silent = [], []
+    for name in (*SHAPE_FIELDS, *SILENT_FIELDS):
+        if name not in theirs or _norm(theirs[name]) == getattr(mine, name):
+            continue
+        if name in SILENT_FIELDS and name not in chosen:
+            silent.append(name)
+        else:
+            notes.append(f"{source}: {name} = {theirs[name]!r}, the model's is {getattr(mine, name)!r}")
+    if silent:
+        fields = ", ".join(f"{n} = {theirs[n]!r} (this model: {getattr(mine, n)!r})" for n in silent)
+        sets = ", ".join(
+            f"{n} = {str(theirs[n]).lower() if isinstance(theirs[n], bool) else theirs[n]!r}" for n in silent
+        )
+        raise ValueError(
+            f"{source} was trained with {fields}: these change what the weights compute without changing a "
+            f"tensor, so the load would succeed and silently give other outputs. Train the model they were "
+            f"trained as with model.overrides {{{sets}}}, or name the field in model.overrides to change it on purpose"
+        )
     return notes
 
 
-def load_weights(model: torch.nn.Module, path, *, strict: bool | None = None, which: str = "model") -> LoadReport:
+def _folder_config(path: Path) -> tuple[dict, str] | None:
+    """The STDiT3 config that trained a checkpoint folder, and where it was read: a published or Open-Sora
+    folder's (model/)config.json (transformers' STDiT3Config), or our ckpt's config.json ([model])."""
+    for f in (path / "config.json", path / "model" / "config.json"):
+        if not f.exists():
+            continue
+        doc = json.loads(f.read_text())
+        if isinstance(doc.get("model"), dict) and "preset" in doc["model"]:  # ours: the run's resolved config
+            from reelcache.train.model import STDiT3Config
+
+            m = doc["model"]
+            try:
+                cfg = STDiT3Config.preset(m["preset"], **m.get("overrides", {}))
+            except (TypeError, ValueError):
+                return None
+            return dataclasses.asdict(cfg), str(f)
+        return doc, str(f)
+    return None
+
+
+def _upstream_note(model) -> list[str]:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "pos_embed_bf16_freqs", True) is False:
+        return [
+            "Open-Sora trained these weights with bf16-rounded position frequencies: "
+            "model.overrides.pos_embed_bf16_freqs = true computes what it computed"
+        ]
+    return []
+
+
+def load_weights(
+    model: torch.nn.Module, path, *, strict: bool | None = None, which: str = "model", chosen=()
+) -> LoadReport:
     """Load a checkpoint of any layout in the module docstring into ``model``; ``strict=None`` takes
     the layout's default (strict for safetensors and our checkpoints, not for Open-Sora folders and
-    PixArt ``.pth``). ``which`` = "model" or "ema" for checkpoint folders."""
+    PixArt ``.pth``). ``which`` = "model" or "ema" for checkpoint folders (a file or a plain
+    safetensors folder has no EMA: "ema" is an error there). A folder's model config (config.json,
+    Open-Sora's model/config.json, our config.json's [model]) is compared with ``model.config`` first:
+    see ``check_config``; ``chosen``: the STDiT3Config fields the run sets on purpose (its model.overrides)."""
     if which not in ("model", "ema"):
         raise ValueError(f'which must be "model" or "ema", got {which!r}')
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     src = str(path)
+    no_ema = f"{path} holds one set of weights, no EMA: which = 'ema' is for checkpoint folders (ema/, ema.pt)"
 
     if path.is_file():
+        if which == "ema":
+            raise ValueError(no_ema)
         if path.suffix == ".safetensors":
             report = LoadReport(src, "safetensors")
             return _apply(model, load_file(path), report, True if strict is None else strict)
@@ -308,9 +378,15 @@ def load_weights(model: torch.nn.Module, path, *, strict: bool | None = None, wh
             return _apply(model, _strip_module_prefix(state), report, False if strict is None else strict)
         raise ValueError(f"{path}: unknown weight file type {path.suffix!r} (.safetensors, .bin, .pth, .pt)")
 
+    found = _folder_config(path)
+    notes = check_config(found[0], model, found[1], chosen) if found else []
+
     if (path / INDEX).exists() or (path / "model.safetensors").exists():
-        report = LoadReport(src, "safetensors folder")
-        report.notes += _config_notes(path, model)
+        if which == "ema":
+            raise ValueError(no_ema)
+        report = LoadReport(src, "safetensors folder", notes=notes)
+        if found and found[0].get("model_type") == "STDiT3":  # transformers' config.json: a published STDiT3
+            report.notes += _upstream_note(model)
         return _apply(model, read_sharded(path), report, True if strict is None else strict)
 
     sub = path / "model"
@@ -318,25 +394,31 @@ def load_weights(model: torch.nn.Module, path, *, strict: bool | None = None, wh
         open_sora = (path / "running_states.json").exists() or any(sub.glob("pytorch_model*"))
         if open_sora:
             if which == "ema":
-                report = LoadReport(src, "Open-Sora checkpoint, ema.pt")
+                if not (path / "ema.pt").exists():
+                    raise FileNotFoundError(
+                        f"{path} has no ema.pt (copied without it?); model/ holds the non-EMA weights"
+                    )
+                report = LoadReport(src, "Open-Sora checkpoint, ema.pt (its EMA)", notes=notes)
                 state = _strip_module_prefix(_torch_load(path / "ema.pt"))
             else:
-                report = LoadReport(src, "Open-Sora checkpoint, model/ (non-EMA)")
+                report = LoadReport(src, "Open-Sora checkpoint, model/ (non-EMA; its EMA is ema.pt)", notes=notes)
                 state = _strip_module_prefix(read_sharded(sub))
+            report.notes += _upstream_note(model)
             return _apply(model, state, report, False if strict is None else strict)
         base = read_sharded(sub)
         strict = True if strict is None else strict
         if which == "ema":
             if not (path / "ema").is_dir():
                 raise FileNotFoundError(f"{path} has no ema/ (trained with ema_decay = 0?)")
-            report = LoadReport(src, "reelcache checkpoint, ema/ over model/")
+            report = LoadReport(src, "reelcache checkpoint, ema/", notes=notes)
             ema = read_sharded(path / "ema")
-            report.notes.append(
-                f"{len(ema)} tensors from ema/, the other {len(set(base) - set(ema))} "
-                f"(frozen parameters, buffers) from model/"
-            )
+            if rest := set(base) - set(ema):  # written before ema/ was complete: trainable tensors only
+                report.kind = "reelcache checkpoint, ema/ over model/"
+                report.notes.append(
+                    f"{len(ema)} tensors from ema/, the other {len(rest)} (frozen parameters, buffers) from model/"
+                )
             return _apply(model, {**base, **ema}, report, strict)  # model/ under the EMA overlay
-        return _apply(model, base, LoadReport(src, "reelcache checkpoint, model/"), strict)
+        return _apply(model, base, LoadReport(src, "reelcache checkpoint, model/", notes=notes), strict)
 
     raise FileNotFoundError(
         f"{path}: not a weight file or a known checkpoint folder (expected *.safetensors, "
