@@ -186,7 +186,8 @@ def test_full_stage_matches_the_recipe(name):
     assert (r.epochs, r.seed, r.ema_decay) == (epochs, 42, 0.99)
     assert (cfg.checkpoint.every, cfg.log.wandb_mode) == (ckpt_every, "offline")
     assert (m.preset, m.dtype, m.grad_checkpoint, m.freeze_y_embedder) == ("STDiT3-XL/2", "bf16", True, True)
-    assert m.overrides == {"caption_channels": 4096, "model_max_length": 300}
+    upstream = {"pos_embed_bf16_freqs": True} if name.startswith("opensora12-original/") else {}
+    assert m.overrides == {"caption_channels": 4096, "model_max_length": 300, **upstream}
     f = cfg.flow
     assert (f.sample_method, f.use_timestep_transform, f.caption_dropout) == ("logit-normal", True, 0.1)
 
@@ -262,6 +263,10 @@ def test_debug_twin_has_the_full_stages_shape(name):
         full.flow.use_timestep_transform,
     )
     assert twin.model.freeze_y_embedder == full.model.freeze_y_embedder
+    # Open-Sora's behaviours where the full stage asks for them (the opensora12-original configs)
+    assert twin.model_config().pos_embed_bf16_freqs == full.model_config().pos_embed_bf16_freqs
+    assert (twin.data.image_fps, twin.checkpoint.at_start) == (full.data.image_fps, full.checkpoint.at_start)
+    assert (twin.guard.spike_z, twin.guard.skip_nonfinite) == (full.guard.spike_z, full.guard.skip_nonfinite)
     # CPU-sized: the tiny model on the demo cache, a few steps of schedule, one or two epochs
     assert twin.model.preset == "tiny" and Path(twin.data.buckets).name == "demo.toml"
     assert [m.name for m in twin.data.manifests] == ["demo-stage1-tiny"]
