@@ -299,6 +299,7 @@ class Evaluator:
             dtype=self._torch_dtype(),
             frame_interval=self._frame_interval(cfg),
             default_fps=cfg.data.default_fps,
+            image_fps=cfg.data.image_fps,
             batch_size=self.val_batch,
             max_clips=self.val_max_clips,
             progress=_Progress(f"{ckpt.name} val loss batches"),

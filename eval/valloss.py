@@ -55,6 +55,7 @@ def validation_loss(
     dtype=torch.float32,
     frame_interval: int = 1,
     default_fps: float = 24.0,
+    image_fps: float = 0.0,
     batch_size: int = 4,
     timesteps: int = TIMESTEPS,
     max_clips: int | None = None,
@@ -83,7 +84,7 @@ def validation_loss(
                 samples.append(read_sample(shard_path(root, str(src.shard[i])), int(src.offset[i])))
             x0 = torch.stack([_latent(smp) for smp in samples]).to(device)
             y, mask, _ = pad_text([smp["text"] for smp in samples])
-            cond = conditioning(bucket, src.fps[part].astype(np.float32), frame_interval, default_fps)
+            cond = conditioning(bucket, src.fps[part].astype(np.float32), frame_interval, default_fps, image_fps)
             del cond["num_frames"]  # evaluated at fixed timesteps: no resolution shift
             b = len(part)
             kwargs = {"y": y.to(device, dtype), "mask": mask.to(device), **{k: v.to(device) for k, v in cond.items()}}
