@@ -7,6 +7,15 @@ row group per unit, clips that fit no bucket included, to be recorded as rejects
 ``cache.json``: the encoders' identity (kind, config, dtype, weights hash, versions) and every
 preprocessing parameter. A cache.json that exists and differs is an error naming the difference:
 a cache is never silently mixed from two encoders.
+
+Views. Open-Sora 1.2 draws a clip's bucket again every epoch and its window on every read; a cache
+that draws once shows a clip the same way in every epoch. ``views = K`` plans K independent draws
+of (bucket, window) per clip, view v drawn by the same rule from (seed, view, clip id); view 0 is
+the single draw of a ``views = 1`` cache, so such caches keep their plans and identities. A unit
+holds ``clips_per_unit`` clips with all their views (K rows each); a view whose draw equals an
+earlier view's (same bucket and window) is not encoded again: its row names that view in
+``same_as``, and both rows point at one latent sample. The trade-off is cost: up to K times the
+encode and the storage, which ``cache plan`` prints for K = 1 .. max(K, 3) before anything runs.
 """
 
 from __future__ import annotations
@@ -47,6 +56,12 @@ class CacheConfig:
     video_encoder: EncoderSpec = setting(doc="[video_encoder]: the VAE")
     text_encoder: EncoderSpec = setting(doc="[text_encoder]: the caption encoder (t5)")
     seed: int = setting(0, "bucket keep-probability draws and temporal windows", ge=0)
+    views: int = setting(
+        1,
+        "independent (bucket, window) draws per clip, each encoded (identical ones once); the loader shows "
+        "one per epoch (a permutation per clip), as Open-Sora draws again each epoch. 1: one draw, forever",
+        ge=1,
+    )
     clips_per_unit: int = setting(256, "one unit = one GPU job", ge=1)
     batch_size: int = setting(8, "clips per VAE call (same bucket)", ge=1)
     text_batch_size: int = setting(64, "captions per text-encoder call", ge=1)
@@ -114,6 +129,20 @@ def identity(cfg: CacheConfig, buckets: BucketConfig, manifest_fp: str) -> dict:
             "latent_dtype": "bfloat16",
             "text": "trimmed to real tokens, bfloat16",
         },
+    } | _views_identity(cfg.views)
+
+
+def _views_identity(views: int) -> dict:
+    """Only a cache of several views says so: a single-view cache keeps the identity it always had."""
+    if views == 1:
+        return {}
+    return {
+        "views": {
+            "count": views,
+            "bucket": "BucketConfig.assign(view=v): blake2b(seed|clip_id|resolution|T[/t]|view<v>) for v >= 1",
+            "window": "SeedSequence(blake2b-256(window/<v>|seed|clip_id)) for v >= 1",
+            "identical draws": "encoded once (same_as)",
+        }
     }
 
 
@@ -168,74 +197,212 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
     if old_plan.exists() and any(cdir.glob("[0-9]*.parquet")):
         prev = json.loads(old_plan.read_text())["config"]
         prev.setdefault("resize", "area")  # a plan made before the option resized by area
+        prev.setdefault("views", 1)  # a plan made before views drew once
         if d := diff(prev, json.loads(json.dumps(dataclasses.asdict(cfg), default=str))):
             raise UserError(
                 f"cache {cfg.name!r} has finished units planned with another configuration "
                 "(unit boundaries would move):\n  " + "\n  ".join(d[:12])
             )
-    rows = []
+    table_views = max(cfg.views, 3)  # the cost table's K = 1 .. max(K, 3)
+    rows, draws = [], []
     for r in table.to_pylist():
-        a = buckets.assign(r["clip_id"], r["height"], r["width"], r["num_frames"], cfg.seed)
-        span = (a.num_frames - 1) * buckets.frame_interval + 1 if a.bucket else 0
-        rows.append(
-            {
-                "clip_id": r["clip_id"],
-                "raw_shard": r["shard"],
-                "raw_offset": r["shard_offset"],
-                "file_size": r["file_size"],
-                "fps": r.get("fps"),
-                "text": r["text"],
+        first: dict = {}  # (bucket, window) -> the first view that drew it
+        clip_draws = []
+        for v in range(table_views):
+            a = buckets.assign(r["clip_id"], r["height"], r["width"], r["num_frames"], cfg.seed, view=v)
+            span = (a.num_frames - 1) * buckets.frame_interval + 1 if a.bucket else 0
+            start = window_start(r["clip_id"], cfg.seed, r["num_frames"], span, view=v) if a.bucket else None
+            same_as = first.setdefault((a.bucket, start), v) if a.bucket else None
+            draw = {
+                "view": v,
                 "bucket": a.bucket,
                 "num_frames": a.num_frames,
                 "height": a.height and a.height - a.height % mult,
                 "width": a.width and a.width - a.width % mult,
-                "window_start": window_start(r["clip_id"], cfg.seed, r["num_frames"], span) if a.bucket else None,
+                "window_start": start,
                 "no_bucket": a.reason,
+                "same_as": same_as if same_as != v else None,
             }
-        )
+            clip_draws.append(draw)
+            if v < cfg.views:
+                rows.append(
+                    {
+                        "clip_id": r["clip_id"],
+                        "raw_shard": r["shard"],
+                        "raw_offset": r["shard_offset"],
+                        "file_size": r["file_size"],
+                        "fps": r.get("fps"),
+                        "text": r["text"],
+                    }
+                    | draw
+                )
+        draws.append((r["text"], clip_draws))
     cdir.mkdir(parents=True, exist_ok=True)
     (cdir / "_plan").mkdir(exist_ok=True)
-    with atomic_path(cdir / "_plan" / "input.parquet") as tmp:
-        pq.write_table(pa.Table.from_pylist(rows), tmp, row_group_size=cfg.clips_per_unit)
-    num_units = -(-len(rows) // cfg.clips_per_unit)
-    doc = {"config": dataclasses.asdict(cfg), "num_units": num_units, "num_clips": len(rows), "manifest": str(mpath)}
+    with atomic_path(cdir / "_plan" / "input.parquet") as tmp:  # a unit's clips with all their views
+        pq.write_table(pa.Table.from_pylist(rows), tmp, row_group_size=cfg.clips_per_unit * cfg.views)
+    num_clips = len(draws)
+    num_units = -(-num_clips // cfg.clips_per_unit)
+    costs = view_costs(draws, cfg, ident, _measured(cdir).get("text_tokens"))
+    doc = {
+        "config": dataclasses.asdict(cfg),
+        "num_units": num_units,
+        "num_clips": num_clips,
+        "num_encodes": costs[cfg.views - 1]["encodes"],
+        "num_pixels": costs[cfg.views - 1]["pixels"],
+        "manifest": str(mpath),
+    }
     with atomic_path(cdir / "_plan" / "plan.json") as tmp:
         tmp.write_text(json.dumps(doc, indent=2, default=str))
     if not (cdir / "cache.json").exists():
         with atomic_path(cdir / "cache.json") as tmp:
             tmp.write_text(json.dumps(ident, indent=2))
-    _report(rows, cdir, buckets.frame_interval)
+    _report(rows, cdir, num_clips, cfg.views, costs)
     return [f"{cfg.name}/{i:06d}" for i in range(num_units)]
 
 
-def _report(rows: list[dict], cdir: Path, interval: int) -> None:
-    by_bucket = Counter(r["bucket"] for r in rows if r["bucket"])
+# Latent channels of the real VAEs where their config does not say (cache/encoders.py's kinds).
+LATENT_CHANNELS = {"wan": 16, "cogvideox": 16, "hunyuan": 16, "ltx": 128, "opensora-v1.2": 4, "sd-per-frame": 4}
+SAMPLE_OVERHEAD = 1536  # bytes per latent sample besides its tensors: tar header and padding, safetensors header
+
+
+def latent_bytes(cfg: CacheConfig, ident: dict, frames: int, height: int, width: int) -> int:
+    """Bytes of one stored latent (bf16; mean and logvar for a posterior) from the encoder's geometry:
+    C x t x H/f x W/f, with f its spatial multiple and t its temporal compression of the frames. An
+    estimate where a VAE's geometry is not these rules; `cache run` reports the real shapes."""
+    spec = cfg.video_encoder
+    conf = ident["video_encoder"].get("config") or {}
+    channels = conf.get("z_dim") or conf.get("latent_channels") or (4 if spec.tiny else LATENT_CHANNELS[spec.kind])
+    if spec.kind == "opensora-v1.2":  # 17-frame chunks, 4x inside each (cache/opensora_vae.py: latent_frames)
+        t = sum(-(-min(17, frames - i) // 4) for i in range(0, frames, 17))
+    elif spec.kind == "sd-per-frame":
+        t = frames
+    else:
+        t = 1 + (frames - 1) // temporal_ratio(spec)
+    f = spatial_multiple(spec)
+    return int(channels) * t * (height // f) * (width // f) * 2 * (2 if cfg.store == "posterior" else 1)
+
+
+def view_costs(draws: list, cfg: CacheConfig, ident: dict, tokens: float | None = None) -> list[dict]:
+    """What a cache of K = 1 .. len(views) views encodes and stores: distinct draws of views 0..K-1,
+    their pixels, latent bytes and caption bytes (every sample holds its caption's embedding).
+    `draws`: (caption, [draw of view 0, 1, ...]) per clip; `tokens`: measured tokens per caption (None:
+    estimated from its words)."""
+    conf = ident["text_encoder"].get("config") or {}
+    width = 32 if cfg.text_encoder.tiny else int(conf.get("d_model", 4096))
+    measured_tokens = tokens is not None
+    sizes: dict = {}
+    out = []
+    for k in range(1, len(draws[0][1]) + 1 if draws else 2):
+        encodes = pixels = latent = text = 0
+        for caption, views in draws:
+            n = tokens or min(cfg.text_encoder.max_tokens, 1 + round(1.3 * len((caption or "").split())))
+            for d in views[:k]:
+                if d["bucket"] is None or d["same_as"] is not None:
+                    continue
+                key = (d["num_frames"], d["height"], d["width"])
+                if key not in sizes:
+                    sizes[key] = latent_bytes(cfg, ident, *key)
+                encodes += 1
+                pixels += d["num_frames"] * d["height"] * d["width"]
+                latent += sizes[key] + SAMPLE_OVERHEAD
+                text += n * width * 2
+        out.append(
+            {"views": k, "encodes": encodes, "pixels": pixels, "bytes": latent + text, "text_bytes": text}
+            | {"measured_tokens": measured_tokens}
+        )
+    return out
+
+
+def _report(rows: list[dict], cdir: Path, clips: int, views: int, costs: list[dict]) -> None:
+    by_bucket = Counter(r["bucket"] for r in rows if r["bucket"] and r["same_as"] is None)
+    drawn = sum(1 for r in rows if r["bucket"])
     lost = Counter(r["no_bucket"] for r in rows if not r["bucket"])
-    frames = sum(r["num_frames"] for r in rows if r["bucket"])
-    pixels = sum(r["num_frames"] * r["height"] * r["width"] for r in rows if r["bucket"])
+    frames = sum(r["num_frames"] for r in rows if r["bucket"] and r["same_as"] is None)
+    pixels = sum(r["num_frames"] * r["height"] * r["width"] for r in rows if r["bucket"] and r["same_as"] is None)
+    shared = sum(1 for r in rows if r["same_as"] is not None)
+    what = f"{clips} clips" if views == 1 else f"{clips} clips x {views} views"
     say(
-        f"cache plan: {len(rows)} clips, {sum(by_bucket.values())} in {len(by_bucket)} buckets, "
-        f"{sum(lost.values())} fit no bucket" + (f" ({', '.join(f'{k} {v}' for k, v in lost.items())})" if lost else "")
+        f"cache plan: {what}, {drawn} in {len(by_bucket)} buckets, "
+        f"{sum(lost.values())} fit no bucket"
+        + (f" ({', '.join(f'{k} {v}' for k, v in lost.items())})" if lost else "")
+        + (f"; {shared} views share an earlier view's latent (same bucket and window)" if views > 1 else "")
     )
     for b, n in sorted(by_bucket.items()):
-        say(f"  {b:18s} {n:8d} clips")
+        say(f"  {b:18s} {n:8d} " + ("clips" if views == 1 else "latents"))
     say(f"  {frames:,} frames, {pixels / 1e9:.2f} Gpixels to encode")
-    say(projection(cdir, sum(by_bucket.values())))
+    for line in cost_table(cdir, clips, views, costs):
+        say(line)
+    say(projection(cdir, costs[views - 1]["encodes"], costs[views - 1]["pixels"]))
 
 
-def projection(cdir: Path, clips: int) -> str:
-    """GPU-hours for the whole cache from the rate finished units measured, if any."""
-    done = sorted(cdir.glob("[0-9]*.parquet"))
-    secs = n = 0
-    for p in done:
+def _measured(cdir: Path) -> dict:
+    """What finished units measured: encode seconds, encoded samples and their pixels and caption tokens."""
+    m = {"units": 0, "seconds": 0.0, "encoded": 0, "pixels": 0, "tokens": 0, "with_pixels": True}
+    for p in sorted(cdir.glob("[0-9]*.parquet")):
         meta = pq.read_schema(p).metadata or {}
-        if b"encode_seconds" in meta:
-            secs += float(meta[b"encode_seconds"])
-            n += int(meta[b"encoded_clips"])
-    if not n:
+        if b"encode_seconds" not in meta:
+            continue
+        m["units"] += 1
+        m["seconds"] += float(meta[b"encode_seconds"])
+        m["encoded"] += int(meta[b"encoded_clips"])
+        if b"encoded_pixels" in meta:  # written since views came: older units count samples only
+            m["pixels"] += int(meta[b"encoded_pixels"])
+            m["tokens"] += int(meta[b"text_tokens"])
+        else:
+            m["with_pixels"] = False
+    if m["encoded"] and m["with_pixels"]:
+        m["text_tokens"] = m["tokens"] / m["encoded"]
+    return m
+
+
+def _gpu_hours(m: dict, encodes: int, pixels: int) -> float | None:
+    if not m["encoded"] or not m["seconds"]:
+        return None
+    if m["with_pixels"] and m["pixels"]:  # the VAE's cost follows pixels, which views change
+        return pixels * m["seconds"] / m["pixels"] / 3600
+    return encodes * m["seconds"] / m["encoded"] / 3600
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def cost_table(cdir: Path, clips: int, views: int, costs: list[dict]) -> list[str]:
+    """`cache plan`'s table of what K views cost (the planned K marked *)."""
+    m = _measured(cdir)
+    base = costs[0]
+    tokens = "measured" if costs[0]["measured_tokens"] else "estimated from word counts"
+    lines = [
+        f"  what views cost (latents from the encoder's geometry; captions stored in every sample, tokens {tokens}):",
+        f"    {'K':>3} {'encodes':>10} {'per clip':>8} {'Gpixels':>9} {'x K=1':>6} {'latents':>10} {'GPU-hours':>10}",
+    ]
+    for c in costs:
+        hours = _gpu_hours(m, c["encodes"], c["pixels"])
+        lines.append(
+            f"  {'*' if c['views'] == views else ' '} {c['views']:>3} {c['encodes']:>10,} "
+            f"{c['encodes'] / max(1, clips):>8.2f} {c['pixels'] / 1e9:>9.2f} "
+            f"{c['pixels'] / max(1, base['pixels']):>6.2f} {_size(c['bytes']):>10} "
+            f"{'-' if hours is None else f'{hours:.3g}':>10}"
+        )
+    if not m["encoded"]:
+        lines.append("    GPU-hours: run a unit to measure (they scale with the pixels to encode, column 'x K=1')")
+    return lines
+
+
+def projection(cdir: Path, encodes: int, pixels: int | None = None) -> str:
+    """GPU-hours for the whole cache (`encodes` latents of `pixels` pixels, None: unknown) from the rate
+    finished units measured, if any."""
+    m = _measured(cdir)
+    if not m["encoded"]:
         return "  projection: run a unit to measure clips/s per GPU"
-    rate = n / secs
+    rate = m["encoded"] / max(1e-9, m["seconds"])
+    hours = _gpu_hours(m, encodes, pixels) if pixels is not None else encodes / rate / 3600
     return (
-        f"  projection: {rate:.2f} clips/s per GPU measured over {len(done)} unit(s) -> "
-        f"{clips / rate / 3600:.1f} GPU-hours for {clips} clips"
+        f"  projection: {rate:.2f} latents/s per GPU measured over {m['units']} unit(s) -> "
+        f"{hours:.3g} GPU-hours for {encodes} latents"
     )

@@ -9,8 +9,10 @@ the parent (``/dev/shm``); only the block's name crosses the pipe, never the fra
 feeder thread keeps the workers busy, so decoding continues while the main thread encodes: the
 parent batches clips of one bucket and runs the VAE, encodes captions (identical captions once),
 validates every output (shape, dtype, finite), and appends ``<clip_id>.safetensors`` samples to
-size-capped latent shards. The sidecar parquet, one row per planned clip with its bucket, latent
-shape, shard and offset or its reject reason, is written last.
+size-capped latent shards (view v >= 1 of a cache of several views: ``<clip_id>-v<v>.safetensors``).
+The sidecar parquet, one row per planned clip and view with its bucket, latent shape, shard and
+offset or its reject reason, is written last; a view whose draw repeats an earlier view's (the
+plan's ``same_as``) is not encoded again and its row points at that view's sample.
 
 A unit whose sidecar exists is skipped; one killed at any moment is cleaned and redone; a unit
 another live run holds (catalog/shards.py: the lease) is refused. Reading a source may reject a
@@ -181,8 +183,12 @@ def _run(
     rows = unit_rows(cdir, index)
     out = {}
     for r in rows:
-        out[r["clip_id"]] = {
+        r.setdefault("view", 0)  # a plan made before views
+        r.setdefault("same_as", None)
+        r["key"] = (r["clip_id"], r["view"])
+        out[r["key"]] = {
             "clip_id": r["clip_id"],
+            "view": r["view"],
             "cache": name,
             "unit": unit,
             "status": "rejected",
@@ -193,7 +199,11 @@ def _run(
             "width": r["width"],
             "window_start": r["window_start"],
         }
-    jobs = [dict(r, interval=buckets.frame_interval, resize=cfg.resize) for r in rows if r["bucket"]]
+    jobs = [
+        dict(r, interval=buckets.frame_interval, resize=cfg.resize)
+        for r in rows
+        if r["bucket"] and r["same_as"] is None
+    ]
 
     device = device or default_device()
     video = VideoEncoder(cfg.video_encoder, device)
@@ -201,10 +211,10 @@ def _run(
     writer = ShardWriter(cdir, stem, int(cfg.shard_mb * 1e6))
     captions: dict[str, object] = {}
     pending: dict[str, list] = defaultdict(list)
-    stats = {"clips": 0, "frames": 0, "bytes": 0, "encode_s": 0.0}
+    stats = {"clips": 0, "frames": 0, "bytes": 0, "encode_s": 0.0, "pixels": 0, "tokens": 0}
 
-    def reject(clip, reason, detail):
-        out[clip].update(status="rejected", reject_reason=reason, reject_detail=str(detail)[:2000])
+    def reject(key, reason, detail):
+        out[key].update(status="rejected", reject_reason=reason, reject_detail=str(detail)[:2000])
 
     def flush(bucket):
         batch, pending[bucket] = pending[bucket], []
@@ -224,8 +234,9 @@ def _run(
         stats["encode_s"] += time.monotonic() - t
         for k, (job, _frames) in enumerate(batch):
             tensors = {key: v[k].clone() for key, v in latents.items()}
-            if cfg.store == "sample":  # one frozen draw, seeded by (seed, clip id): reruns agree
-                g = torch.Generator().manual_seed(clip_seed("sample", cfg.seed, job["clip_id"]))
+            if cfg.store == "sample":  # one frozen draw, seeded by (seed, view, clip id): reruns agree
+                purpose = "sample" if job["view"] == 0 else f"sample/{job['view']}"
+                g = torch.Generator().manual_seed(clip_seed(purpose, cfg.seed, job["clip_id"]))
                 tensors = {
                     "sample": (
                         tensors["mean"].float()
@@ -234,12 +245,15 @@ def _run(
                 }
             tensors["text"] = captions[job["text"] or ""]
             if not all(torch.isfinite(v.float()).all() for v in tensors.values()):
-                reject(job["clip_id"], "invalid_latent", "non-finite values in the encoder output")
+                reject(job["key"], "invalid_latent", "non-finite values in the encoder output")
                 continue
-            data = encode(tensors, clip_id=job["clip_id"], bucket=bucket)
-            shard, offsets = writer.write_sample(job["clip_id"], [(LATENT_EXT, data, None)])
+            # a single-view cache's samples are as they always were; views name theirs
+            meta = {"view": job["view"]} if cfg.views > 1 else {}
+            data = encode(tensors, clip_id=job["clip_id"], bucket=bucket, **meta)
+            key = job["clip_id"] if job["view"] == 0 else f"{job['clip_id']}-v{job['view']}"
+            shard, offsets = writer.write_sample(key, [(LATENT_EXT, data, None)])
             shape = list(tensors.get("mean", tensors.get("sample")).shape)
-            out[job["clip_id"]].update(
+            out[job["key"]].update(
                 status="ok",
                 shape=shape,
                 text_len=int(tensors["text"].shape[0]),
@@ -249,6 +263,8 @@ def _run(
             stats["clips"] += 1
             stats["frames"] += job["num_frames"]
             stats["bytes"] += len(data)
+            stats["pixels"] += job["num_frames"] * job["height"] * job["width"]
+            stats["tokens"] += int(tensors["text"].shape[0])
 
     # decode up to a batch ahead (plus a window per worker) while a batch is being encoded
     frames_in = decoded(
@@ -268,12 +284,12 @@ def _run(
                     raise OutputError(f"/dev/shm/{job['shm']}", res)
                 if isinstance(res, Failed):
                     reject(
-                        job["clip_id"],
+                        job["key"],
                         res.reason if res.reason in ("timeout", "crashed") else "undecodable",
                         res.detail,
                     )
                 elif isinstance(res, BaseException):
-                    reject(job["clip_id"], "undecodable", f"{type(res).__name__}: {res}")
+                    reject(job["key"], "undecodable", f"{type(res).__name__}: {res}")
                 else:
                     pending[job["bucket"]].append((job, res))
                     if len(pending[job["bucket"]]) >= cfg.batch_size:
@@ -285,6 +301,10 @@ def _run(
             for b in list(pending):
                 flush(b)
         writer.close()
+        for r in rows:  # a repeated draw: the earlier view's outcome, its sample
+            if r["bucket"] and r["same_as"] is not None:
+                src = out[(r["clip_id"], r["same_as"])]
+                out[r["key"]].update({k: v for k, v in src.items() if k not in ("view", "unit", "cache")})
 
         schema = pa.schema(
             [
@@ -303,10 +323,16 @@ def _run(
                 ("text_len", pa.int32()),
                 ("shard", pa.string()),
                 ("shard_offset", pa.int64()),
+                ("view", pa.int32()),
             ]
         )
         table = pa.Table.from_pylist(list(out.values()), schema=schema).replace_schema_metadata(
-            {"encode_seconds": str(stats["encode_s"]), "encoded_clips": str(stats["clips"])}
+            {
+                "encode_seconds": str(stats["encode_s"]),
+                "encoded_clips": str(stats["clips"]),
+                "encoded_pixels": str(stats["pixels"]),
+                "text_tokens": str(stats["tokens"]),
+            }
         )
         with atomic_path(sidecar) as tmp:  # last: the unit is now visible as finished
             pq.write_table(table, tmp)
@@ -320,9 +346,13 @@ def _run(
                 frames.release()
     dt = time.monotonic() - t0
     ok = stats["clips"]
+    clips = len({r["clip_id"] for r in rows})
+    rejected = sum(1 for r in out.values() if r["status"] != "ok")
     say(
-        f"{unit}: {len(rows)} clips, {ok} encoded, {len(rows) - ok} rejected; {stats['frames'] / dt:.0f} frames/s, "
+        f"{unit}: {clips} clips"
+        + (f" x {cfg.views} views" if cfg.views > 1 else "")
+        + f", {ok} encoded, {rejected} rejected; {stats['frames'] / dt:.0f} frames/s, "
         f"{ok / dt:.2f} clips/s, {stats['bytes'] / 1e6 / dt:.1f} MB/s of latents in {dt:.1f} s on {device}"
     )
-    say(projection(cdir, plan["num_clips"]))
-    return {"unit": unit, "clips": len(rows), "ok": ok, "seconds": dt}
+    say(projection(cdir, plan.get("num_encodes", plan["num_clips"]), plan.get("num_pixels")))
+    return {"unit": unit, "clips": clips, "ok": ok, "seconds": dt}

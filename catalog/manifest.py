@@ -10,6 +10,10 @@ so the same content rewritten by pandas or DuckDB keeps its fingerprint, and any
 (one offset) changes it. The same selection over the same catalog gives the same file name, and
 a data position saved against one manifest can be refused for another.
 
+With ``--cache`` of a cache of K views (``views = K``), a clip has a row per view it has a latent
+for, with ``view`` (0 .. K-1) and ``views`` (K); the loader shows one view per epoch. A cache of one
+view gives the columns it always gave (no ``view``), so its manifests keep their fingerprints.
+
 Files live in ``ROOT/manifests/<name>-<fp16>.parquet`` with a ``.json`` beside them that records
 the query; the `manifests` table lists them all. A name resolves exactly: the newest row of that
 name in the `manifests` table, else the newest file matching ``<name>-<16 hex>.parquet`` (so
@@ -32,6 +36,7 @@ import pyarrow.parquet as pq
 
 from reelcache import UserError
 from reelcache.catalog.db import db_path, open_catalog
+from reelcache.catalog.merge import migrate
 from reelcache.catalog.shards import atomic_path
 from reelcache.progress import say
 
@@ -54,15 +59,16 @@ MANIFEST_COLUMNS = [
     "noun_pct",
     "text",
 ]
-# With --cache: the loader's columns (latent shard and offset, bucket) first, the raw ones renamed.
+# With --cache: the loader's columns (latent shard and offset, bucket) first, the raw ones renamed; a
+# row per view, and the cache's number of views K (its rows, rejected ones included, have views 0..K-1).
 LATENT_QUERY = """
-SELECT c.clip_id, l.bucket, l.shard, l.shard_offset, l.num_frames AS latent_frames, l.height AS latent_height,
-       l.width AS latent_width, l.shape, l.text_len, c.source, c.shard AS raw_shard,
+SELECT c.clip_id, l.view, l.bucket, l.shard, l.shard_offset, l.num_frames AS latent_frames,
+       l.height AS latent_height, l.width AS latent_width, l.shape, l.text_len, c.source, c.shard AS raw_shard,
        c.shard_offset AS raw_shard_offset, c.num_frames, c.fps, c.width, c.height, c.noun_count, c.level,
-       c.noun_pct, c.text
+       c.noun_pct, c.text, (SELECT max(view) + 1 FROM latents WHERE cache = $cache)::INTEGER AS views
 FROM (SELECT * FROM clips WHERE status = 'ok' AND ({where})) c
 JOIN latents l ON l.clip_id = c.clip_id AND l.cache = $cache AND l.status = 'ok'
-ORDER BY c.clip_id
+ORDER BY c.clip_id, l.view
 """
 
 
@@ -117,25 +123,29 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
     root = Path(root)
     con = open_catalog(root, write=True)
     try:
+        migrate(con)  # a catalog not merged since latents gained `view`
         query = f"SELECT {', '.join(MANIFEST_COLUMNS)} FROM clips WHERE status = 'ok' AND ({where}) ORDER BY clip_id"
         try:
             table = con.sql(query).to_arrow_table()
             selected = table.num_rows
             if cache is not None and selected:
                 table = con.sql(LATENT_QUERY.format(where=where), params={"cache": cache}).to_arrow_table()
+                if table.num_rows and table["views"][0].as_py() == 1:  # one view: the columns it always had
+                    table = table.drop_columns(["view", "views"])
         except duckdb.Error as e:
             raise UserError(f"--where {where!r} failed: {str(e).splitlines()[0]}") from e
         if selected == 0:
             raise UserError(f"no ok clips match --where {where!r}: no manifest written")
+        clips = len(pc.unique(table["clip_id"])) if "view" in table.column_names else table.num_rows
         if table.num_rows == 0:
             raise UserError(
                 f"none of the {selected} clips matching --where has latents in cache {cache!r}: "
                 "run `reelcache cache run` on its units and `catalog merge` first"
             )
-        if table.num_rows < 0.5 * selected:
+        if clips < 0.5 * selected:
             say(
-                f"warning: only {table.num_rows} of {selected} selected clips have latents in cache {cache!r} "
-                f"({100 * table.num_rows / selected:.1f}%)"
+                f"warning: only {clips} of {selected} selected clips have latents in cache {cache!r} "
+                f"({100 * clips / selected:.1f}%)"
             )
         fp = fingerprint(table)
         mdir = root / "manifests"
@@ -149,7 +159,10 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
             "fingerprint": fp,
             "where": where,
             "cache": cache,
-            "num_clips": table.num_rows,
+            "num_clips": clips,
+            **(
+                {"num_rows": table.num_rows, "views": table["views"][0].as_py()} if "view" in table.column_names else {}
+            ),
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "path": path.name,
         }
@@ -160,12 +173,13 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
             "INSERT INTO manifests VALUES (?, ?, ?, ?, ?, now()) ON CONFLICT (name, fingerprint) DO UPDATE "
             "SET path = excluded.path, where_sql = excluded.where_sql, num_clips = excluded.num_clips, "
             "created_at = excluded.created_at",
-            [name, fp, str(path.relative_to(root)), where, table.num_rows],
+            [name, fp, str(path.relative_to(root)), where, clips],
         )
     finally:
         con.close()
 
-    say(f"manifest {name!r}: {table.num_rows} clips, fingerprint {fp[:16]}")
+    views = f" ({table.num_rows} rows: {table['views'][0].as_py()} views)" if "view" in table.column_names else ""
+    say(f"manifest {name!r}: {clips} clips{views}, fingerprint {fp[:16]}")
     return path
 
 

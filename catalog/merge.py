@@ -12,6 +12,10 @@ re-planned source never leaves a clip id twice. Only when the source's folder it
 (an unmounted path looks exactly like that) do its rows stay, with a warning.
 All of it, including the recomputed difficulty levels, happens in one transaction: a merge
 killed half-way leaves the catalog as it was.
+
+Columns appended to a table after a catalog was made are added to it here before anything is
+inserted (``migrate``): ``latents.view`` (caches of several views), 0 for the rows already there
+and for sidecars written before it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ def _signature(p: Path) -> str:
 
 # stage -> (folder under ROOT holding <name>/NNNNNN.parquet sidecars, catalog table)
 STAGES = {"ingest": ("raw", "clips"), "cache": ("latents", "latents")}
+# Columns appended to a table of schema.sql (with its DEFAULT), added to a catalog made before them.
+APPENDED = {"latents": ["view INTEGER DEFAULT 0"]}
+
+
+def migrate(con) -> None:
+    """Give an existing catalog the columns appended since it was made (idempotent). Sidecars that
+    lack such a column insert its default (INSERT BY NAME)."""
+    for table, columns in APPENDED.items():
+        for col in columns:
+            con.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {col}")
 
 
 def find_sidecars(root: Path, stage: str = "ingest") -> dict[str, Path]:
@@ -107,6 +121,7 @@ def merge(root: str | Path) -> dict:
     merged, removed, orphans = {}, {}, []
     try:
         con.execute("BEGIN TRANSACTION")
+        migrate(con)
         with bar(sum(map(len, sidecars.values())), "merging units", "unit") as pbar:
             for stage in STAGES:
                 merged[stage], removed[stage], orph = _merge_stage(con, root, stage, sidecars[stage], pbar)

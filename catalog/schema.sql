@@ -109,7 +109,9 @@ CREATE VIEW IF NOT EXISTS shards AS
     SELECT shard, source, unit, count(*) AS num_clips, sum(file_size) AS video_bytes
     FROM clips WHERE shard IS NOT NULL GROUP BY ALL;
 
--- One row per (clip, cache) the cache stage planned: encoded, or rejected with a reason.
+-- One row per (clip, cache, view) the cache stage planned: encoded, or rejected with a reason.
+-- A cache of `views = K` draws K (bucket, window) views of each clip; two views that drew the same
+-- bucket and window share one latent sample (the same shard and shard_offset).
 CREATE TABLE IF NOT EXISTS latents (
     clip_id       VARCHAR NOT NULL,
     cache         VARCHAR NOT NULL,    -- cache name; ROOT/latents/<cache>/cache.json is its identity
@@ -125,7 +127,9 @@ CREATE TABLE IF NOT EXISTS latents (
     shape         INTEGER[],           -- latent shape [C, t, h, w]
     text_len      INTEGER,             -- caption tokens kept
     shard         VARCHAR,             -- latent shard, relative to ROOT
-    shard_offset  BIGINT               -- byte offset of the sample's .safetensors data
+    shard_offset  BIGINT,              -- byte offset of the sample's .safetensors data
+    -- appended (a catalog made before it gains it at its next merge, catalog/merge.py: migrate)
+    view          INTEGER DEFAULT 0    -- which of the cache's K draws of the clip (0 .. K-1)
 );
 
 -- Frozen selections: the parquet at `path` is named by its content fingerprint.
