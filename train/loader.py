@@ -7,7 +7,8 @@
             ...
             save(loader.state_dict())   # five integers and a fingerprint
 
-Order comes from train/plan.py, a pure function of (stage fingerprint, seed, epoch). The
+Order comes from train/plan.py, a pure function of (stage fingerprint, seed, epoch), the view each
+clip shows at an epoch included (a manifest of a cache with K views: see train/plan.py). The
 state is the global position in the epoch's micro-batch list, so it resumes exactly, also on
 another world size (rank r continues with global batches consumed + r, consumed + r + R', ...),
 and costs one plan build, whatever the position. A state saved against other manifests, weights
@@ -34,26 +35,34 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from reelcache.catalog.buckets import BucketConfig
-from reelcache.catalog.latents import MANIFEST_COLUMNS, decode
+from reelcache.catalog.latents import MANIFEST_COLUMNS, VIEW_COLUMNS, decode
 from reelcache.catalog.manifest import fingerprint, resolve_manifest
 from reelcache.catalog.shards import atomic_path
-from reelcache.train.plan import PLAN_VERSION, Plan, Source, epoch_plan, stage_fingerprint
+from reelcache.train.plan import PLAN_VERSION, Plan, Source, clip_keys, epoch_plan, stage_fingerprint
 
 # torch is imported where tensors are made: `reelcache loader simulate` runs the loader with read=False,
 # which makes none, on a machine without torch. webdataset (~0.9 s to import) only for shards given as
 # URLs or pipe: commands.
 
 
-def load_source(path, weight: float = 1.0, min_kept: float = 0.5) -> Source:
-    """A loader manifest -> Source. Rows without latents (no bucket/shard) are dropped, loudly."""
+def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | None = None) -> Source:
+    """A loader manifest -> Source. Rows without latents (no bucket/shard) are dropped, loudly.
+
+    A manifest of a cache of K views has a row per (clip, view) and the columns ``view`` and ``views``
+    (catalog/latents.py); `view` keeps one view's rows only (e.g. 0: a fixed set for validation)."""
     table = pq.read_table(path)
     missing = [c for c in MANIFEST_COLUMNS if c not in table.column_names]
     if missing:
         raise ValueError(f"{path} is not a loader manifest: missing {missing} (needs {list(MANIFEST_COLUMNS)})")
-    table = table.select(list(MANIFEST_COLUMNS) + (["fps"] if "fps" in table.column_names else []))
+    columns = list(MANIFEST_COLUMNS) + [c for c in VIEW_COLUMNS if c in table.column_names]
+    table = table.select(columns + (["fps"] if "fps" in table.column_names else []))
     total = table.num_rows
     table = table.filter(pc.and_(pc.is_valid(table["bucket"]), pc.is_valid(table["shard"])))
-    table = table.sort_by("clip_id")
+    views = _views(path, table)
+    if view is not None:
+        table = table.filter(pc.equal(table["view"], view)) if "view" in table.column_names else table
+        views = 1
+    table = table.sort_by([("clip_id", "ascending")] + ([("view", "ascending")] if "view" in columns else []))
     if table.num_rows == 0:
         raise ValueError(f"{path}: none of its {total} clips has latents (bucket and shard are empty)")
     if table.num_rows < min_kept * total:
@@ -68,16 +77,34 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5) -> Source:
         if "fps" in table.column_names
         else np.full(table.num_rows, np.nan)
     )
-    table = table.select(list(MANIFEST_COLUMNS))
+    table = table.select(columns)
+    clip_id = np.asarray(table["clip_id"].to_pylist(), dtype=object)
+    several = views > 1
     return Source(
         fingerprint(table),
-        np.asarray(table["clip_id"].to_pylist(), dtype=object),
+        clip_id,
         np.asarray(table["bucket"].to_pylist(), dtype=object),
         np.asarray(table["shard"].to_pylist(), dtype=object),
         table["shard_offset"].to_numpy().astype(np.int64),
         float(weight),
         fps,
+        table["view"].to_numpy().astype(np.int32) if several else None,
+        views,
+        clip_keys(clip_id) if several else None,
     )
+
+
+def _views(path, table) -> int:
+    """K of a manifest: its ``views`` column, else 1 + its largest ``view``, else 1; rows checked."""
+    if "view" not in table.column_names:
+        return 1
+    view = table["view"].fill_null(-1).to_numpy(zero_copy_only=False)
+    k = int(pc.max(table["views"]).as_py() or 0) if "views" in table.column_names else int(view.max(initial=-1)) + 1
+    if len(view) and (view.min() < 0 or view.max() >= max(k, 1)):
+        raise ValueError(f"{path}: column view holds values outside 0..{k - 1} (views = {k})")
+    if "views" in table.column_names and len(pc.unique(table["views"])) > 1:
+        raise ValueError(f"{path}: column views is not one number: {pc.unique(table['views']).to_pylist()}")
+    return max(k, 1)
 
 
 def weight_schedule(weight) -> list[float]:
@@ -125,6 +152,8 @@ class LatentLoader:
         self.clip_id = np.concatenate([s.clip_id for s in self.sources])
         self.shard = np.concatenate([s.shard for s in self.sources])
         self.offset = np.concatenate([s.offset for s in self.sources])
+        self.view = np.concatenate([s.view if s.view is not None else np.zeros(len(s), np.int32) for s in self.sources])
+        self.views = max(s.views for s in self.sources)  # K (per manifest: Source.views)
         self.fps = np.concatenate([s.fps if s.fps is not None else np.full(len(s), np.nan) for s in self.sources])
         self.log = ConsumedLog(consumed_log, rank, log_every) if consumed_log else None
         self._check(self.plan())
@@ -210,7 +239,9 @@ class LatentLoader:
             self.consumed = min(plan.num_batches, self.consumed + self.world_size)
             self.step += 1
             if self.log:
-                self.log.add(self.epoch, batch["step"], batch["clip_id"], batch["bucket"], batch["weight"] == 0)
+                self.log.add(
+                    self.epoch, batch["step"], batch["clip_id"], batch["bucket"], batch["weight"] == 0, batch["view"]
+                )
             yield batch
         if self.log:
             self.log.flush()
@@ -224,6 +255,7 @@ class _BatchMaker:
         self.sched, self.plan = sched, plan
         self.epoch, self.seed, self.read, self.root = loader.epoch, loader.seed, loader.read, loader.root
         self.clip_id, self.shard, self.offset, self.fps = loader.clip_id, loader.shard, loader.offset, loader.fps
+        self.view = loader.view
         self.workers, self.prefetch, self.pin_memory = loader.workers, loader.prefetch, loader.pin_memory
 
     def __iter__(self, worker: int = 0, nworkers: int = 1):
@@ -274,6 +306,7 @@ class _BatchMaker:
             "index": index,
             "bucket": self.plan.buckets[self.plan.bucket[index]],
             "clip_id": [self.clip_id[i] for i in idx],
+            "view": [int(self.view[i]) for i in idx],  # which of its cache's views each clip shows
             "weight": 0.0 if pad else 1.0,
         }
         if self.read:
@@ -358,7 +391,7 @@ def pad_text(texts: list) -> tuple:
 
 
 class ConsumedLog:
-    """Per-rank parquet parts of (generation, epoch, step, rank, clip_id, bucket, pad).
+    """Per-rank parquet parts of (generation, epoch, step, rank, clip_id, bucket, pad, view).
 
     Parts are written every ``every`` steps, so a killed run loses at most that many steps of
     log, never its consistency. After a resume (generation g+1 from a state saved at step s),
@@ -373,8 +406,9 @@ class ConsumedLog:
         self.rows: list[tuple] = []
         self.steps = 0
 
-    def add(self, epoch, step, clip_ids, bucket, pad) -> None:
-        self.rows += [(epoch, step, self.rank, c, bucket, pad) for c in clip_ids]
+    def add(self, epoch, step, clip_ids, bucket, pad, views=None) -> None:
+        views = views if views is not None else [0] * len(clip_ids)
+        self.rows += [(epoch, step, self.rank, c, bucket, pad, v) for c, v in zip(clip_ids, views)]
         self.steps += 1
         if self.steps % self.every == 0:
             self.flush()
@@ -393,6 +427,7 @@ class ConsumedLog:
                 "clip_id": pa.array(cols[3], pa.string()),
                 "bucket": pa.array(cols[4], pa.string()),
                 "pad": pa.array(cols[5], pa.bool_()),
+                "view": pa.array(cols[6], pa.int32()),
             }
         )
         name = f"rank{self.rank:05d}-g{self.generation:03d}-e{cols[0][0]:04d}-s{cols[1][0]:09d}.parquet"

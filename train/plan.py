@@ -4,8 +4,15 @@
 
 depends only on the manifests' content (their fingerprints), their mixing weights, the bucket
 batch sizes, the seed and the epoch: never on the number of ranks or workers. It is built
-in four steps, each a numpy pass over the manifest (about a second at 1.3M samples):
+in five steps, each a numpy pass over the manifest (about a second at 1.3M samples):
 
+0. views: a manifest of a cache with K views (catalog/manifest.py) has a row per (clip, view). At
+   epoch e a clip shows view v(e) = pi[e mod K], pi a permutation of 0..K-1 seeded by (seed, clip
+   id): a stage of K epochs shows each view once, so where the draws differ no clip is seen the
+   same way twice, and every epoch's views are independent draws by Open-Sora's rule (as its
+   sampler draws a bucket every epoch). A view the cache has no latent for (its draw fit no bucket,
+   or did not decode) leaves the clip out of that epoch, as Open-Sora's sampler skips a clip whose
+   draw finds no bucket. The samples of the epoch are the rows of the views shown;
 1. selection: with one manifest, every sample once. With several, weight w_i draws
    round(w_i * total) samples from manifest i: a fresh random subset when that is fewer than it
    has, whole passes plus a subset when more (upsampling). A pass holds each clip at most once
@@ -13,7 +20,10 @@ in four steps, each a numpy pass over the manifest (about a second at 1.3M sampl
    across all of them);
 2. storage order: selected samples sorted by (bucket, pass, shard, offset), i.e. as they lie on disk;
 3. block shuffle per bucket: pass 0 (every distinct sample) is cut into blocks of ``block``
-   consecutive samples and the blocks get a random order; each pass takes its samples block by
+   consecutive samples, the grid shifted by a random offset in [0, block) drawn per (seed, epoch,
+   bucket) so that block boundaries, and with them the clips that share batches, move from epoch
+   to epoch (the block that the shift pushes past the end wraps around to the first samples: one
+   block per bucket reads two regions), and the blocks get a random order; each pass takes its samples block by
    block in that order, rotated by p/K of it (K passes in the bucket), shuffled inside each block,
    and is cut into micro-batches of the bucket's batch size. A micro-batch never spans two passes,
    so it never holds a clip twice; the rotation puts a clip's copies about 1/K of the epoch
@@ -51,7 +61,7 @@ import pyarrow as pa
 
 from reelcache.catalog.buckets import BucketConfig
 
-PLAN_VERSION = 2  # 2: repeats in separate micro-batches, spread across the epoch
+PLAN_VERSION = 3  # 2: repeats in separate micro-batches, spread across the epoch; 3: views, a moving block grid
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +78,9 @@ class Source:
     offset: np.ndarray  # int64
     weight: float = 1.0
     fps: np.ndarray | None = None  # float64 frame rate of each clip (the model's fps input), if the manifest has it
+    view: np.ndarray | None = None  # int32 view of each row (a cache of several views); None: one view
+    views: int = 1  # K: the cache's views per clip
+    clip_key: np.ndarray | None = None  # uint64 hash of each row's clip id (clip_keys), computed if None
 
     def __len__(self):
         return len(self.clip_id)
@@ -110,7 +123,7 @@ class Plan:
 def stage_fingerprint(sources: list[Source], sizes: BucketConfig, block: int) -> str:
     h = hashlib.sha256(f"plan{PLAN_VERSION}|{sizes.key()}|{block}".encode())
     for s in sources:
-        h.update(f"|{s.fingerprint}:{s.weight!r}".encode())
+        h.update(f"|{s.fingerprint}:{s.weight!r}:views={s.views}".encode())
     return h.hexdigest()
 
 
@@ -118,21 +131,68 @@ def _rng(*key) -> np.random.Generator:
     return np.random.default_rng([int(k) & 0xFFFFFFFF for k in key])
 
 
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on uint64 (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def clip_keys(clip_id: np.ndarray) -> np.ndarray:
+    """uint64 per row: blake2b-64 of its clip id (rows of one clip are adjacent, hashed once)."""
+    n = len(clip_id)
+    new = np.ones(n, dtype=bool)
+    if n > 1:
+        new[1:] = clip_id[1:] != clip_id[:-1]
+    heads = np.flatnonzero(new)
+    keys = np.fromiter(
+        (int.from_bytes(hashlib.blake2b(str(clip_id[i]).encode(), digest_size=8).digest(), "little") for i in heads),
+        dtype=np.uint64,
+        count=len(heads),
+    )
+    return keys[np.cumsum(new) - 1] if n else keys
+
+
+def shown_view(keys: np.ndarray, views: int, seed: int, epoch: int) -> np.ndarray:
+    """The view each clip (by clip_keys) shows at `epoch`: pi[epoch mod K], pi the clip's permutation of
+    0..K-1, seeded by (seed, clip id): the order of K splitmix64 draws of (seed, clip, j)."""
+    draws = np.empty((len(keys), views), dtype=np.uint64)
+    for j in range(views):
+        salt = _mix(np.array([(int(seed) * 0x9E3779B97F4A7C15 + j + 1) & _M64], dtype=np.uint64))[0]
+        draws[:, j] = _mix(keys ^ salt)
+    return np.argsort(draws, axis=1, kind="stable")[:, epoch % views].astype(np.int32)
+
+
+def epoch_rows(s: Source, seed: int, epoch: int) -> np.ndarray:
+    """Indices of the source's rows that `epoch` shows: the view of each clip that this epoch shows."""
+    if s.view is None or s.views == 1:
+        return np.arange(len(s), dtype=np.int64)
+    keys = s.clip_key if s.clip_key is not None else clip_keys(s.clip_id)
+    return np.flatnonzero(s.view == shown_view(keys, s.views, seed, epoch)).astype(np.int64)
+
+
 def _select(sources: list[Source], seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """Selected sample indices and each one's pass: 0 for a sample's first copy, p for its (p+1)-th."""
     sizes = [len(s) for s in sources]
     base = np.concatenate([[0], np.cumsum(sizes)])
+    shown = [epoch_rows(s, seed, epoch) for s in sources]
     if len(sources) == 1:
-        return np.arange(sizes[0], dtype=np.int64), np.zeros(sizes[0], dtype=np.int32)
-    total = sum(sizes)
+        return shown[0], np.zeros(len(shown[0]), dtype=np.int32)
+    total = sum(map(len, shown))
     wsum = sum(s.weight for s in sources)
     picks, passes = [], []
-    for i, s in enumerate(sources):
-        need = round(s.weight / wsum * total)
-        reps = -(-need // len(s)) if need else 0
-        idx = np.concatenate([_rng(seed, epoch, 1, i, r).permutation(len(s)) for r in range(reps)] or [[]])
-        picks.append(base[i] + idx[:need].astype(np.int64))
-        passes.append((np.arange(need, dtype=np.int64) // len(s)).astype(np.int32))
+    for i, (s, rows) in enumerate(zip(sources, shown)):
+        n = len(rows)
+        need = round(s.weight / wsum * total) if n else 0
+        reps = -(-need // n) if need else 0
+        idx = np.concatenate([_rng(seed, epoch, 1, i, r).permutation(n) for r in range(reps)] or [[]])
+        picks.append(base[i] + rows[idx[:need].astype(np.int64)])
+        passes.append((np.arange(need, dtype=np.int64) // max(1, n)).astype(np.int32))
     return np.concatenate(picks), np.concatenate(passes)
 
 
@@ -220,8 +280,11 @@ def _cached_plan(sources: tuple[Source, ...], sizes: BucketConfig, seed: int, ep
                 f"bucket {names[b]!r} has {n0} samples, fewer than its batch size {bs}: partial batches", stacklevel=3
             )
         rng = _rng(seed, epoch, 2, zlib.crc32(names[b].encode()))
+        # the grid moves each epoch: blocks start at the offset, the last one wraps around to the first
+        # members (block sizes stay those of an unshifted grid, so batches stay aligned to blocks)
+        shift = int(_rng(seed, epoch, 4, zlib.crc32(names[b].encode())).integers(block))
         nb = -(-n0 // block)
-        block_of[c[:n0]] = np.arange(n0) // block
+        block_of[c[:n0]] = ((np.arange(n0) - shift) % n0) // block
         passes = int(p[-1]) + 1
         # Pass p takes its blocks in pass 0's shuffled block order, rotated by p/passes of it:
         # a sample's copies land about 1/passes of the bucket's sequence apart.

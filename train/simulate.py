@@ -3,15 +3,18 @@
 Answers before a cluster is booked: how many steps per epoch, which buckets, what a world-size
 change does. It runs one LatentLoader per rank (read=False: the plan, the schedule and the
 state machinery are the real ones; only tensor reads are skipped), in lockstep, and writes
-(epoch, step, rank, worker, clip_id, bucket, pad) to parquet for auditing with SQL; ``worker``
+(epoch, step, rank, worker, clip_id, view, bucket, pad) to parquet for auditing with SQL; ``worker``
 is the DataLoader worker that would make the batch (after a resume: counted from the resumed step). With
 ``--save-at STEP`` it saves a real state at that global step, builds loaders for
-``--resume-world-size`` ranks, loads the state and goes on.
+``--resume-world-size`` ranks, loads the state and goes on. For manifests of a cache of several
+views it says which views each epoch showed, and over the epochs how many clips were shown how
+many different latents.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -42,7 +45,7 @@ def simulate(
         ]
 
     loaders = make(world_size)
-    rows = {k: [] for k in ("epoch", "step", "rank", "worker", "clip_id", "bucket", "pad", "world_size")}
+    rows = {k: [] for k in ("epoch", "step", "rank", "worker", "clip_id", "view", "bucket", "pad", "world_size")}
     summary = []
     gstep = 0
     saved = None
@@ -71,6 +74,7 @@ def simulate(
                     rows["step"] += [b["step"]] * n
                     rows["rank"] += [r] * n
                     rows["clip_id"] += b["clip_id"]
+                    rows["view"] += b["view"]
                     rows["bucket"] += [b["bucket"]] * n
                     rows["pad"] += [b["weight"] == 0] * n
                     rows["world_size"] += [len(loaders)] * n
@@ -96,4 +100,35 @@ def simulate(
             f"epoch {s['epoch']}: {s['samples']} samples in {s['micro_batches']} micro-batches, "
             f"{s['steps']} steps on {s['world_size']} ranks"
         )
+    if loaders[0].views > 1:
+        for line in view_summary(table, loaders[0]):
+            say(line)
     return table, summary, saved
+
+
+def view_summary(table: pa.Table, loader: LatentLoader) -> list[str]:
+    """Per epoch, how many clips showed each view; over all epochs, how many different latents (shard,
+    offset) each clip was shown: two views with the same draw share one latent."""
+    real = [i for i, pad in enumerate(table["pad"].to_pylist()) if not pad]
+    epoch, clip, view = (table[c].to_pylist() for c in ("epoch", "clip_id", "view"))
+    place = {(c, v): (s, o) for c, v, s, o in zip(loader.clip_id, loader.view, loader.shard, loader.offset)}
+    per_epoch: dict[int, Counter] = {}
+    seen: dict[str, set] = {}
+    shown: dict[str, set] = {}
+    for i in real:
+        per_epoch.setdefault(epoch[i], Counter())[view[i]] += 1
+        shown.setdefault(clip[i], set()).add(view[i])
+        seen.setdefault(clip[i], set()).add(place[(clip[i], view[i])])
+    lines = [f"views: {loader.views} per clip; the loader shows each clip view pi[epoch mod {loader.views}]"]
+    if not per_epoch:
+        return lines
+    for e, c in sorted(per_epoch.items()):
+        lines.append(f"  epoch {e}: " + ", ".join(f"view {v} {n} clips" for v, n in sorted(c.items())))
+    ways = Counter(len(s) for s in seen.values())
+    same = sum(len(v) > len(seen[c]) for c, v in shown.items())
+    lines.append(
+        f"  over epochs {min(per_epoch)}-{max(per_epoch)}: "
+        + ", ".join(f"{n} clips were shown {k} different latent{'s' if k > 1 else ''}" for k, n in sorted(ways.items()))
+        + (f" ({same} clips in views that drew the same bucket and window: one latent)" if same else "")
+    )
+    return lines
