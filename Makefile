@@ -135,7 +135,7 @@ demo: sysdeps install
 	    --out $(DEMO_ROOT)/exports/demo-stage1-opensora.csv
 	$(MAKE) --no-print-directory cache ROOT=$(DEMO_ROOT) CONFIG=configs/cache/tiny.toml
 	$(BIN)/reelcache catalog sql --root $(DEMO_ROOT) \
-	    "SELECT cache, bucket, status, count(*) AS clips, any_value(shape) AS latent_shape FROM latents GROUP BY ALL ORDER BY 2"
+	    "SELECT cache, view, bucket, status, count(*) AS clips, any_value(shape) AS latent_shape FROM latents GROUP BY ALL ORDER BY 2, 3"
 	$(BIN)/reelcache catalog manifest --root $(DEMO_ROOT) --name demo-stage1-tiny --cache tiny \
 	    --where "height >= 240 AND level <= 3 AND noun_pct < 99.99"
 	$(BIN)/reelcache loader simulate --root $(DEMO_ROOT) --manifest demo-stage1-tiny --buckets configs/buckets/demo.toml \

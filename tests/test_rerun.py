@@ -224,10 +224,10 @@ def test_the_demo_data_steps_run_twice(demo_dataset, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the demo configs name each other relative to the repo
     root = tmp_path / "demo-root"
     _demo_steps(root, demo_dataset, tmp_path / "first.parquet")
-    first = sql(root, "SELECT clip_id, bucket, shard, shard_offset FROM latents ORDER BY clip_id")
+    first = sql(root, "SELECT clip_id, view, bucket, shard, shard_offset FROM latents ORDER BY clip_id, view")
     assert first
     _demo_steps(root, demo_dataset, tmp_path / "second.parquet")
-    assert sql(root, "SELECT clip_id, bucket, shard, shard_offset FROM latents ORDER BY clip_id") == first
+    assert sql(root, "SELECT clip_id, view, bucket, shard, shard_offset FROM latents ORDER BY clip_id, view") == first
     assert sql(root, "SELECT name, count(*) FROM manifests GROUP BY 1 ORDER BY 1") == [
         ("demo-stage1", 1),
         ("demo-stage1-tiny", 1),
