@@ -243,7 +243,7 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
         pq.write_table(pa.Table.from_pylist(rows), tmp, row_group_size=cfg.clips_per_unit * cfg.views)
     num_clips = len(draws)
     num_units = -(-num_clips // cfg.clips_per_unit)
-    costs = view_costs(draws, cfg, ident, _measured(cdir).get("text_tokens"))
+    costs = view_costs(draws, cfg, ident, _measured(cdir).get("text_tokens"), table_views)
     doc = {
         "config": dataclasses.asdict(cfg),
         "num_units": num_units,
@@ -283,33 +283,38 @@ def latent_bytes(cfg: CacheConfig, ident: dict, frames: int, height: int, width:
     return int(channels) * t * (height // f) * (width // f) * 2 * (2 if cfg.store == "posterior" else 1)
 
 
-def view_costs(draws: list, cfg: CacheConfig, ident: dict, tokens: float | None = None) -> list[dict]:
-    """What a cache of K = 1 .. len(views) views encodes and stores: distinct draws of views 0..K-1,
-    their pixels, latent bytes and caption bytes (every sample holds its caption's embedding).
-    `draws`: (caption, [draw of view 0, 1, ...]) per clip; `tokens`: measured tokens per caption (None:
-    estimated from its words)."""
+def view_costs(
+    draws: list, cfg: CacheConfig, ident: dict, tokens: float | None = None, upto: int | None = None
+) -> list[dict]:
+    """What a cache of K = 1 .. upto views encodes and stores: distinct draws of views 0..K-1, their
+    pixels, latent bytes and caption bytes (every sample holds its caption's embedding). `draws`:
+    (caption, [draw of view 0, 1, ...]) per clip, `upto` at most as many views as each has (default:
+    that many); `tokens`: measured tokens per caption (None: estimated from its words)."""
     conf = ident["text_encoder"].get("config") or {}
     width = 32 if cfg.text_encoder.tiny else int(conf.get("d_model", 4096))
-    measured_tokens = tokens is not None
+    upto = upto or (len(draws[0][1]) if draws else 1)
     sizes: dict = {}
-    out = []
-    for k in range(1, len(draws[0][1]) + 1 if draws else 2):
-        encodes = pixels = latent = text = 0
-        for caption, views in draws:
-            n = tokens or min(cfg.text_encoder.max_tokens, 1 + round(1.3 * len((caption or "").split())))
-            for d in views[:k]:
-                if d["bucket"] is None or d["same_as"] is not None:
-                    continue
-                key = (d["num_frames"], d["height"], d["width"])
-                if key not in sizes:
-                    sizes[key] = latent_bytes(cfg, ident, *key)
-                encodes += 1
-                pixels += d["num_frames"] * d["height"] * d["width"]
-                latent += sizes[key] + SAMPLE_OVERHEAD
-                text += n * width * 2
+    per_view = [[0, 0, 0, 0] for _ in range(upto)]  # what view v adds: encodes, pixels, latent and text bytes
+    for caption, views in draws:
+        n = tokens or min(cfg.text_encoder.max_tokens, 1 + round(1.3 * len((caption or "").split())))
+        for v, d in enumerate(views[:upto]):
+            if d["bucket"] is None or d["same_as"] is not None:  # no latent, or an earlier view's
+                continue
+            key = (d["num_frames"], d["height"], d["width"])
+            if key not in sizes:
+                sizes[key] = latent_bytes(cfg, ident, *key)
+            add = per_view[v]
+            add[0] += 1
+            add[1] += d["num_frames"] * d["height"] * d["width"]
+            add[2] += sizes[key] + SAMPLE_OVERHEAD
+            add[3] += n * width * 2
+    out, total = [], [0, 0, 0, 0]
+    for k in range(upto):  # K = k + 1 views: views 0..k
+        total = [a + b for a, b in zip(total, per_view[k])]
+        encodes, pixels, latent, text = total
         out.append(
-            {"views": k, "encodes": encodes, "pixels": pixels, "bytes": latent + text, "text_bytes": text}
-            | {"measured_tokens": measured_tokens}
+            {"views": k + 1, "encodes": encodes, "pixels": pixels, "bytes": latent + text, "text_bytes": text}
+            | {"measured_tokens": tokens is not None}
         )
     return out
 
