@@ -23,11 +23,11 @@ in five steps, each a numpy pass over the manifest (about a second at 1.3M sampl
    consecutive samples, the grid shifted by a random offset in [0, block) drawn per (seed, epoch,
    bucket) so that block boundaries, and with them the clips that share batches, move from epoch
    to epoch (the block that the shift pushes past the end wraps around to the first samples: one
-   block per bucket reads two regions), and the blocks get a random order; each pass takes its samples block by
-   block in that order, rotated by p/K of it (K passes in the bucket), shuffled inside each block,
-   and is cut into micro-batches of the bucket's batch size. A micro-batch never spans two passes,
-   so it never holds a clip twice; the rotation puts a clip's copies about 1/K of the epoch
-   apart. The last batch of each pass may be smaller (no sample is dropped or repeated to fill
+   block per bucket reads two regions), and the blocks get a random order; each pass takes its
+   samples block by block in that order, rotated by p/K of it (K passes in the bucket), shuffled
+   inside each block, and is cut into micro-batches of the bucket's batch size. A micro-batch never
+   spans two passes, so it never holds a clip twice; the rotation puts a clip's copies about 1/K of
+   the epoch apart. The last batch of each pass may be smaller (no sample is dropped or repeated to fill
    it). Reads stay within a few shard regions per batch, so streaming from slow storage stays
    sequential (later passes of a subsample read their pass-0 block's members that were drawn
    again, so their batches span a few more blocks);
