@@ -383,8 +383,9 @@ def cost_table(cdir: Path, clips: int, views: int, costs: list[dict]) -> list[st
     base = costs[0]
     tokens = "measured" if costs[0]["measured_tokens"] else "estimated from word counts"
     lines = [
-        f"  what views cost (latents from the encoder's geometry; captions stored in every sample, tokens {tokens}):",
-        f"    {'K':>3} {'encodes':>10} {'per clip':>8} {'Gpixels':>9} {'x K=1':>6} {'latents':>10} {'GPU-hours':>10}",
+        "  what views cost (bytes: latents from the encoder's geometry, and captions, which every sample "
+        f"stores; tokens {tokens}):",
+        f"    {'K':>3} {'encodes':>10} {'per clip':>8} {'Gpixels':>9} {'x K=1':>6} {'bytes':>10} {'GPU-hours':>10}",
     ]
     for c in costs:
         hours = _gpu_hours(m, c["encodes"], c["pixels"])
