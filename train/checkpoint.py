@@ -33,6 +33,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from reelcache.settings import setting
@@ -90,6 +91,17 @@ class CheckpointConfig:
         False,
         "save ckpt-00000000 before the first step of a run that resumes nothing (Open-Sora's epoch0-global_step0)",
     )
+
+
+def library_versions() -> dict:
+    """The versions that wrote a checkpoint (its state.json says them)."""
+    out = {}
+    for m in ("torch", "colossalai", "reelcache"):
+        try:
+            out[m] = version(m)
+        except PackageNotFoundError:
+            pass
+    return out
 
 
 def read_state(ckpt) -> dict:

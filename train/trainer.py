@@ -18,7 +18,6 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -267,7 +266,7 @@ class Trainer:
             "init_from": self.loaded_from,
             "init_weights": self.loaded_which,  # model or ema: which of init_from's weights
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "versions": _versions(),
+            "versions": ck.library_versions(),
         }
         if self.rank0:
             self.log.flush()  # metrics up to this step exist before the checkpoint does
@@ -394,13 +393,3 @@ class Trainer:
             f"step {self.state.global_step}; see {self.run_dir / 'bad_steps.jsonl'} for the clips. Last good "
             f"checkpoint: {last or 'none'}. Resume with: {cmd} (consider a lower optim.lr, or --reset-data)"
         )
-
-
-def _versions() -> dict:
-    out = {}
-    for m in ("torch", "colossalai", "reelcache"):
-        try:
-            out[m] = version(m)
-        except PackageNotFoundError:
-            pass
-    return out
