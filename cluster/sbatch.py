@@ -32,6 +32,7 @@ say so), more nodes than the partition has, more GPUs per node than its nodes ha
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import shutil
 import sys
@@ -82,7 +83,6 @@ class Resources:
     time: str | None = None
     nodes: int = 1
     gpus_per_node: int = 0
-    cpus_per_task: int | None = None
     extra: list[str] = field(default_factory=list)  # more sbatch options, verbatim
 
     def directives(self) -> list[str]:
@@ -92,8 +92,6 @@ class Resources:
                 out.append(f"--{opt}={v}")
         if self.gpus_per_node:
             out.append(f"--gpus-per-node={self.gpus_per_node}")
-        if self.cpus_per_task:
-            out.append(f"--cpus-per-task={self.cpus_per_task}")
         return out + list(self.extra)
 
 
@@ -201,21 +199,26 @@ def eval_script(
     return script, render("eval serve", script, directives, "exec " + " ".join(shlex.quote(c) for c in cmd))
 
 
-# The options add_arguments declares, and how many values each takes: what a command drops from its own
-# arguments to run the same command inside the job.
-OPTIONS = {"--slurm": 0, "--dry-run": 0, "--partition": 1, "--account": 1, "--time": 1, "--gpus-per-node": 1,
-           "--sbatch": 1, "--nodes": 1, "--nproc-per-node": 1, "--signal-s": 1, "--after": 1}  # fmt: skip
+def slurm_options() -> dict[str, int]:
+    """Every option ``add_arguments`` declares, and how many values it takes (read from the parsers it builds)."""
+    out = {}
+    for training in (True, False):
+        p = argparse.ArgumentParser(add_help=False)
+        add_arguments(p, training=training)
+        out.update({o: 0 if a.nargs == 0 else 1 for a in p._actions for o in a.option_strings})
+    return out
 
 
 def without_slurm_options(argv: list[str]) -> list[str]:
-    out, skip = [], 0
+    """A command's own arguments without the Slurm ones: what runs inside the job."""
+    options, out, skip = slurm_options(), [], 0
     for x in argv:
         if skip:
             skip -= 1
             continue
         name = x.split("=", 1)[0]
-        if name in OPTIONS:
-            skip = OPTIONS[name] if "=" not in x else 0
+        if name in options:
+            skip = options[name] if "=" not in x else 0
             continue
         out.append(x)
     return out
@@ -224,8 +227,7 @@ def without_slurm_options(argv: list[str]) -> list[str]:
 def launch(script: Path, text: str, res: Resources, dry_run: bool = False) -> str | None:
     """Check the resources, write the script and submit it; its job id. A dry run prints it instead
     (checked too where a cluster answers ``sinfo``)."""
-    online = shutil.which("sinfo") is not None and slurm.slurm("sinfo", "-h").returncode == 0
-    if not dry_run or online:
+    if not dry_run or (shutil.which("sinfo") is not None and slurm.slurm("sinfo", "-h").returncode == 0):
         check(res)
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(text)

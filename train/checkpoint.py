@@ -150,7 +150,6 @@ class Checkpointer:
 
     def __init__(self, cfg: CheckpointConfig, run_dir, par, snapshot=None, saved_step: int | None = None):
         self.cfg, self.run_dir, self.par, self.snapshot = cfg, Path(run_dir), par, snapshot
-        self.keep_last, self.keep_every = cfg.keep_last, cfg.keep_every
         self.saved_step = saved_step  # the step of the newest checkpoint this run wrote or loaded
         self.stopping = False
         self.stop = StopRequest(self.run_dir)
@@ -261,8 +260,9 @@ class Checkpointer:
 
     def prune(self) -> None:
         found = list_checkpoints(self.run_dir)
-        keep = set(found[-self.keep_last :]) if self.keep_last > 0 else set(found)
+        keep_last, keep_every = self.cfg.keep_last, self.cfg.keep_every
+        keep = set(found[-keep_last:]) if keep_last > 0 else set(found)
         for p in found:
             step = ckpt_step(p)
-            if p not in keep and not (self.keep_every and step % self.keep_every == 0):
+            if p not in keep and not (keep_every and step % keep_every == 0):
                 shutil.rmtree(p, ignore_errors=True)
