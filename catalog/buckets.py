@@ -60,27 +60,27 @@ TABLES = OPENSORA12_ASPECT
 RESOLUTIONS = {res: budget for res, (budget, _) in TABLES.items()}
 
 
-def aspect_keys(resolution: str) -> tuple[str, ...]:
-    """The aspect keys (H/W, two decimals) of a resolution, in upstream's order."""
-    return tuple(TABLES[resolution][1])
-
-
 def bucket_hw(resolution: str, ar_key: str) -> tuple[int, int]:
     """(H, W) of an aspect key at a resolution: upstream's table entry (240p/0.75: 276 x 368)."""
     try:
         return TABLES[resolution][1][ar_key]
     except KeyError:
+        keys = list(TABLES.get(resolution, (0, {}))[1])
+        have = (
+            f"{len(keys)} keys at {resolution}, {keys[0]} .. {keys[-1]}" if keys else f"resolutions {', '.join(TABLES)}"
+        )
         raise UserError(
-            f"bucket size {resolution}/{ar_key}: no such entry in Open-Sora 1.2's tables "
-            f"(resolutions {', '.join(TABLES)}; keys at {resolution}: "
-            f"{', '.join(TABLES[resolution][1]) if resolution in TABLES else 'none'}). Caches planned before "
-            "reelcache took these tables named buckets by other keys: plan them again (docs/DATASETS.md)"
+            f"bucket size {resolution}/{ar_key}: no such entry in Open-Sora 1.2's tables ({have}). Caches "
+            "planned before reelcache took these tables named buckets otherwise: plan them again (docs/DATASETS.md)"
         ) from None
 
 
 def bucket_geometry(bucket: str) -> tuple[int, int, int]:
     """(pixel frames, pixel height, pixel width) of a bucket name "<resolution>/<T>/<ar key>"."""
-    res, t, ar = bucket.split("/")
+    parts = str(bucket).split("/")
+    if len(parts) != 3 or not parts[1].isdigit():
+        raise UserError(f"bucket {bucket!r}: expected <resolution>/<frames>/<aspect key>, e.g. 240p/51/0.56")
+    res, t, ar = parts
     h, w = bucket_hw(res, ar)
     return int(t), h, w
 

@@ -85,6 +85,21 @@ def test_a_bucket_name_from_before_the_tables_is_one_clear_line():
     with pytest.raises(UserError, match=r"512/0\.56: no such entry.*plan them again") as e:
         bucket_geometry("512/51/0.56")  # reelcache's 16:9 key at 512 before it took upstream's tables
     assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="expected <resolution>/<frames>/<aspect key>"):
+        bucket_geometry("512/0.56")
+
+
+def test_a_manifest_of_a_cache_from_before_the_tables_is_refused_before_training(tmp_path):
+    """The loader reads a manifest's buckets before any work: one from before the tables names
+    "512/17/0.56", which upstream's 512 table lacks (its 16:9 key there is 0.57)."""
+    from latent_data import write_latents
+
+    from reelcache.train.loader import load_source
+
+    assert load_source(write_latents(tmp_path, 4, name="now", buckets=["512/17/0.57", "144p/17/0.56"]))
+    old = write_latents(tmp_path, 4, name="old", buckets=["512/17/0.56", "144p/17/0.56"])
+    with pytest.raises(UserError, match=r"old\.parquet: bucket size 512/0\.56: no such entry.*plan them again"):
+        load_source(old)
 
 
 # -- windows --------------------------------------------------------------------------------------
@@ -125,6 +140,7 @@ def test_cache_plan_draws_upstreams_windows_and_says_so(fresh_root, tmp_path):
     """`window = "opensora"` plans starts in upstream's range, is part of the cache's identity, and the
     default plans as before; a cache.json from before the tables is refused naming buckets.sizes."""
     from reelcache.cache.plan import make_plan
+    from reelcache.cache.run import run_unit
     from reelcache.catalog.manifest import make_manifest, read_manifest, resolve_manifest
 
     make_manifest(fresh_root, "m", "true")
@@ -147,3 +163,7 @@ def test_cache_plan_draws_upstreams_windows_and_says_so(fresh_root, tmp_path):
     with pytest.raises(UserError, match="another identity") as e:
         make_plan(fresh_root, cfg)
     assert 'buckets.sizes: null != "Open-Sora 1.2 aspect.py tables' in str(e.value)
+    with pytest.raises(UserError, match="refusing to mix latents") as e:  # and its planned units, before any work
+        run_unit(str(fresh_root), "w/000000")
+    assert 'buckets.sizes: null != "Open-Sora 1.2 aspect.py tables' in str(e.value)
+    assert not list(cdir.glob("[0-9]*"))
