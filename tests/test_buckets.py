@@ -102,6 +102,28 @@ def test_a_manifest_of_a_cache_from_before_the_tables_is_refused_before_training
         load_source(old)
 
 
+@pytest.mark.parametrize(
+    "size,res,bucket,fit,stored",
+    [
+        ((640, 360), "512", "512/5/0.57", (384, 672), (384, 672)),  # a multiple of 16: stored whole
+        ((640, 480), "240p", "240p/5/0.75", (276, 368), (272, 368)),  # the centre, rounded down to 8
+    ],
+)
+def test_opensora_resize_covers_upstreams_size_of_the_assigned_bucket(tmp_path, size, res, bucket, fit, stored):
+    """A clip's bucket (assign) and its frames (decode_clip, resize = "opensora") are Open-Sora 1.2's:
+    resize_crop_to_fill (test_resize.py's torch reference) to upstream's size read off its table."""
+    import numpy as np
+    from test_resize import TOL, job, reference, write
+
+    from reelcache.cache.decode import decode_clip
+
+    a = BucketConfig.from_dict({res: {5: [1.0, 2]}}).assign("c", size[1], size[0], 25)
+    assert (a.bucket, (a.height, a.width)) == (bucket, fit)
+    p = write(tmp_path, *size)
+    got = decode_clip(job(p, a.bucket, *stored, resize="opensora"), str(tmp_path))
+    assert np.abs(got - reference(p, [7 + 3 * k for k in range(5)], fit, *stored)).max() <= TOL
+
+
 # -- windows --------------------------------------------------------------------------------------
 def upstream_start_range(total: int, frames: int, interval: int) -> range:
     """Open-Sora 1.2's TemporalRandomCrop(T k): randint(0, max(0, total - T k - 1)), both ends included."""
