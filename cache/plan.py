@@ -30,8 +30,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache import UserError
-from reelcache.cache.decode import RESIZES, window_start
+from reelcache.cache.decode import RESIZES, WINDOWS, window_start
 from reelcache.cache.encoders import TINY_VIDEO, EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
+from reelcache.catalog.aspect_tables import SOURCE as BUCKET_SIZES
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.catalog.manifest import read_manifest, resolve_manifest
 from reelcache.catalog.shards import atomic_path
@@ -46,6 +47,8 @@ RESIZE_IDENTITY = {
     "opensora": "Open-Sora 1.2 resize_crop_to_fill: rgb24 at coded size, bilinear without antialias "
     "(torch interpolate, align_corners=False), cover the bucket's exact size (round), centre crop to it",
 }
+# ... and the suffix of its preprocess.window for each `window` ("uniform": none, as before the option).
+WINDOW_IDENTITY = {"uniform": "", "opensora": " mod (N - T x frame_interval): Open-Sora 1.2's TemporalRandomCrop range"}
 
 
 @dataclass
@@ -77,6 +80,12 @@ class CacheConfig:
         "area: swscale's area filter (antialiased) covering (H, W); opensora: Open-Sora 1.2's bilinear without "
         "antialias, covering and cropping the bucket's exact size (e.g. 240 x 426), then the centre (H, W)",
         choices=RESIZES,
+    )
+    window: str = setting(
+        "uniform",
+        "uniform: a window start drawn from every valid start; opensora: from Open-Sora 1.2's range "
+        "(TemporalRandomCrop: never the last valid start)",
+        choices=WINDOWS,
     )
     extra: dict = setting(doc="free-form, recorded with the plan", factory=dict)
 
@@ -115,7 +124,11 @@ def identity(cfg: CacheConfig, buckets: BucketConfig, manifest_fp: str) -> dict:
         "name": cfg.name,
         "video_encoder": spec_identity(cfg.video_encoder),
         "text_encoder": spec_identity(cfg.text_encoder),
-        "buckets": {"table": [list(r) for r in buckets.table], "frame_interval": buckets.frame_interval},
+        "buckets": {
+            "table": [list(r) for r in buckets.table],
+            "frame_interval": buckets.frame_interval,
+            "sizes": BUCKET_SIZES,  # Open-Sora 1.2's (H, W) per (resolution, aspect key)
+        },
         "seed": cfg.seed,
         "store": cfg.store,
         "manifest_fingerprint": manifest_fp,
@@ -124,7 +137,7 @@ def identity(cfg: CacheConfig, buckets: BucketConfig, manifest_fp: str) -> dict:
             "decode": "pyav, frames in presentation order, displayed picture (SAR, rotation)",
             "resize": RESIZE_IDENTITY[cfg.resize],
             "crop": "centre",
-            "window": "SeedSequence(blake2b-256(window|seed|clip_id))",
+            "window": "SeedSequence(blake2b-256(window|seed|clip_id))" + WINDOW_IDENTITY[cfg.window],
             "range": [-1, 1],
             "latent_dtype": "bfloat16",
             "text": "trimmed to real tokens, bfloat16",
@@ -198,6 +211,7 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
         prev = json.loads(old_plan.read_text())["config"]
         prev.setdefault("resize", "area")  # a plan made before the option resized by area
         prev.setdefault("views", 1)  # a plan made before views drew once
+        prev.setdefault("window", "uniform")  # a plan made before the option drew from every start
         if d := diff(prev, json.loads(json.dumps(dataclasses.asdict(cfg), default=str))):
             raise UserError(
                 f"cache {cfg.name!r} has finished units planned with another configuration "
@@ -211,7 +225,8 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
         for v in range(table_views):
             a = buckets.assign(r["clip_id"], r["height"], r["width"], r["num_frames"], cfg.seed, view=v)
             span = (a.num_frames - 1) * buckets.frame_interval + 1 if a.bucket else 0
-            start = window_start(r["clip_id"], cfg.seed, r["num_frames"], span, view=v) if a.bucket else None
+            rule = {"rule": cfg.window, "interval": buckets.frame_interval}
+            start = window_start(r["clip_id"], cfg.seed, r["num_frames"], span, view=v, **rule) if a.bucket else None
             same_as = first.setdefault((a.bucket, start), v) if a.bucket else None
             draw = {
                 "view": v,

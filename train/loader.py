@@ -34,7 +34,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from reelcache.catalog.buckets import BucketConfig
+from reelcache import UserError
+from reelcache.catalog.buckets import BucketConfig, bucket_geometry
 from reelcache.catalog.latents import MANIFEST_COLUMNS, VIEW_COLUMNS, decode
 from reelcache.catalog.manifest import fingerprint, resolve_manifest
 from reelcache.catalog.shards import atomic_path
@@ -63,6 +64,11 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | No
         table = table.filter(pc.equal(table["view"], view)) if "view" in table.column_names else table
         views = 1
     table = table.sort_by([("clip_id", "ascending")] + ([("view", "ascending")] if "view" in columns else []))
+    for bucket in pc.unique(table["bucket"]).to_pylist():  # a cache planned before Open-Sora's bucket tables
+        try:
+            bucket_geometry(bucket)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
     if table.num_rows == 0:
         raise ValueError(f"{path}: none of its {total} clips has latents (bucket and shard are empty)")
     if table.num_rows < min_kept * total:
