@@ -162,8 +162,11 @@ class Evaluator:
         if self.prompts:
             self._cache()
 
-    def serve(self, poll: float = 60.0, every: int = 1, latest_only: bool = False, exit_idle: float = 0.0) -> None:
-        """Evaluate checkpoints as they appear, forever (or until idle for ``exit_idle`` seconds)."""
+    def serve(
+        self, poll: float = 60.0, every: int = 1, latest_only: bool = False, exit_idle: float = 0.0, until=None
+    ) -> None:
+        """Evaluate checkpoints as they appear, forever, or until idle for ``exit_idle`` seconds, or (``until``:
+        the followed training job has ended) until ``until()`` is true and nothing is left to evaluate."""
         self.check()
         say(
             f"eval serve: watching {self.run_dir} for checkpoints (preset {self.preset}, {self.weights} weights, "
@@ -183,6 +186,11 @@ class Evaluator:
                 continue  # re-list: new checkpoints join in step order
             if exit_idle and time.monotonic() - idle_since >= exit_idle:
                 say(f"eval serve: nothing new for {exit_idle:g}s, stopping")
+                return
+            if until is not None and until():
+                if self.pending(every, latest_only):  # written just before the training ended
+                    continue
+                say("eval serve: the training job has ended and every checkpoint is evaluated, stopping")
                 return
             time.sleep(poll)
 
