@@ -36,10 +36,10 @@ def copy_to(con, query: str, out: str) -> int:
 
     with atomic_path(out) as tmp:
         try:
-            con.execute(f"COPY ({query}) TO '{tmp}' {WRITERS[ext]}")
+            con.execute(f"COPY (\n{query}\n) TO '{tmp}' {WRITERS[ext]}")  # own lines: a trailing -- comment ends there
         except duckdb.Error as e:
             raise _sql_error(e, query) from e
-    return con.execute(f"SELECT count(*) FROM ({query})").fetchall()[0][0]
+    return con.execute(f"SELECT count(*) FROM (\n{query}\n)").fetchall()[0][0]
 
 
 def run_sql(root, query: str, out: str | None = None, limit: int = 50) -> None:

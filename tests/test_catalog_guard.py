@@ -117,6 +117,9 @@ def test_catalog_sql_runs_one_select_only(root, tmp_path, capsys):
     out = tmp_path / "ok.csv"
     assert main(["catalog", "sql", "--root", str(root), "FROM clips WHERE status = 'ok'", "--out", str(out)]) == 0
     assert len(out.read_text().splitlines()) == 1 + 9
+    q = "SELECT clip_id FROM clips WHERE status = 'ok' -- a comment at the end"
+    assert main(["catalog", "sql", "--root", str(root), q, "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 1 + 9
     assert _snapshot(root) == before
 
 
