@@ -8,7 +8,8 @@ Formats (``--source``):
   is kept, and which one becomes ``text`` must be chosen with ``--caption``.
 - ``csv`` / ``parquet``: at least ``path,text``; Open-Sora's ``num_frames,fps,height,width`` (and
   ``seconds``) are read as ``stated_*`` when present (MiraData's ``width,height`` too).
-- ``folder``: every video under ``--videos``, caption from the ``.txt`` beside it.
+- ``folder``: every video under ``--videos``, caption from the ``.txt`` beside it (UTF-8; a caption
+  file that is not is that row's ``bad_row`` reject, naming the file).
 
 A table missing required columns is refused before any work starts, with the missing names and,
 when the header matches another known format, which ``--source`` was probably meant. So is a CSV
@@ -228,9 +229,15 @@ def _records(kind: str, meta: Path | None, videos: Path):
             raise UserError(f"--videos {videos} is not a directory")
         for p in sorted(videos.rglob("*")):
             if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file():
-                txt = p.with_suffix(".txt")
-                text = txt.read_text(encoding="utf-8", errors="replace").strip() if txt.exists() else ""
-                yield {"path": str(p.relative_to(videos)), "text": text}, None
+                txt, err = p.with_suffix(".txt"), None
+                try:
+                    text = txt.read_text(encoding="utf-8-sig").strip() if txt.exists() else ""
+                except UnicodeDecodeError as e:  # a reject naming the file, never a caption with U+FFFD in it
+                    text, err = (
+                        None,
+                        f"caption file {txt.name} is not UTF-8 (byte {e.object[e.start]:#04x} at {e.start})",
+                    )
+                yield {"path": str(p.relative_to(videos)), "text": text}, err
         return
     if meta is None or not meta.exists():
         raise UserError(f"--meta {meta} does not exist")

@@ -107,6 +107,13 @@ def test_folder_with_sidecar_captions(tmp_path):
     (tmp_path / "v" / "notes.md").write_text("not a video")
     t = read_source("folder", "mine", None, str(tmp_path / "v")).to_pylist()
     assert [(r["relpath"], r["text"]) for r in t] == [("a.mp4", "A red kite."), ("sub/b.MKV", "")]
+    assert [r["row_error"] for r in t] == [None, None]
+    # a latin-1 caption is that row's error (a reject naming the file), never a caption with U+FFFD
+    (tmp_path / "v" / "sub" / "b.txt").write_bytes("un café".encode("latin-1"))
+    (tmp_path / "v" / "a.txt").write_bytes(b"\xef\xbb\xbf" + "A red kite, naïve.".encode())  # a BOM is fine
+    t = read_source("folder", "mine", None, str(tmp_path / "v")).to_pylist()
+    assert t[0]["text"] == "A red kite, naïve." and t[0]["row_error"] is None
+    assert t[1]["text"] is None and t[1]["row_error"] == "caption file b.txt is not UTF-8 (byte 0xe9 at 6)"
 
 
 def test_miradata_parquet_and_folder_sources_end_to_end(tmp_path):
