@@ -172,7 +172,7 @@ def test_ema_under_zero2_bf16_follows_its_update_rule(root):
     train(r, [*args, *PLUGINS["zero2-bf16"], "--run.name=ema-zero2-bf16"], nproc=2)
     c = {int(p.name.removeprefix("ckpt-")): p for p in (r / "runs/ema-zero2-bf16").glob("ckpt-*")}
     errs = [ema_rule_error(c[k - 1], c[k]) for k in (2, 3)]
-    assert max(errs) < 1e-2, errs  # an EMA not updated is 1.0 off; fp32 rounding ~1e-4
+    assert max(errs) < 1e-2, errs  # observed <= 3.3e-4 (fp32 rounding); an EMA not updated under ZeRO: 1.0
 
 
 @pytest.mark.parametrize("source,target", [("ddp", "zero2-fp32"), ("zero2-fp32", "ddp")])
