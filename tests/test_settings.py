@@ -273,7 +273,7 @@ EDGES = {
     ("train", "checkpoint.keep_last"): ([-1], [0, 1]),  # 0: all
     ("train", "checkpoint.keep_every"): ([-1], [0, 1000]),
     ("train", "log.every"): ([0], [1, 10]),
-    ("train", "guard.spike_z"): ([-1.0], [0.0, 6.0]),  # 0: off
+    ("train", "guard.spike_z"): ([-1.0, 0.5, 2.9], [0.0, 3.0, 6.0]),  # 0: off; < 3: ordinary steps are spikes
     ("train", "guard.window"): ([1, 0], [2, 100]),  # the std of one loss is 0: every step a spike
     ("train", "guard.max_bad_steps"): ([0], [1, 5]),
     ("train", "watchdog.factor"): ([1.0, 0.5, 0.0], [1.5, 10.0]),  # <= 1: a median step is a hang
@@ -359,6 +359,7 @@ def test_the_issue_examples_say_exactly_what_is_allowed():
     assert error("run.compile=1") == "run.compile = 1: expected true or false"
     assert error("optim=3") == "optim = 3: expected a table"
     assert error("optim.lr=inf") == "optim.lr = inf: expected a number >= 0"
+    assert error("guard.spike_z=2") == "guard.spike_z = 2: expected a number >= 3 (or 0: off)"
     assert load_config(STAGE, ["optim.lr=0.0", "checkpoint.every=0"]).optim.lr == 0.0  # 0: frozen; 0: at the end
 
 
