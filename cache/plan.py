@@ -70,7 +70,12 @@ class CacheConfig:
     text_batch_size: int = setting(64, "captions per text-encoder call", ge=1)
     workers: int = setting(4, "decode processes per unit, overlapping decode with encode", ge=1)
     decode_timeout: float = setting(120.0, "seconds per clip", gt=0)
-    worker_memory_mb: int | None = setting(None, "address-space cap per decode process (None: no cap)", ge=1)
+    worker_memory_mb: int | None = setting(
+        None,
+        "address-space cap per decode process in MB (None: no cap); at least 1024: below ~400 a worker cannot "
+        "decode 1080p and a good clip would fail",
+        ge=1024,
+    )
     shard_mb: float = setting(1000.0, "cap on one latent shard's size", gt=0)
     store: str = setting(
         "posterior", "posterior: mean + logvar (sampled at load); sample: one draw", choices=("posterior", "sample")
