@@ -229,6 +229,8 @@ def resolve_manifest(root, name_or_path) -> Path:
     p = Path(name_or_path)
     if p.is_file():
         return p
+    if p.is_absolute() or len(p.parts) > 1:  # a path, not a name: glob() takes no absolute pattern
+        raise ValueError(f"no manifest file {p}")
     root = Path(root or ".")
     name = str(name_or_path)
     if found := _from_catalog(root, name):
