@@ -333,3 +333,31 @@ def test_traversal_and_writes_are_refused_and_nothing_changes(server, browser, d
     _shot(browser, tmp_path, "refused")
     assert hashlib.sha256((demo_root / "catalog.duckdb").read_bytes()).hexdigest() == digest
     assert _sql(demo_root, "SELECT count(*) FROM clips")[0] == (n,)
+
+
+def test_every_raw_clip_plays_or_its_page_says_why(server, browser, demo_root):
+    """The demo mixes H.264 in MP4/MOV/MKV, VP9 WebM, AV1 MKV, HEVC MP4 and MPEG-4 AVI: a clip of each
+    plays from its shard in this Chromium, with the duration ffprobe gives its file, or its page says in
+    one line why it cannot."""
+    from selenium.webdriver.common.by import By
+
+    said = set()
+    for clip_id, codec, ext, path in _sql(
+        demo_root,
+        "SELECT min(clip_id), codec, ext, arg_min(path, clip_id) FROM clips WHERE status = 'ok' "
+        "GROUP BY ALL ORDER BY 2, 3",
+    ):
+        browser.get(server + "/clip?id=" + urllib.request.quote(clip_id))
+        why = browser.find_elements(By.ID, "raw-why")
+        if why:
+            assert "\n" not in why[0].text and (codec in why[0].text or ext in why[0].text), why[0].text
+            said.add((codec, ext))
+            continue
+        state, duration = _video(browser, browser.find_element(By.ID, "raw"))
+        assert state == HAVE_ENOUGH_DATA, (codec, ext)
+        probed = subprocess.run(
+            ["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0", path],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        assert duration == pytest.approx(float(probed), abs=0.05), (codec, ext)  # the container's duration
+    assert said == {("hevc", "mp4"), ("mpeg4", "avi")}

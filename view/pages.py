@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -11,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.templating import Jinja2Templates
 
+from reelcache.catalog.levels import NOUN_TAGS
 from reelcache.view import preview, runs
 from reelcache.view.files import Refused, confined, file_response, playable, slice_response, within
 from reelcache.view.store import PAGE, REJECTS_PAGE, BadQuery
@@ -125,11 +127,16 @@ def manifest(request: Request) -> Response:
     m = _store(request).manifest(name, fp)
     if m is None:
         raise NotFound(f"no manifest {name!r} in the catalog")
-    path = confined(_root(request), m["path"])
-    table = pq.read_table(path)
-    cols = [c for c in ("clip_id", "bucket") if c in table.column_names]
-    counts = _store(request).breakdown(table.select(cols))
-    return _render(request, "manifest.html", m=m, rows=table.num_rows, columns=table.column_names, counts=counts)
+    rows, columns, counts = _manifest_counts(_store(request), confined(_root(request), m["path"]), m["fingerprint"])
+    return _render(request, "manifest.html", m=m, rows=rows, columns=columns, counts=counts)
+
+
+@functools.lru_cache(maxsize=16)
+def _manifest_counts(store, path: Path, fingerprint: str) -> tuple[int, list[str], dict]:
+    """A manifest's size, columns and counts: computed once, as its content never changes (its fingerprint)."""
+    names = pq.read_schema(path).names
+    table = pq.read_table(path, columns=[c for c in ("clip_id", "bucket") if c in names])
+    return table.num_rows, names, store.breakdown(table)
 
 
 def run(request: Request) -> Response:
@@ -252,16 +259,20 @@ def _span(request: Request, v: dict) -> dict | None:
     return {"interval": k, "covered": (v["num_frames"] - 1) * k + 1}
 
 
+@functools.cache
+def tagger():
+    """textblob's PatternTagger (its lexicon takes about a second to load: server.py warms it at start)."""
+    from textblob.en.taggers import PatternTagger
+
+    return PatternTagger()
+
+
 def _nouns(c: dict) -> list[tuple[str, bool]]:
     """The caption's words, each marked noun or not by the catalog's tagger (textblob's pattern)."""
     text = c["text"] or ""
     if not (c.get("noun_tagger") or "").startswith("textblob"):
         return [(text, False)]
-    from textblob.en.taggers import PatternTagger
-
-    from reelcache.catalog.levels import NOUN_TAGS
-
-    return [(w, tag in NOUN_TAGS) for w, tag in PatternTagger().tag(text)]
+    return [(w, tag in NOUN_TAGS) for w, tag in tagger().tag(text)]
 
 
 def _loss_svg(name: str, losses: list[dict], bad: set[int], w: int = 720, h: int = 220) -> dict | None:

@@ -12,6 +12,7 @@ import contextlib
 import ipaddress
 import logging
 import sys
+import threading
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -45,6 +46,8 @@ def build_app(root: str | Path, videos: list[str] | tuple = ()) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        # the caption tagger loads its lexicon (~1 s) in the background, not on the first Clip page
+        threading.Thread(target=lambda: pages.tagger().tag("a warm up"), daemon=True).start()
         yield
         store.close()
 

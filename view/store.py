@@ -191,17 +191,18 @@ class Store:
 
     def breakdown(self, table) -> dict:
         """Counts of the rows of an Arrow table with ``clip_id`` (and maybe ``bucket``) per level and source
-        (joined to the catalog) and per bucket: a manifest's, a step's, an epoch plan's samples."""
+        (joined to the catalog, in one pass) and per bucket: a manifest's, a step's, an epoch plan's samples."""
         cur = self.con.cursor()
         try:
             cur.register("sel", table)
-            out = {
-                k: _dicts(
-                    cur,
-                    f"SELECT c.{k} AS key, count(*) AS n FROM sel JOIN clips c USING (clip_id) GROUP BY 1 ORDER BY 1",
-                )
-                for k in ("level", "source")
-            }
+            pairs = cur.execute("SELECT c.level, c.source, count(*) FROM sel JOIN clips c USING (clip_id) GROUP BY ALL")
+            level: dict = {}
+            source: dict = {}
+            for lv, src, n in pairs.fetchall():
+                level[lv] = level.get(lv, 0) + n
+                source[src] = source.get(src, 0) + n
+            out = {k: [{"key": key, "n": n} for key, n in sorted(d.items(), key=lambda kv: (kv[0] is None, kv[0]))]
+                   for k, d in (("level", level), ("source", source))}  # fmt: skip
             if "bucket" in table.column_names:
                 out["bucket"] = _dicts(cur, "SELECT bucket AS key, count(*) AS n FROM sel GROUP BY 1 ORDER BY 1")
             return out

@@ -1,0 +1,151 @@
+"""make bench (viewer part): `reelcache view` on a 1.3M-row catalog, and a latent preview made once.
+
+1. Pages on bench_ingest's synthetic catalog (BENCH_ROWS rows, 1.3M by default, merged with the real
+   `catalog merge`, plus a manifest): time to the first byte (status line and headers received) and
+   to the last byte of every page, over HTTP to the real server (`reelcache view`, uvicorn) in its
+   own process. Each page is requested once cold (the first request of that page after start) and
+   then REPS times; the median is printed beside the cold one. Targets (issue 23): every page's
+   first byte in under 1 s, a clip grid page in under 2 s. The floor, measured in the same run: a
+   404 (a clip id the catalog lacks), which costs one indexed lookup and no template.
+2. A latent preview on the demo root (DEMO_ROOT, made by `make demo`): the first request decodes the
+   latent with the cache's VAE and writes the mp4 into ROOT/view-cache/ (the viewer's process was
+   just started, so this includes building the VAE); the next requests serve the file.
+
+Results: stdout and bench-out/view.json.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench_ingest import synth_sidecars
+
+OUT = Path(os.environ.get("BENCH_OUT", "bench-out"))
+ROWS = int(os.environ.get("BENCH_ROWS", 1_300_000))
+REPS = int(os.environ.get("BENCH_REPS", 5))
+DEMO_ROOT = Path(os.environ.get("DEMO_ROOT", "demo-root"))
+RC = [sys.executable, "-m", "reelcache"]
+
+
+def start(root: Path) -> tuple[subprocess.Popen, str, int]:
+    p = subprocess.Popen(RC + ["view", "--root", str(root), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    m = re.search(r"http://(127\.0\.0\.1):(\d+)/", p.stdout.readline())
+    assert m, "reelcache view did not print its URL"
+    return p, m[1], int(m[2])
+
+
+def get(host: str, port: int, path: str) -> tuple[int, float, float, int]:
+    """(status, seconds to the first byte, seconds to the last, body bytes)."""
+    c = http.client.HTTPConnection(host, port, timeout=600)
+    t0 = time.perf_counter()
+    c.request("GET", path)
+    r = c.getresponse()
+    first = time.perf_counter() - t0
+    body = r.read()
+    last = time.perf_counter() - t0
+    c.close()
+    return r.status, first, last, len(body)
+
+
+def pages(rows: int) -> dict[str, str]:
+    some = f"{rows // 2:020x}"
+    last_rejects = max(0, int(rows * 0.03) // 50 - 1)
+    return {
+        "overview": "/",
+        "rejects, first page": "/rejects",
+        "rejects, a late page": f"/rejects?reason=truncated&page={last_rejects}",
+        "clips grid (default)": "/clips",
+        "clips grid, a curriculum": "/clips?where="
+        + "level%20%3C%3D%203%20AND%20height%20%3E%3D%20720%20AND%20noun_pct%20%3C%2099.99",
+        "clips grid, page 10000": "/clips?page=10000",
+        "clips grid, a bad clause": "/clips?where=no_such_column%20%3E%201",
+        "clip": f"/clip?id={some}",
+        "manifest (1M clips)": "/manifest?name=bench",
+        "floor: a 404": "/clip?id=nope",
+    }
+
+
+def bench_pages() -> dict:
+    root = OUT / "view-root"
+    shutil.rmtree(root, ignore_errors=True)
+    synth_sidecars(root, ROWS)
+    env = {**os.environ, "REELCACHE_PROGRESS": "0"}
+    subprocess.run(RC + ["catalog", "merge", "--root", str(root)], check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        RC + ["catalog", "manifest", "--root", str(root), "--name", "bench", "--where", "level <= 4"],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    p, host, port = start(root)
+    out = {}
+    try:
+        print(
+            f"\n== reelcache view at {ROWS:,} rows: seconds to the first byte / last byte (cold, then median of {REPS})"
+        )
+        for name, path in pages(ROWS).items():
+            status, cold_first, cold_last, size = get(host, port, path)
+            warm = [get(host, port, path) for _ in range(REPS)]
+            first, last = statistics.median(w[1] for w in warm), statistics.median(w[2] for w in warm)
+            out[name] = {"path": path, "status": status, "bytes": size, "cold_first_s": cold_first,
+                         "cold_last_s": cold_last, "first_s": first, "last_s": last}  # fmt: skip
+            limit = 2.0 if name.startswith("clips grid") else 1.0
+            ok = "ok" if max(cold_first, first) < 1.0 and max(cold_last, last) < limit else "OVER TARGET"
+            print(f"  {name:26s} {status}  cold {cold_first:6.3f} / {cold_last:6.3f}   warm {first:6.3f} / {last:6.3f}"
+                  f"   {size / 1e3:7.1f} kB  {ok}")  # fmt: skip
+    finally:
+        p.terminate()
+        p.wait()
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def bench_preview() -> dict:
+    import duckdb
+
+    if not (DEMO_ROOT / "catalog.duckdb").exists():
+        print(f"\n== latent preview: skipped, no demo root at {DEMO_ROOT} (make demo)")
+        return {}
+    con = duckdb.connect(str(DEMO_ROOT / "catalog.duckdb"), read_only=True)
+    row = con.execute(
+        "SELECT cache, clip_id, view FROM latents WHERE status = 'ok' ORDER BY cache, clip_id DESC, view LIMIT 1"
+    ).fetchone()
+    con.close()
+    if row is None:
+        print(f"\n== latent preview: skipped, no latents in {DEMO_ROOT}")
+        return {}
+    cache, clip_id, view = row
+    shutil.rmtree(DEMO_ROOT / "view-cache" / "latent" / cache, ignore_errors=True)  # made afresh below
+    p, host, port = start(DEMO_ROOT)
+    try:
+        path = f"/media/latent?id={clip_id}&cache={cache}&view={view}"
+        made = get(host, port, path)
+        served = [get(host, port, path) for _ in range(REPS)]
+    finally:
+        p.terminate()
+        p.wait()
+    res = {"made_s": made[2], "served_s": statistics.median(s[2] for s in served), "bytes": made[3]}
+    print(f"\n== latent preview (cache {cache}, clip {clip_id}, view {view}; {made[3] / 1e3:.0f} kB mp4)")
+    print(f"  first request (VAE built, decoded, written) {res['made_s']:7.2f} s")
+    print(f"  later requests (served from view-cache/)   {res['served_s']:7.3f} s   median of {REPS}")
+    return res
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    results = {"rows": ROWS, "pages": bench_pages(), "latent_preview": bench_preview()}
+    (OUT / "view.json").write_text(json.dumps(results, indent=2))
+    print(f"\nresults: {OUT / 'view.json'}")
+
+
+if __name__ == "__main__":
+    main()
