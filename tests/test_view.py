@@ -258,6 +258,8 @@ def test_a_clip_and_its_views_play(server, browser, demo_root, tmp_path):
             assert state == HAVE_ENOUGH_DATA
             assert duration == pytest.approx(frames / fps, abs=1.5 / fps)  # frame_interval 1 (demo buckets)
     _shot(browser, tmp_path, "clip")
+    browser.execute_script("arguments[0].scrollIntoView()", blocks[0])
+    _shot(browser, tmp_path, "clip-views")
     # made once, then served from the view cache
     made = sorted((demo_root / "view-cache" / "latent" / "t").glob("*.mp4"))
     assert len(made) == len(views)
@@ -361,3 +363,25 @@ def test_every_raw_clip_plays_or_its_page_says_why(server, browser, demo_root):
         ).stdout  # fmt: skip
         assert duration == pytest.approx(float(probed), abs=0.05), (codec, ext)  # the container's duration
     assert said == {("hevc", "mp4"), ("mpeg4", "avi")}
+
+
+def test_thumbnails_are_the_displayed_picture(server, demo_root, tmp_path):
+    """A rotated and an anamorphic clip's thumbnails equal ffmpeg's first frame (autorotate, SAR) at their size."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rows = _sql(
+        demo_root, "SELECT clip_id, path FROM clips WHERE status = 'ok' AND (rotation <> 0 OR sar_num <> sar_den)"
+    )
+    assert len(rows) == 2
+    for clip_id, path in rows:
+        with urllib.request.urlopen(f"{server}/media/thumb?id={clip_id}") as r:
+            thumb = np.asarray(Image.open(io.BytesIO(r.read())).convert("RGB"), dtype=float)
+        h, w = thumb.shape[:2]
+        ref = tmp_path / f"{clip_id}.png"
+        subprocess.run(
+            ["ffmpeg", "-v", "error", "-i", path, "-frames:v", "1", "-vf", f"scale={w}:{h}", str(ref)], check=True
+        )
+        assert np.abs(thumb - np.asarray(Image.open(ref).convert("RGB"), dtype=float)).mean() < 6.0

@@ -1,7 +1,7 @@
 """The viewer's own files under ROOT/view-cache/: thumbnails, and previews of what the model sees.
 
-- a thumbnail: the first frame of a clip, read in place from its raw shard (no extraction), as a
-  JPEG at most 192 px on a side;
+- a thumbnail: the first frame of a clip, read in place from its raw shard (no extraction), as
+  displayed (sample aspect ratio and rotation applied), as a JPEG at most 192 px on a side;
 - a view's window: the frames the cache decoded for it (cache/decode.py's ``decode_clip``, the same
   window, resize and crop), as an H.264 mp4 at the clip's rate divided by the frame interval, so it
   lasts as long as the window does in the clip;
@@ -72,9 +72,15 @@ def thumbnail(root: Path, clip: dict) -> Path:
         try:
             with av.open(src, metadata_errors="ignore") as container:
                 frame = next(container.decode(video=0))
-                img = frame.to_image()
+                img, rot = frame.to_image(), int(frame.rotation or 0) % 360
         finally:
             src.close()
+        # the displayed picture, as cache/decode.py makes it: the sample aspect ratio, then the display matrix
+        sar = (clip.get("sar_num") or 1) / (clip.get("sar_den") or 1)
+        if sar != 1:
+            img = img.resize((max(1, round(img.width * sar)), img.height))
+        if rot:
+            img = img.rotate(rot, expand=True)  # counter-clockwise, as np.rot90(k=rot // 90) there
         img.thumbnail((THUMB, THUMB))
         with atomic_path(path) as tmp:
             img.save(tmp, format="JPEG", quality=80)
