@@ -126,9 +126,22 @@ def window_preview(root: Path, clip: dict, latent: dict) -> Path:
     return _made(root / CACHE_DIR / "window" / latent["cache"] / f"{key}.mp4", make)
 
 
+_imports = threading.Lock()
+
+
+def import_vae_libraries() -> None:
+    """torch, diffusers and the cache's encoders, imported under one lock: diffusers' lazy module is not
+    safe to import from two threads at once (server.py warms them in the background at start)."""
+    with _imports:
+        import diffusers  # noqa: F401
+
+        import reelcache.cache.encoders  # noqa: F401
+
+
 def _encoder(root: Path, cache: str):
     """The cache's VideoEncoder on CPU, rebuilt from its plan and checked against its cache.json."""
-    with _lock(f"encoder:{cache}"):
+    import_vae_libraries()
+    with _lock(f"encoder:{cache}"), _imports:  # building one resolves diffusers' lazy attributes
         if cache not in _encoders:
             from reelcache.cache.encoders import VideoEncoder, spec_identity
             from reelcache.cache.plan import diff

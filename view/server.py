@@ -21,7 +21,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from reelcache import UserError
-from reelcache.view import pages
+from reelcache.view import pages, preview
 from reelcache.view.files import Refused
 from reelcache.view.store import Store
 
@@ -46,8 +46,9 @@ def build_app(root: str | Path, videos: list[str] | tuple = ()) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        # the caption tagger loads its lexicon (~1 s) in the background, not on the first Clip page
-        threading.Thread(target=lambda: pages.tagger().tag("a warm up"), daemon=True).start()
+        # in the background, not on the first Clip page: the caption tagger's lexicon (~1 s) and, over a
+        # root with latent caches, torch and diffusers for the VAE that decodes a view (~10 s)
+        threading.Thread(target=_warm, args=(store.root,), daemon=True).start()
         yield
         store.close()
 
@@ -88,6 +89,12 @@ def serve(root: str, host: str = "127.0.0.1", port: int = 8050, videos: list[str
 
     server.startup = announce
     server.run()
+
+
+def _warm(root: Path) -> None:
+    pages.tagger().tag("a warm up")
+    if (root / "latents").is_dir():
+        preview.import_vae_libraries()
 
 
 def _loopback(host: str) -> bool:
