@@ -1,7 +1,8 @@
 """make bench (viewer part): `reelcache view` on a 1.3M-row catalog, and a latent preview made once.
 
 1. Pages on bench_ingest's synthetic catalog (BENCH_ROWS rows, 1.3M by default, merged with the real
-   `catalog merge`, plus a manifest): time to the first byte (status line and headers received) and
+   `catalog merge`, plus a manifest, and runs/synth: a loader manifest of every ok clip, 1000 steps of
+   metrics and consumed logs of 8 ranks): time to the first byte (status line and headers received) and
    to the last byte of every page, over HTTP to the real server (`reelcache view`, uvicorn) in its
    own process. Each page is requested once cold (the first request of that page after start) and
    then REPS times; the median is printed beside the cold one. Targets (issue 23): every page's
@@ -71,8 +72,50 @@ def pages(rows: int) -> dict[str, str]:
         "clips grid, a bad clause": "/clips?where=no_such_column%20%3E%201",
         "clip": f"/clip?id={some}",
         "manifest (1M clips)": "/manifest?name=bench",
+        "run (1000 steps)": "/run?name=synth",
+        "step (16 clips)": "/step?name=synth&step=500",
+        "stage (2 epochs of all ok)": "/stage?name=synth",
         "floor: a 404": "/clip?id=nope",
     }
+
+
+def synth_run(root: Path, steps: int = 1000, world: int = 8, batch: int = 2) -> None:
+    """runs/synth: a loader manifest of every ok clip over the demo buckets, its config.json (2 epochs), and
+    metrics and consumed logs of `steps` steps of `world` ranks, as the trainer writes them (one generation)."""
+    import duckdb
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    con = duckdb.connect(str(root / "catalog.duckdb"), read_only=True)
+    ids = con.execute("SELECT clip_id FROM clips WHERE status = 'ok' ORDER BY clip_id").fetchnumpy()["clip_id"]
+    con.close()
+    rng = np.random.default_rng(0)
+    buckets = np.array(["144p/33/0.56", "144p/17/1.00", "144p/33/1.78"], dtype=object)[rng.integers(0, 3, len(ids))]
+    n = len(ids)
+    manifest = root / "manifests" / "synth-latents.parquet"
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    shard = np.array([f"latents/synth/{i // 1000:06d}-00.tar" for i in range(n)], dtype=object)
+    pq.write_table(
+        pa.table({"clip_id": ids, "bucket": buckets, "shard": shard, "shard_offset": np.arange(n) * 4096}), manifest
+    )
+    run = root / "runs" / "synth"
+    for d in ("metrics", "consumed"):
+        (run / d).mkdir(parents=True, exist_ok=True)
+    cfg = {"data": {"manifests": [{"name": str(manifest.resolve()), "weight": 1.0}], "block": 64,
+                    "buckets": str(Path(__file__).resolve().parents[1] / "configs/buckets/demo.toml")},
+           "run": {"seed": 42, "epochs": 2}}  # fmt: skip
+    (run / "config.json").write_text(json.dumps(cfg))
+    step = np.arange(steps)
+    pq.write_table(pa.table({"step": step, "epoch": np.zeros(steps, np.int32), "epoch_step": step,
+                             "loss": 0.5 + 0.1 * rng.random(steps), "skipped": np.zeros(steps, bool),
+                             "generation": np.zeros(steps, np.int32)}), run / "metrics" / "g000.parquet")  # fmt: skip
+    rows = steps * world * batch
+    rank = np.tile(np.repeat(np.arange(world), batch), steps)
+    pq.write_table(pa.table({"generation": np.zeros(rows, np.int32), "epoch": np.zeros(rows, np.int32),
+                             "step": np.repeat(step, world * batch), "rank": rank,
+                             "clip_id": ids[:rows], "bucket": buckets[:rows], "pad": np.zeros(rows, bool),
+                             "view": np.zeros(rows, np.int32)}), run / "consumed" / "rank00000.parquet")  # fmt: skip
 
 
 def bench_pages() -> dict:
@@ -87,6 +130,7 @@ def bench_pages() -> dict:
         env=env,
         stdout=subprocess.DEVNULL,
     )
+    synth_run(root)
     p, host, port = start(root)
     out = {}
     try:

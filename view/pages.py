@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+import html
 import json
 import math
 from pathlib import Path
 
 import pyarrow.parquet as pq
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.templating import Jinja2Templates
 
 from reelcache.catalog.levels import NOUN_TAGS
@@ -19,6 +20,7 @@ from reelcache.view.store import PAGE, REJECTS_PAGE, BadQuery
 
 templates = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
 DEFAULT_WHERE = "status = 'ok'"
+MAX_POINTS, MAX_ROWS = 1500, 300  # a run's loss curve and table
 
 
 def _store(request: Request):
@@ -149,7 +151,8 @@ def run(request: Request) -> Response:
         request,
         "run.html",
         name=name,
-        losses=losses,
+        losses=losses[-MAX_ROWS:],
+        logged=len(losses),
         bad=bad,
         svg=_loss_svg(name, losses, {b["step"] for b in bad}),
         samples=runs.eval_samples(root, d),
@@ -170,8 +173,16 @@ def step(request: Request) -> Response:
 
 def stage(request: Request) -> Response:
     root, name = _root(request), request.query_params.get("name", "")
-    d = runs.run_dir(root, name)
-    return _render(request, "stage.html", name=name, s=runs.stage(root, d, _store(request)))
+    st = runs.stage(root, runs.run_dir(root, name), _store(request))
+
+    def body():
+        """The page as it renders: its head at once, then each epoch as the loader plans it (seconds at 1.3M)."""
+        try:
+            yield from templates.get_template("stage.html").generate(request=request, name=name, s=st)
+        except (ValueError, OSError) as e:  # after the head is sent: the error is a line on the page
+            yield f'<p class="err">{html.escape(" ".join(str(e).split()))}</p></main></body></html>'
+
+    return StreamingResponse(body(), media_type="text/html; charset=utf-8")
 
 
 # -- media ---------------------------------------------------------------------------------
@@ -286,6 +297,8 @@ def _loss_svg(name: str, losses: list[dict], bad: set[int], w: int = 720, h: int
     def xy(r):
         return 40 + (w - 50) * (r["step"] - s0) / (s1 - s0), 10 + (h - 30) * (hi - r["loss"]) / (hi - lo)
 
+    every = max(1, len(pts) // MAX_POINTS)  # a long run: every k-th step drawn, bad ones always
+    pts = [r for i, r in enumerate(pts) if i % every == 0 or r["step"] in bad or r["skipped"]]
     points = [(*xy(r), r["step"], r["loss"], r["step"] in bad or r["skipped"]) for r in pts]
     return {"w": w, "h": h, "points": points, "line": " ".join(f"{x:.1f},{y:.1f}" for x, y, *_ in points),
             "lo": lo, "hi": hi, "s0": s0, "s1": s1}  # fmt: skip

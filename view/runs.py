@@ -11,7 +11,9 @@ mixing weights that ramp over epochs are applied exactly as training applies the
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 from pathlib import Path
 
 import duckdb
@@ -95,38 +97,92 @@ def step_clips(d: Path, step: int) -> list[dict]:
         con.close()
 
 
-def stage(root: Path, d: Path, store) -> dict:
-    """The run's stage per epoch, from the loader's own plan: samples per manifest, bucket, level, source."""
-    from reelcache.catalog.buckets import BucketConfig
-    from reelcache.train.loader import LatentLoader
+class Stage:
+    """The run's stage per epoch, from the loader's own plan: samples per manifest, bucket, level, source.
 
-    cfg = json.loads((d / "config.json").read_text())
-    data, run = cfg["data"], cfg["run"]
-    path = Path(data["buckets"])
-    if not path.exists() and (root / path).exists():
-        path = root / path
-    if not path.exists():
-        return {
-            "error": f"the run's bucket config {data['buckets']!r} is not here (relative to this directory or ROOT)"
+    Built lazily, so a page can stream its head before the loader has read its manifests (seconds at
+    1.3M samples), and kept in ``_STAGES`` by the content of config.json and the manifests' sizes and
+    times: a second look at the same stage is free. Each sample's level and source come from one join
+    of the stage's clips with the catalog; an epoch's counts are then numpy bincounts over its plan."""
+
+    def __init__(self, root: Path, d: Path, store):
+        self.root, self.store = root, store
+        cfg = json.loads((d / "config.json").read_text())
+        self.data, self.run = cfg["data"], cfg["run"]
+        self.pairs = [(m["name"], m.get("weight", 1.0)) for m in self.data["manifests"]]
+        self.seed, self.buckets = self.run["seed"], self.data["buckets"]
+        self.error = None
+        self.path = Path(self.buckets)
+        if not self.path.exists() and (root / self.path).exists():
+            self.path = root / self.path
+        if not self.path.exists():
+            self.error = f"the run's bucket config {self.buckets!r} is not here (relative to this directory or ROOT)"
+        self._epochs: list[dict] = []
+        self._lock = threading.Lock()
+
+    @functools.cached_property
+    def loader(self):
+        from reelcache.catalog.buckets import BucketConfig
+        from reelcache.train.loader import LatentLoader
+
+        return LatentLoader(
+            self.pairs, BucketConfig.from_toml(self.path), root=self.root, seed=self.seed,
+            block=self.data.get("block", 64), read=False,
+        )  # fmt: skip
+
+    @functools.cached_property
+    def codes(self) -> dict:
+        """Per sample of the concatenated sources: (names, code) of its manifest, bucket, level and source."""
+        loader = self.loader
+        out = {
+            "manifest": (
+                [n for n, _ in self.pairs],
+                np.repeat(np.arange(len(self.pairs)), [len(s) for s in loader.sources]),
+            )
         }
-    pairs = [(m["name"], m.get("weight", 1.0)) for m in data["manifests"]]
-    loader = LatentLoader(
-        pairs, BucketConfig.from_toml(path), root=root, seed=run["seed"], block=data.get("block", 64), read=False
-    )
-    names = np.repeat(np.array([n for n, _ in pairs], dtype=object), [len(s) for s in loader.sources])
-    bucket = np.concatenate([s.bucket for s in loader.sources])
-    epochs = []
-    for e in range(int(run.get("epochs", 1))):
-        plan = loader.plan(e)
-        idx = plan.order
-        table = pa.table({"clip_id": loader.clip_id[idx].tolist(), "bucket": bucket[idx].tolist()})
-        counts = store.breakdown(table)
-        man: dict = {}
-        for n in names[idx]:
-            man[n] = man.get(n, 0) + 1
-        counts["manifest"] = [{"key": k, "n": v} for k, v in sorted(man.items())]
-        weights = [s.weight for s in loader.epoch_sources(e)]
-        epochs.append(
-            {"epoch": e, "samples": len(idx), "batches": plan.num_batches, "weights": weights, "counts": counts}
+        names, code = np.unique(np.concatenate([s.bucket for s in loader.sources]), return_inverse=True)
+        out["bucket"] = (list(names), code)
+        out.update(self.store.lookup(pa.array(loader.clip_id, pa.string()), ("level", "source")))
+        return out
+
+    def epochs(self):
+        for e in range(int(self.run.get("epochs", 1))):
+            with self._lock:  # two pages of one stage: each epoch planned once
+                if e == len(self._epochs):
+                    self._plan_epoch(e)
+            yield self._epochs[e]
+
+    def _plan_epoch(self, e: int) -> None:
+        plan = self.loader.plan(e)
+        counts = {}
+        for what in ("level", "source", "bucket", "manifest"):
+            names, code = self.codes[what]
+            n = np.bincount(code[plan.order], minlength=len(names))
+            counts[what] = [{"key": k, "n": int(c)} for k, c in zip(names, n) if c]
+        weights = [s.weight for s in self.loader.epoch_sources(e)]
+        self._epochs.append(
+            {"epoch": e, "samples": len(plan.order), "batches": plan.num_batches, "weights": weights, "counts": counts}
         )
-    return {"manifests": pairs, "buckets": data["buckets"], "seed": run["seed"], "epochs": epochs}
+
+
+_STAGES: dict[tuple, Stage] = {}
+
+
+def stage(root: Path, d: Path, store) -> Stage:
+    """The run's Stage, the same object while config.json and its manifests are unchanged."""
+    from reelcache.catalog.manifest import resolve_manifest
+
+    cfg = (d / "config.json").read_bytes()
+    files = []
+    for m in json.loads(cfg)["data"]["manifests"]:
+        try:
+            p = resolve_manifest(root, m["name"])
+            files.append((str(p), p.stat().st_size, p.stat().st_mtime_ns))
+        except Exception:  # noqa: BLE001 - the loader names what is missing when the page is built
+            files.append((m["name"],))
+    key = (str(d), cfg, tuple(files))
+    if key not in _STAGES:
+        if len(_STAGES) >= 8:
+            _STAGES.pop(next(iter(_STAGES)))
+        _STAGES[key] = Stage(root, d, store)
+    return _STAGES[key]

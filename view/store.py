@@ -209,6 +209,32 @@ class Store:
         finally:
             cur.close()
 
+    def lookup(self, ids, columns: tuple[str, ...]) -> dict:
+        """For an Arrow array of clip ids: {column: (names, code per id)} from one join with the catalog
+        (a clip the catalog lacks gets the name None)."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        cur = self.con.cursor()
+        try:
+            cur.register("ids", pa.table({"i": pa.array(np.arange(len(ids))), "clip_id": ids}))
+            cols = ", ".join(f"c.{c}" for c in columns)
+            got = cur.sql(f"SELECT {cols} FROM ids LEFT JOIN clips c USING (clip_id) ORDER BY ids.i").to_arrow_table()
+        finally:
+            cur.close()
+        out = {}
+        for c in columns:
+            enc = pc.dictionary_encode(got[c].combine_chunks())
+            names = enc.dictionary.to_pylist()
+            code = enc.indices.fill_null(len(names)).to_numpy(zero_copy_only=False)
+            order = sorted(range(len(names)), key=lambda k: (names[k] is None, names[k]))  # names sorted
+            rank = np.empty(len(names) + 1, np.int64)
+            rank[order] = np.arange(len(names))
+            rank[len(names)] = len(names)
+            out[c] = ([names[k] for k in order] + [None], rank[code])
+        return out
+
 
 def _dicts(cur, sql: str) -> list[dict]:
     rel = cur.execute(sql)
