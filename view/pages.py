@@ -129,8 +129,8 @@ def manifest(request: Request) -> Response:
     m = _store(request).manifest(name, fp)
     if m is None:
         raise NotFound(f"no manifest {name!r} in the catalog")
-    rows, columns, counts = _manifest_counts(_store(request), confined(_root(request), m["path"]), m["fingerprint"])
-    return _render(request, "manifest.html", m=m, rows=rows, columns=columns, counts=counts)
+    path, store = confined(_root(request), m["path"]), _store(request)
+    return _stream(request, "manifest.html", m=m, info=lambda: _manifest_counts(store, path, m["fingerprint"]))
 
 
 @functools.lru_cache(maxsize=16)
@@ -173,12 +173,16 @@ def step(request: Request) -> Response:
 
 def stage(request: Request) -> Response:
     root, name = _root(request), request.query_params.get("name", "")
-    st = runs.stage(root, runs.run_dir(root, name), _store(request))
+    return _stream(request, "stage.html", name=name, s=runs.stage(root, runs.run_dir(root, name), _store(request)))
+
+
+def _stream(request: Request, template: str, **ctx) -> Response:
+    """A page sent as it renders: its head at once, then what takes seconds at 1.3M clips (a manifest's
+    join with the catalog, each epoch of a stage as the loader plans it), computed by the template."""
 
     def body():
-        """The page as it renders: its head at once, then each epoch as the loader plans it (seconds at 1.3M)."""
         try:
-            yield from templates.get_template("stage.html").generate(request=request, name=name, s=st)
+            yield from templates.get_template(template).generate(request=request, **ctx)
         except (ValueError, OSError) as e:  # after the head is sent: the error is a line on the page
             yield f'<p class="err">{html.escape(" ".join(str(e).split()))}</p></main></body></html>'
 
