@@ -78,7 +78,7 @@ def eval_samples(root: Path, d: Path) -> list[dict]:
     out = []
     for ck in sorted((d / "eval").glob("ckpt-*/")):
         val = ck / "val_loss.json"
-        loss = json.loads(val.read_text()).get("loss") if val.exists() else None
+        loss = json.loads(val.read_text()).get("overall") if val.exists() else None  # eval/evaluate.py
         videos = sorted(str(p.relative_to(root)) for p in ck.rglob("*.mp4"))
         out.append({"checkpoint": ck.name, "val_loss": loss, "videos": videos})
     return out
