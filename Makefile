@@ -36,10 +36,12 @@ GPU_STAMP := $(VENV)/.installed-gpu
 # (ingest and cache units, cluster checks). Installed once, with apt-get as root or through sudo;
 # anywhere else, one line says what to install. As root also Debian's Slurm and munge, for the suite's
 # one-node Slurm (tests/slurm_local.py, which runs only as root: elsewhere its tests skip, so no sudo
-# for them); each name is a package and the command that shows it installed (slurmctld brings sbatch).
-SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd)
+# for them); each name is a package and the command that shows it installed (slurmctld brings sbatch),
+# or package:command. As root also Debian's Chromium and its driver, for the viewer's browser tests
+# (tests/test_view.py, skipped where they are missing).
+SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd chromium chromium-driver:chromedriver)
 sysdeps:
-	@missing=""; for c in $(SYSDEPS); do command -v $$c >/dev/null || missing="$$missing $$c"; done; \
+	@missing=""; for c in $(SYSDEPS); do command -v $${c#*:} >/dev/null || missing="$$missing $${c%%:*}"; done; \
 	[ -z "$$missing" ] && exit 0; \
 	if ! command -v apt-get >/dev/null; then \
 	    echo "reelcache needs$$missing: install them with your system's package manager, then run make again"; exit 2; fi; \
@@ -64,7 +66,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,train]' diffusers psutil einops peft accelerate bitsandbytes fabric
+	$(BIN)/pip install -q -e '.[dev,train,view]' diffusers psutil einops peft accelerate bitsandbytes fabric
 	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
 	touch $@
 
@@ -77,7 +79,7 @@ $(GPU_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q torch==$(GPU_TORCH)
-	$(BIN)/pip install -q -e '.[dev,train]' $(GPU_PINS)
+	$(BIN)/pip install -q -e '.[dev,train,view]' $(GPU_PINS)
 	$(BIN)/pip install -q $(GPU_PINS) psutil einops accelerate bitsandbytes fabric ninja
 	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
 	touch $@ $(STAMP)
@@ -147,6 +149,7 @@ demo: sysdeps install
 	@echo "demo done: catalog $(DEMO_ROOT)/catalog.duckdb, plots $(DEMO_ROOT)/stats/catalog.png, latents $(DEMO_ROOT)/latents/tiny," \
 	    "runs $(DEMO_ROOT)/runs/debug-stage{1,2}, loss plot $(DEMO_ROOT)/runs/demo-loss.png," \
 	    "samples $(DEMO_ROOT)/runs/debug-stage2/eval/"
+	@echo "see it in a browser: $(BIN)/reelcache view --root $(DEMO_ROOT) --videos $(DEMO_DATA)/videos   # http://127.0.0.1:8050"
 
 ingest: sysdeps install
 	@[ -n "$(ROOT)" ] && [ -n "$(SOURCE)" ] && [ -n "$(VIDEOS)" ] || \
@@ -183,6 +186,7 @@ bench: install
 	$(BIN)/python bench/bench_ingest.py
 	$(BIN)/python bench/bench_loader.py
 	$(BIN)/python bench/bench_cache.py
+	$(BIN)/python bench/bench_view.py
 	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/python bench/bench_train.py
 	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/torchrun --nproc_per_node 2 bench/bench_log.py
 
