@@ -2,10 +2,11 @@
 
 The catalog is opened ``read_only`` with ``enable_external_access = false`` (locked), so no query
 on it, the user's WHERE clause included, can write a table, COPY out, ATTACH, or read a file
-outside the database. The user's clause is also checked to make exactly one SELECT statement
-before it runs, and is interrupted after ``USER_SQL_S`` seconds. A bad clause is a ``BadQuery``
-with one line for the page. Each request takes its own cursor (DuckDB connections are not shared
-between threads; cursors of one connection are).
+outside the database. The user's clause is also checked to be one condition before it runs
+(``catalog/sql.py``'s ``check_where``, the check every ``--where`` of the CLI gets), and is
+interrupted after ``USER_SQL_S`` seconds. A bad clause is a ``BadQuery`` with one line for the
+page. Each request takes its own cursor (DuckDB connections are not shared between threads;
+cursors of one connection are).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import duckdb
 
 from reelcache import UserError
 from reelcache.catalog.db import db_path
+from reelcache.catalog.sql import check_where, where_sql
 
 USER_SQL_S = 10.0
 PAGE = 60  # clips per grid page
@@ -64,13 +66,10 @@ class Store:
     # -- the user's WHERE clause -------------------------------------------------------------
     def user_rows(self, where: str, sql: str, params=None) -> list[dict]:
         """``sql`` with ``{where}`` replaced by the user's clause, after checking it is one SELECT."""
-        query = sql.replace("{where}", f"({where})")
         try:
-            statements = duckdb.extract_statements(query)
-        except duckdb.Error as e:
-            raise BadQuery(_one_line(e)) from None
-        if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
-            raise BadQuery(f"refused: {where!r} is not one read-only expression (a single SELECT's WHERE clause)")
+            query = sql.replace("{where}", where_sql(check_where(where, option="WHERE")))
+        except UserError as e:
+            raise BadQuery(str(e)) from None
         cur = self.con.cursor()
         timer = threading.Timer(USER_SQL_S, cur.interrupt)
         timer.start()
