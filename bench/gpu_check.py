@@ -153,8 +153,11 @@ def main(argv=None) -> int:
                 print(table.errors[name], file=sys.stderr)
                 if cuda:
                     torch.cuda.empty_cache()
+        ctx.fill_mfu(wait=False)
         table.head["elapsed_s"] = time.monotonic() - t_start
         table.write()
+    ctx.fill_mfu(wait=True)
+    table.write()
     ctx.close()
     print(table.markdown())
     print(f"gpu-check: {args.out / 'gpu_check.md'}, {args.out / 'gpu_check.json'}")

@@ -73,6 +73,7 @@ class Profile:
     )  # bucket -> batch size (empty: from configs/buckets/opensora12-stage1.toml)
     captions: int = 32  # captions per T5 call
     reps: int = 3  # timed repetitions (interleaved rounds for online)
+    encode_reps: int = 3  # timed VAE and T5 calls
     loader_batches: int = 6
     workers: int | None = None  # loader workers (None: the stage config's)
 
@@ -106,6 +107,7 @@ def tiny() -> Profile:
         batch={"144p/9": 1, "144p/17": 1, "144p/1": 2},
         captions=4,
         reps=2,
+        encode_reps=1,
         loader_batches=3,
     )
 
@@ -118,7 +120,7 @@ class Ctx:
         from reelcache.train.config import load_config
 
         self.p, self.device, self.deadline = profile, device, deadline
-        # bf16 on the GPU; the encoders run in fp32 on the CPU (its bf16 convolutions are 10x slower)
+        # bf16 on the GPU; on the CPU (--tiny) the encoders run in fp32, whose convolutions CPUs do fast
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.cfg = load_config(STAGE, [*profile.overrides, 'run.plugin="zero2"', 'log.wandb_mode="disabled"'])
         table = BucketConfig.from_toml(B1)
@@ -133,6 +135,7 @@ class Ctx:
         self._flops: dict = {}
         self.flop_error: str | None = None
         self._pool = self._pending = None
+        self._later: list = []
         from reelcache.train.metrics import peak_flops
 
         self.peak = peak_flops(device)
@@ -152,20 +155,34 @@ class Ctx:
     def count_flops(self) -> None:
         """Start counting every FLOP figure the parts need, in a spawned process: the counts run the
         models on the meta device, and ColossalAI, once imported (here, for the training parts),
-        registers meta kernels of its own that break the backward's count. Minutes of CPU for XL/2
+        registers meta kernels of its own that break the backward's count. The XL/2 counts (12 s of CPU here)
         overlap the GPU parts that way."""
         self._pool = mp.get_context("spawn").Pool(1, initializer=bootstrap)
         self._pending = self._pool.apply_async(count_all, (self.p, self.model_cfg))
 
-    def flops(self, what: str, bucket: str | None = None) -> float | None:
-        """A count, or None where counting failed (the error goes to the table's "flops" row; the
-        parts' measurements stand without their MFU)."""
-        if not self._flops and self.flop_error is None:
+    def flops(self, what: str, bucket: str | None = None, wait: bool = True) -> float | None:
+        """A count; None where counting failed (the projection part says why; the measurements stand
+        without their MFU) or, with ``wait`` off, is still running."""
+        if not self._flops and self.flop_error is None and self._pending is not None:
+            if not wait and not self._pending.ready():
+                return None
             try:
                 self._flops = self._pending.get(timeout=max(1.0, self.left()))
             except Exception as e:
                 self.flop_error = f"{type(e).__name__}: {e}"
         return self._flops.get((what, bucket))
+
+    def mfu_later(self, numbers: dict, key: str, what: str, bucket: str | None, seconds_per_sample: float) -> None:
+        """``numbers[key]`` = the MFU, filled in by ``fill_mfu`` once the counts are there (a part never
+        waits for them)."""
+        numbers[key] = None
+        self._later.append((numbers, key, what, bucket, seconds_per_sample))
+
+    def fill_mfu(self, wait: bool) -> None:
+        if self._later and self.flops("t5", None, wait=wait) is not None:
+            for numbers, key, what, bucket, s in self._later:
+                numbers[key] = self.mfu(self.flops(what, bucket), s)
+            self._later = []
 
     def close(self) -> None:
         """Stop the counting process (if the budget ran out before it finished) and the process group."""
@@ -328,7 +345,7 @@ def vae(ctx: Ctx) -> list[dict]:
         x = pixels(ctx, b, n)
         model.encode(x)  # warm-up: cuDNN picks its convolution algorithms
         times = []
-        for _ in range(ctx.p.reps):
+        for _ in range(ctx.p.encode_reps):
             sync(ctx.device)
             t0 = time.perf_counter()
             mean, _ = model.encode(x)
@@ -344,10 +361,10 @@ def vae(ctx: Ctx) -> list[dict]:
                     "clips_per_s": n / s,
                     "latent": "x".join(map(str, mean.shape[1:])),
                     "peak_gib": peak_gib(ctx.device),
-                    "mfu": ctx.mfu(ctx.flops("vae", b), s / n),
                 },
             }
         )
+        ctx.mfu_later(rows[-1]["numbers"], "mfu", "vae", b, s / n)
         del x, mean
     return rows
 
@@ -381,18 +398,14 @@ def t5(ctx: Ctx) -> list[dict]:
     params = sum(p.numel() for p in ctx.t5.parameters())
     out = []
     encode_text(ctx, n)
-    s = statistics.median(timed(lambda: out.append(encode_text(ctx, n)), ctx.device) for _ in range(ctx.p.reps))
+    s = statistics.median(timed(lambda: out.append(encode_text(ctx, n)), ctx.device) for _ in range(ctx.p.encode_reps))
     ctx.measured["t5_caption_s"] = s / n
-    return [
-        {
-            "bucket": f"{ctx.caption} tokens",
-            "numbers": {
-                "params_b": params / 1e9,
-                "captions": n,
-                "captions_per_s": n / s,
-                "hidden": "x".join(map(str, out[-1].shape[1:])),
-                "peak_gib": peak_gib(ctx.device),
-                "mfu": ctx.mfu(ctx.flops("t5"), s / n),
-            },
-        }
-    ]
+    numbers = {
+        "params_b": params / 1e9,
+        "captions": n,
+        "captions_per_s": n / s,
+        "hidden": "x".join(map(str, out[-1].shape[1:])),
+        "peak_gib": peak_gib(ctx.device),
+    }
+    ctx.mfu_later(numbers, "mfu", "t5", None, s / n)
+    return [{"bucket": f"{ctx.caption} tokens", "numbers": numbers}]

@@ -127,8 +127,6 @@ def train(ctx: Ctx) -> list[dict]:
                     "batch": n,
                     "step_s": s,
                     "samples_per_s": n / s,
-                    "mfu_step": ctx.mfu(ctx.flops("dit", b), s / n),
-                    "mfu_trainer": ctx.mfu(ctx.flops("trainer", b), s / n),
                     "peak_gib": peak_gib(ctx.device),
                     "steps": len(times),
                     "skipped_steps": tr.skipped,
@@ -139,6 +137,8 @@ def train(ctx: Ctx) -> list[dict]:
                 },
             }
         )
+        ctx.mfu_later(rows[-1]["numbers"], "mfu_step", "dit", b, s / n)
+        ctx.mfu_later(rows[-1]["numbers"], "mfu_trainer", "trainer", b, s / n)
     return rows
 
 
