@@ -36,7 +36,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 STAGE = REPO / "configs/train/opensora12/stage1.toml"
 B1 = REPO / "configs/buckets/opensora12-stage1.toml"
-AR = proj.AR  # every bucket at 9:16, as the projection counts them
 GiB = 2**30
 
 
@@ -53,6 +52,13 @@ def bootstrap() -> str:
 
         reelcache.__path__.append(str(REPO))
         return "from the checkout"
+
+
+def bucket_name(bucket: str) -> str:
+    """ "res/T" -> the catalog's "res/T/<aspect key>" of a 9:16 clip, as the projection counts buckets."""
+    from reelcache.catalog.buckets import nearest_ratio
+
+    return f"{bucket}/{nearest_ratio(*proj.AR, bucket.split('/')[0])}"
 
 
 class Skip(Exception):
@@ -124,7 +130,7 @@ class Ctx:
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.cfg = load_config(STAGE, [*profile.overrides, 'run.plugin="zero2"', 'log.wandb_mode="disabled"'])
         table = BucketConfig.from_toml(B1)
-        self.batch = {b: profile.batch.get(b) or table.batch_size(f"{b}/{AR}") for b in profile.buckets}
+        self.batch = {b: profile.batch.get(b) or table.batch_size(bucket_name(b)) for b in profile.buckets}
         self.model_cfg = self.cfg.model_config()
         self.caption = self.model_cfg.model_max_length
         self.vae = self.t5 = self.trainer = None
@@ -144,11 +150,11 @@ class Ctx:
         return self.deadline - time.monotonic()
 
     def geometry(self, bucket: str) -> tuple[int, int, int, int, int, int]:
-        """(pixel frames, H, W, latent frames, latent h, latent w) of "res/T" at 9:16."""
+        """(pixel frames, H, W, latent frames, latent h, latent w) of "res/T" for a 9:16 clip."""
         from reelcache.cache.opensora_vae import latent_frames
         from reelcache.catalog.buckets import bucket_geometry
 
-        frames, H, W = bucket_geometry(f"{bucket}/{AR}")
+        frames, H, W = bucket_geometry(bucket_name(bucket))
         return frames, H, W, latent_frames(frames), H // 8, W // 8
 
     # -- FLOPs, counted as bench_gpu_projection.py counts them --------------------------------
@@ -211,7 +217,7 @@ def count_all(p: Profile, model_cfg) -> dict:
         vae = OpenSoraVAE(spatial=p.vae_spatial, temporal=p.vae_temporal).to(torch.bfloat16).eval()
     out = {("t5", None): t5_flops(p.t5, caption)}
     for b in p.buckets:
-        frames, H, W = bucket_geometry(f"{b}/{AR}")
+        frames, H, W = bucket_geometry(bucket_name(b))
         t, h, w = latent_frames(frames), H // 8, W // 8
         out["dit", b] = proj.dit_extrapolated(pair, model_cfg.depth, t, h, w, H, W)[1]
         out["trainer", b] = 3 * flops_per_sample(model_cfg, t, h, w, caption)

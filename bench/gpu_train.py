@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import bench_gpu_projection as proj
 import torch
-from gpu_parts import AR, Ctx, Skip, build_vae, encode_text, peak_gib, pixels, reset_memory, sync
+from gpu_parts import Ctx, Skip, bucket_name, build_vae, encode_text, peak_gib, pixels, reset_memory, sync
 from interleave import Ratio, rounds
 
 
@@ -93,7 +93,7 @@ def latent_batch(ctx: Ctx, bucket: str, n: int, x=None, text=None) -> dict:
         "text": text,
         "text_mask": torch.ones(n, text.shape[1], dtype=torch.bool, device=dev),
         "fps": torch.full((n,), float("nan")),
-        "bucket": f"{bucket}/{AR}",
+        "bucket": bucket_name(bucket),
         "clip_id": [f"gpu-check-{i}" for i in range(n)],
         "weight": 1.0,
     }
@@ -218,7 +218,7 @@ def write_shard(ctx: Ctx, root: Path, bucket: str, count: int) -> Path:
             "logvar": (torch.randn(c.in_channels, t, h, w, generator=g) - 3).bfloat16(),
             "text": torch.randn(ctx.caption, c.caption_channels, generator=g).bfloat16(),
         }
-        full = f"{bucket}/{AR}"
+        full = bucket_name(bucket)
         shard, offsets = writer.write_sample(clip, [(LATENT_EXT, encode(tensors, clip_id=clip, bucket=full), None)])
         rows.append(
             {
