@@ -22,7 +22,6 @@ train/metrics.py logs (3 x the analytic forward, no recompute).
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import threading
@@ -286,42 +285,6 @@ def versions(ctx: Ctx) -> list[dict]:
     info["peak_tflops"] = ctx.peak / 1e12 if ctx.peak else None
     info["reelcache_from"] = str(Path(reelcache.__file__).parent)
     return [{"bucket": "", "numbers": info}]
-
-
-def start_kernels(ctx: Ctx) -> None:
-    """Build (or load) HybridAdam's two kernels with ColossalAI's own loaders, in a thread, while the
-    GPU measures the encoders: cpu_adam_x86 (g++) and fused_optim_cuda (nvcc, for this GPU)."""
-    if ctx.device.type != "cuda":
-        return
-    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 4))  # ninja's parallel compile jobs
-
-    def build():
-        res = ctx.kernel_result
-        try:
-            from colossalai.kernel.kernel_loader import CPUAdamLoader, FusedOptimizerLoader
-
-            t0 = time.perf_counter()
-            CPUAdamLoader().load()
-            res["cpu_adam_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            FusedOptimizerLoader().load()
-            res["fused_optim_s"] = time.perf_counter() - t0
-        except BaseException as e:  # recorded in the table by the kernels part
-            res["error"] = f"{type(e).__name__}: {e}"
-
-    ctx.kernels = threading.Thread(target=build, name="colossalai-kernels", daemon=True)
-    ctx.kernels.start()
-
-
-def kernels(ctx: Ctx) -> list[dict]:
-    if ctx.kernels is None:
-        raise Skip("no CUDA: the CPU ZeRO mode updates with ColossalAI's torch Adam (train/zero_cpu.py)")
-    ctx.kernels.join(timeout=max(1.0, ctx.left() - 60))
-    if ctx.kernels.is_alive():
-        raise RuntimeError("HybridAdam's kernels still compiling when the budget ran out")
-    if "error" in ctx.kernel_result:
-        raise RuntimeError(ctx.kernel_result["error"])
-    return [{"bucket": "", "numbers": dict(ctx.kernel_result)}]
 
 
 def build_vae(ctx: Ctx):
