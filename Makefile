@@ -30,7 +30,7 @@ GPU_TORCH ?= 2.5.1
 GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.17.1
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: sysdeps install install-gpu gpu-kernels demo ingest cache lint format test bench clean
+.PHONY: sysdeps install install-gpu gpu-kernels gpu-check gpu-wheels gpu-check-device demo ingest cache lint format test bench clean
 
 # The programs the pipeline runs besides Python: ffmpeg (the tests' reference decoder) and GNU parallel
 # (ingest and cache units, cluster checks). Installed once, with apt-get as root or through sudo;
@@ -125,6 +125,25 @@ export GPU_KERNELS_PY
 gpu-kernels:
 	@[ -x $(BIN)/python ] || { echo "gpu-kernels: no venv at $(VENV); make install-gpu VENV=$(VENV)"; exit 2; }
 	@$(BIN)/python -c "$$GPU_KERNELS_PY"
+
+# make gpu-check [GPU_CHECK_OUT=bench-out]: the real-size GPU paths measured on this machine's GPU in under
+# 8 minutes (bench/gpu_check.py; README, "GPU check"); without a GPU it says so and measures nothing.
+# A lent GPU machine has no venv and no network: `make gpu-wheels` here fetches what it lacks into
+# bench/gpu-wheels/ (git-ignored, 38 MiB), `make gpu-check-device` prints the device run to paste.
+GPU_CHECK_OUT ?= bench-out
+GPU_CHECK_DEVICE := python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	--target /tmp/site bench/gpu-wheels/*.whl || exit 1; export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; \
+	timeout 570 python3 bench/gpu_check.py $$OUT 2>&1 | tee $$OUT/gpu_check.log
+gpu-check: install
+	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_OUT)
+
+gpu-wheels:
+	$(PYTHON) bench/gpu_wheels.py
+
+gpu-check-device:
+	@[ -n "$$(ls bench/gpu-wheels/*.whl 2>/dev/null)" ] || echo "first: make gpu-wheels (bench/gpu-wheels/ is empty)"
+	@echo 'device run: carry ["bench/gpu-wheels"], timeout_s 600, command:'
+	@echo '$(GPU_CHECK_DEVICE)'
 
 demo: sysdeps install
 	@[ -f $(DEMO_DATA)/OpenVid-demo.csv ] || $(BIN)/reelcache demo generate --out $(DEMO_DATA)
