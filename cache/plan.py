@@ -16,6 +16,16 @@ holds ``clips_per_unit`` clips with all their views (K rows each); a view whose 
 earlier view's (same bucket and window) is not encoded again: its row names that view in
 ``same_as``, and both rows point at one latent sample. The trade-off is cost: up to K times the
 encode and the storage, which ``cache plan`` prints for K = 1 .. max(K, 3) before anything runs.
+
+The store (cache/store.py, cache/reuse.py). Latents and caption embeddings are stored once under the
+root, addressed by content; the plan looks every draw and caption up in the store's indexes and plans
+only what no cache of the root has encoded with the same identity, printing new vs reused encodes,
+bytes (cache format 1, where each sample held its caption, vs the store) and GPU-hours for the new
+encodes (cache/costs.py). A cache may be re-planned over another manifest (a superset, changed
+captions): cache.json's manifest fingerprint follows it, finished units whose clips and draws are
+unchanged stay valid, the others run again and encode only what is new. Anything else that differs
+(encoders, buckets, seed, views, store) is refused as before. A manifest that does not exist is one
+line naming it.
 """
 
 from __future__ import annotations
