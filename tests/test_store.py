@@ -176,6 +176,7 @@ def test_growth_reuse_and_gc(fresh_root, ingested, tmp_path, counted):
     dropped = len(set(old.values()))
     assert got["entries"] == 1 + dropped and _members(fresh_root, "text") == texts - dropped
     assert gc(fresh_root)["entries"] == 1  # the old caption shares its shard with live ones: kept
+    assert main(["cache", "gc", "--root", str(fresh_root)]) == 0
     loader = LatentLoader(["lat"], BucketConfig.from_toml(b), root=fresh_root)  # cache a still loads whole
     assert sum(len(x["clip_id"]) for x in loader) == ok
 
