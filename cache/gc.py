@@ -32,8 +32,9 @@ def references(root: Path) -> set:
     """(shard, offset) of every store entry a cache, a plan or a manifest names."""
     refs: set = set()
     files = [*root.glob("latents/*/[0-9]*.parquet"), *root.glob("latents/*/_plan/input.parquet")]
+    wanted = {"shard", "shard_offset", "text_shard", "text_offset", "reuse_shard", "reuse_offset"}
     for p in files + sorted(root.glob("manifests/*.parquet")):
-        t = pq.read_table(p)
+        t = pq.read_table(p, columns=[c for c in pq.read_schema(p).names if c in wanted])
         refs |= _pairs(t, "shard", "shard_offset") | _pairs(t, "text_shard", "text_offset")
         refs |= _pairs(t, "reuse_shard", "reuse_offset")
     return refs

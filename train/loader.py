@@ -14,9 +14,11 @@ another world size (rank r continues with global batches consumed + r, consumed 
 and costs one plan build, whatever the position. A state saved against other manifests, weights
 or batch sizes is refused unless the caller resets the data position on purpose.
 
-Samples are read with one ranged read each from local or shared storage (the manifest records
-where each member's data starts), or streamed through webdataset's ``gopen`` for URLs and
-``pipe:`` commands. Posterior latents are sampled here, seeded from (seed, epoch, position), so
+Samples are read with ranged reads from local or shared storage (the manifest records where each
+member's data starts): the latent, and its caption embedding where the manifest names a caption
+shard (the content-addressed store, cache/store.py: each caption stored once); a cache of format 1
+holds both in one member, one read. URLs and ``pipe:`` commands are streamed through webdataset's
+``gopen``. Both go through catalog/latents.py's ``read_latent``. Posterior latents are sampled here, seeded from (seed, epoch, position), so
 noise is fresh each epoch, identical after a resume, and different across ranks and workers.
 """
 
