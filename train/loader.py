@@ -18,8 +18,9 @@ Samples are read with ranged reads from local or shared storage (the manifest re
 member's data starts): the latent, and its caption embedding where the manifest names a caption
 shard (the content-addressed store, cache/store.py: each caption stored once); a cache of format 1
 holds both in one member, one read. URLs and ``pipe:`` commands are streamed through webdataset's
-``gopen``. Both go through catalog/latents.py's ``read_latent``. Posterior latents are sampled here, seeded from (seed, epoch, position), so
-noise is fresh each epoch, identical after a resume, and different across ranks and workers.
+``gopen``. Both go through catalog/latents.py's ``read_latent``. Posterior latents are sampled here,
+seeded from (seed, epoch, position), so noise is fresh each epoch, identical after a resume, and
+different across ranks and workers.
 """
 
 from __future__ import annotations
