@@ -51,7 +51,8 @@ from reelcache.cache.decode import (
     decode_clip,  # noqa: F401 - tests and bench/ import it from here
     decode_clip_shared,
 )
-from reelcache.cache.encoders import TextEncoder, VideoEncoder, default_device
+from reelcache.cache.encoders import VideoEncoder, default_device
+from reelcache.cache.outputs import SIDECAR, encode_captions, planned_rows
 from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, projection
 from reelcache.cache.store import (
     clear_store_unit,
@@ -182,103 +183,6 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
         end_unit(sidecar)
 
 
-SIDECAR = pa.schema(
-    [
-        ("clip_id", pa.string()),
-        ("cache", pa.string()),
-        ("unit", pa.string()),
-        ("status", pa.string()),
-        ("reject_reason", pa.string()),
-        ("reject_detail", pa.string()),
-        ("bucket", pa.string()),
-        ("num_frames", pa.int32()),
-        ("height", pa.int32()),
-        ("width", pa.int32()),
-        ("window_start", pa.int64()),
-        ("shape", pa.list_(pa.int32())),
-        ("text_len", pa.int32()),
-        ("shard", pa.string()),
-        ("shard_offset", pa.int64()),
-        ("view", pa.int32()),
-        ("video_key", pa.string()),
-        ("reused", pa.bool_()),
-        ("text_key", pa.string()),
-        ("text_shard", pa.string()),
-        ("text_offset", pa.int64()),
-    ]
-)
-
-
-def _planned(rows: list[dict], name: str, unit: str) -> dict:
-    """The unit's outcome rows before any work: rejected until encoded or reused."""
-    out = {}
-    for r in rows:
-        r["key"] = (r["clip_id"], r["view"])
-        out[r["key"]] = {
-            "clip_id": r["clip_id"],
-            "view": r["view"],
-            "cache": name,
-            "unit": unit,
-            "status": "rejected",
-            "reject_reason": f"no_bucket:{r['no_bucket']}" if not r["bucket"] else None,
-            "bucket": r["bucket"],
-            "num_frames": r["num_frames"],
-            "height": r["height"],
-            "width": r["width"],
-            "window_start": r["window_start"],
-            "text_key": r["text_key"],
-            "text_shard": r["text_shard"],
-            "text_offset": r["text_offset"],
-            "text_len": r["text_len"],
-        }
-        if r["bucket"] and r["same_as"] is None and r["reuse_shard"] is not None:  # the store holds it
-            out[r["key"]].update(
-                status="ok",
-                reject_reason=None,
-                shape=r["reuse_shape"],
-                shard=r["reuse_shard"],
-                shard_offset=r["reuse_offset"],
-                video_key=r["video_key"],
-                reused=True,
-            )
-    return out
-
-
-def _encode_captions(root, rows, cfg, device, name: str, stem: str) -> tuple[dict, list[dict], int]:
-    """The captions this unit owns (the plan's ``encode_text``), each encoded once into the unit's caption
-    shard: ({text_key: (shard, offset, tokens)}, their index rows, tokens)."""
-    todo = list({r["text_key"]: r["text"] or "" for r in rows if r["encode_text"]}.items())
-    if not todo:
-        return {}, [], 0
-    text = TextEncoder(cfg.text_encoder, device)
-    d = store_dir(root, "text", name)
-    d.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(d, stem, int(cfg.shard_mb * 1e6))
-    where, index, tokens = {}, [], 0
-    try:
-        for i in range(0, len(todo), cfg.text_batch_size):
-            chunk = todo[i : i + cfg.text_batch_size]
-            for (key, _), emb in zip(chunk, text.encode([c for _, c in chunk])):
-                if not torch.isfinite(emb.float()).all():
-                    raise UserError(
-                        f"{name}: the text encoder gave non-finite values for caption {key}; nothing stored"
-                    )
-                data = encode({"text": emb}, text_key=key)
-                shard, offsets = writer.write_sample(key, [(LATENT_EXT, data, None)])
-                rel = str(Path("store", "text", name, shard))
-                where[key] = (rel, offsets[LATENT_EXT], int(emb.shape[0]))
-                index.append(
-                    {"text_key": key, "shard": rel, "shard_offset": offsets[LATENT_EXT]}
-                    | {"text_len": int(emb.shape[0]), "bytes": len(data)}
-                )
-                tokens += int(emb.shape[0])
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    return where, index, tokens
-
-
 def _run(
     root,
     unit: str,
@@ -293,7 +197,7 @@ def _run(
     name, stem = cdir.name, f"{index:06d}-{plan['plan_id']}"
     t0 = time.monotonic()
     rows = unit_rows(cdir, index)
-    out = _planned(rows, name, unit)
+    out = planned_rows(rows, name, unit)
     jobs = [
         dict(r, interval=buckets.frame_interval, resize=cfg.resize)
         for r in rows
@@ -304,7 +208,7 @@ def _run(
     stats = {"clips": 0, "frames": 0, "bytes": 0, "encode_s": 0.0, "pixels": 0, "tokens": 0, "texts": 0}
     t = time.monotonic()
     try:
-        captions, text_index, stats["tokens"] = _encode_captions(root, rows, cfg, device, name, stem)
+        captions, text_index, stats["tokens"] = encode_captions(root, rows, cfg, device, name, stem)
     except BaseException:
         clear_store_unit(root, name, stem)
         raise
