@@ -165,6 +165,8 @@ demo: sysdeps install
 	$(BIN)/reelcache demo train --root $(DEMO_ROOT)
 	$(BIN)/reelcache eval once --root $(DEMO_ROOT) --run runs/debug-stage2 --checkpoint latest --preset debug \
 	    --prompts configs/eval/debug-prompts.txt --val-manifest demo-stage1-tiny --val-max-clips 32 --device cpu
+	$(BIN)/reelcache catalog manifest --root $(DEMO_ROOT) --name demo-grow --where "height >= 240 AND noun_pct < 99.99"
+	$(BIN)/reelcache cache plan --root $(DEMO_ROOT) --config configs/cache/tiny-grow.toml > $(DEMO_ROOT)/units-cache-tiny-grow.txt
 	@echo "demo done: catalog $(DEMO_ROOT)/catalog.duckdb, plots $(DEMO_ROOT)/stats/catalog.png, latents $(DEMO_ROOT)/latents/tiny," \
 	    "runs $(DEMO_ROOT)/runs/debug-stage{1,2}, loss plot $(DEMO_ROOT)/runs/demo-loss.png," \
 	    "samples $(DEMO_ROOT)/runs/debug-stage2/eval/"

@@ -63,12 +63,14 @@ MANIFEST_COLUMNS = [
 # With --cache: the loader's columns (latent shard and offset, bucket) first, the raw ones renamed; a
 # row per view, and the cache's number of views K (its rows, rejected ones included, have views 0..K-1).
 LATENT_QUERY = """
-SELECT c.clip_id, l.view, l.bucket, l.shard, l.shard_offset, l.num_frames AS latent_frames,
-       l.height AS latent_height, l.width AS latent_width, l.shape, l.text_len, c.source, c.shard AS raw_shard,
+SELECT c.clip_id, l.view, l.bucket, l.shard, l.shard_offset, l.text_shard, l.text_offset,
+       l.num_frames AS latent_frames, l.height AS latent_height, l.width AS latent_width, l.shape, l.text_len,
+       c.source, c.shard AS raw_shard,
        c.shard_offset AS raw_shard_offset, c.num_frames, c.fps, c.width, c.height, c.noun_count, c.level,
        c.noun_pct, c.text, (SELECT max(view) + 1 FROM latents WHERE cache = $cache)::INTEGER AS views
 FROM (SELECT * FROM clips WHERE status = 'ok' AND ({where})) c
 JOIN latents l ON l.clip_id = c.clip_id AND l.cache = $cache AND l.status = 'ok'
+    AND (l.text_key IS NULL OR l.text_shard IS NOT NULL)
 ORDER BY c.clip_id, l.view
 """
 

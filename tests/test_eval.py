@@ -426,6 +426,9 @@ def test_validation_loss_of_one_clip_from_its_definition(once_ref):
     with tarfile.open(root / clip["shard"]) as tar:
         member = next(m for m in tar.getmembers() if m.offset_data == clip["shard_offset"])
         latent = load_safetensors(tar.extractfile(member).read())
+    with tarfile.open(root / clip["text_shard"]) as tar:  # the caption embedding: stored once, in its own shard
+        member = next(m for m in tar.getmembers() if m.offset_data == clip["text_offset"])
+        latent["text"] = load_safetensors(tar.extractfile(member).read())["text"]
     x0 = latent["mean"].float()[None]
     assert latent["logvar"].float().exp().mean() > 0.1  # a posterior draw would move the loss a lot
     res, frames, ar = clip["bucket"].split("/")
