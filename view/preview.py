@@ -46,11 +46,12 @@ def _name(*parts) -> str:
     return hashlib.sha1("|".join(map(str, parts)).encode()).hexdigest()[:24]
 
 
-def read_latent(root: Path, shard: str, offset: int) -> dict:
-    """One latent sample (today's format: catalog/latents.py via train/loader.py's ranged read)."""
-    from reelcache.train.loader import read_sample, shard_path
+def read_latent(root: Path, latent: dict) -> dict:
+    """The video latent of a ``latents`` row, wherever its cache keeps it (a store shard, or a cache of
+    format 1): catalog/latents.py's reader, the loader's own. The caption is not read."""
+    from reelcache.catalog.latents import read_latent as read
 
-    return read_sample(shard_path(root, shard), offset)
+    return read(root, {"shard": latent["shard"], "shard_offset": latent["shard_offset"]})
 
 
 def _made(path: Path, make) -> Path:
@@ -162,7 +163,7 @@ def latent_preview(root: Path, clip: dict, latent: dict) -> Path:
     def make(path: Path) -> None:
         from reelcache.eval.video import write_mp4
 
-        tensors = read_latent(root, latent["shard"], latent["shard_offset"])
+        tensors = read_latent(root, latent)
         z = tensors["mean"] if "mean" in tensors else tensors["sample"]
         frames = _encoder(root, latent["cache"]).decode(z[None].float(), latent["num_frames"])[0]
         write_mp4(frames, path, fps=preview_fps(clip, ident))
