@@ -169,7 +169,8 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
     buckets = BucketConfig.from_toml(cfg.buckets)
     if d := diff(ident, identity(cfg, buckets, ident["manifest_fingerprint"])):
         raise UserError(
-            f"{unit}: this node's encoders differ from cache.json; refusing to mix latents:\n  " + "\n  ".join(d[:12])
+            f"{unit}: this node's encoders or preprocessing differ from cache.json; refusing to mix latents:\n  "
+            + "\n  ".join(d[:12])
         )
     cdir = cache_dir(root, name)
     sidecar = begin_unit(cdir, index, wait=wait)
