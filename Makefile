@@ -36,10 +36,13 @@ GPU_STAMP := $(VENV)/.installed-gpu
 # (ingest and cache units, cluster checks). Installed once, with apt-get as root or through sudo;
 # anywhere else, one line says what to install. As root also Debian's Slurm and munge, for the suite's
 # one-node Slurm (tests/slurm_local.py, which runs only as root: elsewhere its tests skip, so no sudo
-# for them); each name is a package and the command that shows it installed (slurmctld brings sbatch).
-SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd)
+# for them); and OpenSSH's server and iproute2, for the suite's namespace cluster (tests/cluster_local.py,
+# root only too). Each name is a package and the command that shows it installed (slurmctld brings
+# sbatch), or PACKAGE:COMMAND where they differ.
+SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd openssh-server:sshd iproute2:ip)
 sysdeps:
-	@missing=""; for c in $(SYSDEPS); do command -v $$c >/dev/null || missing="$$missing $$c"; done; \
+	@missing=""; for c in $(SYSDEPS); do \
+	    PATH="$$PATH:/usr/sbin:/sbin" command -v $${c##*:} >/dev/null || missing="$$missing $${c%%:*}"; done; \
 	[ -z "$$missing" ] && exit 0; \
 	if ! command -v apt-get >/dev/null; then \
 	    echo "reelcache needs$$missing: install them with your system's package manager, then run make again"; exit 2; fi; \
