@@ -79,6 +79,7 @@ class LocalCluster:
     net: str = ""  # "10.213.7" (no last octet); empty: the first unused 10.213.x.0/24
     start_timeout: float = 20.0
     pids: dict = field(init=False, default_factory=dict)  # node -> its sshd's pid (the node's namespaces)
+    _procs: dict = field(init=False, default_factory=dict, repr=False)
 
     @property
     def names(self) -> list[str]:
@@ -116,7 +117,9 @@ class LocalCluster:
     def down(self) -> None:
         """Kill every process of every node and delete the namespaces."""
         remove_leftovers()
-        self.pids = {}
+        for proc in self._procs.values():
+            proc.wait()
+        self.pids, self._procs = {}, {}
 
     def __enter__(self) -> LocalCluster:
         return self.up()
@@ -165,6 +168,11 @@ class LocalCluster:
                 killed.append(p)
             time.sleep(0.02)
         return sorted(set(killed))
+
+    def restart(self, i: int) -> None:
+        """Start node i's sshd again after ``kill_node`` (its namespaces went with its last process)."""
+        self._start_node(i)
+        self._wait_ssh([i])
 
     def cut(self, i: int) -> None:
         """Node i's link down: its packets go nowhere and nothing comes back (no reset, no close)."""
@@ -248,13 +256,14 @@ class LocalCluster:
                 start_new_session=True,
             )
         self.pids[i] = proc.pid  # ip netns exec and unshare exec; sh execs sshd: one pid throughout
-        self._proc = proc
+        self._procs[i] = proc
 
-    def _wait_ssh(self) -> None:
+    def _wait_ssh(self, which: list[int] | None = None) -> None:
         t0 = time.monotonic()
-        for i, name in enumerate(self.names, 1):
+        for i in which or range(1, self.nodes + 1):
+            name = f"node{i}"
             while True:
-                if _sh("ip", "netns", "pids", node_ns(i), check=False).stdout.split() == []:
+                if self._procs[i].poll() is not None:
                     log = (self.dir / "log" / f"sshd_{name}.log").read_text(errors="replace").strip()
                     raise ClusterUnavailable(f"sshd on {name} exited: {(log.splitlines() or ['no output'])[-1]}")
                 done = subprocess.run(

@@ -8,7 +8,15 @@ units for "every unit done once".
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +34,199 @@ def test_nodes_have_their_names_and_reach_each_other_over_ssh_only_inside(cluste
     assert "default" not in cluster.run(2, "ip", "route").stdout
     assert cluster.run(1, "cat", "/etc/hostname").stdout.strip() == "node1"
     assert subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip() != "node1"
+
+
+# --- ingest and the latent cache over ssh ---------------------------------------------------------
+
+RC = str(Path(sys.executable).parent / "reelcache")  # the shared install every node runs
+TTL = "4"  # REELCACHE_LEASE_TTL_S: a dead node's lease goes stale in 4 s, not 300
+
+
+def tar_members(path: Path) -> list[tuple[str, bytes]]:
+    """A shard's members and their bytes (the tar headers' mtime is the run's, not compared)."""
+    with tarfile.open(path) as t:
+        return [(m.name, t.extractfile(m).read()) for m in t]
+
+
+def outputs(root: Path, sub: str) -> dict[str, object]:
+    """Every shard's members and every sidecar's rows under root/sub (temporaries must be gone)."""
+    import pyarrow.parquet as pq
+
+    d = root / sub
+    assert not [p.name for p in d.glob(".*tmp*")] and not list(d.glob("*.lease")), sorted(p.name for p in d.iterdir())
+    out: dict[str, object] = {p.name: tar_members(p) for p in d.glob("*.tar")}
+    out.update({p.name: pq.read_table(p).to_pylist() for p in d.glob("[0-9]*.parquet")})
+    return out
+
+
+def catalog_rows(root: Path, table: str, order: str) -> list[tuple]:
+    import duckdb
+
+    with duckdb.connect(str(root / "catalog.duckdb"), read_only=True) as db:
+        return db.sql(f"SELECT * FROM {table} ORDER BY {order}").fetchall()
+
+
+def parallel(cluster, nodes: Path, joblog: Path, command: list[str], units: Path, *extra: str):
+    """The README's `parallel --sshloginfile nodes.txt --joblog J CMD {} :::: units.txt`, started on the head node."""
+    cmd = ["parallel", "--will-cite", "--sshloginfile", nodes, "--joblog", joblog, "--env", "REELCACHE_LEASE_TTL_S"]
+    return cluster.popen(
+        1,
+        *cmd,
+        *extra,
+        *command,
+        "{}",
+        "::::",
+        units,
+        env=cluster.env(REELCACHE_LEASE_TTL_S=TTL, REELCACHE_PROGRESS="0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def retry_failed(cluster, nodes: Path, joblog: Path) -> None:
+    """The README's retry: `parallel --retry-failed --joblog J` (the commands come from the joblog)."""
+    cluster.run(
+        1,
+        "parallel",
+        "--will-cite",
+        "--retry-failed",
+        "--sshloginfile",
+        nodes,
+        "--joblog",
+        joblog,
+        "--env",
+        "REELCACHE_LEASE_TTL_S",
+        env=cluster.env(REELCACHE_LEASE_TTL_S=TTL, REELCACHE_PROGRESS="0"),
+        timeout=180,
+    )
+    rows = [line.split("\t") for line in joblog.read_text().splitlines()[1:]]
+    last = {r[-1]: r[6] for r in rows}  # command -> the exit value of its newest try
+    assert set(last.values()) == {"0"}, joblog.read_text()
+
+
+def lease_of(d: Path, host: str) -> Path | None:
+    for p in d.glob("*.lease"):
+        try:
+            if json.loads(p.read_text()).get("host") == host:
+                return p
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def wait_for(cond, what: str, proc: subprocess.Popen, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not (found := cond()):
+        assert proc.poll() is None, f"finished before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout} s"
+        time.sleep(0.02)
+    return found
+
+
+def ingest_plan(cluster, root: Path, data: Path) -> Path:
+    """ingest plan as conftest's `ingest` makes it (the reference's units), from the head node."""
+    out = cluster.run(
+        1, RC, "ingest", "plan", "--root", root, "--source", "openvid", "--name", "openvid",
+        "--meta", data / "OpenVid-demo.csv", "--videos", data / "videos", "--rows-per-unit", "8", "--max-file-mb", "8",
+    ).stdout  # fmt: skip
+    (root / "units.txt").write_text(out)
+    return root / "units.txt"
+
+
+def ingest_over_nodes(cluster, root: Path, data: Path, fault=None) -> None:
+    """plan, run the units over the 3 nodes (fault(proc) breaks something mid-run), retry, merge."""
+    units = ingest_plan(cluster, root, data)
+    nodes, joblog = cluster.hostfile(root / "nodes.txt"), root / "ingest.log"
+    p = parallel(cluster, nodes, joblog, [RC, "ingest", "run", "--root", root, "--wait"], units)
+    survivors = fault(p) if fault else None
+    out, err = p.communicate(timeout=180)
+    assert (p.returncode != 0) == bool(fault), err[-3000:]
+    if fault:
+        retry_failed(cluster, cluster.hostfile(root / "alive.txt", names=survivors), joblog)
+    cluster.run(1, RC, "catalog", "merge", "--root", root)
+
+
+def assert_same_ingest(root: Path, reference: Path) -> None:
+    assert outputs(root, "raw/openvid") == outputs(reference, "raw/openvid")
+    assert catalog_rows(root, "clips", "clip_id") == catalog_rows(reference, "clips", "clip_id")
+
+
+def kill_node_mid_unit(cluster, d: Path, node: int):
+    """SIGKILL every process of node `node` (sshd included) once it holds a unit's lease."""
+
+    def fault(p):
+        wait_for(lambda: lease_of(d, f"node{node}"), f"lease of node{node}", p)
+        assert cluster.kill_node(node)
+        return [n for n in cluster.names if n != f"node{node}"]
+
+    return fault
+
+
+def test_ingest_over_three_nodes_equals_one_machine(cluster, demo_dataset, ingested, tmp_path):
+    """README: `parallel --sshloginfile nodes.txt --joblog ingest.log reelcache ingest run ...` then merge."""
+    ingest_over_nodes(cluster, tmp_path / "r", demo_dataset)
+    hosts = {line.split("\t")[1] for line in (tmp_path / "r/ingest.log").read_text().splitlines()[1:]}
+    assert hosts == set(cluster.names)  # every node ran units
+    assert_same_ingest(tmp_path / "r", ingested)
+
+
+def freeze_and_cut_node_mid_unit(cluster, d: Path, node: int, frozen: list):
+    """Cut node `node`'s link once it holds a unit's lease and freeze its processes (SIGSTOP; as its
+    processes would hang on storage mounted over that link): no reset, no close, no heartbeat."""
+
+    def fault(p):
+        wait_for(lambda: lease_of(d, f"node{node}"), f"lease of node{node}", p)
+        cluster.cut(node)
+        frozen.extend(p for p in cluster.node_pids(node) if p != cluster.pids[node])
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        return [n for n in cluster.names if n != f"node{node}"]
+
+    return fault
+
+
+def thaw(cluster, node: int, frozen: list[int]) -> None:
+    """Bring the node back: its frozen run finds its lease taken over and must publish nothing."""
+    cluster.join(node)
+    for pid in frozen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while any(p != cluster.pids[node] for p in cluster.node_pids(node)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("fault", ["killed", "cut"])
+def test_ingest_retry_after_a_node_dies_or_is_cut_off_mid_unit(cluster, demo_dataset, ingested, tmp_path, fault):
+    """A node's every process SIGKILLed mid-unit (its lease left behind), or its link cut with its runs
+    frozen: `parallel --retry-failed` on the others finishes; no row lost or doubled, no lease left."""
+    root, frozen = tmp_path / "r", []
+    if fault == "killed":
+        broken = kill_node_mid_unit(cluster, root / "raw/openvid", 2)
+    else:
+        broken = freeze_and_cut_node_mid_unit(cluster, root / "raw/openvid", 3, frozen)
+    try:
+        ingest_over_nodes(cluster, root, demo_dataset, broken)
+    finally:
+        thaw(cluster, 3, frozen) if frozen else None
+    if fault == "killed":
+        cluster.restart(2)
+    assert_same_ingest(root, ingested)
+
+
+def test_a_bad_lease_ttl_is_one_line_before_any_work(ingested, tmp_path):
+    """REELCACHE_LEASE_TTL_S must be seconds in [1, 86400]: else one line naming it, and no unit touched."""
+    env = {**os.environ, "REELCACHE_LEASE_TTL_S": "soon"}
+    before = sorted(p.name for p in (ingested / "raw/openvid").iterdir())
+    (ingested / "raw/openvid/000001.parquet").rename(tmp_path / "side.parquet")  # the unit would run
+    try:
+        p = subprocess.run(
+            [RC, "ingest", "run", "--root", ingested, "openvid/000001"], capture_output=True, text=True, env=env
+        )
+    finally:
+        (tmp_path / "side.parquet").rename(ingested / "raw/openvid/000001.parquet")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "reelcache: error: REELCACHE_LEASE_TTL_S='soon': must be seconds between 1 and 86400 (default 300)"
+    ]
+    assert sorted(p.name for p in (ingested / "raw/openvid").iterdir()) == before
