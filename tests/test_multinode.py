@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,3 +231,66 @@ def test_a_bad_lease_ttl_is_one_line_before_any_work(ingested, tmp_path):
         "reelcache: error: REELCACHE_LEASE_TTL_S='soon': must be seconds between 1 and 86400 (default 300)"
     ]
     assert sorted(p.name for p in (ingested / "raw/openvid").iterdir()) == before
+
+
+def latent_members(path: Path) -> list[tuple]:
+    """A latent shard's members: name, safetensors header as JSON (its key order is a hash map's,
+    process to process) and tensor bytes."""
+    out = []
+    for name, blob in tar_members(path):
+        n = int.from_bytes(blob[:8], "little")
+        out.append((name, json.loads(blob[8 : 8 + n]), blob[8 + n :]))
+    return out
+
+
+CACHE_WHERE = "level <= 2"  # 10 clips in 3 units: one a node
+
+
+@pytest.fixture(scope="module")
+def cache_reference(ingested, tmp_path_factory):
+    """The tiny cache's units run in this one process over a copy of the ingested root."""
+    from test_cache import write_config
+
+    from reelcache.catalog.manifest import make_manifest
+    from reelcache.cli import main
+
+    d = tmp_path_factory.mktemp("cache-ref")
+    shutil.copytree(ingested, d / "root")
+    make_manifest(d / "root", "m", CACHE_WHERE)
+    cfg = write_config(d, "m", clips_per_unit=4)
+    units = subprocess.run([RC, "cache", "plan", "--root", d / "root", "--config", cfg], capture_output=True, text=True)
+    assert main(["cache", "run", "--root", str(d / "root"), *units.stdout.split()]) == 0
+    assert main(["catalog", "merge", "--root", str(d / "root")]) == 0
+    return d / "root", cfg
+
+
+def cache_outputs(root: Path) -> dict:
+    out = outputs(root, "latents/t")
+    return {k: latent_members(root / "latents/t" / k) if k.endswith(".tar") else v for k, v in out.items()}
+
+
+def test_cache_units_over_three_nodes_with_one_killed_equal_one_process(cluster, ingested, cache_reference, tmp_path):
+    """README: `parallel --sshloginfile gpu-nodes.txt --joblog cache.log reelcache cache run ...` (tiny
+    encoders) with every process of one node SIGKILLed mid-unit, then `--retry-failed` on the others,
+    gives the latents of one process. (A link cut is the ingest test's: the unit protocol is the same.)"""
+    from reelcache.catalog.manifest import make_manifest
+
+    ref, cfg = cache_reference
+    root = tmp_path / "r"
+    shutil.copytree(ingested, root)
+    make_manifest(root, "m", CACHE_WHERE)
+    units = root / "units.txt"
+    units.write_text(cluster.run(1, RC, "cache", "plan", "--root", root, "--config", cfg).stdout)
+    assert len(units.read_text().split()) == 3
+    nodes, joblog = cluster.hostfile(root / "nodes.txt"), root / "cache.log"
+    p = parallel(cluster, nodes, joblog, [RC, "cache", "run", "--root", root, "--wait"], units)
+    try:
+        kill_node_mid_unit(cluster, root / "latents/t", 2)(p)
+        out, err = p.communicate(timeout=180)
+        assert p.returncode != 0, err[-3000:]
+        retry_failed(cluster, cluster.hostfile(root / "alive.txt", names=["node1", "node3"]), joblog)
+    finally:
+        cluster.restart(2)
+    cluster.run(1, RC, "catalog", "merge", "--root", root)
+    assert cache_outputs(root) == cache_outputs(ref)
+    assert catalog_rows(root, "latents", "ALL") == catalog_rows(ref, "latents", "ALL")
