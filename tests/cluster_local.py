@@ -129,9 +129,10 @@ class LocalCluster:
 
     # --- using it ---------------------------------------------------------------------------
 
-    def prefix(self, i: int) -> list[str]:
-        """The command prefix that runs something as node i (its network, hostname and mounts)."""
-        return ["nsenter", "-t", str(self.pids[i]), "-n", "-u", "-m", "--"]
+    def prefix(self, i: int, cwd=None) -> list[str]:
+        """The command prefix that runs something as node i (its network, hostname and mounts), in
+        `cwd` (default: this process's; entering a mount namespace would otherwise go to /)."""
+        return ["nsenter", "-t", str(self.pids[i]), "-n", "-u", "-m", f"--wd={cwd or os.getcwd()}", "--"]
 
     def env(self, **extra) -> dict:
         """The environment for a process on a node: this one's, with PATH led by ``<dir>/bin``."""
@@ -140,7 +141,13 @@ class LocalCluster:
     def run(self, i: int, *cmd, check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
         """A command on node i (default: the head, node1), its output as text."""
         kw.setdefault("env", self.env())
-        done = subprocess.run([*self.prefix(i), *map(str, cmd)], capture_output=True, text=True, timeout=timeout, **kw)
+        done = subprocess.run(
+            [*self.prefix(i, kw.pop("cwd", None)), *map(str, cmd)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kw,
+        )
         if check and done.returncode:
             raise AssertionError(f"node{i}: {' '.join(map(str, cmd))} exited {done.returncode}:\n{done.stderr}")
         return done
@@ -148,7 +155,7 @@ class LocalCluster:
     def popen(self, i: int, *cmd, **kw) -> subprocess.Popen:
         """A command started on node i in the background."""
         kw.setdefault("env", self.env())
-        return subprocess.Popen([*self.prefix(i), *map(str, cmd)], **kw)
+        return subprocess.Popen([*self.prefix(i, kw.pop("cwd", None)), *map(str, cmd)], **kw)
 
     def node_pids(self, i: int) -> list[int]:
         """Every process of node i (``ip netns pids``)."""
