@@ -12,6 +12,7 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,102 @@ def test_colossalai_run_hostfile_on_three_nodes_equals_one_node_zero2(cluster, r
     ranks = [json.loads(f.read_text())["host"] for f in sorted((r / "runs/three-nodes-zero2/ranks").glob("rank*.json"))]
     assert ranks == cluster.names
     same_run(r / "runs/one-node-zero2", r / "runs/three-nodes-zero2", 4)
+
+
+# --- cluster checks over real ssh -----------------------------------------------------------------
+
+
+def cluster_cli(cluster, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`reelcache cluster ...` from the head node."""
+    return cluster.run(
+        1, sys.executable, "-m", "reelcache.cli", "cluster", *args, cwd=REPO, timeout=timeout, check=False
+    )
+
+
+def test_gpus_and_clocks_answer_from_each_node(cluster, tmp_path):
+    """`cluster gpus` reads each node's own nvidia-smi (a fake on the nodes' PATH: node2's lists a
+    process, so --expect-idle fails naming node2); `cluster clocks` measures each node through its own
+    ssh session: the nodes share this machine's clock, so every offset is 0 within its uncertainty."""
+    from test_cluster import APPS_CSV, FAKE_NVIDIA_SMI
+
+    smi = cluster.dir / "bin/nvidia-smi"
+    smi.write_text(
+        FAKE_NVIDIA_SMI.replace('cat "$(dirname "$0")/apps.csv"', 'cat "$(dirname "$0")/apps-$(hostname).csv"')
+    )
+    smi.chmod(0o755)
+    (cluster.dir / "bin/apps-node2.csv").write_text(APPS_CSV.splitlines()[0] + "\n")
+    hostfile = cluster.hostfile(tmp_path / "nodes.txt")
+    p = cluster_cli(cluster, "gpus", "--hostfile", hostfile, "--reads", "2")
+    assert p.returncode == 0 and p.stdout.count("2 x NVIDIA H100 80GB HBM3") == 3, p.stdout + p.stderr
+    p = cluster_cli(cluster, "gpus", "--hostfile", hostfile, "--reads", "2", "--expect-idle")
+    blocks = {b.split()[0]: b for b in p.stdout.split("node ")[1:]}  # one block a node, headed by its name
+    assert p.returncode == 1 and [n for n, b in blocks.items() if "ERROR" in b] == ["node2"], p.stdout + p.stderr
+
+    p = cluster_cli(cluster, "clocks", "--hostfile", hostfile, "--samples", "4", "--reads", "1000")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {
+        line.split()[0]: line.split()
+        for line in p.stdout.splitlines()
+        if line.startswith("node") and line.split()[0] != "node"
+    }
+    assert sorted(rows) == cluster.names, p.stdout
+    for name, (_, offset, _pm, unc, _ms, back, *_) in rows.items():
+        assert abs(float(offset)) <= float(unc) + 1.0 and back == "0", (name, p.stdout)
+
+
+def wait_ranks(run: Path, n: int, procs, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((run / f"ranks/rank{r:05d}.json").exists() for r in range(n)):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [
+            p.communicate()[0][-2000:] for p in procs if p.poll() is not None
+        ]
+        time.sleep(0.2)
+
+
+def test_dump_and_stop_a_run_on_three_nodes_and_spare_a_decoy_on_another(cluster, root, tmp_path):
+    """`cluster dump` and `cluster stop` of a run whose ranks sit on node1..3, over ssh to each rank's
+    recorded host; a decoy with rank 2's command line byte for byte, on node2, is not touched."""
+    from test_cluster import _alive, _stat
+
+    from reelcache.cluster import ranks
+
+    r, manifest = root
+    args = data_args(manifest, "--run.epochs=1000", "--checkpoint.every=0", "--run.name=live", *PLUGINS["ddp"])
+    procs = torchrun_on_nodes(cluster, r, args, cluster.names, 29503)
+    run = r / "runs/live"
+    decoy = None
+    try:
+        wait_ranks(run, 3, procs)
+        time.sleep(2)  # into the loop
+        recs = ranks.read(run)
+        assert [x.host for x in recs] == cluster.names and all(_alive(x.pid, x.proc_start) for x in recs)
+        argv = Path(f"/proc/{recs[2].pid}/cmdline").read_bytes().split(b"\0")[:-1]
+        (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(300)\n")
+        decoy = cluster.popen(
+            2, *[a.decode() for a in argv], cwd=REPO, env={**cluster.env(), "PYTHONPATH": str(tmp_path)}
+        )
+        time.sleep(0.5)
+        assert Path(f"/proc/{decoy.pid}/cmdline").read_bytes() == Path(f"/proc/{recs[2].pid}/cmdline").read_bytes()
+        decoy_start = _stat(decoy.pid)[1]
+
+        p = cluster_cli(cluster, "dump", "--run", run)
+        assert p.returncode == 0, p.stdout + p.stderr
+        (out,) = (run / "dumps").iterdir()
+        for x in recs:
+            text = (out / f"rank{x.rank:05d}.txt").read_text()
+            assert f"Process {x.pid}:" in text and "trainer.py" in text  # py-spy's header: that process
+        assert "3 of 3 ranks dumped" in (out / "summary.txt").read_text()
+
+        p = cluster_cli(cluster, "stop", "--run", run, "--grace", "10")
+        assert p.returncode == 0, p.stdout + p.stderr
+        for x in recs:
+            assert f"rank {x.rank:05d} host {x.host} pid {x.pid}: stopped by SIG" in p.stdout
+            assert not _alive(x.pid, x.proc_start)
+        assert _alive(decoy.pid, decoy_start), "the decoy with the same command line on node2 was stopped"
+        finish(procs, ok=False, timeout=120)  # every node's launcher gives up once its worker is gone
+    finally:
+        for q in [*procs, *([decoy] if decoy else [])]:
+            q.kill()
+            q.wait()
+        for i in (1, 2, 3):
+            cluster.kill_node(i, spare_sshd=True)
