@@ -9,15 +9,19 @@ whatever host a rank sits on, so losses and final weights are compared exactly.
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from latent_data import write_latents
-from test_train import CONFIG, PLUGINS, REPO, data_args, metrics, train, weights
+from test_train import CONFIG, PLUGINS, REPO, complete, data_args, metrics, train, weights
+from test_zero import manifest_clips
 
 pytestmark = pytest.mark.multinode
 
@@ -204,3 +208,72 @@ def test_dump_and_stop_a_run_on_three_nodes_and_spare_a_decoy_on_another(cluster
             q.wait()
         for i in (1, 2, 3):
             cluster.kill_node(i, spare_sshd=True)
+
+
+# --- a node dies mid-run ---------------------------------------------------------------------------
+
+LIMIT_S = 20  # watchdog.limit_s of the runs below: a silent node ends the run in about this long
+BOUND_S = LIMIT_S + 25  # the limit, the launchers stopping their workers, ssh noticing (ServerAlive 3 x 2 s)
+
+
+def epoch_clips(run: Path) -> dict[int, Counter]:
+    import duckdb
+
+    out: dict[int, Counter] = {}
+    for e, c in duckdb.sql(f"""SELECT epoch, clip_id FROM '{run}/consumed/*.parquet'
+        WHERE NOT pad QUALIFY generation = max(generation) OVER (PARTITION BY epoch, step)""").fetchall():
+        out.setdefault(e, Counter())[c] += 1
+    return out
+
+
+@pytest.mark.parametrize("fault", ["killed", "cut"])
+def test_a_node_that_dies_mid_run_ends_it_in_bounded_time_and_two_nodes_resume(cluster, root, fault):
+    """node3's processes SIGKILLed (its peers see a closed socket), or its link cut with its processes
+    frozen (its peers see silence): the survivors end within BOUND_S, naming node3 or its rank; the
+    newest checkpoint is complete; `--resume` on node1 and node2 (world 2) finishes every epoch with
+    every clip once."""
+    r, manifest = root
+    name = f"dies-{fault}"
+    args = data_args(
+        manifest, "--run.epochs=3", "--checkpoint.every=2", "--checkpoint.keep_last=10", f"--run.name={name}",
+        "--watchdog.floor_s=2", f"--watchdog.limit_s={LIMIT_S}", *PLUGINS["ddp"],
+    )  # fmt: skip
+    env = {"REELCACHE_COLLECTIVE_TIMEOUT_S": "120"}  # the backstop behind the watchdog's limit
+    run = r / f"runs/{name}"
+    procs = torchrun_on_nodes(cluster, r, args, cluster.names, 29504 + (fault == "cut"), env=env)
+    frozen: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "ckpt-00000002").exists():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no checkpoint 2"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        if fault == "killed":
+            cluster.kill_node(3, spare_sshd=True)
+        else:
+            cluster.cut(3)
+            frozen = [p for p in cluster.node_pids(3) if p != cluster.pids[3]]
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+        outs = [p.communicate(timeout=BOUND_S + 30)[0] for p in procs[:2]]
+        took = time.monotonic() - t0
+        assert all(p.returncode != 0 for p in procs[:2]), outs
+        print(f"{fault}: the survivors ended {took:.1f} s after the fault (bound {BOUND_S} s)")
+        assert took < BOUND_S, (took, outs)
+        said = "\n".join(outs)
+        if fault == "killed":  # gloo names the peer whose socket closed
+            assert cluster.addr(3) in said, said[-4000:]
+        else:  # the watchdog names the rank that wrote no report
+            assert "Stopped answering (no report for this step): rank 2 on node3" in said, said[-4000:]
+    finally:
+        cluster.join(3)
+        cluster.kill_node(3, spare_sshd=True)  # frozen ones too (SIGKILL reaches a stopped process)
+        for p in procs:
+            p.kill()
+            p.wait()
+    ckpts = sorted(run.glob("ckpt-*"))
+    assert ckpts and all(complete(c) for c in ckpts) and not list(run.glob(".tmp-*"))
+    finish(torchrun_on_nodes(cluster, r, args + ["--resume"], ["node1", "node2"], 29506 + (fault == "cut"), env=env))
+    clips = epoch_clips(run)
+    assert sorted(clips) == [0, 1, 2] and all(c == manifest_clips(manifest) for c in clips.values())
+    assert complete(sorted(run.glob("ckpt-*"))[-1])
