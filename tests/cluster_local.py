@@ -256,13 +256,15 @@ class LocalCluster:
         )
         with open(d / "log" / f"sshd_{name}.log", "ab") as log:
             proc = subprocess.Popen(
-                ["ip", "netns", "exec", node_ns(i), "unshare", "--uts", "--mount", "--", "sh", "-c", script],
+                # nsenter, not `ip netns exec`: that remounts /sys for the namespace, without the
+                # cgroup file system slurmd needs
+                ["nsenter", f"--net=/run/netns/{node_ns(i)}", "unshare", "--uts", "--mount", "--", "sh", "-c", script],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.pids[i] = proc.pid  # ip netns exec and unshare exec; sh execs sshd: one pid throughout
+        self.pids[i] = proc.pid  # nsenter and unshare exec; sh execs sshd: one pid throughout
         self._procs[i] = proc
 
     def _wait_ssh(self, which: list[int] | None = None) -> None:

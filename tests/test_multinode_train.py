@@ -277,3 +277,43 @@ def test_a_node_that_dies_mid_run_ends_it_in_bounded_time_and_two_nodes_resume(c
     clips = epoch_clips(run)
     assert sorted(clips) == [0, 1, 2] and all(c == manifest_clips(manifest) for c in clips.values())
     assert complete(sorted(run.glob("ckpt-*"))[-1])
+
+
+# --- multi-node Slurm -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def node_slurm(cluster, tmp_path_factory):
+    """slurmctld and munged on node1, a slurmd on each node (tests/cluster_slurm.py)."""
+    from cluster_slurm import NodeSlurm
+    from slurm_local import SlurmUnavailable
+
+    slurm = NodeSlurm(cluster, tmp_path_factory.mktemp("node-slurm"))
+    try:
+        slurm.start()
+    except SlurmUnavailable as e:
+        slurm.stop()
+        pytest.skip(f"no multi-node Slurm: {e}")
+    yield slurm
+    slurm.stop()
+
+
+def test_slurm_train_on_three_nodes_equals_one_node(node_slurm, root):
+    """`reelcache train CONFIG --slurm --nodes 3`: srun starts one torchrun per node (node rank
+    SLURM_NODEID, master the first host of the node list): the losses and weights of 3 ranks on one node."""
+    r, manifest = root
+    args = data_args(manifest, "--run.epochs=1", *PLUGINS["ddp"])
+    if not (r / "runs/one-node-ddp/ckpt-00000004").exists():
+        train(r, args + ["--run.name=one-node-ddp"], nproc=3)
+    p = node_slurm.run(
+        sys.executable, "-m", "reelcache", "train", CONFIG, "--root", r, "--slurm", "--nodes", "3",
+        "--gpus-per-node=0", "--nproc-per-node=1", *args, "--run.name=slurm-three-nodes", cwd=REPO, timeout=120,
+    )  # fmt: skip
+    job = p.stdout.split("submitted job ")[1].split(":")[0]
+    record = node_slurm.wait(job)
+    run = r / "runs/slurm-three-nodes"
+    log = "".join(f.read_text() for f in sorted((run / "slurm").glob("*.out")))
+    assert record["JobState"] == "COMPLETED" and record["NodeList"] == "node[1-3]", (record, log[-3000:])
+    hosts = [json.loads(f.read_text())["host"] for f in sorted((run / "ranks").glob("rank*.json"))]
+    assert hosts == ["node1", "node2", "node3"]
+    same_run(r / "runs/one-node-ddp", run, 4)
