@@ -8,9 +8,10 @@ real OpenSSH server, joined by a bridge. A test (or a person, as root) starts an
     .venv/bin/python tests/cluster_local.py up [N] [DIR]   # by hand; prints how to enter node1
     .venv/bin/python tests/cluster_local.py down [DIR]
 
-Network. Node i is the network namespace ``reelcache-node<i>`` with one interface, ``eth0``, at
+Network. Node i is the network namespace ``reelcache-<pid>-node<i>`` (pid: the process that made
+it, so that two test runs at once each have their own) with one interface, ``eth0``, at
 ``<net>.<i>/24``; its other end is the port ``node<i>`` of the bridge ``br0``, which lives in a
-namespace of its own (``reelcache-bridge``). Nothing is added to the machine's own network namespace:
+namespace of its own (``reelcache-<pid>-bridge``). Nothing is added to the machine's own network namespace:
 no interface, no address, no route. The /24 is a private one (``10.213.x.0/24`` by default) that no
 interface of the machine uses, checked at ``up``; the nodes have no default route and no route out,
 so test traffic reaches only the other nodes. ``cut(i)`` takes node i's bridge port down (its peers
@@ -31,7 +32,8 @@ usual one.
 
 Teardown. Every process of a node is in its network namespace, however it was started or detached:
 ``down`` SIGKILLs ``ip netns pids`` of each until none is left, then deletes the namespaces. ``up``
-first does the same for what a killed earlier run left (namespaces named ``reelcache-*``).
+(and ``cluster_local.py down``) first does the same for what a killed earlier run left: namespaces
+named ``reelcache-<pid>-*`` whose pid is gone.
 """
 
 from __future__ import annotations
@@ -49,8 +51,7 @@ from pathlib import Path
 
 import pytest
 
-PREFIX = "reelcache-"
-BRIDGE_NS = f"{PREFIX}bridge"
+PREFIX = "reelcache-"  # namespaces are reelcache-<pid of the process that made them>-node<i> / -bridge
 SSHD = "/usr/sbin/sshd"
 SESSION_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -66,8 +67,20 @@ def _sh(*cmd, check=True, **kw) -> subprocess.CompletedProcess:
     return done
 
 
-def node_ns(i: int) -> str:
-    return f"{PREFIX}node{i}"
+def _owner(ns: str) -> int | None:
+    """The pid in a namespace name of ours, None for another name."""
+    parts = ns.split("-")
+    return int(parts[1]) if ns.startswith(PREFIX) and len(parts) == 3 and parts[1].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 @dataclass
@@ -79,11 +92,19 @@ class LocalCluster:
     net: str = ""  # "10.213.7" (no last octet); empty: the first unused 10.213.x.0/24
     start_timeout: float = 20.0
     pids: dict = field(init=False, default_factory=dict)  # node -> its sshd's pid (the node's namespaces)
+    tag: str = field(init=False, default_factory=lambda: f"{PREFIX}{os.getpid()}")
     _procs: dict = field(init=False, default_factory=dict, repr=False)
 
     @property
     def names(self) -> list[str]:
         return [f"node{i}" for i in range(1, self.nodes + 1)]
+
+    def node_ns(self, i: int) -> str:
+        return f"{self.tag}-node{i}"
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.tag}-bridge"
 
     def addr(self, i: int) -> str:
         return f"{self.net}.{i}"
@@ -99,7 +120,7 @@ class LocalCluster:
         missing += [] if os.access(SSHD, os.X_OK) else ["sshd"]
         if missing:
             raise ClusterUnavailable(f"{' '.join(missing)} not installed (apt-get install iproute2 openssh-server)")
-        remove_leftovers()
+        remove_leftovers(self.tag)
         self.dir = Path(self.dir).resolve()
         self.dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -116,7 +137,7 @@ class LocalCluster:
 
     def down(self) -> None:
         """Kill every process of every node and delete the namespaces."""
-        remove_leftovers()
+        remove_leftovers(self.tag)
         for proc in self._procs.values():
             proc.wait()
         self.pids, self._procs = {}, {}
@@ -159,7 +180,7 @@ class LocalCluster:
 
     def node_pids(self, i: int) -> list[int]:
         """Every process of node i (``ip netns pids``)."""
-        return [int(p) for p in _sh("ip", "netns", "pids", node_ns(i), check=False).stdout.split()]
+        return [int(p) for p in _sh("ip", "netns", "pids", self.node_ns(i), check=False).stdout.split()]
 
     def kill_node(self, i: int, spare_sshd: bool = False) -> list[int]:
         """SIGKILL every process of node i (its sshd too, unless spared); returns the pids killed."""
@@ -183,10 +204,10 @@ class LocalCluster:
 
     def cut(self, i: int) -> None:
         """Node i's link down: its packets go nowhere and nothing comes back (no reset, no close)."""
-        _sh("ip", "-n", BRIDGE_NS, "link", "set", f"node{i}", "down")
+        _sh("ip", "-n", self.bridge_ns, "link", "set", f"node{i}", "down")
 
     def join(self, i: int) -> None:
-        _sh("ip", "-n", BRIDGE_NS, "link", "set", f"node{i}", "up")
+        _sh("ip", "-n", self.bridge_ns, "link", "set", f"node{i}", "up")
 
     def hostfile(self, path: Path, slots: int | None = None, names: list[str] | None = None) -> Path:
         """A hostfile (GNU parallel's sshloginfile, colossalai's hostfile): one node name a line."""
@@ -197,14 +218,28 @@ class LocalCluster:
     # --- internals --------------------------------------------------------------------------
 
     def _network(self) -> None:
-        _sh("ip", "netns", "add", BRIDGE_NS)
-        _sh("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
+        _sh("ip", "netns", "add", self.bridge_ns)
+        _sh("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
         for i in range(1, self.nodes + 1):
-            ns = node_ns(i)
+            ns = self.node_ns(i)
             _sh("ip", "netns", "add", ns)
-            _sh("ip", "-n", BRIDGE_NS, "link", "add", f"node{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _sh("ip", "-n", BRIDGE_NS, "link", "set", f"node{i}", "master", "br0", "up")
+            _sh(
+                "ip",
+                "-n",
+                self.bridge_ns,
+                "link",
+                "add",
+                f"node{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
+            _sh("ip", "-n", self.bridge_ns, "link", "set", f"node{i}", "master", "br0", "up")
             _sh("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
             _sh("ip", "-n", ns, "link", "set", "eth0", "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -258,7 +293,17 @@ class LocalCluster:
             proc = subprocess.Popen(
                 # nsenter, not `ip netns exec`: that remounts /sys for the namespace, without the
                 # cgroup file system slurmd needs
-                ["nsenter", f"--net=/run/netns/{node_ns(i)}", "unshare", "--uts", "--mount", "--", "sh", "-c", script],
+                [
+                    "nsenter",
+                    f"--net=/run/netns/{self.node_ns(i)}",
+                    "unshare",
+                    "--uts",
+                    "--mount",
+                    "--",
+                    "sh",
+                    "-c",
+                    script,
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -297,10 +342,14 @@ def _free_net() -> str:
     raise ClusterUnavailable("no free 10.213.x.0/24 on this machine")
 
 
-def remove_leftovers() -> None:
-    """SIGKILL every process of every ``reelcache-*`` namespace, then delete them."""
+def remove_leftovers(tag: str | None = None) -> None:
+    """SIGKILL every process of the namespaces ``tag`` names, and of those whose maker is gone (a killed
+    earlier run, or ``up`` by hand), then delete them. A live cluster of another process stays."""
     names = [line.split()[0] for line in _sh("ip", "netns", "list", check=False).stdout.splitlines() if line]
-    for ns in [n for n in names if n.startswith(PREFIX)]:
+    for ns in names:
+        owner = _owner(ns)
+        if owner is None or not ((tag and ns.startswith(f"{tag}-")) or not _alive(owner)):
+            continue
         for _ in range(100):
             pids = [int(p) for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
             if not pids:
