@@ -69,14 +69,15 @@ class NodeSlurm:
         """A client command on the head node (node1)."""
         return self.cluster.run(1, *cmd, check=check, timeout=timeout, env=self.env, **kw)
 
-    def wait(self, job: str, timeout: float = 300) -> dict:
-        """Wait until the job left the queue; its ``scontrol show job`` fields."""
+    def wait(self, job: str, timeout: float = 300) -> list[dict]:
+        """Wait until the job (every task of an array) left the queue; ``scontrol show job``'s records."""
         deadline = time.monotonic() + timeout
-        while self.run("squeue", "--noheader", "--jobs", job, check=False).stdout.strip():
+        while self.run("squeue", "--noheader", "--array", "--jobs", job, check=False).stdout.strip():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job} still queued after {timeout} s")
             time.sleep(0.3)
-        return _fields(self.run("scontrol", "show", "job", "--oneliner", job).stdout.strip())
+        out = self.run("scontrol", "show", "job", "--oneliner", job).stdout
+        return [_fields(line) for line in out.splitlines() if line.strip()]
 
     def _spawn(self, i: int, name: str, *cmd) -> None:
         with open(self.dir / "log" / f"{name}.out", "ab") as out:

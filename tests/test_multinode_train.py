@@ -310,10 +310,31 @@ def test_slurm_train_on_three_nodes_equals_one_node(node_slurm, root):
         "--gpus-per-node=0", "--nproc-per-node=1", *args, "--run.name=slurm-three-nodes", cwd=REPO, timeout=120,
     )  # fmt: skip
     job = p.stdout.split("submitted job ")[1].split(":")[0]
-    record = node_slurm.wait(job)
+    (record,) = node_slurm.wait(job)
     run = r / "runs/slurm-three-nodes"
     log = "".join(f.read_text() for f in sorted((run / "slurm").glob("*.out")))
     assert record["JobState"] == "COMPLETED" and record["NodeList"] == "node[1-3]", (record, log[-3000:])
     hosts = [json.loads(f.read_text())["host"] for f in sorted((run / "ranks").glob("rank*.json"))]
     assert hosts == ["node1", "node2", "node3"]
     same_run(r / "runs/one-node-ddp", run, 4)
+
+
+def test_slurm_ingest_array_spreads_over_the_nodes_and_equals_one_machine(node_slurm, demo_dataset, ingested, tmp_path):
+    """README: `reelcache ingest plan ... | reelcache slurm submit ... -- reelcache ingest run --root R --wait`
+    with `--then` merge: the array's tasks run on several nodes; the catalog and shards are the one-machine run's."""
+    from test_multinode import assert_same_ingest, ingest_plan
+
+    root = tmp_path / "r"
+    units = ingest_plan(node_slurm.cluster, root, demo_dataset)
+    merge = f"{sys.executable} -m reelcache catalog merge --root {root}"
+    p = node_slurm.run(
+        sys.executable, "-m", "reelcache", "slurm", "submit", "--partition", node_slurm.partition, "--dir",
+        tmp_path / "job", "--units", units, "--then", merge, "--", sys.executable, "-m", "reelcache", "ingest", "run",
+        "--root", root, "--wait", cwd=REPO,
+    )  # fmt: skip
+    array, then = p.stdout.split()
+    records = node_slurm.wait(array)
+    assert len(records) == 5 and {r["JobState"] for r in records} == {"COMPLETED"}, records
+    assert len({r["BatchHost"] for r in records}) >= 2, [r["BatchHost"] for r in records]
+    assert [r["JobState"] for r in node_slurm.wait(then)] == ["COMPLETED"]
+    assert_same_ingest(root, ingested)
