@@ -30,19 +30,20 @@ GPU_TORCH ?= 2.5.1
 GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.17.1
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: sysdeps install install-gpu gpu-kernels demo ingest cache lint format test bench clean
+.PHONY: sysdeps install install-gpu gpu-kernels gpu-check gpu-wheels gpu-check-device demo ingest cache lint format test bench clean
 
 # The programs the pipeline runs besides Python: ffmpeg (the tests' reference decoder) and GNU parallel
 # (ingest and cache units, cluster checks). Installed once, with apt-get as root or through sudo;
 # anywhere else, one line says what to install. As root also Debian's Slurm and munge, for the suite's
 # one-node Slurm (tests/slurm_local.py, which runs only as root: elsewhere its tests skip, so no sudo
-# for them); and OpenSSH's server and iproute2, for the suite's namespace cluster (tests/cluster_local.py,
-# root only too). Each name is a package and the command that shows it installed (slurmctld brings
-# sbatch), or PACKAGE:COMMAND where they differ.
-SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd openssh-server:sshd iproute2:ip)
+# for them); each name is a package and the command that shows it installed (slurmctld brings sbatch),
+# or package:command. As root also Debian's Chromium and its driver, for the viewer's browser tests
+# (tests/test_view.py, skipped where they are missing); and OpenSSH's server and iproute2, for the
+# suite's namespace cluster (tests/cluster_local.py; root only, else its tests skip).
+SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd chromium chromium-driver:chromedriver \
+    openssh-server:sshd iproute2:ip)
 sysdeps:
-	@missing=""; for c in $(SYSDEPS); do \
-	    PATH="$$PATH:/usr/sbin:/sbin" command -v $${c##*:} >/dev/null || missing="$$missing $${c%%:*}"; done; \
+	@missing=""; for c in $(SYSDEPS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $${c#*:} >/dev/null || missing="$$missing $${c%%:*}"; done; \
 	[ -z "$$missing" ] && exit 0; \
 	if ! command -v apt-get >/dev/null; then \
 	    echo "reelcache needs$$missing: install them with your system's package manager, then run make again"; exit 2; fi; \
@@ -67,7 +68,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,train]' diffusers psutil einops peft accelerate bitsandbytes fabric
+	$(BIN)/pip install -q -e '.[dev,train,view]' diffusers psutil einops peft accelerate bitsandbytes fabric
 	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
 	touch $@
 
@@ -80,7 +81,7 @@ $(GPU_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q torch==$(GPU_TORCH)
-	$(BIN)/pip install -q -e '.[dev,train]' $(GPU_PINS)
+	$(BIN)/pip install -q -e '.[dev,train,view]' $(GPU_PINS)
 	$(BIN)/pip install -q $(GPU_PINS) psutil einops accelerate bitsandbytes fabric ninja
 	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
 	touch $@ $(STAMP)
@@ -127,6 +128,25 @@ gpu-kernels:
 	@[ -x $(BIN)/python ] || { echo "gpu-kernels: no venv at $(VENV); make install-gpu VENV=$(VENV)"; exit 2; }
 	@$(BIN)/python -c "$$GPU_KERNELS_PY"
 
+# make gpu-check [GPU_CHECK_OUT=bench-out]: the real-size GPU paths measured on this machine's GPU in under
+# 8 minutes (bench/gpu_check.py; README, "GPU check"); without a GPU it says so and measures nothing.
+# A lent GPU machine has no venv and no network: `make gpu-wheels` here fetches what it lacks into
+# bench/gpu-wheels/ (git-ignored, 38 MiB), `make gpu-check-device` prints the device run to paste.
+GPU_CHECK_OUT ?= bench-out
+GPU_CHECK_DEVICE := python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	--target /tmp/site bench/gpu-wheels/*.whl || exit 1; export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1; \
+	timeout 570 python3 bench/gpu_check.py $$OUT 2>&1 | tee $$OUT/gpu_check.log
+gpu-check: install
+	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_OUT)
+
+gpu-wheels:
+	$(PYTHON) bench/gpu_wheels.py
+
+gpu-check-device:
+	@[ -n "$$(ls bench/gpu-wheels/*.whl 2>/dev/null)" ] || echo "first: make gpu-wheels (bench/gpu-wheels/ is empty)"
+	@echo 'device run: carry ["bench/gpu-wheels"], timeout_s 600, command:'
+	@echo '$(GPU_CHECK_DEVICE)'
+
 demo: sysdeps install
 	@[ -f $(DEMO_DATA)/OpenVid-demo.csv ] || $(BIN)/reelcache demo generate --out $(DEMO_DATA)
 	$(MAKE) --no-print-directory ingest ROOT=$(DEMO_ROOT) SOURCE=openvid META=$(DEMO_DATA)/OpenVid-demo.csv \
@@ -147,9 +167,12 @@ demo: sysdeps install
 	$(BIN)/reelcache demo train --root $(DEMO_ROOT)
 	$(BIN)/reelcache eval once --root $(DEMO_ROOT) --run runs/debug-stage2 --checkpoint latest --preset debug \
 	    --prompts configs/eval/debug-prompts.txt --val-manifest demo-stage1-tiny --val-max-clips 32 --device cpu
+	$(BIN)/reelcache catalog manifest --root $(DEMO_ROOT) --name demo-grow --where "height >= 240 AND noun_pct < 99.99"
+	$(BIN)/reelcache cache plan --root $(DEMO_ROOT) --config configs/cache/tiny-grow.toml > $(DEMO_ROOT)/units-cache-tiny-grow.txt
 	@echo "demo done: catalog $(DEMO_ROOT)/catalog.duckdb, plots $(DEMO_ROOT)/stats/catalog.png, latents $(DEMO_ROOT)/latents/tiny," \
 	    "runs $(DEMO_ROOT)/runs/debug-stage{1,2}, loss plot $(DEMO_ROOT)/runs/demo-loss.png," \
 	    "samples $(DEMO_ROOT)/runs/debug-stage2/eval/"
+	@echo "see it in a browser: $(BIN)/reelcache view --root $(DEMO_ROOT) --videos $(DEMO_DATA)/videos   # http://127.0.0.1:8050"
 
 ingest: sysdeps install
 	@[ -n "$(ROOT)" ] && [ -n "$(SOURCE)" ] && [ -n "$(VIDEOS)" ] || \
@@ -186,6 +209,7 @@ bench: install
 	$(BIN)/python bench/bench_ingest.py
 	$(BIN)/python bench/bench_loader.py
 	$(BIN)/python bench/bench_cache.py
+	$(BIN)/python bench/bench_view.py
 	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/python bench/bench_train.py
 	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/torchrun --nproc_per_node 2 bench/bench_log.py
 

@@ -2,8 +2,9 @@
 
 No GPU, no real memory: each model is built on the meta device from its real configuration, and
 torch's FlopCounterMode counts its matmuls, convolutions and attention (norms, softmax, elementwise
-ops are left out: well under 1% here). Per sample, at catalog/buckets.py's buckets (9:16 key "0.56";
-a resolution is a pixel budget, so other aspect ratios cost about the same):
+ops are left out: well under 1% here). Per sample, at catalog/buckets.py's buckets (Open-Sora 1.2's
+sizes for H:W = 9:16, key "0.56" at 144p-1080p, "0.57" at 256-2048; a resolution is a pixel budget,
+so other aspect ratios cost about the same):
 - DiT step: STDiT3-XL/2 as configs/train/opensora12/stage*.toml build it (frozen y_embedder, gradient
   checkpointing; 300 T5-XXL caption tokens of 4096) with a real .backward() on meta: forward +
   backward + the checkpointed blocks' recompute, about 4x the forward. Depth-1 and depth-2 models
@@ -35,7 +36,7 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-AR, CAPTION, PARTS = "0.56", 300, ("dit", "vae", "t5")
+AR, CAPTION, PARTS = (9, 16), 300, ("dit", "vae", "t5")  # AR: (H, W) of the clip whose bucket is counted
 GPUS = 192  # OPENSORA12.md:234 "Hardware: 192 H100 (24×8)"
 CLIPS = 1_330_000  # DATASETS.md:5 OpenVid-1M "~1M clips" + DATASETS.md:12 MiraData "330k clips"
 # Final global step per stage, from the tutorial's checkpoint chain (OPENSORA12.md:232). Stage 7 did
@@ -160,7 +161,7 @@ def t5_encode() -> tuple[int, int]:
 
 def project(args) -> dict:
     from reelcache.cache.opensora_vae import latent_frames
-    from reelcache.catalog.buckets import RESOLUTIONS, BucketConfig, bucket_hw
+    from reelcache.catalog.buckets import RESOLUTIONS, BucketConfig, bucket_hw, nearest_ratio
     from reelcache.train.model import STDiT3Config
 
     batch = {
@@ -182,7 +183,7 @@ def project(args) -> dict:
     rows = {}
     for k in keys:
         res, frames = k.split("/")
-        H, W = bucket_hw(res, AR)
+        H, W = bucket_hw(res, nearest_ratio(*AR, res))
         geo = (latent_frames(int(frames)), H // 8, W // 8, H, W)
         fwd, step = dit_extrapolated(pair, depth, *geo)
         f = dict(dit=step, vae=vae_encode(vae, int(frames), H, W), t5=t5)

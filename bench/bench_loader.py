@@ -1,8 +1,10 @@
 """make bench (loader part): throughput over latent shards vs raw reads, plan/resume cost at 1.3M.
 
 1. Throughput: LatentLoader samples/s and MB/s (ranged reads, safetensors decode, posterior
-   sampling, collate), with 0 and 2 workers, vs ``cat shards > /dev/null`` and a plain
-   ``tarfile`` loop over the same bytes, in the same run (page-cached for every contender): REPS
+   sampling, collate), with 0 and 2 workers, over cache format 1 (a sample holds its caption) and
+   over the store (cache/store.py: latent and caption embedding in two shards, two ranged reads),
+   vs ``cat shards > /dev/null`` and a plain ``tarfile`` loop over the format-1 bytes, in the same
+   run (page-cached for every contender): REPS
    interleaved rounds of whole epochs (bench/interleave.py), each ratio the median of the
    per-round ratios with their range.
 2. Plan construction and resume for 1.3M samples (one manifest, and a mix of two where one is
@@ -31,7 +33,10 @@ REPS = int(os.environ.get("BENCH_REPS", 3))  # interleaved rounds; each reads al
 PARTS = os.environ.get("BENCH_LOADER_PARTS", "throughput,plan").split(",")  # e.g. plan: only part 2
 
 
-def write_shards(root: Path) -> tuple[Path, int]:
+def write_shards(root: Path) -> tuple[Path, Path, int, int]:
+    """The same N samples in both formats: format 1 (``latents/``: each sample holds its caption's
+    embedding) and the store (``store/video`` latents, ``store/text`` caption embeddings, cache/store.py).
+    Returns (format-1 manifest, store manifest, bytes of format 1, bytes of the store)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -41,9 +46,12 @@ def write_shards(root: Path) -> tuple[Path, int]:
     from reelcache.catalog.shards import ShardWriter
 
     root.mkdir(parents=True, exist_ok=True)
+    for d in ("latents", "store/video", "store/text"):
+        (root / d).mkdir(parents=True, exist_ok=True)
     w = ShardWriter(root / "latents", "000000", 256 << 20, fsync=False)
-    (root / "latents").mkdir(exist_ok=True)
-    rows, rng = [], np.random.default_rng(0)
+    wv = ShardWriter(root / "store/video", "000000", 256 << 20, fsync=False)
+    wt = ShardWriter(root / "store/text", "000000", 256 << 20, fsync=False)
+    rows, store_rows, rng = [], [], np.random.default_rng(0)
     buckets = ["240p/17/0.56", "240p/34/0.56", "360p/17/0.56"]
     for i in range(N):
         b = buckets[i % 3]
@@ -53,11 +61,21 @@ def write_shards(root: Path) -> tuple[Path, int]:
             "logvar": torch.randn(4, t, 30, 53).bfloat16(),
             "text": torch.randn(int(rng.integers(20, 120)), 1024).bfloat16(),
         }
-        shard, off = w.write_sample(f"{i:020x}", [(LATENT_EXT, encode(x), None)])
-        rows.append({"clip_id": f"{i:020x}", "bucket": b, "shard": f"latents/{shard}", "shard_offset": off[LATENT_EXT]})
-    w.close()
+        key = f"{i:020x}"
+        shard, off = w.write_sample(key, [(LATENT_EXT, encode(x), None)])
+        rows.append({"clip_id": key, "bucket": b, "shard": f"latents/{shard}", "shard_offset": off[LATENT_EXT]})
+        vs, vo = wv.write_sample(key, [(LATENT_EXT, encode({k: x[k] for k in ("mean", "logvar")}), None)])
+        ts, to = wt.write_sample(key, [(LATENT_EXT, encode({"text": x["text"]}), None)])
+        store_rows.append(
+            {"clip_id": key, "bucket": b, "shard": f"store/video/{vs}", "shard_offset": vo[LATENT_EXT]}
+            | {"text_shard": f"store/text/{ts}", "text_offset": to[LATENT_EXT]}
+        )
+    for writer in (w, wv, wt):
+        writer.close()
     pq.write_table(pa.Table.from_pylist(rows), root / "manifest.parquet")
-    return root / "manifest.parquet", sum(p.stat().st_size for p in (root / "latents").glob("*.tar"))
+    pq.write_table(pa.Table.from_pylist(store_rows), root / "manifest-store.parquet")
+    size = lambda d: sum(p.stat().st_size for p in (root / d).rglob("*.tar"))  # noqa: E731
+    return root / "manifest.parquet", root / "manifest-store.parquet", size("latents"), size("store")
 
 
 def throughput(results: dict) -> None:
@@ -66,7 +84,7 @@ def throughput(results: dict) -> None:
 
     root = OUT / "loader-root"
     shutil.rmtree(root, ignore_errors=True)
-    manifest, total = write_shards(root)
+    manifest, store_manifest, total, store_total = write_shards(root)
     tars = sorted(str(p) for p in (root / "latents").glob("*.tar"))
     sizes = BucketConfig.from_dict({"240p": {17: 8, 34: 4}, "360p": {17: 4}})
 
@@ -79,9 +97,9 @@ def throughput(results: dict) -> None:
                 for m in tf:
                     tf.extractfile(m).read()
 
-    def loader(workers, limit=None):
+    def loader(workers, limit=None, m=manifest):
         n = 0
-        for b in LatentLoader([manifest], sizes, root=root, seed=0, workers=workers, prefetch=4):
+        for b in LatentLoader([m], sizes, root=root, seed=0, workers=workers, prefetch=4):
             n += len(b["clip_id"])
             if limit and n >= limit:
                 return
@@ -94,6 +112,9 @@ def throughput(results: dict) -> None:
         "tarfile loop": lambda r: tar_loop(),
         "LatentLoader, 0 workers": lambda r: loader(0, None if r >= 0 else 64),  # 1 torch thread
         "LatentLoader, 2 workers": lambda r: loader(2, None if r >= 0 else 64),
+        # the store (cache format 2): the latent and its caption embedding, one ranged read each
+        "store, 0 workers": lambda r: loader(0, None if r >= 0 else 64, store_manifest),
+        "store, 2 workers": lambda r: loader(2, None if r >= 0 else 64, store_manifest),
     }
     secs = rounds(contenders, reps=REPS)
     rates = {k: [N / dt for dt in v] for k, v in secs.items()}
@@ -101,9 +122,14 @@ def throughput(results: dict) -> None:
         k: {"vs_tarfile": Ratio.of(v, rates["tarfile loop"]), "vs_cat": Ratio.of(v, rates["cat > /dev/null"])}
         for k, v in rates.items()
     }
+    for w in (0, 2):  # the store against format 1, same run, same samples
+        ratios[f"store, {w} workers"]["vs_format_1"] = Ratio.of(
+            rates[f"store, {w} workers"], rates[f"LatentLoader, {w} workers"]
+        )
     results["throughput"] = {
         "samples": N,
         "bytes": total,
+        "store_bytes": store_total,
         "rounds": REPS,
         "rates": {k: {"MBps": total / N * median(v) / 1e6, "samples_per_s": median(v)} for k, v in rates.items()},
         "ratios": {k: {m: r.as_dict() for m, r in v.items()} for k, v in ratios.items()},
@@ -118,7 +144,12 @@ def throughput(results: dict) -> None:
         print(
             f"  {k:26s} {total / N * sps / 1e6:8.0f} MB/s {sps:9.0f} samples/s   "
             f"vs tarfile loop {ratios[k]['vs_tarfile'].short()}   vs cat {ratios[k]['vs_cat'].short()}"
+            + (f"   vs format 1 {ratios[k]['vs_format_1'].short()}" if "vs_format_1" in ratios[k] else "")
         )
+    print(
+        f"  per sample a step reads {total / N / 1e3:.0f} kB in format 1 (one ranged read: latent and caption) and "
+        f"{store_total / N / 1e3:.0f} kB from the store (two ranged reads: latent, caption embedding)"
+    )
     shutil.rmtree(root, ignore_errors=True)
 
 

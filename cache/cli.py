@@ -1,4 +1,4 @@
-"""``reelcache cache plan|run``: the cache stage's arguments (reelcache/cli.py only assembles).
+"""``reelcache cache plan|run|gc``: the cache stage's arguments (reelcache/cli.py only assembles).
 Nothing heavy is imported here: the parser builds without torch."""
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ def add_commands(top) -> None:
     cr.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
     cr.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")
     cr.set_defaults(fn=_run)
+    cg = sub.add_parser("gc", help="list (and with --delete remove) store latents and captions nothing references")
+    cg.add_argument("--root", required=True, type=existing_dir)
+    cg.add_argument("--delete", action="store_true", help="remove them (shards all of whose entries are unreferenced)")
+    cg.set_defaults(fn=_gc)
 
 
 def _plan(a) -> None:
@@ -53,3 +57,9 @@ def _run(a) -> None:
 
     for unit in a.units:
         run_unit(a.root, unit, device=a.device, wait=a.wait)
+
+
+def _gc(a) -> None:
+    from reelcache.cache.gc import gc
+
+    gc(a.root, delete=a.delete)

@@ -27,14 +27,18 @@ does instead (``resize_crop_to_fill`` in its ``datasets/video_transforms.py``): 
 converted to RGB at its coded size (``frame.to_rgb()``, as its reader) and rotated, then resized with
 ``torch.nn.functional.interpolate(mode="bilinear", align_corners=False)`` (no antialias: a
 downscale samples 2 x 2 source pixels per output pixel, so it aliases where area averages) to
-cover the bucket's EXACT size (240 x 426, not 424; Python's ``round`` on the side that
-overflows), and centre-cropped to it; the cache then keeps the centre (H, W) of that crop (H, W:
-rounded down to the encoder's spatial multiple). Only the kept pixels are computed: bilinear
-reads 2 x 2 taps per output pixel, so cropping first is exact. The interpolation is numpy (this
+cover the bucket's EXACT size (upstream's table, catalog/buckets.py: 240 x 426, not 424; Python's
+``round`` on the side that overflows), and centre-cropped to it; the cache then keeps the centre
+(H, W) of that crop (H, W: rounded down to the encoder's spatial multiple; the sizes of 256 .. 2048
+are multiples of 16 already, so there the cache keeps upstream's whole picture, e.g. 384 x 672).
+Only the kept pixels are computed: bilinear reads 2 x 2 taps per output pixel, so cropping first
+is exact. The interpolation is numpy (this
 module stays without torch), with torch's CPU arithmetic: float32 scale in/out, source index
 (i + 0.5) x scale - 0.5 rounded once, clamped at 0; it agrees with torch 2.x to ~3e-5 of a level
 before rounding to uint8. It costs an RGB conversion at full size per frame, so it is slower than
-the area path at 1080p.
+the area path at 1080p. With ``window = "opensora"`` too (window starts drawn from upstream's range,
+window_start), a cache's samples are drawn and resized as upstream's (frame interval 1, as
+Open-Sora 1.2 trains).
 
 Raw shards are read in place: the video member of ``raw/<source>/NNNNNN-KK.tar`` is opened as a
 file-like window at its byte offset, so the cache needs neither the original files nor a copy.
@@ -59,6 +63,7 @@ from reelcache.media import sample_aspect_ratio, video_stream
 # (catalog/buckets.py is the standard library only).
 
 RESIZES = ("area", "opensora")  # the cache config's `resize`: swscale area, or Open-Sora 1.2's bilinear
+WINDOWS = ("uniform", "opensora")  # the cache config's `window`: every valid start, or Open-Sora 1.2's range
 
 
 class FileSlice(io.RawIOBase):
@@ -103,11 +108,22 @@ def clip_seed(purpose: str, seed: int, clip_id: str) -> int:
     return int(np.random.SeedSequence(int.from_bytes(h, "big")).generate_state(1, np.uint64)[0])
 
 
-def window_start(clip_id: str, seed: int, num_frames: int, span: int, view: int = 0) -> int:
-    """First source frame of the window: uniform over the num_frames - span + 1 valid starts, a pure
-    function of (seed, view, clip id). View 0 is the one window of a single-view cache (its key has no
-    view, so those caches keep their windows); view v >= 1 of a ``views = K`` cache draws again."""
-    room = max(0, num_frames - span)
+def window_start(
+    clip_id: str, seed: int, num_frames: int, span: int, view: int = 0, rule: str = "uniform", interval: int = 1
+) -> int:
+    """First source frame of the window, a pure function of (seed, view, clip id). View 0 is the one
+    window of a single-view cache (its key has no view, so those caches keep their windows); view v >= 1
+    of a ``views = K`` cache draws again.
+
+    `rule` (the cache config's ``window``): "uniform" draws from all num_frames - span + 1 valid starts;
+    "opensora" from Open-Sora 1.2's range (its ``TemporalRandomCrop``: ``randint(0, max(0, N - T k -
+    1))`` for a window of T k frames, T = the bucket's frames, k = `interval`), which never takes the
+    last valid start. For k = 1 (Open-Sora 1.2's setting) upstream's frames are then this window's;
+    for k > 1 upstream spreads T frames over T k with ``linspace``, where the cache keeps every k-th."""
+    if rule not in WINDOWS:
+        raise ValueError(f"window = {rule!r}: expected one of {', '.join(map(repr, WINDOWS))}")
+    # upstream's window is T k = span + k - 1 frames: its last start N - T k is never drawn
+    room = max(0, num_frames - span - interval) if rule == "opensora" else max(0, num_frames - span)
     return clip_seed("window" if view == 0 else f"window/{view}", seed, clip_id) % (room + 1)
 
 

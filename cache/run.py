@@ -7,17 +7,21 @@ this one (torch, pyarrow). Each worker decodes a window straight into a shared-m
 the parent (``/dev/shm``); only the block's name crosses the pipe, never the frames (pickling a
 10-140 MB window through a pipe costs two copies and blocks the worker until the parent reads it). A
 feeder thread keeps the workers busy, so decoding continues while the main thread encodes: the
-parent batches clips of one bucket and runs the VAE, encodes captions (identical captions once),
-validates every output (shape, dtype, finite), and appends ``<clip_id>.safetensors`` samples to
-size-capped latent shards (view v >= 1 of a cache of several views: ``<clip_id>-v<v>.safetensors``).
-The sidecar parquet, one row per planned clip and view with its bucket, latent shape, shard and
-offset or its reject reason, is written last; a view whose draw repeats an earlier view's (the
-plan's ``same_as``) is not encoded again and its row points at that view's sample.
+parent batches clips of one bucket and runs the VAE, validates every output (shape, dtype, finite),
+hashes the clip's raw bytes once and appends ``<video_key>.safetensors`` latents to size-capped
+store shards (cache/store.py: ``ROOT/store/video/<cache>/<unit>-<plan>-KK.tar``). Before decoding,
+the unit encodes the captions the plan gave it (``encode_text``: captions the store lacks, each
+given to one unit) into its caption shard. Draws and captions the store already holds are not
+touched: their rows point at the existing entries. The store indexes of what the unit wrote, then
+the sidecar parquet (one row per planned clip and view with its bucket, latent shape, shard and
+offset, caption key and location, or its reject reason) are written last; a view whose draw repeats
+an earlier view's (the plan's ``same_as``) is not encoded again and its row points at that view's
+latent.
 
 A unit whose sidecar exists is skipped; one killed at any moment is cleaned and redone; a unit
 another live run holds (catalog/shards.py: the lease) is refused. Reading a source may reject a
 clip; writing our own outputs (latent shards, the sidecar, the shared-memory frames) may not:
-such a failure is an OutputError, the unit fails with no sidecar and no shards, and its re-run
+such a failure is an OutputError, the unit fails with no sidecar and no store shards, and its re-run
 gives the clean result. Before any work the unit checks that its encoders have the identity in
 cache.json.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import queue
 import threading
@@ -46,8 +51,18 @@ from reelcache.cache.decode import (
     decode_clip,  # noqa: F401 - tests and bench/ import it from here
     decode_clip_shared,
 )
-from reelcache.cache.encoders import TextEncoder, VideoEncoder, default_device
+from reelcache.cache.encoders import VideoEncoder, default_device
+from reelcache.cache.outputs import SIDECAR, encode_captions, planned_rows
 from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, projection
+from reelcache.cache.store import (
+    clear_store_unit,
+    content_hash,
+    raw_stamp,
+    store_dir,
+    video_digest,
+    video_key,
+    write_index,
+)
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.catalog.latents import LATENT_EXT, encode
 from reelcache.catalog.shards import OutputError, ShardWriter, atomic_path, begin_unit, end_unit, parse_unit, unit_rows
@@ -162,6 +177,7 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
         say(f"{unit}: already done, skipped")
         return {"unit": unit, "skipped": True}
     try:
+        clear_store_unit(root, name, f"{index:06d}-{plan['plan_id']}")  # what a killed run left
         return _run(root, unit, plan, cfg, buckets, cdir, index, sidecar, device)
     finally:
         end_unit(sidecar)
@@ -178,40 +194,34 @@ def _run(
     sidecar: Path,
     device: str | None,
 ) -> dict:
-    name, stem = cdir.name, f"{index:06d}"
+    name, stem = cdir.name, f"{index:06d}-{plan['plan_id']}"
     t0 = time.monotonic()
     rows = unit_rows(cdir, index)
-    out = {}
-    for r in rows:
-        r.setdefault("view", 0)  # a plan made before views
-        r.setdefault("same_as", None)
-        r["key"] = (r["clip_id"], r["view"])
-        out[r["key"]] = {
-            "clip_id": r["clip_id"],
-            "view": r["view"],
-            "cache": name,
-            "unit": unit,
-            "status": "rejected",
-            "reject_reason": f"no_bucket:{r['no_bucket']}" if not r["bucket"] else None,
-            "bucket": r["bucket"],
-            "num_frames": r["num_frames"],
-            "height": r["height"],
-            "width": r["width"],
-            "window_start": r["window_start"],
-        }
+    out = planned_rows(rows, name, unit)
     jobs = [
         dict(r, interval=buckets.frame_interval, resize=cfg.resize)
         for r in rows
-        if r["bucket"] and r["same_as"] is None
+        if r["bucket"] and r["same_as"] is None and r["reuse_shard"] is None
     ]
-
     device = device or default_device()
-    video = VideoEncoder(cfg.video_encoder, device)
-    text = TextEncoder(cfg.text_encoder, device)
-    writer = ShardWriter(cdir, stem, int(cfg.shard_mb * 1e6))
-    captions: dict[str, object] = {}
+    vdig = video_digest(json.loads((cdir / "cache.json").read_text()))
+    stats = {"clips": 0, "frames": 0, "bytes": 0, "encode_s": 0.0, "pixels": 0, "tokens": 0, "texts": 0}
+    t = time.monotonic()
+    try:
+        captions, text_index, stats["tokens"] = encode_captions(root, rows, cfg, device, name, stem)
+    except BaseException:
+        clear_store_unit(root, name, stem)
+        raise
+    stats["texts"], stats["text_s"] = len(captions), time.monotonic() - t
+    for o in out.values():
+        if o["text_shard"] is None and o["text_key"] in captions:
+            o["text_shard"], o["text_offset"], o["text_len"] = captions[o["text_key"]]
+    video = VideoEncoder(cfg.video_encoder, device) if jobs else None
+    vdir = store_dir(root, "video", name)
+    vdir.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(vdir, stem, int(cfg.shard_mb * 1e6))
+    video_index: list[dict] = []
     pending: dict[str, list] = defaultdict(list)
-    stats = {"clips": 0, "frames": 0, "bytes": 0, "encode_s": 0.0, "pixels": 0, "tokens": 0}
 
     def reject(key, reason, detail):
         out[key].update(status="rejected", reject_reason=reason, reject_detail=str(detail)[:2000])
@@ -225,10 +235,6 @@ def _run(
         for _, frames in batch:
             frames.release()
         latents = video.encode(stacked)
-        todo = [j["text"] or "" for j, _ in batch if (j["text"] or "") not in captions]
-        for i in range(0, len(todo), cfg.text_batch_size):
-            chunk = list(dict.fromkeys(todo[i : i + cfg.text_batch_size]))
-            captions.update(zip(chunk, text.encode(chunk)))
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         stats["encode_s"] += time.monotonic() - t
@@ -243,28 +249,28 @@ def _run(
                         + torch.exp(0.5 * tensors["logvar"].float()) * torch.randn(tensors["mean"].shape, generator=g)
                     ).bfloat16()
                 }
-            tensors["text"] = captions[job["text"] or ""]
             if not all(torch.isfinite(v.float()).all() for v in tensors.values()):
                 reject(job["key"], "invalid_latent", "non-finite values in the encoder output")
                 continue
-            # a single-view cache's samples are as they always were; views name theirs
-            meta = {"view": job["view"]} if cfg.views > 1 else {}
-            data = encode(tensors, clip_id=job["clip_id"], bucket=bucket, **meta)
-            key = job["clip_id"] if job["view"] == 0 else f"{job['clip_id']}-v{job['view']}"
-            shard, offsets = writer.write_sample(key, [(LATENT_EXT, data, None)])
+            raw = Path(root) / job["raw_shard"]
+            chash = content_hash(raw, job["raw_offset"], job["file_size"])
+            vkey = video_key(vdig, chash, job, cfg.resize, cfg.store, cfg.seed)
+            data = encode(tensors, video_key=vkey, bucket=bucket)
+            shard, offsets = writer.write_sample(vkey, [(LATENT_EXT, data, None)])
             shape = list(tensors.get("mean", tensors.get("sample")).shape)
+            rel = str(Path("store", "video", name, shard))
             out[job["key"]].update(
-                status="ok",
-                shape=shape,
-                text_len=int(tensors["text"].shape[0]),
-                shard=f"latents/{name}/{shard}",
-                shard_offset=offsets[LATENT_EXT],
+                status="ok", shape=shape, shard=rel, shard_offset=offsets[LATENT_EXT], video_key=vkey, reused=False
+            )
+            video_index.append(
+                {"video_key": vkey, "shard": rel, "shard_offset": offsets[LATENT_EXT], "shape": shape}
+                | {"bytes": len(data), "content_hash": chash, "raw_shard": job["raw_shard"]}
+                | {"raw_offset": job["raw_offset"], "file_size": job["file_size"], "raw_stamp": raw_stamp(raw)}
             )
             stats["clips"] += 1
             stats["frames"] += job["num_frames"]
             stats["bytes"] += len(data)
             stats["pixels"] += job["num_frames"] * job["height"] * job["width"]
-            stats["tokens"] += int(tensors["text"].shape[0])
 
     # decode up to a batch ahead (plus a window per worker) while a batch is being encoded
     frames_in = decoded(
@@ -306,38 +312,25 @@ def _run(
                 src = out[(r["clip_id"], r["same_as"])]
                 out[r["key"]].update({k: v for k, v in src.items() if k not in ("view", "unit", "cache")})
 
-        schema = pa.schema(
-            [
-                ("clip_id", pa.string()),
-                ("cache", pa.string()),
-                ("unit", pa.string()),
-                ("status", pa.string()),
-                ("reject_reason", pa.string()),
-                ("reject_detail", pa.string()),
-                ("bucket", pa.string()),
-                ("num_frames", pa.int32()),
-                ("height", pa.int32()),
-                ("width", pa.int32()),
-                ("window_start", pa.int64()),
-                ("shape", pa.list_(pa.int32())),
-                ("text_len", pa.int32()),
-                ("shard", pa.string()),
-                ("shard_offset", pa.int64()),
-                ("view", pa.int32()),
-            ]
-        )
-        table = pa.Table.from_pylist(list(out.values()), schema=schema).replace_schema_metadata(
+        table = pa.Table.from_pylist(list(out.values()), schema=SIDECAR).replace_schema_metadata(
             {
                 "encode_seconds": str(stats["encode_s"]),
                 "encoded_clips": str(stats["clips"]),
                 "encoded_pixels": str(stats["pixels"]),
+                "text_seconds": str(stats["text_s"]),
+                "encoded_texts": str(stats["texts"]),
                 "text_tokens": str(stats["tokens"]),
             }
         )
+        if video_index:
+            write_index(store_dir(root, "video", name) / f"{stem}.parquet", video_index, "video")
+        if text_index:
+            write_index(store_dir(root, "text", name) / f"{stem}.parquet", text_index, "text")
         with atomic_path(sidecar) as tmp:  # last: the unit is now visible as finished
             pq.write_table(table, tmp)
     except BaseException:
-        writer.abort()  # no sidecar will name its shards: remove them
+        writer.abort()  # no sidecar will name its shards: remove them, and its caption shards and indexes
+        clear_store_unit(root, name, stem)
         raise
     finally:
         frames_in.close()
@@ -351,7 +344,8 @@ def _run(
     say(
         f"{unit}: {clips} clips"
         + (f" x {cfg.views} views" if cfg.views > 1 else "")
-        + f", {ok} encoded, {rejected} rejected; {stats['frames'] / dt:.0f} frames/s, "
+        + f", {ok} encoded, {sum(1 for o in out.values() if o.get('reused'))} reused from the store, "
+        f"{stats['texts']} captions encoded, {rejected} rejected; {stats['frames'] / dt:.0f} frames/s, "
         f"{ok / dt:.2f} clips/s, {stats['bytes'] / 1e6 / dt:.1f} MB/s of latents in {dt:.1f} s on {device}"
     )
     say(projection(cdir, plan.get("num_encodes", plan["num_clips"]), plan.get("num_pixels")))

@@ -2,8 +2,15 @@
 
 A bucket config (``configs/buckets/*.toml``) maps resolution -> {num_frames: [keep probability,
 per-GPU batch size]}, the shape of Open-Sora 1.2's ``bucket_config``. Resolutions are pixel
-budgets (240p = 102,240 = 240 x 426); each has a table of aspect ratios (H/W keys such as
-"0.56" for 9:16, whose size at 240p is (240, 426)).
+budgets (240p = 102,240 = 240 x 426); each has its own table of aspect keys (H/W, two decimals) and
+their exact (H, W), Open-Sora 1.2's numbers (catalog/aspect_tables.py, source and commit named
+there): 144p-1080p have the 17 keys 0.38 .. 2.08 ("0.56" is 9:16, 240 x 426 at 240p; 0.75 is
+276 x 368 there), and 256, 512, 1024, 2048 PixArt's 40 keys 0.25 .. 4.00 with sizes multiples of 16
+(16:9 at 512 is "0.57", 384 x 672). The sizes are a table, not a formula: they differ from
+round(sqrt(budget x ratio)) by 1-2 px in places.
+The cache keeps the centre of that size rounded down to its encoder's spatial
+multiple (cache/plan.py: 240 x 426 is stored 240 x 424, the same 53 latent columns); the sizes at
+256 .. 2048 are multiples of 16 already and are stored as they are.
 
 Assignment, for a clip of H x W pixels and N frames, trying resolutions from the largest budget
 down:
@@ -18,7 +25,9 @@ down:
    reaches it is demoted too. Every draw is a hash of (seed, clip id, resolution, T, which, view):
    assignment is a pure function of (seed, clip id, config, view), reproducible on any node in any
    order;
-4. the aspect ratio is the nearest key of the table: |H/W - key| smallest.
+4. the aspect key is the nearest key of that resolution's table: |H/W - key| smallest, the first
+   in upstream's table order among equally near keys (upstream's ``get_closest_ratio``; a 4:3
+   clip, H/W = 0.75, is "0.72" at 256: 208 x 288). The bucket is "<resolution>/<T>/<key>".
 
 Every entry is checked as it is read (``Bucket``'s rules: a known resolution, probabilities in
 [0, 1], a batch size >= 0), so a bad one is one line naming the file and its key.
@@ -37,65 +46,50 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.catalog.aspect_tables import OPENSORA12_ASPECT
 from reelcache.settings import build, check, setting
 
-# Pixel budgets (DATASETS.md): the 16:9 (or square) size of each resolution.
-RESOLUTIONS = {
-    "144p": 36_864,
-    "240p": 102_240,
-    "360p": 230_400,
-    "480p": 409_920,
-    "720p": 921_600,
-    "1080p": 2_073_600,
-    "256": 65_536,
-    "512": 262_144,
-    "1024": 1_048_576,
-    "2048": 4_194_304,
-}
-# Aspect-ratio keys (H/W, rounded to 2 decimals) and the exact ratio each stands for.
-ASPECT_RATIOS = {
-    "0.38": 3 / 8,
-    "0.43": 3 / 7,
-    "0.48": 0.48,
-    "0.50": 1 / 2,
-    "0.53": 0.53,
-    "0.54": 0.54,
-    "0.56": 9 / 16,
-    "0.62": 5 / 8,
-    "0.67": 2 / 3,
-    "0.75": 3 / 4,
-    "1.00": 1.0,
-    "1.33": 4 / 3,
-    "1.50": 3 / 2,
-    "1.78": 16 / 9,
-    "1.89": 1.89,
-    "2.00": 2.0,
-    "2.08": 2.08,
-}
+# resolution -> (pixel budget, {aspect key: (H, W)}): Open-Sora 1.2's own tables (catalog/aspect_tables.py).
+TABLES = OPENSORA12_ASPECT
+# Pixel budgets: the 16:9 (or square) size of each resolution (240p = 102,240 = 240 x 426).
+RESOLUTIONS = {res: budget for res, (budget, _) in TABLES.items()}
 
 
 def bucket_hw(resolution: str, ar_key: str) -> tuple[int, int]:
-    """(H, W) of an aspect-ratio key at a resolution: H*W ~ budget, H/W ~ ratio."""
-    budget, ar = RESOLUTIONS[resolution], ASPECT_RATIOS[ar_key]
-    return round(math.sqrt(budget * ar)), round(math.sqrt(budget / ar))
+    """(H, W) of an aspect key at a resolution: upstream's table entry (240p/0.75: 276 x 368)."""
+    try:
+        return TABLES[resolution][1][ar_key]
+    except KeyError:
+        keys = list(TABLES.get(resolution, (0, {}))[1])
+        have = (
+            f"{len(keys)} keys at {resolution}, {keys[0]} .. {keys[-1]}" if keys else f"resolutions {', '.join(TABLES)}"
+        )
+        raise UserError(
+            f"bucket size {resolution}/{ar_key}: no such entry in Open-Sora 1.2's tables ({have}). Caches "
+            "planned before reelcache took these tables named buckets otherwise: plan them again (docs/DATASETS.md)"
+        ) from None
 
 
 def bucket_geometry(bucket: str) -> tuple[int, int, int]:
     """(pixel frames, pixel height, pixel width) of a bucket name "<resolution>/<T>/<ar key>"."""
-    res, t, ar = bucket.split("/")
+    parts = str(bucket).split("/")
+    if len(parts) != 3 or not parts[1].isdigit():
+        raise UserError(f"bucket {bucket!r}: expected <resolution>/<frames>/<aspect key>, e.g. 240p/51/0.56")
+    res, t, ar = parts
     h, w = bucket_hw(res, ar)
     return int(t), h, w
 
 
-def nearest_ratio(height: int, width: int) -> str:
+def nearest_ratio(height: int, width: int, resolution: str) -> str:
+    """Upstream's ``get_closest_ratio`` over the resolution's table: the key k with |H/W - float(k)|
+    smallest, the first in table order among equally near ones (256, 4:3 -> "0.72": 208 x 288)."""
     ar = height / width
-    return min(ASPECT_RATIOS, key=lambda k: (abs(float(k) - ar), k))
+    return min(TABLES[resolution][1], key=lambda k: abs(float(k) - ar))
 
 
 def _uniform(seed: int, clip_id: str, resolution: str, frames: int, which: str = "", view: int = 0) -> float:
@@ -241,7 +235,7 @@ class BucketConfig:
                 continue
             t, keep = chosen
             if keep >= 1.0 or _uniform(seed, clip_id, res, t, view=view) < keep:
-                ar = nearest_ratio(height, width)
+                ar = nearest_ratio(height, width, res)
                 h, w = bucket_hw(res, ar)
                 return Assignment(f"{res}/{t}/{ar}", res, t, h, w)
         return Assignment(None, reason="not_kept" if fitted else "too_short" if sized else "too_small")

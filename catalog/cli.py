@@ -35,7 +35,7 @@ def add_commands(top) -> None:
     m.set_defaults(fn=_merge)
     q = sub.add_parser(
         "sql",
-        help="run SQL on the catalog (read-only); print or write csv/json/parquet",
+        help="run one SELECT on the catalog (read-only: catalog/sql.py); print or write csv/json/parquet",
         epilog=EXAMPLES,
         formatter_class=fmt,
     )
@@ -51,7 +51,9 @@ def add_commands(top) -> None:
     mf = sub.add_parser("manifest", help="freeze a selection of ok clips into a fingerprinted parquet")
     mf.add_argument("--root", required=True, type=existing_dir)
     mf.add_argument("--name", required=True)
-    mf.add_argument("--where", default="true", help="SQL condition on clips (status='ok' is implied)")
+    mf.add_argument(
+        "--where", default="true", help="one SQL condition on clips (status='ok' is implied; run read-only)"
+    )
     mf.add_argument(
         "--cache",
         help="keep clips this cache encoded and add their latent shard/offset/bucket: "
@@ -61,7 +63,9 @@ def add_commands(top) -> None:
     ex = sub.add_parser("export", help="write the selection as a table another trainer reads")
     ex.add_argument("--root", required=True, type=existing_dir)
     ex.add_argument("--format", default="opensora", choices=["opensora"])
-    ex.add_argument("--where", default="true", help="SQL condition on clips (status='ok' is implied)")
+    ex.add_argument(
+        "--where", default="true", help="one SQL condition on clips (status='ok' is implied; run read-only)"
+    )
     ex.add_argument("--out", required=True)
     ex.set_defaults(fn=_export)
 

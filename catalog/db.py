@@ -44,6 +44,19 @@ def db_path(root: str | Path) -> Path:
     return Path(root) / DB_NAME
 
 
+def _busy(path: Path, e: Exception, want: str) -> UserError:
+    """One line for a catalog another process holds (DuckDB's lock: one writer, or many readers)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if "lock" not in text.lower():
+        return UserError(f"cannot open {path}: {text}")
+    pid = re.search(r"\(PID (\d+)\)", text)
+    holder = f"process {pid.group(1)}" if pid else "another process"
+    return UserError(
+        f"the catalog {path} is busy: {holder} holds it (a `catalog merge` or `catalog manifest` writes it, "
+        f"readers share it); wait for that to end, then run this again to {want}"
+    )
+
+
 def open_catalog(root: str | Path, *, write: bool = False):
     """Open ROOT/catalog.duckdb; create it when writing, refuse a foreign schema version."""
     path = db_path(root)
@@ -53,9 +66,12 @@ def open_catalog(root: str | Path, *, write: bool = False):
         try:
             return duckdb.connect(str(path), read_only=True)
         except duckdb.IOException as e:
-            raise UserError(f"cannot open {path} read-only ({e}); is a merge running?") from e
+            raise _busy(path, e, "read it") from e
     path.parent.mkdir(parents=True, exist_ok=True)
-    con = duckdb.connect(str(path))
+    try:
+        con = duckdb.connect(str(path))
+    except duckdb.IOException as e:
+        raise _busy(path, e, "write it") from e
     con.execute(schema_sql())
     row = next(iter(con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()), None)
     want = schema_version()

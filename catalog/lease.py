@@ -4,7 +4,8 @@ Two runs of one unit (two GNU parallel jobs, an ssh job retried while the first 
 human) would otherwise each clear the other's files on start. A run takes the unit's lease first:
 the file ``<stem>.lease`` beside the unit's outputs, created with ``O_CREAT | O_EXCL`` (atomic on
 local file systems and on NFSv3+, unlike ``fcntl`` locks, which some network file systems ignore).
-It names its holder: host name, boot id, pid, the pid's start time, when it started, and a token.
+It names its holder: host name, boot id, pid, the pid's start time, when it started, the Slurm job
+it runs in (if any), and a token.
 
 A lease is *stale* (its holder is gone) when:
 
@@ -107,9 +108,11 @@ class Holder:
     started_at: str
     token: str
     age_s: float = 0.0  # seconds since its last heartbeat, by the storage clock
+    slurm_job: str | None = None  # SLURM_JOB_ID of the holder, where it runs in a Slurm job
 
     def describe(self) -> str:
-        return f"host {self.host} pid {self.pid} (started {self.started_at}, heartbeat {self.age_s:.0f} s ago)"
+        job = f", Slurm job {self.slurm_job}" if self.slurm_job else ""
+        return f"host {self.host} pid {self.pid}{job} (started {self.started_at}, heartbeat {self.age_s:.0f} s ago)"
 
 
 def _me() -> dict:
@@ -120,6 +123,7 @@ def _me() -> dict:
         "pid": pid,
         "pid_start": pid_start(pid),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
     }
 
 
@@ -133,6 +137,7 @@ def read_holder(path: Path) -> Holder | None:
     try:
         doc = json.loads(raw)
         holder = Holder(**{k: doc[k] for k in ("host", "boot_id", "pid", "pid_start", "started_at", "token")})
+        holder.slurm_job = doc.get("slurm_job")
         if isinstance(holder.pid_start, str):  # leases written before it was an int hold a string
             holder.pid_start = int(holder.pid_start)
     except (ValueError, TypeError, KeyError):

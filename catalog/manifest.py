@@ -38,6 +38,7 @@ from reelcache import UserError
 from reelcache.catalog.db import db_path, open_catalog
 from reelcache.catalog.merge import migrate
 from reelcache.catalog.shards import atomic_path
+from reelcache.catalog.sql import check_where, read_only_connection, where_sql
 from reelcache.progress import say
 
 MANIFEST_COLUMNS = [
@@ -62,12 +63,14 @@ MANIFEST_COLUMNS = [
 # With --cache: the loader's columns (latent shard and offset, bucket) first, the raw ones renamed; a
 # row per view, and the cache's number of views K (its rows, rejected ones included, have views 0..K-1).
 LATENT_QUERY = """
-SELECT c.clip_id, l.view, l.bucket, l.shard, l.shard_offset, l.num_frames AS latent_frames,
-       l.height AS latent_height, l.width AS latent_width, l.shape, l.text_len, c.source, c.shard AS raw_shard,
+SELECT c.clip_id, l.view, l.bucket, l.shard, l.shard_offset, l.text_shard, l.text_offset,
+       l.num_frames AS latent_frames, l.height AS latent_height, l.width AS latent_width, l.shape, l.text_len,
+       c.source, c.shard AS raw_shard,
        c.shard_offset AS raw_shard_offset, c.num_frames, c.fps, c.width, c.height, c.noun_count, c.level,
        c.noun_pct, c.text, (SELECT max(view) + 1 FROM latents WHERE cache = $cache)::INTEGER AS views
 FROM (SELECT * FROM clips WHERE status = 'ok' AND ({where})) c
 JOIN latents l ON l.clip_id = c.clip_id AND l.cache = $cache AND l.status = 'ok'
+    AND (l.text_key IS NULL OR l.text_shard IS NOT NULL)
 ORDER BY c.clip_id, l.view
 """
 
@@ -116,58 +119,82 @@ def fingerprint(table) -> str:
     return h.hexdigest()
 
 
-def make_manifest(root, name: str, where: str = "true", cache: str | None = None) -> Path:
-    """Freeze ok clips matching `where`; with `cache`, only those it encoded, with their latents."""
-    if not name.replace("-", "").replace("_", "").isalnum():
-        raise UserError(f"--name {name!r}: use letters, digits, '-' and '_' only")
-    root = Path(root)
-    con = open_catalog(root, write=True)
-    try:
-        migrate(con)  # a catalog not merged since latents gained `view`
-        query = f"SELECT {', '.join(MANIFEST_COLUMNS)} FROM clips WHERE status = 'ok' AND ({where}) ORDER BY clip_id"
+def _select(root: Path, where: str, cache: str | None):
+    """(rows to freeze, ok clips matching `where`), read on a read-only connection (catalog/sql.py)."""
+    query = (
+        f"SELECT {', '.join(MANIFEST_COLUMNS)} FROM clips WHERE status = 'ok' AND {where_sql(where)} ORDER BY clip_id"
+    )
+    with read_only_connection(root) as con:
         try:
             table = con.sql(query).to_arrow_table()
             selected = table.num_rows
             if cache is not None and selected:
-                table = con.sql(LATENT_QUERY.format(where=where), params={"cache": cache}).to_arrow_table()
+                table = con.sql(LATENT_QUERY.format(where=where_sql(where)), params={"cache": cache}).to_arrow_table()
                 if table.num_rows and table["views"][0].as_py() == 1:  # one view: the columns it always had
                     table = table.drop_columns(["view", "views"])
         except duckdb.Error as e:
             raise UserError(f"--where {where!r} failed: {str(e).splitlines()[0]}") from e
-        if selected == 0:
-            raise UserError(f"no ok clips match --where {where!r}: no manifest written")
-        clips = len(pc.unique(table["clip_id"])) if "view" in table.column_names else table.num_rows
-        if table.num_rows == 0:
-            raise UserError(
-                f"none of the {selected} clips matching --where has latents in cache {cache!r}: "
-                "run `reelcache cache run` on its units and `catalog merge` first"
-            )
-        if clips < 0.5 * selected:
-            say(
-                f"warning: only {clips} of {selected} selected clips have latents in cache {cache!r} "
-                f"({100 * clips / selected:.1f}%)"
-            )
-        fp = fingerprint(table)
-        mdir = root / "manifests"
-        mdir.mkdir(parents=True, exist_ok=True)
-        path = mdir / f"{name}-{fp[:16]}.parquet"
-        if not path.exists():
-            with atomic_path(path) as tmp:
-                pq.write_table(table, tmp, compression="zstd")
-        info = {
-            "name": name,
-            "fingerprint": fp,
-            "where": where,
-            "cache": cache,
-            "num_clips": clips,
-            **(
-                {"num_rows": table.num_rows, "views": table["views"][0].as_py()} if "view" in table.column_names else {}
-            ),
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "path": path.name,
-        }
-        with atomic_path(path.with_suffix(".json")) as tmp:
-            tmp.write_text(json.dumps(info, indent=2))
+    return table, selected
+
+
+def make_manifest(root, name: str, where: str = "true", cache: str | None = None) -> Path:
+    """Freeze ok clips matching `where`; with `cache`, only those it encoded, with their latents."""
+    if not name.replace("-", "").replace("_", "").isalnum():
+        raise UserError(f"--name {name!r}: use letters, digits, '-' and '_' only")
+    where = check_where(where)
+    root = Path(root)
+    if not db_path(root).exists():  # never create an empty catalog to select nothing from
+        raise UserError(f"no catalog at {db_path(root)}: run `reelcache catalog merge --root {root}` first")
+    con = open_catalog(root, write=True)  # busy (a merge runs) is said here, before any work
+    try:
+        migrate(con)  # a catalog not merged since latents gained `view`
+    finally:
+        con.close()
+    # The user's condition runs where it cannot write; the catalog is opened for writing again only to
+    # record the manifest (a merge in between changes nothing: the file is named by its rows' content).
+    table, selected = _select(root, where, cache)
+    if selected == 0:
+        raise UserError(f"no ok clips match --where {where!r}: no manifest written")
+    clips = len(pc.unique(table["clip_id"])) if "view" in table.column_names else table.num_rows
+    if table.num_rows == 0:
+        raise UserError(
+            f"none of the {selected} clips matching --where has latents in cache {cache!r}: "
+            "run `reelcache cache run` on its units and `catalog merge` first"
+        )
+    if clips < 0.5 * selected:
+        say(
+            f"warning: only {clips} of {selected} selected clips have latents in cache {cache!r} "
+            f"({100 * clips / selected:.1f}%)"
+        )
+    path = _write(root, name, where, cache, table, clips)
+    views = f" ({table.num_rows} rows: {table['views'][0].as_py()} views)" if "view" in table.column_names else ""
+    say(f"manifest {name!r}: {clips} clips{views}, fingerprint {path.stem[-16:]}")
+    return path
+
+
+def _write(root: Path, name: str, where: str, cache: str | None, table, clips: int) -> Path:
+    """Write the manifest file and its .json, and record it in the `manifests` table."""
+    fp = fingerprint(table)
+    mdir = root / "manifests"
+    mdir.mkdir(parents=True, exist_ok=True)
+    path = mdir / f"{name}-{fp[:16]}.parquet"
+    if not path.exists():
+        with atomic_path(path) as tmp:
+            pq.write_table(table, tmp, compression="zstd")
+    info = {
+        "name": name,
+        "fingerprint": fp,
+        "where": where,
+        "cache": cache,
+        "num_clips": clips,
+        **({"num_rows": table.num_rows, "views": table["views"][0].as_py()} if "view" in table.column_names else {}),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "path": path.name,
+    }
+    with atomic_path(path.with_suffix(".json")) as tmp:
+        tmp.write_text(json.dumps(info, indent=2))
+    con = open_catalog(root, write=True)
+    try:
         # the newest row of a name is what the name resolves to: making an older selection again re-dates it
         con.execute(
             "INSERT INTO manifests VALUES (?, ?, ?, ?, ?, now()) ON CONFLICT (name, fingerprint) DO UPDATE "
@@ -177,9 +204,6 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
         )
     finally:
         con.close()
-
-    views = f" ({table.num_rows} rows: {table['views'][0].as_py()} views)" if "view" in table.column_names else ""
-    say(f"manifest {name!r}: {clips} clips{views}, fingerprint {fp[:16]}")
     return path
 
 
@@ -207,6 +231,8 @@ def resolve_manifest(root, name_or_path) -> Path:
     p = Path(name_or_path)
     if p.is_file():
         return p
+    if p.is_absolute() or len(p.parts) > 1:  # a path, not a name: glob() takes no absolute pattern
+        raise ValueError(f"no manifest file {p}")
     root = Path(root or ".")
     name = str(name_or_path)
     if found := _from_catalog(root, name):

@@ -15,7 +15,10 @@ killed half-way leaves the catalog as it was.
 
 Columns appended to a table after a catalog was made are added to it here before anything is
 inserted (``migrate``): ``latents.view`` (caches of several views), 0 for the rows already there
-and for sidecars written before it.
+and for sidecars written before it; the store's columns (``video_key``, ``reused``, ``text_key``,
+``text_shard``, ``text_offset``), NULL for caches of format 1. Every merge reloads table
+``captions`` from the store's caption indexes and fills the caption location of latent rows whose
+caption another unit of their plan encoded (``merge_captions``).
 """
 
 from __future__ import annotations
@@ -39,7 +42,16 @@ def _signature(p: Path) -> str:
 # stage -> (folder under ROOT holding <name>/NNNNNN.parquet sidecars, catalog table)
 STAGES = {"ingest": ("raw", "clips"), "cache": ("latents", "latents")}
 # Columns appended to a table of schema.sql (with its DEFAULT), added to a catalog made before them.
-APPENDED = {"latents": ["view INTEGER DEFAULT 0"]}
+APPENDED = {
+    "latents": [
+        "view INTEGER DEFAULT 0",
+        "video_key VARCHAR",
+        "reused BOOLEAN",
+        "text_key VARCHAR",
+        "text_shard VARCHAR",
+        "text_offset BIGINT",
+    ]
+}
 
 
 def migrate(con) -> None:
@@ -48,6 +60,23 @@ def migrate(con) -> None:
     for table, columns in APPENDED.items():
         for col in columns:
             con.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {col}")
+
+
+def merge_captions(con, root: Path) -> int:
+    """Reload table ``captions`` from the store's caption indexes (cache/store.py) and give every ok
+    latent row whose caption another unit encoded its location (``text_shard``, ``text_offset``,
+    ``text_len``). Returns the number of stored caption embeddings."""
+    con.execute("DELETE FROM captions")
+    files = sorted(str(p) for p in (root / "store" / "text").glob("*/*.parquet"))
+    if files:
+        con.execute("INSERT INTO captions BY NAME SELECT * FROM read_parquet(?)", [files])
+    con.execute(
+        """UPDATE latents SET text_shard = c.shard, text_offset = c.shard_offset, text_len = c.text_len
+           FROM (SELECT text_key, any_value(shard) AS shard, any_value(shard_offset) AS shard_offset,
+                        any_value(text_len) AS text_len FROM captions GROUP BY text_key) c
+           WHERE latents.text_key = c.text_key AND latents.text_shard IS NULL"""
+    )
+    return len(files) and con.execute("SELECT count(*) FROM captions").fetchone()[0]
 
 
 def find_sidecars(root: Path, stage: str = "ingest") -> dict[str, Path]:
@@ -126,6 +155,7 @@ def merge(root: str | Path) -> dict:
             for stage in STAGES:
                 merged[stage], removed[stage], orph = _merge_stage(con, root, stage, sidecars[stage], pbar)
                 orphans += orph
+        captions = merge_captions(con, root)
         vanished = [u for stage in STAGES for u in removed[stage]]
         if merged["ingest"] or removed["ingest"]:
             dup = con.execute("SELECT clip_id, count(*) FROM clips GROUP BY 1 HAVING count(*) > 1 LIMIT 3").fetchall()
@@ -148,7 +178,9 @@ def merge(root: str | Path) -> dict:
     dt = time.monotonic() - t0
     say(
         f"merged {sum(merged.values())} new or changed unit(s) in {dt:.1f} s; catalog: {rows} clips, {ok} ok, "
-        f"{rows - ok} rejected" + (f"; latents: {lat_ok} ok, {lat - lat_ok} rejected" if lat else "")
+        f"{rows - ok} rejected"
+        + (f"; latents: {lat_ok} ok, {lat - lat_ok} rejected" if lat else "")
+        + (f"; {captions} caption embeddings in the store" if captions else "")
     )
     if vanished:
         say(

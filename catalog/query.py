@@ -1,4 +1,5 @@
-"""Read-only SQL on the catalog: print a table, or write csv/json/parquet; and exports.
+"""Read-only SQL on the catalog: print a table, or write csv/json/parquet; and exports. What a user
+writes is checked and run read-only (catalog/sql.py).
 
 Exports write what other trainers read. ``opensora``: the CSV Open-Sora's trainer takes,
 ``path,text,num_frames,height,width,aspect_ratio,resolution,fps,file_size`` with
@@ -14,6 +15,7 @@ import duckdb
 from reelcache import UserError
 from reelcache.catalog.db import open_catalog
 from reelcache.catalog.shards import atomic_path
+from reelcache.catalog.sql import check_query, check_where, where_sql
 
 OPENSORA_COLUMNS = ["path", "text", "num_frames", "height", "width", "aspect_ratio", "resolution", "fps", "file_size"]
 WRITERS = {".csv": "(FORMAT csv, HEADER)", ".json": "(FORMAT json, ARRAY true)", ".parquet": "(FORMAT parquet)"}
@@ -34,13 +36,15 @@ def copy_to(con, query: str, out: str) -> int:
 
     with atomic_path(out) as tmp:
         try:
-            con.execute(f"COPY ({query}) TO '{tmp}' {WRITERS[ext]}")
+            con.execute(f"COPY (\n{query}\n) TO '{tmp}' {WRITERS[ext]}")  # own lines: a trailing -- comment ends there
         except duckdb.Error as e:
             raise _sql_error(e, query) from e
-    return con.execute(f"SELECT count(*) FROM ({query})").fetchall()[0][0]
+    return con.execute(f"SELECT count(*) FROM (\n{query}\n)").fetchall()[0][0]
 
 
 def run_sql(root, query: str, out: str | None = None, limit: int = 50) -> None:
+    """One SELECT (catalog/sql.py checks it) on a read-only connection: printed, or written to `out`."""
+    query = check_query(query)
     con = open_catalog(root)
     try:
         if out:
@@ -76,10 +80,11 @@ def print_table(columns, rows, limit: int) -> None:
 def export(root, fmt: str, where: str, out: str) -> int:
     if fmt != "opensora":
         raise UserError(f"unknown export format {fmt!r}")
+    where = check_where(where)
     con = open_catalog(root)
     try:
         query = (
-            f"SELECT {', '.join(OPENSORA_COLUMNS)} FROM clips WHERE status = 'ok' AND ({where}) "
+            f"SELECT {', '.join(OPENSORA_COLUMNS)} FROM clips WHERE status = 'ok' AND {where_sql(where)} "
             'ORDER BY source, "row"'
         )
         n = copy_to(con, query, out)

@@ -129,7 +129,24 @@ CREATE TABLE IF NOT EXISTS latents (
     shard         VARCHAR,             -- latent shard, relative to ROOT
     shard_offset  BIGINT,              -- byte offset of the sample's .safetensors data
     -- appended (a catalog made before it gains it at its next merge, catalog/merge.py: migrate)
-    view          INTEGER DEFAULT 0    -- which of the cache's K draws of the clip (0 .. K-1)
+    view          INTEGER DEFAULT 0,   -- which of the cache's K draws of the clip (0 .. K-1)
+    -- appended with the content-addressed store (cache format 2, cache/store.py); NULL in format 1,
+    -- whose samples hold their caption: shard/shard_offset then name latent and caption together
+    video_key     VARCHAR,             -- the latent's store key (shard, shard_offset: where it lives)
+    reused        BOOLEAN,             -- true: encoded before (by an earlier plan or another cache)
+    text_key      VARCHAR,             -- the caption embedding's store key: (text encoder, caption)
+    text_shard    VARCHAR,             -- caption shard, relative to ROOT (merge fills it from `captions`)
+    text_offset   BIGINT               -- byte offset of the caption's .safetensors data
+);
+
+-- The store's caption embeddings (ROOT/store/text/<cache>/*.parquet, reloaded by every merge): one
+-- row per stored embedding; each (text encoder identity, caption) is stored once.
+CREATE TABLE IF NOT EXISTS captions (
+    text_key      VARCHAR NOT NULL,
+    shard         VARCHAR NOT NULL,
+    shard_offset  BIGINT NOT NULL,
+    text_len      INTEGER,
+    bytes         BIGINT
 );
 
 -- Frozen selections: the parquet at `path` is named by its content fingerprint.

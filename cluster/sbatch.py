@@ -13,26 +13,40 @@ Training. One job of N nodes; ``srun`` starts one ``torchrun`` per node (``--nod
 $SLURM_JOB_NODELIST``, a port derived from the job id), so the ranks are the same on every attempt.
 The trainer always runs with ``--resume``: the first attempt starts the run (from ``--init-from``
 if given), every later one continues from the run's newest checkpoint in the same run directory
-and the same wandb run. Attempts come from three places:
+and the same wandb run, with ``--wait``: a requeued attempt may start while its predecessor's ranks
+are still exiting, and waits for the run directory's lease (train/runlease.py) instead of failing.
+Attempts come from three places:
 
 - ``#SBATCH --requeue``: Slurm requeues the job after a node failure or a preemption (the run loses
-  at most ``checkpoint.every`` steps);
-- the time limit: ``--signal=B:USR2@<s>`` makes Slurm signal the batch shell ``s`` seconds before the
-  limit; its trap writes ``runs/<run>/stop`` (every node sees the run directory), the trainer
-  checkpoints at the next step on all ranks and exits 0, and the script requeues its own job
-  (``scontrol requeue``), which continues where it stopped;
-- ``scontrol requeue <job>`` by hand.
+  the steps since its newest checkpoint, at most ``checkpoint.every``);
+- a stop-and-requeue: ``--signal=B:USR2@<s>`` makes Slurm signal the batch shell ``s`` seconds before
+  the time limit, and ``scancel --batch --signal=USR2 <job>`` does the same by hand; the shell's trap
+  writes ``runs/<run>/stop`` (every node sees the run directory), the trainer checkpoints at the next
+  step on all ranks and exits 0, and the script requeues its own job (``scontrol requeue``), which
+  continues where it stopped;
+- ``scontrol requeue <job>`` by hand: the ranks are killed at once, losing the steps since the
+  newest checkpoint.
+
+Two ways only stop (checkpoint at the next step, the job ends COMPLETED, nothing requeued):
+``touch runs/<run>/stop``, and ``scancel --signal=USR2 <job>``, which signals every process of the
+job's steps, not the batch shell. torchrun would die of that signal (its default action), so the
+script starts it with USR2 ignored; the ranks install their own handler (a signal that arrives
+before a rank's first step is ignored; the stop file is read at every step).
 
 Every attempt appends to the same log, ``runs/<run>/slurm/<job name>-<job id>.out``.
 
-Checks before submitting, one line each: a partition that does not exist, an account the cluster
-does not know (where it keeps accounts: without an accounting database Slurm checks none, and we
-say so), more nodes than the partition has, more GPUs per node than its nodes have.
+Checks before submitting, one line each: no Slurm controller answering, a partition that does not
+exist, an account the cluster does not know (where it keeps accounts: without an accounting
+database Slurm checks none, and we say so), more nodes than the partition has, more GPUs or CPUs
+(``--sbatch=--cpus-per-task=N``) per node than its nodes have, a ``--time`` not longer than
+``--signal-s`` (the job would requeue itself every few steps), a script folder that cannot be
+written; the stages check their own inputs (train: the manifests; eval: something to evaluate).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import shutil
 import sys
@@ -52,12 +66,12 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 """
 
 TRAIN_BODY = """requeue=0
-trap 'echo "$(date +%T) slurm: time limit near: the run checkpoints at its next step and is requeued"; \\
-touch {stop}; requeue=1' USR2
+trap 'echo "$(date +%T) slurm: SIGUSR2 to the batch shell (the time limit is near, or scancel --batch):" \\
+"the run checkpoints at its next step and the job is requeued"; touch {stop}; requeue=1' USR2
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 port=$((20000 + SLURM_JOB_ID % 20000))
 echo "$(date +%T) slurm: job $SLURM_JOB_ID attempt ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST"
-srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'exec {python} -m torch.distributed.run \\
+srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c 'trap "" USR2; exec {python} -m torch.distributed.run \\
     --nnodes="$SLURM_NNODES" --node_rank="$SLURM_NODEID" --nproc_per_node={nproc} \\
     --master_addr='"$head"' --master_port='"$port"' -m reelcache train {args}' &
 step=$!
@@ -113,11 +127,53 @@ def default_partition() -> str:
     return default
 
 
+def time_seconds(value: str) -> int | None:
+    """sbatch's ``--time`` in seconds (None: no limit): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    if value.upper() in ("INFINITE", "UNLIMITED"):
+        return None
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", value.strip())
+    if not m:
+        raise UserError(f"--time {value}: not a Slurm time (minutes, M:S, H:M:S, D-H, D-H:M or D-H:M:S)")
+    days, a, b, c = (int(x) if x else None for x in m.groups())
+    if days is not None:  # D-H[:M[:S]]
+        return ((days * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
+    if c is not None:
+        return (a * 60 + b) * 60 + c
+    return a * 60 + (b or 0)
+
+
+def check_time(time: str | None, signal_s: int) -> None:
+    """A time limit must leave the run time to train before the stop-and-requeue signal."""
+    limit = time_seconds(time) if time else None
+    if limit is not None and limit <= signal_s:
+        raise UserError(
+            f"--time {time} ({limit} s) is not longer than --signal-s {signal_s}: the job would be told to stop "
+            f"and requeue itself every few steps; give a longer --time or a shorter --signal-s"
+        )
+
+
+def cpus_per_task(extra: list[str]) -> int | None:
+    """``--cpus-per-task`` among verbatim sbatch options (``--cpus-per-task=N``, ``-c N``, ``-cN``)."""
+    found = None
+    for i, x in enumerate(extra):
+        m = re.fullmatch(r"(?:--cpus-per-task=|-c)(\d+)", x)
+        if m:
+            found = int(m[1])
+        elif x in ("--cpus-per-task", "-c") and i + 1 < len(extra) and extra[i + 1].isdigit():
+            found = int(extra[i + 1])
+    return found
+
+
 def check(res: Resources) -> None:
     """What would make sbatch refuse the job, or leave it pending forever, as one line (the partition
     and account rules are the job arrays', cluster/slurm.py); warnings are printed."""
+    if not res.partition:  # sinfo says nothing useful without a controller: say that first
+        slurm.check_controller(slurm.slurm("scontrol", "show", "partition", "--oneliner"))
     name = res.partition or default_partition()
     warnings = slurm.check_partition(name)
+    cpus = cpus_per_task(res.extra)
+    if cpus:
+        slurm.check_cpus(cpus, name, "--sbatch=--cpus-per-task")
     gpus = slurm.partition_gpus(name)
     if res.nodes > len(gpus):
         raise UserError(f"--nodes {res.nodes}: partition {name} has {len(gpus)} node(s)")
@@ -160,7 +216,7 @@ def train_script(
     run_dir = root / "runs" / run
     folder = run_dir / "slurm"
     script = folder / "train.sbatch"
-    args = [str(Path(config).resolve()), "--root", str(root), "--resume", f"--run.name={run}", *train_args]
+    args = [str(Path(config).resolve()), "--root", str(root), "--resume", "--wait", f"--run.name={run}", *train_args]
     directives = [
         f"--job-name=train-{run}",
         *res.directives(),
@@ -229,8 +285,11 @@ def launch(script: Path, text: str, res: Resources, dry_run: bool = False) -> st
     (checked too where a cluster answers ``sinfo``)."""
     if not dry_run or (shutil.which("sinfo") is not None and slurm.slurm("sinfo", "-h").returncode == 0):
         check(res)
-    script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text(text)
+    try:
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(text)
+    except OSError as e:
+        raise UserError(f"cannot write the job script {script}: {e.strerror or e}") from None
     return submit(script, dry_run)
 
 
@@ -254,7 +313,12 @@ def add_arguments(p, *, training: bool) -> None:
             help="seconds before the time limit when the run checkpoints and requeues itself (300)",
         )
     else:
-        g.add_argument("--after", metavar="JOBID", help="start once this job (the training) has started")
+        g.add_argument(
+            "--after",
+            metavar="JOBID",
+            help="start once this job (the training) has started, and end once it has ended (requeues "
+            "included) and every checkpoint is evaluated",
+        )
 
 
 def resources(a) -> Resources:

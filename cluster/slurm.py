@@ -39,9 +39,12 @@ idempotent and incremental, so merging what finished is always right; the ``--th
 lists the units that did not finish (``failed.txt``) and exits 1 when there are any, or with the
 command's own status.
 
-Before anything is submitted, each of these is one line (a UserError): no units, a unit twice, a
-partition that does not exist, more units than the cluster's ``MaxArraySize`` allows in one array,
-more GPUs per task than any node of the partition has, an account that ``sacctmgr`` does not know.
+Before anything is submitted, each of these is one line (a UserError): no units, a unit twice, no
+Slurm controller answering, a partition that does not exist, more units than the cluster's
+``MaxArraySize`` allows in one array, more GPUs or CPUs per task than any node of the partition has
+(the array would pend for ever), a command that does not exist here (every unit would fail with
+127 and use up its retries), an account that ``sacctmgr`` does not know, a job directory that
+cannot be written.
 Where accounting is off (``AccountingStorageType=accounting_storage/none``) Slurm accepts any
 ``--account`` and nothing can check it: that is said as a warning.
 
@@ -125,7 +128,8 @@ done < "$dir/units.txt"
 failed=$(wc -l < "$dir/failed.txt")
 if [ "$failed" -gt 0 ]; then
     echo "$failed of $n units did not finish (logs: $dir/logs/, status: $dir/status/); to run just" \\
-        "them again: reelcache slurm submit --units $dir/failed.txt ... with the same command"
+        "them again, and merge after them:"
+    echo {again}
     [ "$rc" -eq 0 ] && rc=1
 fi
 exit "$rc"
@@ -201,9 +205,18 @@ def node_gpus(gres: str) -> int:
     return total
 
 
+def check_controller(done: subprocess.CompletedProcess) -> None:
+    """A UserError when a client's answer says that no controller answered (not what the client asked about)."""
+    said = done.stderr + done.stdout
+    if done.returncode and ("Unable to contact slurm controller" in said or "Unable to establish" in said):
+        conf = os.environ.get("SLURM_CONF", "the default slurm.conf")
+        raise UserError(f"no Slurm controller answers ({_said(done)}): is slurmctld up, and is {conf} this cluster's?")
+
+
 def check_partition(partition: str) -> list[str]:
-    """A UserError if the partition does not exist; warnings (it is not UP)."""
+    """A UserError if no controller answers or the partition does not exist; warnings (it is not UP)."""
     done = slurm("scontrol", "show", "partition", partition, "--oneliner")
+    check_controller(done)
     if done.returncode or not done.stdout.strip():
         names = slurm("sinfo", "--noheader", "--format", "%R").stdout.split()
         raise UserError(
@@ -217,9 +230,42 @@ def check_partition(partition: str) -> list[str]:
 
 def partition_gpus(partition: str) -> list[int]:
     """The GPUs of each node of the partition."""
-    nodes = slurm("sinfo", "--noheader", "--Node", "--partition", partition, "--format", "%N|%G").stdout
-    found = dict(line.split("|", 1) for line in nodes.splitlines() if "|" in line)  # a node listed once
-    return [node_gpus(g) for g in found.values()]
+    return [node_gpus(g) for g in _per_node(partition, "%G")]
+
+
+def partition_cpus(partition: str) -> list[int]:
+    """The CPUs of each node of the partition."""
+    return [int(c) for c in _per_node(partition, "%c") if c.strip().isdigit()]
+
+
+def _per_node(partition: str, field: str) -> list[str]:
+    nodes = slurm("sinfo", "--noheader", "--Node", "--partition", partition, "--format", f"%N|{field}").stdout
+    return list(dict(line.split("|", 1) for line in nodes.splitlines() if "|" in line).values())  # a node once
+
+
+def check_cpus(cpus: int, partition: str, what: str = "--cpus-per-task") -> None:
+    """A UserError when no node of the partition has `cpus` CPUs (the job would pend for ever)."""
+    most = max(partition_cpus(partition), default=0)
+    if cpus > most:
+        raise UserError(f"{what} {cpus}: no node of partition {partition} has more than {most} CPUs")
+
+
+def check_command(command: list[str]) -> None:
+    """A UserError when the units' program does not exist here: every unit would fail with 127."""
+    if shutil.which(command[0]) is None:
+        raise UserError(
+            f"command {command[0]!r} not found here (not a file, not on PATH): every unit would fail with "
+            "exit status 127; give the program's path, or run where it is installed"
+        )
+
+
+def job_ended(job: str) -> bool | None:
+    """Whether a job (and every requeue of it) has ended: True, False (pending, running, requeued), or
+    None when the controller does not answer (the caller asks again later)."""
+    done = slurm("squeue", "--noheader", "--jobs", str(job), "--format", "%T")
+    if done.returncode:
+        return True if "Invalid job id" in done.stderr else None
+    return not done.stdout.strip()
 
 
 def check_account(account: str, config: dict[str, str]) -> list[str]:
@@ -248,6 +294,9 @@ def check(req: Request) -> list[str]:
             f"{len(req.units)} units are more than one job array may hold here (MaxArraySize={max_array}, "
             f"indices 0..{max_array - 1}): plan larger units, or submit the units in parts of {max_array}"
         )
+    check_command(req.command)
+    if req.cpus_per_task > 1:
+        check_cpus(req.cpus_per_task, req.partition)
     if req.gpus_per_task:
         most = max(partition_gpus(req.partition), default=0)
         if req.gpus_per_task > most:
@@ -302,9 +351,16 @@ def render(req: Request, jobdir: Path, name: str) -> tuple[str, str | None]:
         script=f"--dependency=afterany:<array job id> {shlex.quote(str(jobdir / 'then.sbatch'))}",
         directives=directives(req, f"{name}-then", str(jobdir / "logs/then-%j.out"), []),
         dir=shlex.quote(str(jobdir)),
-        body=THEN_BODY.format(then=req.then),
+        body=THEN_BODY.format(then=req.then, again=shlex.quote(again_command(req, jobdir))),
     )
     return array, then
+
+
+def again_command(req: Request, jobdir: Path) -> str:
+    """The submit that runs only the units that did not finish, and the --then command after them."""
+    words = ["reelcache", "slurm", "submit", "--partition", req.partition, "--units", str(jobdir / "failed.txt")]
+    words += ["--then", req.then] if req.then else []
+    return shlex.join([*words, "--", *req.command])
 
 
 def _job_dir(req: Request, name: str) -> Path:
@@ -336,13 +392,16 @@ def submit(req: Request) -> dict:
         say(f"warning: {warning}")
     name = req.job_name or job_name(req.command)
     jobdir = _job_dir(req, name)
-    for sub in ("logs", "status"):
-        (jobdir / sub).mkdir(parents=True, exist_ok=True)
-    (jobdir / "units.txt").write_text("".join(u + "\n" for u in req.units))
     array, then = render(req, jobdir, name)
-    (jobdir / "array.sbatch").write_text(array)
-    if then:
-        (jobdir / "then.sbatch").write_text(then)
+    try:
+        for sub in ("logs", "status"):
+            (jobdir / sub).mkdir(parents=True, exist_ok=True)
+        (jobdir / "units.txt").write_text("".join(u + "\n" for u in req.units))
+        (jobdir / "array.sbatch").write_text(array)
+        if then:
+            (jobdir / "then.sbatch").write_text(then)
+    except OSError as e:
+        raise UserError(f"cannot write the job directory {jobdir}: {e.strerror or e} (give a writable --dir)") from None
     record = {
         "dir": str(jobdir),
         "units": len(req.units),

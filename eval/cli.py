@@ -21,6 +21,8 @@ examples:
   # beside training, on a GPU of its own (a box that mounts the data root and the run directory)
   reelcache eval serve --root /data/rc --run runs/stage1 --prompts configs/eval/prompts.txt \\
       --val-manifest val-240p --preset low4s --every 1
+  # on Slurm, following the training job 4242: ends once it has ended and every checkpoint is evaluated
+  reelcache eval serve --root /data/rc --run runs/stage1 --val-manifest val-240p --slurm --partition h100 --after 4242
   reelcache eval once --root /data/rc --run runs/stage1 --checkpoint ckpt-00002210 --preset high4s --weights model
   # the demo's run, on CPU
   reelcache eval once --root demo-root --run runs/debug-stage1 --checkpoint latest --preset debug \\
@@ -84,6 +86,12 @@ def add_commands(top) -> None:
         help="stop after this many seconds with nothing new (0: never)",
     )
     s.add_argument(
+        "--follow",
+        metavar="JOBID",
+        help="end once this Slurm job (the training; requeues included) has ended and every checkpoint "
+        "is evaluated (what --slurm --after JOBID runs)",
+    )
+    s.add_argument(
         "--max-attempts", type=arg(int, ge=1), default=3, help="tries per checkpoint before it is left alone"
     )
     sbatch.add_arguments(s, training=False)
@@ -126,18 +134,44 @@ def _serve(a) -> None:
     if a.slurm:
         return _submit(a)
     ev = _evaluator(a, a.max_attempts)
-    ev.serve(poll=a.poll, every=a.every, latest_only=a.latest_only, exit_idle=a.exit_idle)
+    ended = None
+    if a.follow:
+        from reelcache.cluster.slurm import job_ended
+
+        def ended() -> bool:
+            return bool(job_ended(a.follow))  # None: the controller did not answer; ask again next poll
+
+    ev.serve(poll=a.poll, every=a.every, latest_only=a.latest_only, exit_idle=a.exit_idle, until=ended)
 
 
 def _submit(a) -> None:
     """``eval serve --slurm``: the same command as a job on one GPU (cluster/sbatch.py), after --after starts."""
     run_dir = (Path(a.run) if Path(a.run).is_absolute() else Path(a.root) / a.run).resolve()
+    _check_inputs(a)
     argv = sys.argv[sys.argv.index("serve") + 1 :]
     res = sbatch.resources(a)
-    script, text = sbatch.eval_script(run_dir, res, after=a.after, args=sbatch.without_slurm_options(argv))
+    args = sbatch.without_slurm_options(argv) + (["--follow", a.after] if a.after and not a.follow else [])
+    script, text = sbatch.eval_script(run_dir, res, after=a.after, args=args)
     job = sbatch.launch(script, text, res, a.dry_run)
     if job:
         print(f"submitted job {job}: eval serve of {run_dir.name}; log {script.parent}/eval-{run_dir.name}-{job}.out")
+
+
+def _check_inputs(a) -> None:
+    """Before submitting: something to evaluate, and the validation manifest exists (as the evaluator checks)."""
+    if not a.prompts and not a.val_manifest:
+        raise UserError("nothing to evaluate: give --prompts and/or --val-manifest")
+    if a.val_manifest:
+        from reelcache.catalog.manifest import resolve_manifest
+
+        if "/" in a.val_manifest or a.val_manifest.endswith(".parquet"):
+            if not Path(a.val_manifest).is_file():
+                raise UserError(f"--val-manifest: no manifest file {a.val_manifest}")
+            return
+        try:
+            resolve_manifest(a.root, a.val_manifest)
+        except ValueError as e:
+            raise UserError(f"--val-manifest: {e}") from None
 
 
 def _once(a) -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from safetensors import SafetensorError
 
 from reelcache import UserError
 from reelcache.cache.encoders import TextEncoder, VideoEncoder, spec_identity
@@ -58,7 +59,7 @@ from reelcache.train.checkpoint import ckpt_step, list_checkpoints, read_state
 from reelcache.train.config import from_dict
 from reelcache.train.loader import load_source
 from reelcache.train.model import STDiT3
-from reelcache.train.weights import load_weights
+from reelcache.train.weights import INDEX, load_weights
 
 __all__ = ["Evaluator", "select"]
 
@@ -78,6 +79,26 @@ class _Progress:
         self.last = now
         eta = (now - self.t0) / max(done, 1) * (total - done)
         say(f"  {self.what}: {done}/{total}, {now - self.t0:.0f}s, ETA {fmt_eta(eta)}")
+
+
+def _check_weights(ckpt: Path, used: str) -> None:
+    """Refuse, in one line and before any work, a checkpoint whose weight shards are not all there
+    (a copy cut short, a shard deleted by hand): the index names every shard the folder must hold.
+    An EMA load also reads model/ (the frozen tensors and buffers come from there)."""
+    for folder in dict.fromkeys([ckpt / used, ckpt / "model"]):
+        index = folder / INDEX
+        if not folder.is_dir():
+            raise UserError(f"{ckpt.name} is incomplete: no {folder.name}/ folder; evaluate another checkpoint")
+        if not index.exists():
+            continue  # a single-file layout: load_weights says what is missing
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise UserError(
+                f"{ckpt.name} is incomplete: {folder.name}/{missing[0]} is missing "
+                f"({len(missing)} of the {len(names)} shards its index names); evaluate another checkpoint, "
+                "or copy the checkpoint again whole"
+            )
 
 
 def _write_json(path: Path, doc: dict) -> None:
@@ -162,8 +183,11 @@ class Evaluator:
         if self.prompts:
             self._cache()
 
-    def serve(self, poll: float = 60.0, every: int = 1, latest_only: bool = False, exit_idle: float = 0.0) -> None:
-        """Evaluate checkpoints as they appear, forever (or until idle for ``exit_idle`` seconds)."""
+    def serve(
+        self, poll: float = 60.0, every: int = 1, latest_only: bool = False, exit_idle: float = 0.0, until=None
+    ) -> None:
+        """Evaluate checkpoints as they appear, forever, or until idle for ``exit_idle`` seconds, or (``until``:
+        the followed training job has ended) until ``until()`` is true and nothing is left to evaluate."""
         self.check()
         say(
             f"eval serve: watching {self.run_dir} for checkpoints (preset {self.preset}, {self.weights} weights, "
@@ -183,6 +207,11 @@ class Evaluator:
                 continue  # re-list: new checkpoints join in step order
             if exit_idle and time.monotonic() - idle_since >= exit_idle:
                 say(f"eval serve: nothing new for {exit_idle:g}s, stopping")
+                return
+            if until is not None and until():
+                if self.pending(every, latest_only):  # written just before the training ended
+                    continue
+                say("eval serve: the training job has ended and every checkpoint is evaluated, stopping")
                 return
             time.sleep(poll)
 
@@ -265,7 +294,11 @@ class Evaluator:
         if used == "ema" and not (ckpt / "ema").is_dir():
             say(f"  {ckpt.name} has no ema/ (run.ema_decay = 0): using model/")
             used = "model"
-        load_weights(model, ckpt, which=used)
+        _check_weights(ckpt, used)
+        try:
+            load_weights(model, ckpt, which=used)
+        except (OSError, SafetensorError) as e:  # a shard present but unreadable (cut short, overwritten)
+            raise UserError(f"{ckpt.name}: its {used}/ weights cannot be read ({type(e).__name__}: {e})") from e
         return model.to(torch.device(self.device), self._torch_dtype()).eval(), used
 
     # -- validation loss -------------------------------------------------------------------

@@ -4,7 +4,7 @@ Open-Sora's ``misc/eval_loss`` idea (the rectified-flow loss on held-out clips a
 timesteps), made a pure function of (checkpoint, manifest):
 
   clips       every clip of a loader manifest (``catalog manifest --cache``), grouped by bucket,
-              in clip-id order; read with the loader's own ``read_sample`` (one ranged read each);
+              in clip-id order; read with the loader's own ``source_row`` (a ranged read each, caption too);
   latent      the posterior MEAN the cache stored (no sample: the number must not move because a
               draw did), or the stored sample for ``store = "sample"`` caches;
   timesteps   K = 10 evenly spaced levels t_k = (k + 0.5) * 1000 / K (50, 150, ..., 950), used
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from reelcache.train.flow import NUM_TIMESTEPS, conditioning, stable_seed, training_losses
-from reelcache.train.loader import load_source, pad_text, read_sample, shard_path
+from reelcache.train.loader import load_source, pad_text, source_row
 
 __all__ = ["TIMESTEPS", "eval_timesteps", "validation_loss"]
 
@@ -81,7 +81,7 @@ def validation_loss(
             part = idx[s : s + batch_size]
             samples = []
             for i in part:
-                samples.append(read_sample(shard_path(root, str(src.shard[i])), int(src.offset[i])))
+                samples.append(source_row(root, src, i))
             x0 = torch.stack([_latent(smp) for smp in samples]).to(device)
             y, mask, _ = pad_text([smp["text"] for smp in samples])
             cond = conditioning(bucket, src.fps[part].astype(np.float32), frame_interval, default_fps, image_fps)

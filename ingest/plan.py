@@ -36,6 +36,11 @@ PLAN_VERSION = 1
 CAPTIONS = tuple(c.removesuffix("_caption") for c in MIRADATA_CAPTIONS) + tuple(MIRADATA_CAPTIONS)
 
 
+# A worker maps ~240 MB once its imports are done; with a cap below ~400 MB a 1080p decode fails
+# (measured: 300 MB makes a good file an `undecodable` reject), so a cap below 1 GiB is refused.
+WORKER_MEMORY_DOC = "address-space cap per probe process in MB (None: no cap); at least 1024: a good file must not fail"
+
+
 @dataclass
 class IngestConfig:
     """Everything a unit needs, resolved once at plan time and written to plan.json."""
@@ -51,7 +56,7 @@ class IngestConfig:
     probe_timeout: float = setting(30.0, "seconds per file (header probe)", gt=0)
     decode_timeout: float = setting(600.0, "seconds per file with --verify decode", gt=0)
     workers: int = setting(1, "probe processes per unit (GNU parallel gives the rest)", ge=1)
-    worker_memory_mb: int | None = setting(None, "address-space cap per probe process (None: no cap)", ge=1)
+    worker_memory_mb: int | None = setting(None, WORKER_MEMORY_DOC, ge=1024)
     tagger: str = setting("pattern", "part-of-speech tagger for noun_count", choices=TAGGERS)
     thresholds: Thresholds = setting(doc="[thresholds]: which probed clips are rejects", factory=Thresholds)
 

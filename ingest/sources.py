@@ -8,10 +8,14 @@ Formats (``--source``):
   is kept, and which one becomes ``text`` must be chosen with ``--caption``.
 - ``csv`` / ``parquet``: at least ``path,text``; Open-Sora's ``num_frames,fps,height,width`` (and
   ``seconds``) are read as ``stated_*`` when present (MiraData's ``width,height`` too).
-- ``folder``: every video under ``--videos``, caption from the ``.txt`` beside it.
+- ``folder``: every video under ``--videos``, caption from the ``.txt`` beside it (UTF-8; a caption
+  file that is not is that row's ``bad_row`` reject, naming the file).
 
 A table missing required columns is refused before any work starts, with the missing names and,
-when the header matches another known format, which ``--source`` was probably meant. Rows are
+when the header matches another known format, which ``--source`` was probably meant. So is a CSV
+that is not UTF-8 (its lines named; a UTF-8 byte-order mark, as Excel writes, is fine), a
+``--meta`` that is not parquet where parquet is read, and a parquet whose path or caption column
+is not text (an int path or a float caption is refused, never silently made text). Rows are
 never dropped: a malformed row comes through with ``row_error`` set, a repeated path with
 ``duplicate_of``; the unit turns both into recorded rejects.
 """
@@ -71,6 +75,13 @@ MIRADATA_CAPTIONS = [
     "camera_caption",
 ]
 GENERIC_COLUMNS = ["path", "text"]
+# Columns that become a clip's path or caption: in a parquet they must be text, never numbers made text.
+TEXT_COLUMNS = {
+    "openvid": ["video", "caption"],
+    "miradata": ["file_path", *MIRADATA_CAPTIONS],
+    "csv": GENERIC_COLUMNS,
+    "parquet": GENERIC_COLUMNS,
+}
 VIDEO_EXTENSIONS = {".mp4", ".mov", ".m4v", ".mkv", ".webm", ".avi", ".ts", ".mpg", ".mpeg", ".flv", ".wmv"}
 FORMATS = ("openvid", "miradata", "csv", "parquet", "folder")
 REQUIRED = {
@@ -140,9 +151,35 @@ def _check_header(kind: str, header: list[str], where: str) -> None:
         )
 
 
+def _not_utf8(path: Path, e: UnicodeDecodeError) -> UserError:
+    """Name the lines that are not UTF-8 (a second, streamed pass over the bytes: only on failure)."""
+    bad, example = [], ""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as le:
+                bad.append(n)
+                example = example or repr(line[max(0, le.start - 12) : le.end + 12])
+    lines = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    return UserError(
+        f"--meta {path} is not UTF-8: line(s) {lines} hold bytes that are not (e.g. {example}); "
+        f"captions would be corrupted. Re-save it as UTF-8, e.g. `iconv -f latin1 -t utf-8 {path.name} > utf8.csv`"
+    )
+
+
 def _read_csv(path: Path) -> tuple[list[str], list[tuple[list[str] | None, str | None]]]:
+    """Header and rows of a CSV read as strict UTF-8 (a byte-order mark, as Excel writes, is dropped):
+    a table in another encoding is refused naming its lines, never read with replaced characters."""
     csv.field_size_limit(sys.maxsize)
-    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+    try:
+        return _read_csv_text(path)
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, e) from None
+
+
+def _read_csv_text(path: Path):
+    with open(path, newline="", encoding="utf-8-sig", errors="strict") as f:
         reader = csv.reader(f)
         try:
             header = [h.strip() for h in next(reader)]
@@ -166,6 +203,25 @@ def _read_csv(path: Path) -> tuple[list[str], list[tuple[list[str] | None, str |
     return header, rows
 
 
+def _read_parquet(kind: str, meta: Path):
+    """The table of a parquet source; its path and caption columns must hold text (never coerced)."""
+    try:
+        table = pq.read_table(meta)
+    except (pa.ArrowException, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"--meta {meta} is not a readable parquet file: {first}") from None
+    _check_header(kind, table.column_names, str(meta))
+    for name in TEXT_COLUMNS[kind]:
+        t = table.schema.field(name).type
+        t = t.value_type if pa.types.is_dictionary(t) else t
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
+            raise UserError(
+                f"--meta {meta}: column {name!r} is {t}, it must be text (string): a path or caption is "
+                f"never converted from numbers; cast it where the table is made (pandas: .astype(str))"
+            )
+    return table
+
+
 def _records(kind: str, meta: Path | None, videos: Path):
     """Yield (fields dict | None, row_error) per input row."""
     if kind == "folder":
@@ -173,15 +229,20 @@ def _records(kind: str, meta: Path | None, videos: Path):
             raise UserError(f"--videos {videos} is not a directory")
         for p in sorted(videos.rglob("*")):
             if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file():
-                txt = p.with_suffix(".txt")
-                text = txt.read_text(encoding="utf-8", errors="replace").strip() if txt.exists() else ""
-                yield {"path": str(p.relative_to(videos)), "text": text}, None
+                txt, err = p.with_suffix(".txt"), None
+                try:
+                    text = txt.read_text(encoding="utf-8-sig").strip() if txt.exists() else ""
+                except UnicodeDecodeError as e:  # a reject naming the file, never a caption with U+FFFD in it
+                    text, err = (
+                        None,
+                        f"caption file {txt.name} is not UTF-8 (byte {e.object[e.start]:#04x} at {e.start})",
+                    )
+                yield {"path": str(p.relative_to(videos)), "text": text}, err
         return
     if meta is None or not meta.exists():
         raise UserError(f"--meta {meta} does not exist")
     if kind == "parquet" or meta.suffix == ".parquet":
-        table = pq.read_table(meta)
-        _check_header("parquet" if kind == "parquet" else kind, table.column_names, str(meta))
+        table = _read_parquet("parquet" if kind == "parquet" else kind, meta)
         for r in table.to_pylist():
             yield {k: (None if v is None else str(v)) for k, v in r.items()}, None
         return

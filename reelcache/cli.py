@@ -17,7 +17,7 @@ from reelcache import UserError, __version__
 # module with ``add_commands(subparsers)`` (its commands and arguments) and may have
 # ``add_demo(subparsers)`` (its step of ``reelcache demo``). The modules import nothing heavy;
 # their commands import their stage when they run.
-STAGES = ("ingest", "catalog", "cache", "train", "cluster", "eval")
+STAGES = ("ingest", "catalog", "cache", "train", "cluster", "eval", "view")
 
 
 def build_parser() -> argparse.ArgumentParser:

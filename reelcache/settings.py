@@ -63,6 +63,7 @@ class Rule:
     choices: tuple | None = None
     pattern: Pattern | None = None
     rows: type | None = None  # a table of tuples whose positions are this dataclass's fields
+    off: float | None = None  # one value outside the bounds that is allowed: "0 = off"
 
     @property
     def bounded(self) -> bool:
@@ -81,9 +82,11 @@ def setting(
     choices=None,
     pattern: Pattern | None = None,
     rows: type | None = None,
+    off=None,
 ):
-    """A dataclass field with its documentation and rule; no default and no factory: a required key."""
-    rule = Rule(doc, ge, gt, le, lt, tuple(choices) if choices is not None else None, pattern, rows)
+    """A dataclass field with its documentation and rule; no default and no factory: a required key.
+    ``off``: a value that switches the thing off, allowed outside the bounds (``ge=3, off=0``)."""
+    rule = Rule(doc, ge, gt, le, lt, tuple(choices) if choices is not None else None, pattern, rows, off)
     return dataclasses.field(default=default, default_factory=factory, metadata={_META: rule})
 
 
@@ -122,12 +125,13 @@ def _bounds(rule: Rule | None) -> str:
         return ""
     lo = (rule.ge, "[", ">=") if rule.ge is not None else (rule.gt, "(", ">") if rule.gt is not None else None
     hi = (rule.le, "]", "<=") if rule.le is not None else (rule.lt, ")", "<") if rule.lt is not None else None
+    off = f" (or {_num(rule.off)}: off)" if rule.off is not None else ""
     if lo and hi:
-        return f" in {lo[1]}{_num(lo[0])}, {_num(hi[0])}{hi[1]}"
+        return f" in {lo[1]}{_num(lo[0])}, {_num(hi[0])}{hi[1]}{off}"
     if lo or hi:
         x, _, op = lo or hi
-        return f" {op} {_num(x)}"
-    return ""
+        return f" {op} {_num(x)}{off}"
+    return off
 
 
 def describe(hint, rule: Rule | None = None, many: bool = False) -> str:
@@ -164,7 +168,7 @@ def _describe(hint, rule, many) -> str:
 
 
 def _in_range(v, rule: Rule | None) -> bool:
-    if rule is None:
+    if rule is None or (rule.off is not None and v == rule.off):
         return True
     return (
         (rule.ge is None or v >= rule.ge)

@@ -31,10 +31,13 @@ Settings chosen for tests (each is a keyword of ``LocalSlurm``):
   ``RealMemory`` 90% of MemTotal (more than slurmd finds would drain the node), partition ``debug``;
   ``select/cons_tres`` with ``CR_CPU``: jobs share the node one CPU each, memory is not consumed;
 - ``MaxArraySize`` small (16 by default), so a too-large array is cheap to submit;
-- ``JobRequeue=1``; ``AuthInfo=cred_expire=5`` (Slurm refuses 2): a requeued job waits
-  ``cred_expire + 1`` s before it may start again (121 s with Slurm's default 120), and
-  ``sched_interval=1,bf_interval=1`` so the scheduler looks at it within a second after that (60 s
-  and 30 s by default): a requeued task restarts about 6 s after ``scontrol requeue``;
+- ``JobRequeue=1`` (Slurm's default: a batch job is requeueable unless it says ``--no-requeue``);
+  ``job_requeue=False`` makes it 0, as many sites set it: only a job submitted with ``--requeue`` can
+  be requeued (a test of a script's ``--requeue`` needs that cluster);
+- ``AuthInfo=cred_expire=5`` (Slurm refuses 2): a requeued job waits ``cred_expire + 1`` s before it
+  may start again (121 s with Slurm's default 120), and ``sched_interval=1,bf_interval=1`` so the
+  scheduler looks at it within a second after that (60 s and 30 s by default): a requeued task
+  restarts about 6 s after ``scontrol requeue``;
 - fake GPUs: ``GresTypes=gpu`` and ``File=`` device nodes made with mknod (``c 1 3``, /dev/null's
   numbers). Slurm sets ``CUDA_VISIBLE_DEVICES``, ``GPU_DEVICE_ORDINAL`` and ``SLURM_STEP_GPUS``
   from them for ``--gpus-per-task`` / ``--gres=gpu:N``, as on a real node. Plain files would be
@@ -83,6 +86,7 @@ class LocalSlurm:
     max_array_size: int = 16
     partition: str = "debug"
     cred_expire: int = 5
+    job_requeue: bool = True
     start_timeout: float = 30.0
     node: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
     env: dict = field(init=False, default_factory=dict)
@@ -266,7 +270,7 @@ SchedulerParameters=sched_interval=1,bf_interval=1
 MpiDefault=none
 ReturnToService=2
 MaxArraySize={self.max_array_size}
-JobRequeue=1
+JobRequeue={int(self.job_requeue)}
 KillWait=2
 MailProg=/bin/true
 GresTypes=gpu

@@ -193,7 +193,7 @@ def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
 
     from reelcache.cache.decode import FileSlice, decode_window
     from reelcache.cache.encoders import EncoderSpec, TextEncoder, VideoEncoder
-    from reelcache.train.loader import read_sample
+    from reelcache.catalog.latents import read_latent
 
     cfg = write_config(tmp_path, "m")
     units = plan(cache_root, cfg)
@@ -204,18 +204,20 @@ def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
     rows = sql(
         cache_root,
         "SELECT l.clip_id, l.status, l.bucket, l.shape, l.shard, l.shard_offset, l.num_frames, "
-        "l.height, l.width, l.window_start, c.shard, c.shard_offset, c.file_size, c.text "
+        "l.height, l.width, l.window_start, c.shard, c.shard_offset, c.file_size, c.text, l.text_shard, l.text_offset "
         "FROM latents l JOIN clips c USING (clip_id) ORDER BY 1",
     )
     assert len(rows) == n_ok and all(r[1] == "ok" for r in rows)
     video = VideoEncoder(EncoderSpec("ltx", tiny=True, dtype="float32"))
     text = TextEncoder(EncoderSpec("t5", tiny=True, dtype="float32"))
-    clip, _, bucket, shape, shard, off, t, h, w, start, raw, raw_off, size, caption = rows[0]
+    clip, _, bucket, shape, shard, off, t, h, w, start, raw, raw_off, size, caption, text_shard, text_off = rows[0]
     frames = decode_window(
         FileSlice(str(cache_root / raw), raw_off, size), frames=t, interval=1, height=h, width=w, start=start
     )
     want = video.encode(frames[None])
-    got = read_sample(str(cache_root / shard), off)
+    got = read_latent(
+        cache_root, {"shard": shard, "shard_offset": off, "text_shard": text_shard, "text_offset": text_off}
+    )
     assert torch.equal(got["mean"], want["mean"][0]) and torch.equal(got["logvar"], want["logvar"][0])
     assert torch.equal(got["text"], text.encode([caption])[0]) and list(got["mean"].shape) == shape
     assert got["mean"].dtype == torch.bfloat16 and bucket.startswith("144p/")
@@ -235,8 +237,8 @@ def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
 
     from reelcache.cache.encoders import TextEncoder
     from reelcache.catalog.db import open_catalog
+    from reelcache.catalog.latents import read_latent
     from reelcache.catalog.manifest import make_manifest
-    from reelcache.train.loader import read_sample
 
     con = open_catalog(fresh_root, write=True)
     try:
@@ -259,7 +261,7 @@ def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
     assert sorted(seen) == sorted({captions[r["clip_id"]] for r in ok}), seen
     by_caption = {}
     for r in ok:
-        text = read_sample(str(fresh_root / r["shard"]), r["shard_offset"])["text"]
+        text = read_latent(fresh_root, r)["text"]
         assert torch.equal(by_caption.setdefault(captions[r["clip_id"]], text), text)
 
 
@@ -313,28 +315,30 @@ def test_no_bucket_is_a_recorded_reason(cache_root, tmp_path):
 def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path):
     cfg = write_config(tmp_path, "m", clips_per_unit=100)
     (unit,) = plan(cache_root, cfg)
-    cdir = cache_root / "latents" / "t"
+    cdir, vdir = cache_root / "latents" / "t", cache_root / "store" / "video" / "t"
     proc = subprocess.Popen(
         [sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 120
-    while not any(cdir.glob(".000000-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
+    while not any(vdir.glob(".000000-*-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.5)  # some samples are in the temporary shard
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (cdir / "000000.parquet").exists()
     assert main(["cache", "run", "--root", str(cache_root), unit]) == 0
-    killed = {p.name: p.read_bytes() for p in cdir.glob("*.tar")}
+    store = cache_root / "store"
+    killed = {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*.tar")}
     import pyarrow.parquet as pq
 
     side = pq.read_table(cdir / "000000.parquet").to_pylist()
     shutil.rmtree(cdir)
+    shutil.rmtree(store)  # a fresh encode, not a reuse of the store
     plan(cache_root, cfg)
     assert main(["cache", "run", "--root", str(cache_root), unit]) == 0
-    assert {p.name for p in cdir.glob("*.tar")} == killed.keys()
+    assert {str(p.relative_to(store)) for p in store.rglob("*.tar")} == killed.keys()
 
     def members(data: bytes) -> list[tuple]:
         """Each member's name, safetensors header and tensor bytes. Not compared: the tar headers' mtime
@@ -349,7 +353,7 @@ def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path
         return out
 
     for name, data in killed.items():
-        assert members((cdir / name).read_bytes()) == members(data), name
+        assert members((store / name).read_bytes()) == members(data), name
     assert pq.read_table(cdir / "000000.parquet").to_pylist() == side
     assert not list(cdir.glob(".*tmp*"))
 
@@ -504,7 +508,8 @@ def run_until_writing(root, unit: str, cdir):
         text=True,
     )
     deadline = time.monotonic() + 120
-    while not any(cdir.glob(".000000-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
+    vdir = Path(root) / "store" / "video" / Path(cdir).name  # the unit's latent shards (cache/store.py)
+    while not any(vdir.glob(".000000-*-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
     return proc
 
@@ -527,7 +532,8 @@ def test_write_failure_fails_the_unit_loudly_and_its_rerun_is_clean(cache_root, 
     assert proc.returncode != 0 and "cannot write" in err and "File too large" in err, err[-2000:]
     assert "Traceback" not in err
     assert not (cdir / "000000.parquet").exists()  # not finished, nothing recorded
-    assert not list(cdir.glob("*.tar")) and not list(cdir.glob(".*tmp*"))
+    store = cache_root / "store"
+    assert not list(store.rglob("*.tar")) and not list(store.rglob(".*tmp*")) and not list(store.rglob("*.parquet"))
     assert main(["cache", "run", "--root", str(cache_root), unit]) == 0  # space freed: the clean result
     rows = _sidecar_rows(cdir)
     assert {r["reject_reason"] for r in rows} <= {None, "no_bucket:too_small", "no_bucket:too_short"}
@@ -555,7 +561,8 @@ def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path
     assert second.returncode == 2 and "is being run by" in second.stderr and f"pid {first.pid}" in second.stderr, (
         second.stderr
     )
-    assert any(cdir.glob(".000000-00.tar.tmp*")) or (cdir / "000000.parquet").exists()  # left alone
+    vdir = cache_root / "store" / "video" / "t"
+    assert any(vdir.glob(".000000-*-00.tar.tmp*")) or (cdir / "000000.parquet").exists()  # left alone
     with pytest.raises(UserError, match="is being run by"):
         run_unit(str(cache_root), unit)
     assert run_unit(str(cache_root), unit, wait=True) == {"unit": unit, "skipped": True}  # waits, then done

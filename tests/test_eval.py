@@ -300,6 +300,27 @@ def test_once_with_the_training_weights(trained):
     assert json.loads((out / "val_loss-model.json").read_text())["overall"] == model["val_loss"]["overall"]
 
 
+@pytest.mark.parametrize("weights", ["model", "ema"])
+def test_once_of_a_checkpoint_missing_a_shard_is_one_line_and_writes_nothing(trained, capsys, weights):
+    """A checkpoint copied without one of its shards (the index still names it): one line naming the
+    file, exit 2, no eval/ folder; before, a FileNotFoundError traceback from inside safetensors."""
+    run = trained / "runs" / f"noshard-{weights}"
+    shutil.copytree(trained / "runs" / RUN, run, ignore=shutil.ignore_patterns("eval", "wandb"))
+    ckpt = run / "ckpt-00000004"
+    shard = sorted((ckpt / weights).glob("*.safetensors"))[0]
+    assert shard.name in (ckpt / weights / "model.safetensors.index.json").read_text()
+    shard.unlink()
+    args = ["eval", "once", "--root", str(trained), "--run", str(run), "--checkpoint", ckpt.name,
+            "--preset", "debug", "--val-manifest", "lat", "--val-max-clips", "1", "--device", "cpu",
+            "--wandb-mode", "disabled", "--weights", weights]  # fmt: skip
+    capsys.readouterr()
+    assert main(args) == 2
+    err = [e for e in capsys.readouterr().err.splitlines() if "error" in e]
+    assert len(err) == 1 and f"{weights}/{shard.name} is missing" in err[0], err
+    assert not (run / "eval").exists()
+    shutil.rmtree(run)
+
+
 # -- references computed from the definitions, not from eval/'s helpers ---------------------------
 #
 # These tests own a copy of the run (runs/<name>, checkpoints copied) so their eval/ files never meet
@@ -405,6 +426,9 @@ def test_validation_loss_of_one_clip_from_its_definition(once_ref):
     with tarfile.open(root / clip["shard"]) as tar:
         member = next(m for m in tar.getmembers() if m.offset_data == clip["shard_offset"])
         latent = load_safetensors(tar.extractfile(member).read())
+    with tarfile.open(root / clip["text_shard"]) as tar:  # the caption embedding: stored once, in its own shard
+        member = next(m for m in tar.getmembers() if m.offset_data == clip["text_offset"])
+        latent["text"] = load_safetensors(tar.extractfile(member).read())["text"]
     x0 = latent["mean"].float()[None]
     assert latent["logvar"].float().exp().mean() > 0.1  # a posterior draw would move the loss a lot
     res, frames, ar = clip["bucket"].split("/")

@@ -475,3 +475,23 @@ def test_a_weight_schedule_sets_each_epochs_shares_and_is_part_of_the_position(t
     flat = LatentLoader([(a, 0.9), (b, 0.1)], SIZES, root=tmp_path, read=False)
     with pytest.raises(ValueError, match="reset_data"):
         flat.load_state_dict(ref.state_dict())
+
+
+def test_simulator_save_at_past_the_end_is_refused_and_writes_nothing(data, tmp_path, capsys):
+    from reelcache.cli import main
+    from reelcache.train.simulate import simulate
+
+    root, manifest = data
+    _, summary, _ = simulate([manifest], SIZES, root=root, world_size=2, seed=1, epochs=2)
+    total = sum(s["steps"] for s in summary)  # the steps the same run makes, counted without --save-at
+    args = ["loader", "simulate", "--root", str(root), "--manifest", str(manifest), "--world-size", "2", "--seed", "1",
+            "--buckets", str(REPO / "configs/buckets/tiny.toml"), "--epochs", "2"]  # fmt: skip
+    out = tmp_path / "consumed.parquet"
+    for at in (total + 1, 0):
+        assert main([*args, "--out", str(out), "--save-at", str(at)]) == 2
+        err = [e for e in capsys.readouterr().err.splitlines() if "error" in e]
+        assert len(err) == 1 and f"--save-at {at}" in err[0], err
+        assert not out.exists()
+    assert main([*args, "--save-at", str(total + 1)]) == 2
+    assert f"are {total} steps; give a step from 1 to {total}" in capsys.readouterr().err
+    assert main([*args, "--out", str(out), "--save-at", str(total)]) == 0 and out.exists()  # the last step is fine

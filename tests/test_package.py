@@ -39,17 +39,18 @@ def test_wheel_contains_only_the_reelcache_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops <= {"reelcache", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    for stage in ("ingest", "catalog", "cache", "train", "eval", "cluster"):
+    for stage in ("ingest", "catalog", "cache", "train", "eval", "cluster", "view"):
         assert f"reelcache/{stage}/__init__.py" in names
     assert "reelcache/catalog/schema.sql" in names
+    assert "reelcache/view/templates/base.html" in names  # the viewer's pages
     assert "reelcache/cluster/agent.py" in names  # read as source text and sent to every node
 
 
 def test_bare_stage_names_are_not_importable(tmp_path):
     code = (
         "import importlib.util as u, reelcache.catalog, reelcache.ingest, reelcache.cache, reelcache.train,"
-        " reelcache.eval, reelcache.cluster;"
-        " print([n for n in ('train','cache','catalog','ingest','eval','cluster') if u.find_spec(n)])"
+        " reelcache.eval, reelcache.cluster, reelcache.view;"
+        " print([n for n in ('train','cache','catalog','ingest','eval','cluster','view') if u.find_spec(n)])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
@@ -58,7 +59,8 @@ def test_bare_stage_names_are_not_importable(tmp_path):
 def test_cli_starts_without_heavy_imports(tmp_path):
     code = (
         "import sys; from reelcache.cli import build_parser; build_parser();"
-        "print([m for m in ('torch','duckdb','av','pyarrow','matplotlib', 'tqdm') if m in sys.modules])"
+        "print([m for m in ('torch','duckdb','av','pyarrow','matplotlib', 'tqdm', 'starlette', 'uvicorn', 'jinja2')"
+        " if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
@@ -79,7 +81,8 @@ def test_importing_the_train_config_loads_no_torch(tmp_path):
 
 def test_who_may_import_whom():
     """DESIGN.md: ingest, cache and train depend on catalog and reelcache/, never on each other;
-    eval, the stage after train, composes cache's encoders with train's model and sampler. cluster
+    eval, the stage after train, composes cache's encoders with train's model and sampler; view, the
+    read-only web app over a root, may read every stage's outputs through their code. cluster
     (operations over the hostfiles of every stage) depends on catalog only; train writes its rank
     records through cluster.ranks, and eval may use cluster too."""
     import re
@@ -91,6 +94,7 @@ def test_who_may_import_whom():
         "catalog": set(),
         "cluster": {"catalog"},
         "eval": {"catalog", "cache", "train", "cluster"},
+        "view": {"catalog", "cache", "train", "eval", "cluster"},
     }
     for stage, ok in allowed.items():
         for path in (REPO / stage).glob("*.py"):
@@ -107,11 +111,11 @@ def test_root_cli_only_assembles_the_stages():
     from reelcache.cli import STAGES, build_parser
 
     src = (REPO / "reelcache/cli.py").read_text()
-    assert not re.findall(r"reelcache\.(?:ingest|catalog|cache|train|eval|cluster)\b", src)
+    assert not re.findall(r"reelcache\.(?:ingest|catalog|cache|train|eval|cluster|view)\b", src)
     assert src.count("add_argument(") == 1  # --version
     assert set(STAGES) == {p.name for p in REPO.iterdir() if (p / "cli.py").exists()} - {"reelcache"}
     top = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert {"ingest", "catalog", "cache", "train", "loader", "cluster", "eval", "demo"} <= set(top.choices)
+    assert {"ingest", "catalog", "cache", "train", "loader", "cluster", "eval", "view", "demo"} <= set(top.choices)
 
 
 def test_cluster_never_imports_torch_or_another_stage(tmp_path):

@@ -92,6 +92,9 @@ def test_manifest_names_resolve_exactly(fresh_root):
     assert resolve_manifest(fresh_root, "stage1") == stage1
     with pytest.raises(ValueError, match="no manifest 'stage'"):
         resolve_manifest(fresh_root, "stage")
+    for path in (fresh_root / "manifests" / "gone.parquet", "manifests/gone.parquet"):  # a path: not a name
+        with pytest.raises(ValueError, match="no manifest file .*gone.parquet"):
+            resolve_manifest(fresh_root, path)
 
 
 def test_fingerprint_is_of_the_rows_not_of_the_file(fresh_root, tmp_path):

@@ -242,6 +242,105 @@ def test_the_bounds_themselves_are_allowed(leaf):
         _read(leaf, value)
 
 
+# The values at and past each range's edge that matter, written here independently of the declarations:
+# (config, key) -> (refused, accepted), and why. A range that admits a useless or broken value (an EMA
+# that never moves, a watchdog that calls the median step a hang) or refuses a meaningful one fails
+# here; the generated cases above only prove that *a* range is enforced. A new ranged number must add
+# its row (test_every_ranged_number_states_its_edges).
+EDGES = {
+    ("train", "run.ema_decay"): ([1.0, 1, 1.5, -0.1], [0.0, 0.5, 0.9999]),  # 1: never moves; 0: no EMA
+    ("train", "optim.betas"): ([1.0, -0.1], [0.0, 0.9, 0.999]),  # 1: a moment that never moves
+    ("train", "optim.adam_eps"): ([0.0, -1e-8], [1e-15, 1e-8]),  # 0: divides by 0 where the 2nd moment is 0
+    ("train", "optim.lr"): ([-1e-4], [0.0, 1e-4]),  # 0: weights stay as loaded (documented)
+    ("train", "optim.weight_decay"): ([-0.01], [0.0, 0.1]),
+    ("train", "optim.grad_clip"): ([-1.0], [0.0, 1.0]),  # 0: off
+    ("train", "optim.warmup_steps"): ([-1], [0, 1000]),
+    ("train", "optim.min_lr"): ([-1e-5], [0.0, 1e-5]),
+    ("train", "optim.max_lr"): ([-1e-5], [0.0, 1e-4]),
+    ("train", "optim.cooldown_steps"): ([-1], [0, 100]),
+    ("train", "flow.caption_dropout"): ([1.0, 1.5, -0.1], [0.0, 0.1, 0.99]),  # 1: the text never reaches the model
+    ("train", "flow.mask_ratios"): ([1.5, -0.1], [0.0, 1.0]),
+    ("train", "data.manifests[0].weight"): ([-0.5], [0.0, 1.0]),
+    ("train", "data.workers"): ([-1], [0, 4]),  # 0: read in the training process
+    ("train", "data.prefetch"): ([0], [1, 2]),
+    ("train", "data.block"): ([0], [1, 64]),
+    ("train", "data.default_fps"): ([0.0, -24.0], [24.0]),  # 0 fps: no frame interval
+    ("train", "data.image_fps"): ([-1.0], [0.0, 120.0]),  # 0: as a video's
+    ("train", "run.seed"): ([-1], [0, 42]),
+    ("train", "run.epochs"): ([0], [1]),
+    ("train", "run.max_steps"): ([-1], [0, 1]),  # 0: all epochs
+    ("train", "checkpoint.every"): ([-1], [0, 1]),  # 0: at the end and on a stop request
+    ("train", "checkpoint.keep_last"): ([-1], [0, 1]),  # 0: all
+    ("train", "checkpoint.keep_every"): ([-1], [0, 1000]),
+    ("train", "log.every"): ([0], [1, 10]),
+    ("train", "guard.spike_z"): ([-1.0, 0.5, 2.9], [0.0, 3.0, 6.0]),  # 0: off; < 3: ordinary steps are spikes
+    ("train", "guard.window"): ([1, 0], [2, 100]),  # the std of one loss is 0: every step a spike
+    ("train", "guard.max_bad_steps"): ([0], [1, 5]),
+    ("train", "watchdog.factor"): ([1.0, 0.5, 0.0], [1.5, 10.0]),  # <= 1: a median step is a hang
+    ("train", "watchdog.floor_s"): ([-1.0], [0.0, 600.0]),
+    ("train", "watchdog.limit_s"): ([-1.0], [0.0, 3600.0]),  # 0: wait for NCCL
+    ("cache", "video_encoder.seed"): ([-1], [0]),
+    ("cache", "video_encoder.max_tokens"): ([0], [1, 300]),
+    ("cache", "text_encoder.seed"): ([-1], [0]),
+    ("cache", "text_encoder.max_tokens"): ([0], [1, 300]),
+    ("cache", "seed"): ([-1], [0]),
+    ("cache", "views"): ([0], [1, 5]),
+    ("cache", "clips_per_unit"): ([0], [1, 256]),
+    ("cache", "batch_size"): ([0], [1, 8]),
+    ("cache", "text_batch_size"): ([0], [1, 64]),
+    ("cache", "workers"): ([0], [1, 4]),
+    ("cache", "decode_timeout"): ([0.0], [0.5, 120.0]),
+    ("cache", "worker_memory_mb"): ([1, 300, 1023], [1024, 8192]),  # < ~400 MB: a good 1080p clip fails to decode
+    ("cache", "shard_mb"): ([0.0], [0.5, 1000.0]),
+    ("ingest", "rows_per_unit"): ([0], [1, 1000]),
+    ("ingest", "shard_mb"): ([0.0], [0.5, 1000.0]),
+    ("ingest", "probe_timeout"): ([0.0], [0.5, 30.0]),
+    ("ingest", "decode_timeout"): ([0.0], [0.5, 600.0]),
+    ("ingest", "workers"): ([0], [1, 8]),
+    ("ingest", "worker_memory_mb"): ([1, 300, 1023], [1024, 8192]),  # 300 MB: a good file became `undecodable`
+    ("ingest", "thresholds.max_file_mb"): ([0.0], [0.5, 50.0]),
+    ("ingest", "thresholds.min_frames"): ([-1], [0, 17]),
+    ("ingest", "thresholds.min_seconds"): ([-0.5], [0.0, 2.0]),
+    ("buckets", "table[0].num_frames"): ([0], [1, 51]),
+    ("buckets", "table[0].keep"): ([1.5, -0.1], [0.0, 1.0]),
+    ("buckets", "table[0].keep_t"): ([1.5, -0.1], [0.0, 1.0]),
+    ("buckets", "table[0].batch"): ([-1], [0, 4]),  # 0: never kept
+    ("buckets", "frame_interval"): ([0], [1, 3]),
+    ("buckets", "default_batch_size"): ([0], [1]),
+    ("eval-preset", "frames"): ([0], [1, 102]),
+    ("eval-preset", "height"): ([0], [72, 720]),
+    ("eval-preset", "width"): ([0], [128, 1280]),
+    ("eval-preset", "batch"): ([0], [1, 8]),
+    ("eval-preset", "steps"): ([0], [1, 30]),
+    ("eval-preset", "cfg_scale"): ([-1.0], [0.0, 1.0, 7.0]),  # 0: the null caption only; 1: no guidance
+    ("eval-preset", "fps"): ([0.0], [24.0]),
+    ("eval-preset", "seed"): ([-1], [0, 42]),
+}
+RANGED_NUMBERS = [leaf for leaf in RANGED if leaf.rule.choices is None and leaf.rule.pattern is None]
+
+
+def _shaped(leaf: Leaf, v):
+    """A number as the field holds it: each element of a tuple, one value of a dict or list."""
+    scalar = next(m for m in _members(leaf.hint) if m is not type(None))
+    origin, args = typing.get_origin(scalar), typing.get_args(scalar)
+    return {"x": v} if origin is dict else [v] * len(args) if origin is tuple else v
+
+
+def test_every_ranged_number_states_its_edges():
+    assert {(leaf.config, leaf.key) for leaf in RANGED_NUMBERS} == set(EDGES)
+
+
+@pytest.mark.parametrize("leaf", RANGED_NUMBERS, ids=lambda leaf: f"{leaf.config}:{leaf.key}")
+def test_the_edges_that_matter_are_refused_or_allowed(leaf):
+    refused, accepted = EDGES[leaf.config, leaf.key]
+    for v in refused:
+        with pytest.raises(UserError) as e:
+            _read(leaf, _shaped(leaf, v))
+        _assert_one_line_naming(e, leaf.key)
+    for v in accepted:
+        _read(leaf, _shaped(leaf, v))
+
+
 def test_the_issue_examples_say_exactly_what_is_allowed():
     def error(*overrides):
         with pytest.raises(UserError) as e:
@@ -251,7 +350,7 @@ def test_the_issue_examples_say_exactly_what_is_allowed():
     assert error("optim.lr=abc") == "optim.lr = 'abc': expected a number >= 0"
     assert error("run.epochs=2.5") == "run.epochs = 2.5: expected an integer >= 1"
     assert error("checkpoint.every=-3") == "checkpoint.every = -3: expected an integer >= 0"
-    assert error("flow.caption_dropout=1.5") == "flow.caption_dropout = 1.5: expected a number in [0, 1]"
+    assert error("flow.caption_dropout=1.5") == "flow.caption_dropout = 1.5: expected a number in [0, 1)"
     assert error("optim.betas=[0.9]") == "optim.betas = [0.9]: expected a list of 2 numbers in [0, 1)"
     assert (
         error('data.manifests=[{name="a", weight=[0.5, -1]}]')
@@ -260,6 +359,7 @@ def test_the_issue_examples_say_exactly_what_is_allowed():
     assert error("run.compile=1") == "run.compile = 1: expected true or false"
     assert error("optim=3") == "optim = 3: expected a table"
     assert error("optim.lr=inf") == "optim.lr = inf: expected a number >= 0"
+    assert error("guard.spike_z=2") == "guard.spike_z = 2: expected a number >= 3 (or 0: off)"
     assert load_config(STAGE, ["optim.lr=0.0", "checkpoint.every=0"]).optim.lr == 0.0  # 0: frozen; 0: at the end
 
 
@@ -350,7 +450,7 @@ def test_option_choices_are_the_configs():
         ("--optim.lr=abc", "optim.lr = 'abc': expected a number >= 0"),
         ("--run.epochs=2.5", "run.epochs = 2.5: expected an integer >= 1"),
         ("--checkpoint.every=-3", "checkpoint.every = -3: expected an integer >= 0"),
-        ("--flow.caption_dropout=1.5", "flow.caption_dropout = 1.5: expected a number in [0, 1]"),
+        ("--flow.caption_dropout=1.5", "flow.caption_dropout = 1.5: expected a number in [0, 1)"),
     ],
 )
 def test_train_refuses_a_bad_value_in_one_line_before_any_work(tmp_path, capsys, override, line):

@@ -14,6 +14,7 @@ submits nothing; an --account where accounting is off is said to be unchecked.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -271,7 +272,13 @@ def test_a_failed_unit_is_retried_and_the_then_job_waits_and_names_what_failed(s
     assert (after["JobState"], after["ExitCode"]) == ("FAILED", "1:0")
     assert all(after["StartTime"] >= t["EndTime"] for t in tasks.values())
     assert (work / "then").exists() and (jobdir / "failed.txt").read_text() == "b\n"
-    assert "1 of 3 units did not finish" in (jobdir / f"logs/then-{then}.out").read_text()
+    said = (jobdir / f"logs/then-{then}.out").read_text()
+    assert "1 of 3 units did not finish" in said
+    again = said.split("and merge after them:\n")[1].rstrip("\n")  # the README's failed-units row, filled in
+    assert shlex.split(again) == [
+        *("reelcache", "slurm", "submit", "--partition", slurm.partition, "--units", str(jobdir / "failed.txt")),
+        *("--then", f"date +%s.%N > {work}/then", "--", "bash", "-c", FLAKY, "flaky", str(work)),
+    ]
     gpus = {u: (work / f"gpus.{u}").read_text().split() for u in "abc"}
     assert [len(g) for g in gpus.values()] == [2, 2, 1] and set(sum(gpus.values(), [])) <= {"0", "1"}
 
@@ -310,6 +317,29 @@ def test_bad_input_is_one_line_and_submits_nothing(slurm, tmp_path, units, args,
     assert done.stderr.startswith(f"reelcache: error: {message}") and done.stderr.count("\n") == 1, done.stderr
     assert _jobs_known(slurm) == before
     assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("case", ["cpus", "command", "dir"])
+def test_what_would_fail_only_inside_the_cluster_is_one_line_before_submitting(slurm, tmp_path, case):
+    """More CPUs per task than a node has (the array would pend for ever), a program that does not exist
+    (every unit would exit 127 and use up its retries), a job directory that cannot be written."""
+    jobdir, command = tmp_path / "job", ["true"]
+    if case == "cpus":
+        args, message = (
+            ["--cpus-per-task", "999"],
+            f"--cpus-per-task 999: no node of partition debug has more than {slurm.cpus} CPUs",
+        )
+    elif case == "command":
+        args, command = [], ["reelcache-no-such-program", "--root", "x"]
+        message = "command 'reelcache-no-such-program' not found here (not a file, not on PATH)"
+    else:
+        (tmp_path / "file").write_text("")
+        args, jobdir = [], tmp_path / "file/job"
+        message = f"cannot write the job directory {jobdir}: "
+    before = _jobs_known(slurm)
+    done = submit(slurm, "a\n", "--partition", "debug", *args, "--dir", jobdir, "--", *command, check=False)
+    assert done.returncode == 2 and done.stderr.startswith(f"reelcache: error: {message}"), done.stderr
+    assert done.stderr.count("\n") == 1 and _jobs_known(slurm) == before, done.stderr
 
 
 def test_an_account_where_accounting_is_off_is_said_not_pretended(slurm, tmp_path):

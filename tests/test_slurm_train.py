@@ -1,15 +1,22 @@
 """Training under Slurm, for real: `reelcache train --slurm` on a one-node local Slurm (tests/slurm_local.py).
 
+The cluster runs with JobRequeue=0 (as many sites do): only a job that asks for `--requeue` can be
+requeued, so the script's own `--requeue` is what these tests rely on.
+
 A 2-rank CPU training of the debug stage is requeued mid-run (`scontrol requeue`) and resumes from its
 newest checkpoint in the same run directory, ending loss for loss and weight for weight where an
-uninterrupted run (torchrun, no Slurm) ends; a job that reaches its time limit checkpoints at the
-warning signal and requeues itself; bad resources are refused in one line before anything is
-submitted; `reelcache cluster` expands the allocation's node list as `scontrol show hostnames` does.
+uninterrupted run (torchrun, no Slurm) ends, while `eval serve --slurm --after` follows it and ends
+once it has ended and every checkpoint is evaluated; a job that reaches its time limit checkpoints at
+the warning signal and requeues itself; each documented way to stop does what the README says
+(`scancel --signal=USR2` and the stop file stop, `scancel --batch --signal=USR2` stops and requeues);
+bad resources and inputs are refused in one line before anything is submitted; `reelcache cluster`
+expands the allocation's node list as `scontrol show hostnames` does.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -18,7 +25,7 @@ from pathlib import Path
 import pytest
 from latent_data import write_latents
 from slurm_local import local_slurm_or_skip
-from test_train import data_args, metrics, train, weights
+from test_train import _port, data_args, metrics, train, weights
 
 from reelcache.cluster.hosts import expand_nodelist
 
@@ -29,7 +36,7 @@ CONFIG = "configs/train/debug/stage1.toml"
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    with local_slurm_or_skip(tmp_path_factory.mktemp("slurm")) as cluster:
+    with local_slurm_or_skip(tmp_path_factory.mktemp("slurm"), job_requeue=False) as cluster:
         yield cluster
 
 
@@ -58,21 +65,46 @@ def wait_for(cond, what: str, slurm, job: str, run: Path, timeout: float = 240) 
         time.sleep(0.2)
 
 
+def text_of(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def job_log(run: Path) -> str:
     return "".join(p.read_text() for p in sorted((run / "slurm").glob("*.out")))
 
 
+def eval_serve(slurm, root: Path, manifest: Path, run: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "reelcache", "eval", "serve", "--root", str(root), "--run", run]
+    cmd += ["--preset", "debug", "--device", "cpu", "--val-manifest", str(manifest), "--val-max-clips", "4"]
+    cmd += ["--poll", "1", "--wandb-mode", "disabled", "--slurm", *args]
+    return subprocess.run(cmd, env=slurm.env, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
 def test_a_requeued_job_resumes_from_its_newest_checkpoint_and_ends_like_an_uninterrupted_run(slurm, root):
+    """... and eval serve --slurm --after <job> (no --exit-idle) follows it: it starts before the first
+    checkpoint exists, waits through the requeue, and ends once the job has ended and every
+    checkpoint is evaluated, on one (fake) GPU of its own."""
     r, manifest = root
     args = data_args(manifest, "--run.epochs=3", "--checkpoint.every=4", "--checkpoint.keep_last=10")
     train(r, args + ["--run.name=whole"], nproc=2)
     p = submit(slurm, r, "--gpus-per-node=0", "--nproc-per-node=2", *args, "--run.name=requeued")
     job, run = job_id(p), r / "runs/requeued"
+    ev = eval_serve(slurm, r, manifest, "runs/requeued", "--gpus-per-node", "1", "--after", job)
+    assert ev.returncode == 0, ev.stderr
+    eval_job = ev.stdout.split("submitted job ")[1].split(":")[0]
     wait_for(lambda: (run / "ckpt-00000004").exists(), "the first checkpoint", slurm, job, run)
     slurm.run("scontrol", "requeue", job)
     (record,) = slurm.wait(job, timeout=300)
     log = job_log(run)
     assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, log[-3000:])
+    (evaluated,) = slurm.wait(eval_job, timeout=240)
+    eval_log = "".join(f.read_text() for f in (run / "slurm").glob("eval-*.out"))
+    assert evaluated["JobState"] == "COMPLETED", (evaluated, eval_log[-3000:])
+    assert "the training job has ended and every checkpoint is evaluated" in eval_log, eval_log[-3000:]
+    assert sorted(c.name for c in (run / "eval").glob("ckpt-*") if (c / "val_loss.json").exists()) == sorted(
+        c.name for c in run.glob("ckpt-*")
+    )
+    assert "#SBATCH --gpus-per-node=1" in (run / "slurm/eval.sbatch").read_text()
     assert "attempt 0" in log and "attempt 1" in log and "resumed from" in log, log[-3000:]
     whole, resumed = metrics(r / "runs/whole"), metrics(run)
     assert sorted(resumed) == sorted(whole) == list(range(15))
@@ -95,11 +127,16 @@ def test_the_time_limits_warning_signal_checkpoints_and_requeues(slurm, root):
     finally:
         slurm.run("scancel", job, check=False)
     log = job_log(run)
-    assert "time limit near" in log and "stopped on request at step" in log and "requeueing job" in log, log[-3000:]
+    assert (
+        "SIGUSR2 to the batch shell (the time limit is near" in log
+        and "stopped on request at step" in log
+        and "requeueing job" in log
+    ), log[-3000:]
     (ckpt,) = [c for c in run.glob("ckpt-*") if int(c.name[5:]) % 1000]  # written at the signal, not the cadence
     step = json.loads((ckpt / "state.json").read_text())["global_step"]
     assert f"stopped on request at step {step}" in log and f"resumed from {ckpt}: step {step}" in log, log[-3000:]
-    assert not (run / "stop").exists()  # consumed by the run that honoured it
+    # consumed by the run that honoured it (unless the requeued attempt's own warning came before the scancel)
+    assert not (run / "stop").exists() or log.count("SIGUSR2 to the batch shell") == 2, log[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -137,20 +174,91 @@ def test_node_lists_expand_as_scontrol_does(slurm):
         assert expand_nodelist(expr) == want, expr
 
 
-def test_eval_serve_runs_as_its_own_job_beside_the_run(slurm, root):
-    """eval serve --slurm: one task with one (fake) GPU, following the trained run until it is idle."""
+def test_each_way_to_stop_does_what_the_readme_says(slurm, root):
+    """`scancel --signal=USR2 <job>` reaches every process of the job's step: the ranks checkpoint and stop,
+    torchrun (started with USR2 ignored) lives on, and the job ends COMPLETED, not requeued. The same
+    command again resumes there; `scancel --batch --signal=USR2 <job>` (the batch shell's trap) checkpoints,
+    stops and requeues; the stop file then stops the requeued attempt for good."""
     r, manifest = root
-    if not (r / "runs/whole/ckpt-00000012").exists():  # made by the requeue test when it ran
-        train(r, data_args(manifest, "--run.epochs=3", "--checkpoint.every=4", "--run.name=whole"), nproc=2)
-    cmd = [sys.executable, "-m", "reelcache", "eval", "serve", "--root", str(r), "--run", "runs/whole"]
-    cmd += ["--preset", "debug", "--device", "cpu", "--val-manifest", str(manifest), "--val-max-clips", "4"]
-    cmd += ["--every", "3", "--poll", "1", "--exit-idle", "3", "--wandb-mode", "disabled"]
-    p = subprocess.run(
-        [*cmd, "--slurm", "--gpus-per-node", "1"], env=slurm.env, cwd=REPO, capture_output=True, text=True
+    args = data_args(manifest, "--run.epochs=200", "--checkpoint.every=1000", "--checkpoint.keep_last=10")
+    resources = ("--gpus-per-node=0", "--nproc-per-node=2")
+    run = r / "runs/stops"
+    p = submit(slurm, r, *resources, *args, "--run.name=stops")
+    job = job_id(p)
+    assert (
+        f"checkpoint and stop: touch {run}/stop; checkpoint, stop and requeue: scancel --batch --signal=USR2 {job}"
+        in (p.stdout)
     )
-    assert p.returncode == 0, p.stderr
-    (record,) = slurm.wait(p.stdout.split("submitted job ")[1].split(":")[0], timeout=240)
-    log = "".join(f.read_text() for f in (r / "runs/whole/slurm").glob("eval-*.out"))
-    assert record["JobState"] == "COMPLETED", (record, log[-3000:])
-    assert (r / "runs/whole/eval/ckpt-00000012/val_loss.json").exists(), log[-3000:]
-    assert "#SBATCH --gpus-per-node=1" in (r / "runs/whole/slurm/eval.sbatch").read_text()
+    log = run / f"slurm/train-stops-{job}.out"
+    wait_for(lambda: " step 2/" in text_of(log), "training steps", slurm, job, run)  # (pending: no log yet)
+    slurm.run("scancel", "--signal=USR2", job)
+    (record,) = slurm.wait(job, timeout=120)
+    text = log.read_text()
+    assert (record["JobState"], record["Restarts"], record["ExitCode"]) == ("COMPLETED", "0", "0:0"), (record, text)
+    first = int(text.split("stopped on request at step ")[1].split()[0])
+    assert (run / f"ckpt-{first:08d}/state.json").exists() and "requeueing" not in text
+
+    p = submit(slurm, r, *resources, *args, "--run.name=stops")  # the same command again: it resumes
+    job = job_id(p)
+    log = run / f"slurm/train-stops-{job}.out"
+    wait_for(lambda: f" step {first + 2}/" in text_of(log), "steps after the resume", slurm, job, run)
+    assert f"resumed from {run}/ckpt-{first:08d}: step {first}" in log.read_text()
+    slurm.run("scancel", "--batch", "--signal=USR2", job)
+    wait_for(lambda: log.read_text().count("resumed from") == 2, "the requeued attempt", slurm, job, run)
+    (run / "stop").touch()
+    (record,) = slurm.wait(job, timeout=120)
+    text = log.read_text()
+    assert (record["JobState"], record["Restarts"], record["ExitCode"]) == ("COMPLETED", "1", "0:0"), (record, text)
+    assert "SIGUSR2 to the batch shell" in text and text.count("stopped on request at step") == 2, text[-3000:]
+    second = int(text.split("stopped on request at step ")[1].split()[0])
+    assert f"resumed from {run}/ckpt-{second:08d}: step {second}" in text and not (run / "stop").exists()
+
+
+@pytest.mark.parametrize("case", ["time", "cpus", "manifest", "root"])
+def test_bad_inputs_are_one_line_before_anything_is_submitted(slurm, root, tmp_path, case):
+    r, manifest = root
+    args = data_args(manifest)
+    if case == "time":
+        args, message = ["--time=5", "--signal-s=300", *args], "--time 5 (300 s) is not longer than --signal-s 300:"
+    elif case == "cpus":
+        args = ["--sbatch=--cpus-per-task=999", *args]
+        message = f"--sbatch=--cpus-per-task 999: no node of partition debug has more than {slurm.cpus} CPUs"
+    elif case == "manifest":
+        args, message = data_args(Path("absent")), "data.manifests: no manifest 'absent'"
+    else:  # a root where runs/<run>/slurm cannot be made
+        r = tmp_path
+        (r / "runs").write_text("")
+        message = f"cannot write the job script {r}/runs/bad/slurm/train.sbatch: "
+    p = submit(slurm, r, "--gpus-per-node=1", *args, "--run.name=bad", ok=False)
+    assert p.returncode == 2 and p.stderr.startswith(f"reelcache: error: {message}"), p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr
+    assert not slurm.run("squeue", "--noheader", "--name=train-bad").stdout.strip()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ([], "nothing to evaluate: give --prompts and/or --val-manifest"),
+        (["--val-manifest", "absent"], "--val-manifest: no manifest 'absent'"),
+    ],
+)
+def test_eval_serve_without_inputs_is_one_line_before_anything_is_submitted(slurm, root, args, message):
+    r, _ = root
+    cmd = [sys.executable, "-m", "reelcache", "eval", "serve", "--root", str(r), "--run", "runs/x", *args, "--slurm"]
+    p = subprocess.run(cmd, env=slurm.env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith(f"reelcache: error: {message}"), p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr
+
+
+def test_no_controller_is_said_in_one_line(slurm, root, tmp_path):
+    """A slurm.conf whose controller port nobody listens on: said as that, not as a missing partition."""
+    r, manifest = root
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(re.sub(r"(?m)^SlurmctldPort=\d+$", f"SlurmctldPort={_port()}", slurm.conf.read_text()))
+    env = {**slurm.env, "SLURM_CONF": str(conf)}
+    train_cmd = [sys.executable, "-m", "reelcache", "train", CONFIG, "--root", str(r), *data_args(manifest)]
+    units = [sys.executable, "-m", "reelcache", "slurm", "submit", "--partition", "debug", "--dir", str(tmp_path / "j")]
+    for cmd, given in ((train_cmd + ["--slurm", "--gpus-per-node=1"], None), (units + ["--", "true"], "a\n")):
+        p = subprocess.run(cmd, env=env, cwd=REPO, input=given, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and p.stderr.startswith("reelcache: error: no Slurm controller answers ("), p.stderr
+        assert p.stderr.count("\n") == 1 and f"is {conf} this cluster's?" in p.stderr, p.stderr

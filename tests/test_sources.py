@@ -107,6 +107,13 @@ def test_folder_with_sidecar_captions(tmp_path):
     (tmp_path / "v" / "notes.md").write_text("not a video")
     t = read_source("folder", "mine", None, str(tmp_path / "v")).to_pylist()
     assert [(r["relpath"], r["text"]) for r in t] == [("a.mp4", "A red kite."), ("sub/b.MKV", "")]
+    assert [r["row_error"] for r in t] == [None, None]
+    # a latin-1 caption is that row's error (a reject naming the file), never a caption with U+FFFD
+    (tmp_path / "v" / "sub" / "b.txt").write_bytes("un café".encode("latin-1"))
+    (tmp_path / "v" / "a.txt").write_bytes(b"\xef\xbb\xbf" + "A red kite, naïve.".encode())  # a BOM is fine
+    t = read_source("folder", "mine", None, str(tmp_path / "v")).to_pylist()
+    assert t[0]["text"] == "A red kite, naïve." and t[0]["row_error"] is None
+    assert t[1]["text"] is None and t[1]["row_error"] == "caption file b.txt is not UTF-8 (byte 0xe9 at 6)"
 
 
 def test_miradata_parquet_and_folder_sources_end_to_end(tmp_path):
@@ -177,3 +184,51 @@ def test_miradata_parquet_and_folder_sources_end_to_end(tmp_path):
             assert (mism is not None) == (rel == "c.mp4") and (rel != "c.mp4" or "size 88x80!=80x80" in mism)
         else:
             assert source == "fold" and text == f"Folder caption of {rel}." and sw is None and mism is None
+
+
+def _plan(root, kind, meta, videos, capsys):
+    """`ingest plan` through the CLI: (exit status, error lines, units printed); progress lines left out."""
+    from reelcache.cli import main
+
+    rc = main(["ingest", "plan", "--root", str(root), "--source", kind, "--name", "s", "--meta", str(meta),
+               "--videos", str(videos)])  # fmt: skip
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    return rc, [e for e in out.err.splitlines() if not e.endswith(" ...")], out.out.split()
+
+
+BAD_TABLES = [
+    ("parquet", "fake.parquet", "not a readable parquet file"),
+    ("csv", "fake.parquet", "not a readable parquet file"),
+    ("parquet", "numbers.parquet", "column 'path' is int64, it must be text"),
+    ("parquet", "float_text.parquet", "column 'text' is double, it must be text"),
+    ("csv", "latin1.csv", "is not UTF-8: line(s) 3, 5 hold bytes"),
+]
+
+
+@pytest.mark.parametrize("kind,name,says", BAD_TABLES)
+def test_bad_tables_are_one_line_and_leave_nothing(tmp_path, capsys, kind, name, says):
+    root = tmp_path / "root"
+    root.mkdir()
+    # a file named .parquet that is a CSV; parquets whose path is an int, whose text is a float
+    (tmp_path / "fake.parquet").write_text("path,text\nx.mp4,a\n")
+    pq.write_table(pa.table({"path": [1, 2], "text": ["a", "b"]}), tmp_path / "numbers.parquet")
+    pq.write_table(pa.table({"path": ["1.mp4", "2.mp4"], "text": [0.5, 1.5]}), tmp_path / "float_text.parquet")
+    # latin-1 captions (what a Windows export writes): 'café' is b'caf\xe9', not UTF-8
+    text = "path,text\na.mp4,ok\nb.mp4,un café\nc.mp4,fine\nd.mp4,naïve\n"
+    (tmp_path / "latin1.csv").write_bytes(text.encode("latin-1"))
+    rc, err, units = _plan(root, kind, tmp_path / name, tmp_path, capsys)
+    assert rc == 2 and len(err) == 1 and says in err[0], err
+    assert not units and sorted(p.name for p in root.iterdir()) == []
+
+
+def test_a_csv_with_a_byte_order_mark_is_read(tmp_path):
+    """Excel's 'CSV UTF-8' starts with EF BB BF: the header's first name is still 'path', the text intact."""
+    rows = [["a.mp4", "un café"], ["b.mp4", "naïve"]]
+    plain = _write_csv(tmp_path / "plain.csv", ["path", "text"], rows)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert bom.read_bytes()[:3] == "\ufeff".encode()
+    t = read_source("csv", "s", str(bom), str(tmp_path)).to_pylist()
+    assert [(r["relpath"], r["text"]) for r in t] == [tuple(r) for r in rows]
+    assert t == read_source("csv", "s", str(plain), str(tmp_path)).to_pylist()

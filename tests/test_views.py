@@ -240,7 +240,9 @@ def test_cache_plan_prints_the_cost_of_views(planned, caplog):
     make_plan(root, CacheConfig.from_toml(_config(root, "k2", 2, clips_per_unit=4096)))
     lines = caplog.messages
     head = next(i for i, line in enumerate(lines) if "what views cost" in line)
-    assert lines[head + 1].split() == ["K", "encodes", "per", "clip", "Gpixels", "x", "K=1", "bytes", "GPU-hours"]
+    assert lines[head + 1].split() == [
+        *("K", "encodes", "per", "clip", "new", "Gpixels", "x", "K=1", "format", "1", "store", "added", "GPU-hours")
+    ]
     table = [line.split() for line in lines[head + 2 : head + 5]]
     assert [t[:2] for t in table][:2] == [["1", f"{CLIPS * len(SHAPES):,}"], ["*", "2"]] and table[2][0] == "3"
     per_clip = [float([x for x in t if x != "*"][2]) for t in table]

@@ -123,6 +123,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "when given): the flag for a job that is requeued after a crash",
     )
     p.add_argument(
+        "--wait",
+        action="store_true",
+        help="if another start of this run still runs (it holds runs/<run>/run.lease), wait for it to end "
+        "instead of refusing (what a requeued Slurm job runs: its predecessor may still be exiting)",
+    )
+    p.add_argument(
         "--reset-data",
         action="store_true",
         help="with --load: keep model, EMA, optimizer and schedule, restart the data position",
@@ -178,6 +184,7 @@ def run(a, overrides: list[str]) -> None:
             init_from=a.init_from,
             init_weights=a.init_from_weights or "model",
             reset_data=a.reset_data,
+            wait=a.wait,
         ).train()
     except DivergedError as e:
         raise UserError(str(e)) from None
@@ -195,6 +202,8 @@ def _submit(a, cfg, overrides: list[str]) -> None:
     nproc = a.nproc_per_node or a.gpus_per_node
     if not nproc:
         raise UserError("--gpus-per-node 0 (CPU nodes): give --nproc-per-node, the ranks per node")
+    sbatch.check_time(a.time, a.signal_s)
+    _check_manifests(cfg, a.root)  # here, not only inside the job
     train_args = [f"--{o}" for o in overrides if not o.startswith("run.name=")]
     if a.init_from:
         train_args += ["--init-from", str(Path(a.init_from).resolve())]
@@ -208,8 +217,26 @@ def _submit(a, cfg, overrides: list[str]) -> None:
     if job:
         print(
             f"submitted job {job}: {cfg.run.name} on {res.nodes} node(s) x {nproc} rank(s); log "
-            f"{script.parent}/train-{cfg.run.name}-{job}.out; stop and requeue: touch {root}/runs/{cfg.run.name}/stop"
+            f"{script.parent}/train-{cfg.run.name}-{job}.out; checkpoint and stop: touch "
+            f"{root}/runs/{cfg.run.name}/stop; checkpoint, stop and requeue: scancel --batch --signal=USR2 {job}"
         )
+
+
+def _check_manifests(cfg, root) -> None:
+    """Each of data.manifests exists, found as the loader finds it (a file, or a name under ROOT)."""
+    from pathlib import Path
+
+    from reelcache.catalog.manifest import resolve_manifest
+
+    for m in cfg.data.manifests:
+        if "/" in m.name or m.name.endswith(".parquet"):
+            if not Path(m.name).is_file():
+                raise UserError(f"data.manifests: no manifest file {m.name}")
+            continue
+        try:
+            resolve_manifest(root, m.name)
+        except ValueError as e:
+            raise UserError(f"data.manifests: {e}") from None
 
 
 class _ManifestArg(argparse.Action):

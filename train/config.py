@@ -111,7 +111,11 @@ class FlowConfig:
     sample_method: str = setting("logit-normal", "timestep draw", choices=("logit-normal", "uniform"))
     use_timestep_transform: bool = setting(True, "Open-Sora 1.2's resolution/length shift")
     caption_dropout: float = setting(
-        0.1, "per-sample probability of the null caption (classifier-free guidance)", ge=0, le=1
+        0.1,
+        "per-sample probability of the null caption (classifier-free guidance); below 1: at 1 the text never "
+        "reaches the model",
+        ge=0,
+        lt=1,
     )
     mask_ratios: dict[str, float] = setting(
         doc="MaskGenerator ratios (train/flow.py); {} = no frame masks", factory=dict, ge=0, le=1

@@ -28,7 +28,13 @@ from reelcache.settings import setting
 class GuardConfig:
     """[guard]: which steps are skipped as divergent, and how many in a row stop the run."""
 
-    spike_z: float = setting(6.0, "a loss this many std above the running window is a spike (0 = off)", ge=0)
+    spike_z: float = setting(
+        6.0,
+        "a loss this many std above the running window is a spike (0 = off); at least 3: below, ordinary steps of "
+        "a noisy diffusion loss would be skipped (2 std: ~2% of a Gaussian's)",
+        ge=3,
+        off=0,
+    )
     window: int = setting(100, "steps in the running loss window (spike detection starts when full)", ge=2)
     max_bad_steps: int = setting(5, "consecutive bad steps (skipped or not) before the run stops with a message", ge=1)
     skip_nonfinite: bool = setting(

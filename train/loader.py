@@ -14,18 +14,19 @@ another world size (rank r continues with global batches consumed + r, consumed 
 and costs one plan build, whatever the position. A state saved against other manifests, weights
 or batch sizes is refused unless the caller resets the data position on purpose.
 
-Samples are read with one ranged read each from local or shared storage (the manifest records
-where each member's data starts), or streamed through webdataset's ``gopen`` for URLs and
-``pipe:`` commands. Posterior latents are sampled here, seeded from (seed, epoch, position), so
-noise is fresh each epoch, identical after a resume, and different across ranks and workers.
+Samples are read with ranged reads from local or shared storage (the manifest records where each
+member's data starts): the latent, and its caption embedding where the manifest names a caption
+shard (the content-addressed store, cache/store.py: each caption stored once); a cache of format 1
+holds both in one member, one read. URLs and ``pipe:`` commands are streamed through webdataset's
+``gopen``. Both go through catalog/latents.py's ``read_latent``. Posterior latents are sampled here,
+seeded from (seed, epoch, position), so noise is fresh each epoch, identical after a resume, and
+different across ranks and workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
-import tarfile
 import warnings
 from pathlib import Path
 
@@ -34,8 +35,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from reelcache.catalog.buckets import BucketConfig
-from reelcache.catalog.latents import MANIFEST_COLUMNS, VIEW_COLUMNS, decode
+from reelcache import UserError
+from reelcache.catalog.buckets import BucketConfig, bucket_geometry
+from reelcache.catalog.latents import (  # noqa: F401 - shard_path: eval imports it from here
+    MANIFEST_COLUMNS,
+    TEXT_COLUMNS,
+    VIEW_COLUMNS,
+    decode,
+    read_latent,
+    read_member,
+    shard_path,
+)
 from reelcache.catalog.manifest import fingerprint, resolve_manifest
 from reelcache.catalog.shards import atomic_path
 from reelcache.train.plan import PLAN_VERSION, Plan, Source, clip_keys, epoch_plan, stage_fingerprint
@@ -55,6 +65,10 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | No
     if missing:
         raise ValueError(f"{path} is not a loader manifest: missing {missing} (needs {list(MANIFEST_COLUMNS)})")
     columns = list(MANIFEST_COLUMNS) + [c for c in VIEW_COLUMNS if c in table.column_names]
+    # a store's manifest names each caption's shard; format 1 (captions in the samples) has none, or all null
+    if all(c in table.column_names for c in TEXT_COLUMNS) and table["text_shard"].null_count < table.num_rows:
+        columns += list(TEXT_COLUMNS)
+        table = table.filter(pc.is_valid(table["text_shard"]))
     table = table.select(columns + (["fps"] if "fps" in table.column_names else []))
     total = table.num_rows
     table = table.filter(pc.and_(pc.is_valid(table["bucket"]), pc.is_valid(table["shard"])))
@@ -63,6 +77,11 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | No
         table = table.filter(pc.equal(table["view"], view)) if "view" in table.column_names else table
         views = 1
     table = table.sort_by([("clip_id", "ascending")] + ([("view", "ascending")] if "view" in columns else []))
+    for bucket in pc.unique(table["bucket"]).to_pylist():  # a cache planned before Open-Sora's bucket tables
+        try:
+            bucket_geometry(bucket)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
     if table.num_rows == 0:
         raise ValueError(f"{path}: none of its {total} clips has latents (bucket and shard are empty)")
     if table.num_rows < min_kept * total:
@@ -91,6 +110,8 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | No
         table["view"].to_numpy().astype(np.int32) if several else None,
         views,
         clip_keys(clip_id) if several else None,
+        np.asarray(table["text_shard"].to_pylist(), dtype=object) if "text_shard" in columns else None,
+        table["text_offset"].to_numpy().astype(np.int64) if "text_shard" in columns else None,
     )
 
 
@@ -152,6 +173,12 @@ class LatentLoader:
         self.clip_id = np.concatenate([s.clip_id for s in self.sources])
         self.shard = np.concatenate([s.shard for s in self.sources])
         self.offset = np.concatenate([s.offset for s in self.sources])
+        self.text_shard = np.concatenate(
+            [s.text_shard if s.text_shard is not None else np.full(len(s), None, object) for s in self.sources]
+        )
+        self.text_offset = np.concatenate(
+            [s.text_offset if s.text_offset is not None else np.zeros(len(s), np.int64) for s in self.sources]
+        )
         self.view = np.concatenate([s.view if s.view is not None else np.zeros(len(s), np.int32) for s in self.sources])
         self.views = max(s.views for s in self.sources)  # K (per manifest: Source.views)
         self.fps = np.concatenate([s.fps if s.fps is not None else np.full(len(s), np.nan) for s in self.sources])
@@ -255,7 +282,7 @@ class _BatchMaker:
         self.sched, self.plan = sched, plan
         self.epoch, self.seed, self.read, self.root = loader.epoch, loader.seed, loader.read, loader.root
         self.clip_id, self.shard, self.offset, self.fps = loader.clip_id, loader.shard, loader.offset, loader.fps
-        self.view = loader.view
+        self.view, self.text_shard, self.text_offset = loader.view, loader.text_shard, loader.text_offset
         self.workers, self.prefetch, self.pin_memory = loader.workers, loader.prefetch, loader.pin_memory
 
     def __iter__(self, worker: int = 0, nworkers: int = 1):
@@ -315,7 +342,7 @@ class _BatchMaker:
             pos = self.plan.starts[index] + np.arange(len(idx))  # positions in the epoch: noise seeds
             batch.update(
                 collate(
-                    [read_sample(self._path(self.shard[i]), int(self.offset[i])) for i in idx],
+                    [self.sample(i) for i in idx],
                     self.seed,
                     self.epoch,
                     pos,
@@ -324,8 +351,9 @@ class _BatchMaker:
             batch["fps"] = torch.from_numpy(self.fps[idx])  # NaN where the manifest has no fps
         return batch
 
-    def _path(self, shard: str) -> str:
-        return shard_path(self.root, shard)
+    def sample(self, i: int) -> dict:
+        """Row i's latent and caption embedding: one ranged read each (format 1: one, its sample holds both)."""
+        return read_row(self.root, self.shard[i], self.offset[i], self.text_shard[i], self.text_offset[i])
 
 
 def _one_thread(_worker_id):
@@ -335,28 +363,22 @@ def _one_thread(_worker_id):
     torch.set_num_threads(1)
 
 
-def shard_path(root, shard: str) -> str:
-    """A manifest's shard as a readable location: URLs, ``pipe:`` commands and absolute paths as
-    they are, other paths relative to the data root."""
-    if "://" in shard or shard.startswith("pipe:") or os.path.isabs(shard) or root is None:
-        return shard
-    return str(Path(root) / shard)
-
-
 def read_sample(path: str, offset: int) -> dict:
-    """One latent sample: a ranged read at its offset (files), or a scan of the stream (URLs)."""
-    if "://" in path or path.startswith("pipe:"):
-        import webdataset as wds
+    """One tar member decoded: a ranged read at its offset (files), or a scan of the stream (URLs)."""
+    return decode(read_member(path, offset))
 
-        with wds.gopen(path, "rb") as stream, tarfile.open(fileobj=stream, mode="r|") as tar:
-            for m in tar:
-                if m.offset_data == offset:
-                    return decode(tar.extractfile(m).read())
-        raise ValueError(f"no member at offset {offset} in {path}")
-    with open(path, "rb", buffering=0) as f:
-        head = os.pread(f.fileno(), 512, offset - 512)
-        size = tarfile.TarInfo.frombuf(head, tarfile.ENCODING, "surrogateescape").size
-        return decode(os.pread(f.fileno(), size, offset))
+
+def read_row(root, shard, offset, text_shard=None, text_offset=None) -> dict:
+    """A manifest row's sample with its ``text`` (catalog/latents.py: read_latent)."""
+    return read_latent(
+        root, {"shard": shard, "shard_offset": offset, "text_shard": text_shard, "text_offset": text_offset}
+    )
+
+
+def source_row(root, src: Source, i: int) -> dict:
+    """Row i of a Source as a sample with its ``text`` (the validation loss reads it so)."""
+    ts = src.text_shard[i] if src.text_shard is not None else None
+    return read_row(root, src.shard[i], int(src.offset[i]), ts, int(src.text_offset[i]) if ts is not None else None)
 
 
 def collate(samples: list[dict], seed: int, epoch: int, positions) -> dict:

@@ -81,6 +81,8 @@ class Source:
     view: np.ndarray | None = None  # int32 view of each row (a cache of several views); None: one view
     views: int = 1  # K: the cache's views per clip
     clip_key: np.ndarray | None = None  # uint64 hash of each row's clip id (clip_keys), computed if None
+    text_shard: np.ndarray | None = None  # object array: each row's caption shard (None: in the sample)
+    text_offset: np.ndarray | None = None  # int64: where its caption embedding starts
 
     def __len__(self):
         return len(self.clip_id)

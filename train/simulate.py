@@ -6,7 +6,8 @@ state machinery are the real ones; only tensor reads are skipped), in lockstep, 
 (epoch, step, rank, worker, clip_id, view, bucket, pad) to parquet for auditing with SQL; ``worker``
 is the DataLoader worker that would make the batch (after a resume: counted from the resumed step). With
 ``--save-at STEP`` it saves a real state at that global step, builds loaders for
-``--resume-world-size`` ranks, loads the state and goes on. For manifests of a cache of several
+``--resume-world-size`` ranks, loads the state and goes on; a step past the last one is refused
+(nothing written), never a run that silently saved nothing. For manifests of a cache of several
 views it says which views each epoch showed, and over the epochs how many clips were shown how
 many different latents.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from reelcache import UserError
 from reelcache.progress import bar, say
 from reelcache.train.loader import LatentLoader
 
@@ -38,6 +40,9 @@ def simulate(
     resume_world_size: int | None = None,
     block: int = 64,
 ):
+    if save_at is not None and save_at < 1:
+        raise UserError(f"--save-at {save_at}: the state is saved after a step; give a step from 1")
+
     def make(world):
         return [
             LatentLoader(manifests, buckets, root=root, rank=r, world_size=world, seed=seed, read=False, block=block)
@@ -91,6 +96,11 @@ def simulate(
                 for it in iters:  # let every loader close its epoch
                     for _ in it:
                         pass
+    if save_at is not None and saved is None:  # before --out is written: a refused run leaves nothing
+        raise UserError(
+            f"--save-at {save_at} is past the end: {epochs} epoch(s) on {world_size} ranks are {gstep} steps; "
+            f"give a step from 1 to {gstep} (or more --epochs)"
+        )
     table = pa.table(rows)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

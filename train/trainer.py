@@ -10,6 +10,11 @@ what ``snapshot`` gathers; ``TrainState`` is the one object a checkpoint's state
 the ``Watchdog`` times each step, the ``Guard`` judges it, ``metrics_row`` (train/metrics.py)
 measures it on logged steps and the ``RunLog`` writes it. Rank records (cluster/ranks.py) say
 which process runs each rank, for ``reelcache cluster dump|stop``.
+
+A start first takes the run directory's lease (train/runlease.py: one writer per run), then makes
+every check that can refuse it (the checkpoint to resume, the config's changes, the manifests, the
+data position, the weights) before it writes anything there: a refused start leaves the run
+directory as it found it.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from reelcache.progress import say
 from reelcache.train import checkpoint as ck
 from reelcache.train.config import TrainConfig, from_dict, resume_changes
 from reelcache.train.guard import DivergedError, Guard
-from reelcache.train.loader import LatentLoader
+from reelcache.train.loader import ConsumedLog, LatentLoader
 from reelcache.train.metrics import metrics_row, peak_flops
 from reelcache.train.model import STDiT3
 from reelcache.train.parallel import Parallel
+from reelcache.train.runlease import take
 from reelcache.train.runlog import RunLog
 from reelcache.train.step import EMA, Step, StepResult
 from reelcache.train.watchdog import install_stack_signal
@@ -79,18 +85,24 @@ class Trainer:
         init_from=None,
         init_weights: str = "model",
         reset_data: bool = False,
+        wait: bool = False,
     ):
         """``load``: a checkpoint (or "latest") to continue; ``resume``: continue from the run's newest
         checkpoint if it has one, else start (what a requeued job runs); ``init_from``: weights to
-        start a new run from, ``init_weights`` which of a checkpoint folder's ("model" or "ema")."""
+        start a new run from, ``init_weights`` which of a checkpoint folder's ("model" or "ema");
+        ``wait``: wait for a live run of the same run directory to end instead of refusing."""
         self.cfg, self.root, self.init_weights = cfg, Path(root), init_weights
         self.run_dir = self.root / "runs" / cfg.run.name
         self.par = Parallel.setup(cfg.run.plugin, cfg.model.dtype, cfg.optim.grad_clip)
         self.rank0 = self.par.rank == 0
+        self.lease = None
         try:
+            self.lease = take(self.run_dir, self.par, wait=wait)
             self._build(load, resume, init_from, reset_data)
         except BaseException:
             self.par.close()
+            if self.lease is not None:
+                self.lease.release()
             raise
 
     # -- setup -----------------------------------------------------------------------------
@@ -115,22 +127,23 @@ class Trainer:
             changes = resume_changes(saved, cfg)  # a UserError if the model differs
             if changes and self.rank0:
                 say(f"config changes since {self.ckpt_path.name}:\n  " + "\n  ".join(changes))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        log_to_file(self.run_dir / "log" / f"rank{par.rank:05d}.log")  # every line this rank says, timed
-        self._stacks = install_stack_signal(self.run_dir, par.rank)  # SIGUSR1 dumps this rank's stacks
-        ranks.write(self.run_dir, par.rank, par.world, par.local_rank, Path(self._stacks.name).resolve())
 
-        # Data.
+        # Data (its consumed log starts below, once nothing can refuse the start).
         self.buckets = BucketConfig.from_toml(cfg.data.buckets)
         manifests = [(m.name, m.weight) for m in cfg.data.manifests]
         try:
             self.loader = LatentLoader(
                 manifests, self.buckets, root=self.root, rank=par.rank, world_size=par.world, seed=cfg.run.seed,
                 workers=cfg.data.workers, prefetch=cfg.data.prefetch, block=cfg.data.block,
-                consumed_log=self.run_dir / "consumed", log_every=max(1, cfg.checkpoint.every or 100),
             )  # fmt: skip
         except ValueError as e:
             raise UserError(str(e)) from e
+        self.state = TrainState(self.loader, cfg.guard.build())
+        if self.ckpt_path is not None:
+            try:
+                self.state.load_state_dict(ck.read_state(self.ckpt_path), reset_data=reset_data)
+            except ValueError as e:
+                raise UserError(f"--load {self.ckpt_path}: {e}") from e
 
         # Model, optimizer, EMA.
         self.model_cfg = cfg.model_config()
@@ -144,6 +157,7 @@ class Trainer:
         elif init_from is not None:
             self._load_weights(model, init_from, strict=None, which=self.init_weights)
         self.shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+        self._open_run_dir()  # every check passed: from here on this start writes in the run directory
         # fp32 values as initialised or loaded: ZeRO's boost casts the module to bf16 and would build
         # the fp32 masters from those rounded values; frozen entries are saved from here too.
         fp32 = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -162,7 +176,6 @@ class Trainer:
             for blk in list(self.module.spatial_blocks) + list(self.module.temporal_blocks):
                 blk.compile()
 
-        self.state = TrainState(self.loader, cfg.guard.build())
         if self.ckpt_path is not None:
             self._resume(self.ckpt_path, reset_data)
         self.ema = self._ema() if cfg.run.ema_decay > 0 else None
@@ -191,6 +204,14 @@ class Trainer:
                 f"micro-batches per epoch, {self.total_steps} steps; run dir {self.run_dir}"
             )
 
+    def _open_run_dir(self) -> None:
+        par = self.par
+        log_to_file(self.run_dir / "log" / f"rank{par.rank:05d}.log")  # every line this rank says, timed
+        self._stacks = install_stack_signal(self.run_dir, par.rank)  # SIGUSR1 dumps this rank's stacks
+        ranks.write(self.run_dir, par.rank, par.world, par.local_rank, Path(self._stacks.name).resolve())
+        self.loader.log = ConsumedLog(self.run_dir / "consumed", par.rank, max(1, self.cfg.checkpoint.every or 100))
+        self.loader.log.generation = self.loader.generation
+
     @property
     def module(self):
         return self.model.unwrap()
@@ -210,10 +231,6 @@ class Trainer:
             self.par.load_optimizer(self.optimizer, self.model, str(ckpt / "optimizer"))
             for group in self.optimizer.param_groups:  # the config's hyper-parameters, not the saved ones
                 group.update(weight_decay=o.weight_decay, eps=o.adam_eps, betas=tuple(o.betas))
-        try:
-            self.state.load_state_dict(ck.read_state(ckpt), reset_data=reset_data)
-        except ValueError as e:
-            raise UserError(f"--load {ckpt}: {e}") from e
         if self.rank0:
             say(
                 f"resumed from {ckpt}: step {self.state.global_step}, epoch {self.loader.epoch}, position "
@@ -333,6 +350,7 @@ class Trainer:
             if self.loader.log:
                 self.loader.log.flush()
             self.par.close()
+            self.lease.release()
 
     def _upcoming(self, sched, k: int) -> dict:
         """What step k of this epoch's schedule will train on (for the watchdog's report)."""

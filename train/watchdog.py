@@ -36,7 +36,9 @@ from reelcache.settings import setting
 class WatchdogConfig:
     """[watchdog]: when a slow step counts as a hang (stacks dumped) and when it ends the run."""
 
-    factor: float = setting(10.0, "a step slower than this x the median step time is a hang ...", gt=0)
+    factor: float = setting(
+        10.0, "a step slower than this x the median step time is a hang (above 1: a median step is none) ...", gt=1
+    )
     floor_s: float = setting(600.0, "... and slower than this many seconds: every rank dumps its stacks", ge=0)
     limit_s: float = setting(0.0, "a step this long ends the run with a message (0 = wait for NCCL)", ge=0)
 

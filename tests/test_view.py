@@ -1,0 +1,394 @@
+"""`reelcache view` in Debian's headless Chromium (Selenium with /usr/bin/chromedriver, never a download).
+
+The demo root is the suite's ingested fixture plus a tiny two-view cache of 6 clips and a 3-step
+training run on one process: every page opens, a reject leads to its input file, a clip's raw video
+(ranges of its shard) and a view's decoded latent play to HAVE_ENOUGH_DATA with the window's
+duration, the step page lists the consumed log's clips (joined here with pyarrow), and traversal
+and write statements are refused with the catalog and every file outside view-cache/ unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", "/usr/bin/chromedriver"
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--autoplay-policy=no-user-gesture-required",
+    "--window-size=1100,800",
+]
+HAVE_ENOUGH_DATA = 4
+
+
+def _env() -> dict:
+    return {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+
+
+def _main(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "reelcache", *args], cwd=REPO, env=_env(), capture_output=True, text=True
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def demo_root(ingested, tmp_path_factory) -> Path:
+    """The ingested root + manifest m (6 ok clips) + cache t (tiny LTX, 2 views) + manifest lat + run r (3 steps)."""
+    root = tmp_path_factory.mktemp("view") / "root"
+    shutil.copytree(ingested, root)
+    six = "clip_id IN (SELECT clip_id FROM clips WHERE status = 'ok' AND codec = 'h264' ORDER BY clip_id LIMIT 6)"
+    _main("catalog", "manifest", "--root", str(root), "--name", "m", "--where", six)
+    cfg = root / "cache.toml"
+    cfg.write_text(
+        (REPO / "configs/cache/tiny.toml")
+        .read_text()
+        .replace('manifest = "demo-stage1"', 'manifest = "m"')
+        .replace('name = "tiny"', 'name = "t"')
+        .replace("configs/buckets/demo.toml", str(REPO / "configs/buckets/demo.toml"))
+        .replace("workers = 2", "workers = 1")
+    )
+    units = _main("cache", "plan", "--root", str(root), "--config", str(cfg)).split()
+    _main("cache", "run", "--root", str(root), "--device", "cpu", *units)
+    _main("catalog", "merge", "--root", str(root))
+    _main("catalog", "manifest", "--root", str(root), "--name", "lat", "--cache", "t")
+    _main("catalog", "stats", "--root", str(root))
+    p = subprocess.run(
+        [sys.executable, "-m", "reelcache.train", "configs/train/debug/stage1.toml", "--root", str(root),
+         "--run.name=r", '--data.manifests=[{name="lat"}]', "--run.max_steps=3", "--run.epochs=2",
+         "--data.workers=0", "--log.wandb_mode=disabled", "--log.every=1", "--checkpoint.every=3"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return root
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every file outside view-cache/ with a hash of its bytes."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.relative_to(root).parts[0] == "view-cache"
+    }
+
+
+@pytest.fixture(scope="module")
+def server(demo_root, demo_dataset):
+    before = _snapshot(demo_root)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reelcache", "view", "--root", str(demo_root), "--port", "0",
+         "--videos", str(demo_dataset / "videos")],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    line = p.stdout.readline()
+    m = re.search(r"(http://127\.0\.0\.1:\d+)/", line)
+    assert m, line + (p.stdout.read() if p.poll() is not None else "")
+    yield m[1]
+    p.terminate()
+    p.wait(timeout=20)
+    assert _snapshot(demo_root) == before  # nothing written outside view-cache/, the catalog included
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if not (Path(CHROMIUM).exists() and Path(DRIVER).exists()):
+        pytest.skip("no Debian chromium + chromium-driver (make sysdeps installs them as root)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM  # both paths given: Selenium Manager never runs, nothing is downloaded
+    for f in [*FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"]:
+        opts.add_argument(f)
+    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
+    driver.set_page_load_timeout(120)
+    yield driver
+    driver.quit()
+
+
+def _shot(driver, tmp_path: Path, name: str) -> None:
+    """A screenshot once every image of the page has loaded (thumbnails are made on their first request)."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(driver, 60, 0.2).until(
+        lambda d: d.execute_script("return [...document.images].every(i => i.loading === 'lazy' && "
+                                   "i.getBoundingClientRect().top > innerHeight || i.complete && i.naturalWidth > 0)")
+    )  # fmt: skip
+    assert driver.save_screenshot(str(tmp_path / f"{name}.png"))
+
+
+def _video(driver, el, timeout: float = 120.0) -> tuple[int, float]:
+    """(readyState, duration) once the element has enough data to play through (or the timeout)."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.execute_script("arguments[0].play().catch(() => {})", el)
+    WebDriverWait(driver, timeout, 0.2).until(
+        lambda d: d.execute_script("return arguments[0].readyState >= 4 || arguments[0].error !== null", el)
+    )
+    state, duration, err = driver.execute_script(
+        "const v = arguments[0]; return [v.readyState, v.duration, v.error && v.error.code]", el
+    )
+    assert err is None, f"media error {err} for {el.get_attribute('src')}"
+    return state, duration
+
+
+def _sql(root: Path, q: str, params=None):
+    import duckdb
+
+    con = duckdb.connect(str(root / "catalog.duckdb"), read_only=True)
+    try:
+        return con.execute(q, params or []).fetchall()
+    finally:
+        con.close()
+
+
+def test_every_page_opens_and_shows_the_catalog(server, browser, demo_root, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    browser.get(server + "/")
+    _shot(browser, tmp_path, "overview")
+    text = browser.find_element(By.TAG_NAME, "body").text
+    for source, rows, ok, rejected in _sql(demo_root, "SELECT source, count(*), count(*) FILTER (status = 'ok'), "
+                                           "count(*) FILTER (status = 'rejected') FROM clips GROUP BY 1"):  # fmt: skip
+        assert f"{source} {rows} {ok} {rejected}" in text
+    assert browser.find_elements(By.CSS_SELECTOR, "img[src='/files/stats/catalog.png']")
+    assert {a.text for a in browser.find_elements(By.CSS_SELECTOR, "a.manifest")} == {"m", "lat"}
+    assert [a.text for a in browser.find_elements(By.CSS_SELECTOR, "a.run")] == ["r"]
+
+    # Clips: the grid of a WHERE clause, with its counts per level from the catalog
+    where = "status = 'ok' AND level <= 3"
+    browser.get(server + "/clips?where=" + urllib.request.quote(where))
+    _shot(browser, tmp_path, "clips")
+    want = sorted(c for (c,) in _sql(demo_root, f"SELECT clip_id FROM clips WHERE {where}"))
+    got = sorted(a.get_attribute("data-clip-id") for a in browser.find_elements(By.CSS_SELECTOR, "#grid .clip-card"))
+    assert got == want
+    levels = dict(_sql(demo_root, f"SELECT level, count(*) FROM clips WHERE {where} GROUP BY 1"))
+    rows = browser.find_elements(By.CSS_SELECTOR, "table.count-level tr")[1:]
+    assert {int(r.text.split()[0]): int(r.text.split()[1]) for r in rows} == levels
+
+    # Manifest and stage (the loader's plan per epoch): every sample of each epoch counted once
+    browser.get(server + "/manifest?name=lat")
+    assert "per bucket" in browser.find_element(By.TAG_NAME, "body").text
+    browser.get(server + "/run?name=r")
+    _shot(browser, tmp_path, "run")
+    assert browser.find_elements(By.CSS_SELECTOR, "svg#loss polyline")
+    browser.find_element(By.ID, "stage").click()
+    _shot(browser, tmp_path, "stage")
+    (n_lat,) = _sql(demo_root, "SELECT count(DISTINCT clip_id) FROM latents WHERE cache = 't' AND status = 'ok'")[0]
+    epochs = browser.find_elements(By.CSS_SELECTOR, "section.epoch")
+    assert len(epochs) == 2
+    for e in epochs:
+        source_rows = e.find_elements(By.CSS_SELECTOR, "table.count-source tr")[1:]
+        assert sum(int(r.text.split()[-1]) for r in source_rows) == n_lat  # one view of each clip per epoch
+
+
+def test_a_reject_leads_to_its_input_file(server, browser, demo_root, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    browser.get(server + "/rejects")
+    _shot(browser, tmp_path, "rejects")
+    (total,) = _sql(demo_root, "SELECT count(*) FROM clips WHERE status = 'rejected'")[0]
+    assert f"Rejects ({total})" in browser.find_element(By.TAG_NAME, "h1").text
+    # a file that exists but was rejected (a video cut in half): its page links the bytes of the input
+    (clip_id, path) = _sql(
+        demo_root,
+        "SELECT clip_id, path FROM clips WHERE status = 'rejected' AND reject_reason = 'truncated' ORDER BY 1 LIMIT 1",
+    )[0]
+    link = next(a for a in browser.find_elements(By.CSS_SELECTOR, "a.reject") if clip_id in a.get_attribute("href"))
+    link.click()
+    _shot(browser, tmp_path, "reject")
+    assert browser.find_element(By.ID, "input-path").text == path
+    href = browser.find_element(By.ID, "input-file").get_attribute("href")
+    with urllib.request.urlopen(href) as r:
+        assert r.read() == Path(path).read_bytes()
+    video = browser.find_element(By.ID, "input-video")  # it may or may not play: the page says which
+    browser.execute_script("arguments[0].load()", video)
+    time.sleep(1.0)
+    code = browser.execute_script("return arguments[0].error && arguments[0].error.code", video)
+    if code is not None:
+        assert "cannot play" in browser.find_element(By.ID, "play-error").text
+
+
+def test_a_clip_and_its_views_play(server, browser, demo_root, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    clip_id, num_frames, fps = _sql(
+        demo_root,
+        "SELECT l.clip_id, any_value(c.num_frames), any_value(c.fps) FROM latents l JOIN clips c USING (clip_id) "
+        "WHERE l.cache = 't' AND l.status = 'ok' GROUP BY 1 HAVING count(*) = 2 ORDER BY 1 LIMIT 1",
+    )[0]
+    browser.get(server + "/clip?id=" + urllib.request.quote(clip_id))
+    raw = browser.find_element(By.ID, "raw")
+    state, duration = _video(browser, raw)
+    assert state == HAVE_ENOUGH_DATA
+    assert duration == pytest.approx(num_frames / fps, abs=1.5 / fps)
+    views = _sql(
+        demo_root,
+        "SELECT view, num_frames, window_start FROM latents WHERE cache = 't' AND clip_id = ? AND status = 'ok' "
+        "ORDER BY view",
+        [clip_id],
+    )
+    blocks = browser.find_elements(By.CSS_SELECTOR, "div.view")
+    assert [int(b.get_attribute("data-view")) for b in blocks] == [v for v, *_ in views]
+    for block, (_view, frames, start) in zip(blocks, views):
+        assert f"window from frame {start}" in block.text
+        for which in ("window", "latent"):
+            state, duration = _video(browser, block.find_element(By.CSS_SELECTOR, f"video.{which}"))
+            assert state == HAVE_ENOUGH_DATA
+            assert duration == pytest.approx(frames / fps, abs=1.5 / fps)  # frame_interval 1 (demo buckets)
+    _shot(browser, tmp_path, "clip")
+    browser.execute_script("arguments[0].scrollIntoView()", blocks[0])
+    _shot(browser, tmp_path, "clip-views")
+    # made once, then served from the view cache
+    made = sorted((demo_root / "view-cache" / "latent" / "t").glob("*.mp4"))
+    assert len(made) == len(views)
+    mtimes = [p.stat().st_mtime_ns for p in made]
+    browser.refresh()
+    _video(browser, browser.find_elements(By.CSS_SELECTOR, "video.latent")[0])
+    assert [p.stat().st_mtime_ns for p in made] == mtimes
+
+
+def test_the_step_page_lists_the_clips_of_the_consumed_log(server, browser, demo_root, tmp_path):
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    from selenium.webdriver.common.by import By
+
+    run = demo_root / "runs" / "r"
+    metrics = pq.ParquetDataset(sorted(str(p) for p in (run / "metrics").glob("*.parquet"))).read()
+    consumed = pq.ParquetDataset(sorted(str(p) for p in (run / "consumed").glob("*.parquet"))).read()
+    steps = sorted(set(metrics["step"].to_pylist()))
+    assert len(steps) == 3
+    for step in steps:
+        rows = [r for r in metrics.to_pylist() if r["step"] == step]
+        m = max(rows, key=lambda r: r["generation"])
+        mask = pc.and_(
+            pc.and_(pc.equal(consumed["generation"], m["generation"]), pc.equal(consumed["epoch"], m["epoch"])),
+            pc.and_(pc.equal(consumed["step"], m["epoch_step"]), pc.invert(consumed["pad"])),
+        )
+        want = sorted(consumed.filter(mask)["clip_id"].to_pylist())
+        assert want
+        browser.get(f"{server}/step?name=r&step={step}")
+        cards = browser.find_elements(By.CSS_SELECTOR, "#grid .clip-card")
+        assert sorted(c.get_attribute("data-clip-id") for c in cards) == want
+    _shot(browser, tmp_path, "step")
+    cards[0].click()
+    assert browser.find_element(By.TAG_NAME, "h1").text == f"Clip {want[0]}" or "Clip " in browser.title
+
+
+def _status(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def test_traversal_and_writes_are_refused_and_nothing_changes(server, browser, demo_root, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    digest = hashlib.sha256((demo_root / "catalog.duckdb").read_bytes()).hexdigest()
+    (n,) = _sql(demo_root, "SELECT count(*) FROM clips")[0]
+    outside = demo_root.parent / "secret.txt"
+    outside.write_text("not yours")
+    link = demo_root / "stats" / "out.txt"
+    link.symlink_to(outside)
+    try:
+        assert _status(server + "/files/stats/catalog.png")[0] == 200
+        for path in ("/files/../secret.txt", "/files/stats/../../secret.txt", "/files/%2e%2e/secret.txt",
+                     f"/files/{outside}", "/files//etc/passwd", "/files/stats/out.txt"):  # fmt: skip
+            code, body = _status(server + path)
+            assert code == 403 and "refused" in body and "not yours" not in body, (path, code, body)
+    finally:
+        link.unlink()
+    for where in (
+        "true; DROP TABLE clips",
+        "true); DELETE FROM clips; SELECT (1",
+        "clip_id IN (SELECT content FROM read_text('/etc/hostname'))",
+        "(SELECT count(*) FROM read_csv('" + str(outside) + "')) > 0",
+        "no_such_column > 3",
+    ):
+        browser.get(server + "/clips?where=" + urllib.request.quote(where))
+        err = browser.find_elements(By.ID, "error")
+        assert err and "\n" not in err[0].text and "Traceback" not in browser.page_source, where
+        assert not browser.find_elements(By.CSS_SELECTOR, "#grid .clip-card")
+    _shot(browser, tmp_path, "refused")
+    assert hashlib.sha256((demo_root / "catalog.duckdb").read_bytes()).hexdigest() == digest
+    assert _sql(demo_root, "SELECT count(*) FROM clips")[0] == (n,)
+
+
+def test_every_raw_clip_plays_or_its_page_says_why(server, browser, demo_root):
+    """The demo mixes H.264 in MP4/MOV/MKV, VP9 WebM, AV1 MKV, HEVC MP4 and MPEG-4 AVI: a clip of each
+    plays from its shard in this Chromium, with the duration ffprobe gives its file, or its page says in
+    one line why it cannot."""
+    from selenium.webdriver.common.by import By
+
+    said = set()
+    for clip_id, codec, ext, path in _sql(
+        demo_root,
+        "SELECT min(clip_id), codec, ext, arg_min(path, clip_id) FROM clips WHERE status = 'ok' "
+        "GROUP BY ALL ORDER BY 2, 3",
+    ):
+        browser.get(server + "/clip?id=" + urllib.request.quote(clip_id))
+        why = browser.find_elements(By.ID, "raw-why")
+        if why:
+            assert "\n" not in why[0].text and (codec in why[0].text or ext in why[0].text), why[0].text
+            said.add((codec, ext))
+            continue
+        state, duration = _video(browser, browser.find_element(By.ID, "raw"))
+        assert state == HAVE_ENOUGH_DATA, (codec, ext)
+        probed = subprocess.run(
+            ["ffprobe", "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0", path],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        assert duration == pytest.approx(float(probed), abs=0.05), (codec, ext)  # the container's duration
+    assert said == {("hevc", "mp4"), ("mpeg4", "avi")}
+
+
+def test_thumbnails_are_the_displayed_picture(server, demo_root, tmp_path):
+    """A rotated and an anamorphic clip's thumbnails equal ffmpeg's first frame (autorotate, SAR) at their size."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rows = _sql(
+        demo_root, "SELECT clip_id, path FROM clips WHERE status = 'ok' AND (rotation <> 0 OR sar_num <> sar_den)"
+    )
+    assert len(rows) == 2
+    for clip_id, path in rows:
+        with urllib.request.urlopen(f"{server}/media/thumb?id={clip_id}") as r:
+            thumb = np.asarray(Image.open(io.BytesIO(r.read())).convert("RGB"), dtype=float)
+        h, w = thumb.shape[:2]
+        ref = tmp_path / f"{clip_id}.png"
+        subprocess.run(
+            ["ffmpeg", "-v", "error", "-i", path, "-frames:v", "1", "-vf", f"scale={w}:{h}", str(ref)], check=True
+        )
+        assert np.abs(thumb - np.asarray(Image.open(ref).convert("RGB"), dtype=float)).mean() < 6.0
+
+
+def test_only_loopback_addresses_go_without_a_warning():
+    from reelcache.view.server import _loopback
+
+    assert all(_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
+    assert not any(_loopback(h) for h in ("0.0.0.0", "::", "10.1.2.3", "head-node"))

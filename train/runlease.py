@@ -1,0 +1,85 @@
+"""One run directory, one writer: the lease a training start takes before it reads or writes its run.
+
+Two starts of one run (a job submitted twice, a requeue racing its own dying predecessor, a human
+restarting what still runs) would otherwise both resume from the same checkpoint, write the same
+``ckpt-*``, log the same steps twice in metrics and the consumed log, share one wandb run, and the
+second would delete the first's ``.tmp-ckpt-*`` while it is being written. So a start takes
+``runs/<run>/run.lease``, the lease units already take (catalog/lease.py: an ``O_EXCL`` file naming
+host, boot id, pid and its start time, the Slurm job; a heartbeat; stale when its holder is gone),
+before it looks at the run's checkpoints, and gives it back when it exits.
+
+Rank 0 of the launch holds it; every other rank learns the outcome through the process group
+before it does anything, so a refused start is refused on every rank at once. With ``--wait`` (what
+the Slurm script runs) rank 0 polls the lease, and the ranks agree on each poll, until the holder
+is gone; without it, a live holder is one line naming it. A start refused here, or by any check
+after it, leaves nothing in ``runs/<run>/`` that was not there before: the trainer writes nothing
+until every check has passed, and the folders made for the lease are removed when they stay empty.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from reelcache import UserError
+from reelcache.catalog.lease import Busy, Lease, acquire
+from reelcache.progress import say
+
+NAME = "run.lease"
+
+
+class RunLease:
+    """The run directory's lease on rank 0 (None elsewhere); ``release`` gives it back, and removes
+    the folders this start made when it leaves them empty (a refused start)."""
+
+    def __init__(self, lease: Lease | None, made: list[Path]):
+        self.lease, self.made = lease, made
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        for folder in reversed(self.made):  # the run directory first, then runs/ if this start made it
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty: the run wrote in it
+                break
+        self.made = []
+
+
+def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0) -> RunLease:
+    """Collective: the lease of ``run_dir`` on rank 0; a UserError (rank 0) or a quiet exit with status 2
+    (the other ranks) when a live run holds it and ``wait`` is off, or the directory cannot be written."""
+    told = False
+    while True:
+        lease, made, outcome = None, [], ("held", "")
+        if par.rank == 0:
+            made = [p for p in (run_dir.parent, run_dir) if not p.exists()]
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                lease = acquire(run_dir / NAME)
+            except Busy as e:
+                outcome = ("busy", _busy(run_dir, e))
+            except OSError as e:
+                outcome = ("error", f"cannot write in {run_dir}: {e.strerror or e}")
+        state, message = par.gather_objects(outcome)[0]
+        if state == "held":
+            return RunLease(lease, made)
+        RunLease(None, made).release()
+        if state == "busy" and wait:
+            if par.rank == 0 and not told:
+                say(f"{message.split(': wait', 1)[0]}: waiting for it to end (--wait)")
+                told = True
+            time.sleep(poll_s)
+            continue
+        if par.rank == 0:
+            raise UserError(message)
+        raise SystemExit(2)  # rank 0 says why, once
+
+
+def _busy(run_dir: Path, e: Busy) -> str:
+    return (
+        f"run {run_dir.name} is running: {run_dir / NAME} is held by {e.holder.describe()}: wait for it "
+        f"with --wait, or stop it first (touch {run_dir / 'stop'}), or train under another run.name"
+    )

@@ -1,0 +1,47 @@
+"""``reelcache view``: the viewer's arguments (reelcache/cli.py only registers them).
+
+Nothing heavy is imported here: the parser builds without starlette, uvicorn, duckdb or torch."""
+
+from __future__ import annotations
+
+import argparse
+
+from reelcache.settings import arg, existing_dir
+
+# view/server.py (starlette, uvicorn, jinja2, duckdb) is imported by the command when it runs:
+# `reelcache --help` builds every stage's parser.
+
+EXAMPLES = """\
+examples:
+  reelcache view --root demo-root --videos demo-data/videos     # http://127.0.0.1:8050
+  # on a cluster's head node, seen from a laptop through an ssh tunnel:
+  ssh -L 8050:127.0.0.1:8050 head 'reelcache view --root /data/rc'   # then open http://127.0.0.1:8050
+"""
+
+
+def add_commands(top) -> None:
+    p = top.add_parser(
+        "view",
+        help="a read-only web app over the catalog, caches and runs (rejects, clips, buckets, what a step saw)",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--root", required=True, type=existing_dir, help="data root (catalog.duckdb, latents, runs)")
+    p.add_argument("--port", type=arg(int, ge=0, le=65535), default=8050, help="TCP port (0: any free one)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default loopback; anything else warns: no login)"
+    )
+    p.add_argument(
+        "--videos",
+        action="append",
+        default=[],
+        type=existing_dir,
+        help="a folder of input videos whose rejected files may be served too (repeatable; default: none)",
+    )
+    p.set_defaults(fn=_view)
+
+
+def _view(a) -> None:
+    from reelcache.view.server import serve
+
+    serve(a.root, host=a.host, port=a.port, videos=a.videos)

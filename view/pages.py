@@ -1,0 +1,333 @@
+"""The viewer's routes: pages (Jinja2 templates in view/templates/) and media (files, ranges, previews)."""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.templating import Jinja2Templates
+
+from reelcache.catalog.levels import NOUN_TAGS
+from reelcache.view import preview, runs
+from reelcache.view.files import Refused, confined, file_response, playable, slice_response, within
+from reelcache.view.store import PAGE, REJECTS_PAGE, BadQuery
+
+templates = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
+DEFAULT_WHERE = "status = 'ok'"
+MAX_POINTS, MAX_ROWS = 1500, 300  # a run's loss curve and table
+
+
+def _store(request: Request):
+    return request.app.state.store
+
+
+def _root(request: Request) -> Path:
+    return request.app.state.root
+
+
+def _page(request: Request) -> int:
+    try:
+        return max(0, int(request.query_params.get("page", 0)))
+    except ValueError:
+        raise ValueError(f"page = {request.query_params.get('page')!r}: expected a number >= 0") from None
+
+
+def _render(request: Request, template: str, status: int = 200, **ctx) -> Response:
+    return templates.TemplateResponse(request, template, ctx, status_code=status)
+
+
+def _clip(request: Request, clip_id: str | None = None) -> dict:
+    from reelcache.view.server import NotFound
+
+    clip_id = clip_id or request.query_params.get("id", "")
+    clip = _store(request).clip(clip_id)
+    if clip is None:
+        raise NotFound(f"no clip {clip_id!r} in the catalog")
+    return clip
+
+
+# -- pages ---------------------------------------------------------------------------------
+def overview(request: Request) -> Response:
+    root = _root(request)
+    plots = sorted(str(p.relative_to(root)) for p in [*root.glob("stats/*.png"), *root.glob("runs/*.png")])
+    return _render(
+        request, "overview.html", o=_store(request).overview(), plots=plots, runs=runs.list_runs(root), root=root
+    )
+
+
+def rejects(request: Request) -> Response:
+    reason = request.query_params.get("reason") or None
+    page = _page(request)
+    rows, total = _store(request).rejects(reason, page)
+    return _render(
+        request,
+        "rejects.html",
+        reasons=_store(request).reject_reasons(),
+        reason=reason,
+        rows=rows,
+        total=total,
+        page=page,
+        pages=max(1, math.ceil(total / REJECTS_PAGE)),
+    )
+
+
+def reject(request: Request) -> Response:
+    clip = _clip(request)
+    why = None
+    try:
+        _input_path(request, clip)
+    except Refused as e:
+        why = str(e)
+    ext = (clip["path"] or "").rsplit(".", 1)[-1].lower() if clip["path"] else None
+    return _render(request, "reject.html", c=clip, refused=why, unplayable=why or playable(clip["codec"], ext))
+
+
+def clips(request: Request) -> Response:
+    where = request.query_params.get("where", DEFAULT_WHERE).strip() or "true"
+    page = _page(request)
+    try:
+        res, error = _store(request).clips(where, page), None
+    except BadQuery as e:
+        res, error = {"grid": [], "counts": {}, "total": 0}, str(e)
+    return _render(
+        request,
+        "clips.html",
+        status=400 if error else 200,
+        where=where,
+        error=error,
+        page=page,
+        pages=max(1, math.ceil(res["total"] / PAGE)),
+        **res,
+    )
+
+
+def clip(request: Request) -> Response:
+    c = _clip(request)
+    views = _store(request).clip_latents(c["clip_id"])
+    for v in views:
+        v["span"] = _span(request, v)
+    return _render(
+        request,
+        "clip.html",
+        c=c,
+        views=views,
+        nouns=_nouns(c),
+        unplayable=playable(c["codec"], c["ext"]) if c["shard"] else "this clip has no raw shard (rejected at ingest)",
+    )
+
+
+def manifest(request: Request) -> Response:
+    from reelcache.view.server import NotFound
+
+    name, fp = request.query_params.get("name", ""), request.query_params.get("fp")
+    m = _store(request).manifest(name, fp)
+    if m is None:
+        raise NotFound(f"no manifest {name!r} in the catalog")
+    path, store = confined(_root(request), m["path"]), _store(request)
+    return _stream(request, "manifest.html", m=m, info=lambda: _manifest_counts(store, path, m["fingerprint"]))
+
+
+@functools.lru_cache(maxsize=16)
+def _manifest_counts(store, path: Path, fingerprint: str) -> tuple[int, list[str], dict]:
+    """A manifest's size, columns and counts: computed once, as its content never changes (its fingerprint)."""
+    names = pq.read_schema(path).names
+    table = pq.read_table(path, columns=[c for c in ("clip_id", "bucket") if c in names])
+    return table.num_rows, names, store.breakdown(table)
+
+
+def run(request: Request) -> Response:
+    root, name = _root(request), request.query_params.get("name", "")
+    d = runs.run_dir(root, name)
+    if not d.is_dir():
+        raise Refused(f"no run {name!r} under {root / 'runs'}")
+    losses, bad = runs.losses(d), runs.bad_steps(d)
+    return _render(
+        request,
+        "run.html",
+        name=name,
+        losses=losses[-MAX_ROWS:],
+        logged=len(losses),
+        bad=bad,
+        svg=_loss_svg(name, losses, {b["step"] for b in bad}),
+        samples=runs.eval_samples(root, d),
+        has_config=(d / "config.json").exists(),
+    )
+
+
+def step(request: Request) -> Response:
+    root, name = _root(request), request.query_params.get("name", "")
+    try:
+        n = int(request.query_params.get("step", ""))
+    except ValueError:
+        raise ValueError(f"step = {request.query_params.get('step')!r}: expected a step number") from None
+    rows = runs.step_clips(runs.run_dir(root, name), n)
+    meta = _store(request).clips_by_id([r["clip_id"] for r in rows])
+    return _render(request, "step.html", name=name, step=n, rows=rows, meta=meta)
+
+
+def stage(request: Request) -> Response:
+    root, name = _root(request), request.query_params.get("name", "")
+    return _stream(request, "stage.html", name=name, s=runs.stage(root, runs.run_dir(root, name), _store(request)))
+
+
+def _stream(request: Request, template: str, **ctx) -> Response:
+    """A page sent as it renders: its head at once, then what takes seconds at 1.3M clips (a manifest's
+    join with the catalog, each epoch of a stage as the loader plans it), computed by the template."""
+
+    def body():
+        try:
+            yield from templates.get_template(template).generate(request=request, **ctx)
+        except (ValueError, OSError) as e:  # after the head is sent: the error is a line on the page
+            yield f'<p class="err">{html.escape(" ".join(str(e).split()))}</p></main></body></html>'
+
+    return StreamingResponse(body(), media_type="text/html; charset=utf-8")
+
+
+# -- media ---------------------------------------------------------------------------------
+def media_raw(request: Request) -> Response:
+    """The clip's video member, straight from its raw shard (byte ranges of the tar)."""
+    c = _clip(request)
+    if not c["shard"]:
+        raise Refused(f"clip {c['clip_id']!r} has no raw shard")
+    path = confined(_root(request), c["shard"])
+    return slice_response(path, c["shard_offset"], c["file_size"], request.headers.get("range"), _type(c["ext"]))
+
+
+def _input_path(request: Request, clip: dict) -> Path:
+    if not clip["path"]:
+        raise Refused("the source row names no file")
+    p = Path(clip["path"])
+    if not p.is_absolute():
+        raise Refused(f"refused: the input path {clip['path']!r} is not absolute")
+    if not p.exists():
+        raise Refused(f"the input file {p} does not exist (any more)")
+    try:
+        return within(p, [_root(request), *request.app.state.videos])
+    except Refused:
+        raise Refused(
+            f"the input file {p} is outside the data root: not served (start the viewer with --videos <its folder>)"
+        ) from None
+
+
+def media_input(request: Request) -> Response:
+    """A rejected row's input file: only from ROOT or a --videos folder."""
+    return file_response(_input_path(request, _clip(request)), request.headers.get("range"))
+
+
+def media_thumb(request: Request) -> Response:
+    c = _clip(request)
+    if not c["shard"]:
+        raise Refused(f"clip {c['clip_id']!r} has no raw shard")
+    return file_response(preview.thumbnail(_root(request), c), None)
+
+
+def _latent(request: Request) -> tuple[dict, dict]:
+    from reelcache.view.server import NotFound
+
+    c = _clip(request)
+    cache, view = request.query_params.get("cache", ""), int(request.query_params.get("view", 0))
+    lat = _store(request).latent(cache, c["clip_id"], view)
+    if lat is None:
+        raise NotFound(f"no latent of clip {c['clip_id']!r} in cache {cache!r} (view {view})")
+    return c, lat
+
+
+def media_window(request: Request) -> Response:
+    c, lat = _latent(request)
+    return file_response(preview.window_preview(_root(request), c, lat), request.headers.get("range"))
+
+
+def media_latent(request: Request) -> Response:
+    c, lat = _latent(request)
+    return file_response(preview.latent_preview(_root(request), c, lat), request.headers.get("range"))
+
+
+def files(request: Request) -> Response:
+    path = confined(_root(request), request.path_params["path"])
+    if not path.is_file():
+        raise Refused(f"not a file under the data root: {request.path_params['path']!r}")
+    return file_response(path, request.headers.get("range"))
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _type(ext: str | None) -> str:
+    from reelcache.view.files import content_type
+
+    return content_type(f"x.{ext or 'mp4'}")
+
+
+def _span(request: Request, v: dict) -> dict | None:
+    """Where the view's window sits in the clip: (start, frames covered, duration s), from cache.json."""
+    if v["status"] != "ok":
+        return None
+    try:
+        _cfg, ident = preview.cache_doc(_root(request), v["cache"])
+    except Exception:  # noqa: BLE001 - a cache planned elsewhere: the page says so instead
+        return None
+    k = int(ident["buckets"].get("frame_interval", 1))
+    return {"interval": k, "covered": (v["num_frames"] - 1) * k + 1}
+
+
+@functools.cache
+def tagger():
+    """textblob's PatternTagger (its lexicon takes about a second to load: server.py warms it at start)."""
+    from textblob.en.taggers import PatternTagger
+
+    return PatternTagger()
+
+
+def _nouns(c: dict) -> list[tuple[str, bool]]:
+    """The caption's words, each marked noun or not by the catalog's tagger (textblob's pattern)."""
+    text = c["text"] or ""
+    if not (c.get("noun_tagger") or "").startswith("textblob"):
+        return [(text, False)]
+    return [(w, tag in NOUN_TAGS) for w, tag in tagger().tag(text)]
+
+
+def _loss_svg(name: str, losses: list[dict], bad: set[int], w: int = 720, h: int = 220) -> dict | None:
+    pts = [r for r in losses if r["loss"] is not None and math.isfinite(r["loss"])]
+    if not pts:
+        return None
+    s0, s1 = pts[0]["step"], max(pts[-1]["step"], pts[0]["step"] + 1)
+    lo, hi = min(r["loss"] for r in pts), max(r["loss"] for r in pts)
+    hi = hi if hi > lo else lo + 1
+
+    def xy(r):
+        return 40 + (w - 50) * (r["step"] - s0) / (s1 - s0), 10 + (h - 30) * (hi - r["loss"]) / (hi - lo)
+
+    every = max(1, len(pts) // MAX_POINTS)  # a long run: every k-th step drawn, bad ones always
+    pts = [r for i, r in enumerate(pts) if i % every == 0 or r["step"] in bad or r["skipped"]]
+    points = [(*xy(r), r["step"], r["loss"], r["step"] in bad or r["skipped"]) for r in pts]
+    return {"w": w, "h": h, "points": points, "line": " ".join(f"{x:.1f},{y:.1f}" for x, y, *_ in points),
+            "lo": lo, "hi": hi, "s0": s0, "s1": s1}  # fmt: skip
+
+
+def _json(v) -> str:
+    return json.dumps(v, default=str)
+
+
+templates.env.filters["tojson_plain"] = _json
+
+ROUTES = [
+    ("/", overview),
+    ("/rejects", rejects),
+    ("/reject", reject),
+    ("/clips", clips),
+    ("/clip", clip),
+    ("/manifest", manifest),
+    ("/run", run),
+    ("/step", step),
+    ("/stage", stage),
+    ("/media/raw", media_raw),
+    ("/media/input", media_input),
+    ("/media/thumb", media_thumb),
+    ("/media/window", media_window),
+    ("/media/latent", media_latent),
+    ("/files/{path:path}", files),
+]

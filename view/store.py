@@ -1,0 +1,245 @@
+"""What the pages read from the catalog: one read-only DuckDB connection, queries per page.
+
+The catalog is opened ``read_only`` with ``enable_external_access = false`` (locked), so no query
+on it, the user's WHERE clause included, can write a table, COPY out, ATTACH, or read a file
+outside the database. The user's clause is also checked to be one condition before it runs
+(``catalog/sql.py``'s ``check_where``, the check every ``--where`` of the CLI gets), and is
+interrupted after ``USER_SQL_S`` seconds. A bad clause is a ``BadQuery`` with one line for the
+page. Each request takes its own cursor (DuckDB connections are not shared between threads;
+cursors of one connection are).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import duckdb
+
+from reelcache import UserError
+from reelcache.catalog.db import db_path
+from reelcache.catalog.sql import check_where, where_sql
+
+USER_SQL_S = 10.0
+PAGE = 60  # clips per grid page
+REJECTS_PAGE = 50
+CLIP_COLUMNS = "clip_id, source, text, level, noun_count, width, height, fps, duration, num_frames, codec, file_size"
+
+
+class BadQuery(ValueError):
+    """A user's SQL fragment that is not one read-only SELECT, or that failed: one line for the page."""
+
+
+class Store:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        path = db_path(self.root)
+        if not path.exists():
+            raise UserError(f"no catalog at {path}: run `reelcache catalog merge --root {root}` first")
+        try:
+            self.con = duckdb.connect(
+                str(path), read_only=True, config={"enable_external_access": False, "lock_configuration": True}
+            )
+        except duckdb.IOException as e:
+            raise UserError(f"cannot open {path} read-only ({e}); is a merge running?") from e
+        self.tables = {r[0] for r in self.rows("SELECT table_name FROM information_schema.tables")}
+
+    def close(self) -> None:
+        self.con.close()
+
+    def rows(self, sql: str, params=None) -> list[tuple]:
+        cur = self.con.cursor()
+        try:
+            return cur.execute(sql, params or []).fetchall()
+        finally:
+            cur.close()
+
+    def dicts(self, sql: str, params=None) -> list[dict]:
+        cur = self.con.cursor()
+        try:
+            rel = cur.execute(sql, params or [])
+            cols = [d[0] for d in rel.description]
+            return [dict(zip(cols, r)) for r in rel.fetchall()]
+        finally:
+            cur.close()
+
+    # -- the user's WHERE clause -------------------------------------------------------------
+    def user_rows(self, where: str, sql: str, params=None) -> list[dict]:
+        """``sql`` with ``{where}`` replaced by the user's clause, after checking it is one SELECT."""
+        try:
+            query = sql.replace("{where}", where_sql(check_where(where, option="WHERE")))
+        except UserError as e:
+            raise BadQuery(str(e)) from None
+        cur = self.con.cursor()
+        timer = threading.Timer(USER_SQL_S, cur.interrupt)
+        timer.start()
+        try:
+            rel = cur.execute(query, params or [])
+            cols = [d[0] for d in rel.description]
+            return [dict(zip(cols, r)) for r in rel.fetchall()]
+        except duckdb.InterruptException:
+            raise BadQuery(f"stopped after {USER_SQL_S:.0f} s: {where!r}") from None
+        except duckdb.Error as e:
+            raise BadQuery(_one_line(e)) from None
+        finally:
+            timer.cancel()
+            cur.close()
+
+    # -- pages -------------------------------------------------------------------------------
+    def overview(self) -> dict:
+        out = {
+            "sources": self.dicts(
+                """SELECT source, count(*) AS rows, count(*) FILTER (status = 'ok') AS ok,
+                   count(*) FILTER (status = 'rejected') AS rejected,
+                   round(sum(file_size) FILTER (status = 'ok') / 1e9, 3) AS ok_gb,
+                   round(sum(duration) FILTER (status = 'ok') / 3600, 2) AS ok_hours
+                   FROM clips GROUP BY 1 ORDER BY 1"""
+            ),
+            "units": self.dicts(
+                "SELECT stage, source, count(*) AS units, sum(num_rows) AS rows, sum(num_ok) AS ok "
+                "FROM units GROUP BY ALL ORDER BY 1, 2"
+            ),
+            "shards": self.dicts(
+                "SELECT source, count(*) AS shards, sum(num_clips) AS clips, round(sum(video_bytes) / 1e9, 3) AS gb "
+                "FROM shards GROUP BY 1 ORDER BY 1"
+            ),
+            "caches": self.dicts(
+                "SELECT cache, count(DISTINCT clip_id) AS clips, count(*) FILTER (status = 'ok') AS latents, "
+                "count(*) FILTER (status = 'rejected') AS rejected, count(DISTINCT bucket) AS buckets "
+                "FROM latents GROUP BY 1 ORDER BY 1"
+            ),
+            "manifests": self.manifests(),
+        }
+        return out
+
+    def manifests(self) -> list[dict]:
+        return self.dicts(
+            "SELECT name, fingerprint, path, where_sql, num_clips, created_at FROM manifests ORDER BY created_at DESC"
+        )
+
+    def reject_reasons(self) -> list[dict]:
+        return self.dicts(
+            "SELECT reject_reason AS reason, count(*) AS n FROM clips WHERE status = 'rejected' "
+            "GROUP BY 1 ORDER BY 2 DESC"
+        )
+
+    def rejects(self, reason: str | None, page: int) -> tuple[list[dict], int]:
+        cond, params = ("AND reject_reason = ?", [reason]) if reason else ("", [])
+        (total,) = self.rows(f"SELECT count(*) FROM clips WHERE status = 'rejected' {cond}", params)[0]
+        rows = self.dicts(
+            f"""SELECT clip_id, source, unit, "row", path, relpath, reject_reason, reject_detail, file_size, codec
+                FROM clips WHERE status = 'rejected' {cond} ORDER BY source, unit, "row"
+                LIMIT {REJECTS_PAGE} OFFSET ?""",
+            [*params, page * REJECTS_PAGE],
+        )
+        return rows, total
+
+    def clips(self, where: str, page: int) -> dict:
+        """One grid page of the clips matching ``where`` and its counts per level, source and bucket."""
+        grid = self.user_rows(
+            where,
+            f"SELECT {CLIP_COLUMNS} FROM clips WHERE {{where}} ORDER BY clip_id LIMIT {PAGE} OFFSET ?",
+            [page * PAGE],
+        )
+        counts = {
+            "level": self.user_rows(
+                where, "SELECT level AS key, count(*) AS n FROM clips WHERE {where} GROUP BY 1 ORDER BY 1"
+            ),
+            "source": self.user_rows(
+                where, "SELECT source AS key, count(*) AS n FROM clips WHERE {where} GROUP BY 1 ORDER BY 1"
+            ),
+        }
+        counts["bucket"] = self.user_rows(
+            where,
+            """SELECT l.cache || ' ' || l.bucket AS key, count(*) AS n FROM latents l
+               WHERE l.status = 'ok' AND l.view = 0 AND l.clip_id IN (SELECT clip_id FROM clips WHERE {where})
+               GROUP BY 1 ORDER BY 1""",
+        )
+        total = sum(r["n"] for r in counts["source"])
+        return {"grid": grid, "counts": counts, "total": total}
+
+    def clip(self, clip_id: str) -> dict | None:
+        rows = self.dicts("SELECT * FROM clips WHERE clip_id = ?", [clip_id])
+        return rows[0] if rows else None
+
+    def clip_latents(self, clip_id: str) -> list[dict]:
+        return self.dicts(
+            """SELECT cache, view, status, reject_reason, reject_detail, bucket, num_frames, height, width,
+                      window_start, shape, shard, shard_offset
+               FROM latents WHERE clip_id = ? ORDER BY cache, view""",
+            [clip_id],
+        )
+
+    def latent(self, cache: str, clip_id: str, view: int) -> dict | None:
+        rows = self.dicts(
+            "SELECT * FROM latents WHERE cache = ? AND clip_id = ? AND view = ? AND status = 'ok'",
+            [cache, clip_id, view],
+        )
+        return rows[0] if rows else None
+
+    def clips_by_id(self, ids: list[str]) -> dict[str, dict]:
+        if not ids:
+            return {}
+        rows = self.dicts(f"SELECT {CLIP_COLUMNS} FROM clips WHERE clip_id IN (SELECT unnest(?))", [ids])
+        return {r["clip_id"]: r for r in rows}
+
+    def manifest(self, name: str, fingerprint: str | None = None) -> dict | None:
+        cond, params = ("AND fingerprint = ?", [name, fingerprint]) if fingerprint else ("", [name])
+        rows = self.dicts(f"SELECT * FROM manifests WHERE name = ? {cond} ORDER BY created_at DESC LIMIT 1", params)
+        return rows[0] if rows else None
+
+    def breakdown(self, table) -> dict:
+        """Counts of the rows of an Arrow table with ``clip_id`` (and maybe ``bucket``) per level and source
+        (joined to the catalog, in one pass) and per bucket: a manifest's, a step's, an epoch plan's samples."""
+        cur = self.con.cursor()
+        try:
+            cur.register("sel", table)
+            pairs = cur.execute("SELECT c.level, c.source, count(*) FROM sel JOIN clips c USING (clip_id) GROUP BY ALL")
+            level: dict = {}
+            source: dict = {}
+            for lv, src, n in pairs.fetchall():
+                level[lv] = level.get(lv, 0) + n
+                source[src] = source.get(src, 0) + n
+            out = {k: [{"key": key, "n": n} for key, n in sorted(d.items(), key=lambda kv: (kv[0] is None, kv[0]))]
+                   for k, d in (("level", level), ("source", source))}  # fmt: skip
+            if "bucket" in table.column_names:
+                out["bucket"] = _dicts(cur, "SELECT bucket AS key, count(*) AS n FROM sel GROUP BY 1 ORDER BY 1")
+            return out
+        finally:
+            cur.close()
+
+    def lookup(self, ids, columns: tuple[str, ...]) -> dict:
+        """For an Arrow array of clip ids: {column: (names, code per id)} from one join with the catalog
+        (a clip the catalog lacks gets the name None)."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        cur = self.con.cursor()
+        try:
+            cur.register("ids", pa.table({"i": pa.array(np.arange(len(ids))), "clip_id": ids}))
+            cols = ", ".join(f"c.{c}" for c in columns)
+            got = cur.sql(f"SELECT {cols} FROM ids LEFT JOIN clips c USING (clip_id) ORDER BY ids.i").to_arrow_table()
+        finally:
+            cur.close()
+        out = {}
+        for c in columns:
+            enc = pc.dictionary_encode(got[c].combine_chunks())
+            names = enc.dictionary.to_pylist()
+            code = enc.indices.fill_null(len(names)).to_numpy(zero_copy_only=False)
+            order = sorted(range(len(names)), key=lambda k: (names[k] is None, names[k]))  # names sorted
+            rank = np.empty(len(names) + 1, np.int64)
+            rank[order] = np.arange(len(names))
+            rank[len(names)] = len(names)
+            out[c] = ([names[k] for k in order] + [None], rank[code])
+        return out
+
+
+def _dicts(cur, sql: str) -> list[dict]:
+    rel = cur.execute(sql)
+    cols = [d[0] for d in rel.description]
+    return [dict(zip(cols, r)) for r in rel.fetchall()]
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())[:500]
