@@ -38,10 +38,12 @@ GPU_STAMP := $(VENV)/.installed-gpu
 # one-node Slurm (tests/slurm_local.py, which runs only as root: elsewhere its tests skip, so no sudo
 # for them); each name is a package and the command that shows it installed (slurmctld brings sbatch),
 # or package:command. As root also Debian's Chromium and its driver, for the viewer's browser tests
-# (tests/test_view.py, skipped where they are missing).
-SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd chromium chromium-driver:chromedriver)
+# (tests/test_view.py, skipped where they are missing); and OpenSSH's server and iproute2, for the
+# suite's namespace cluster (tests/cluster_local.py; root only, else its tests skip).
+SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd chromium chromium-driver:chromedriver \
+    openssh-server:sshd iproute2:ip)
 sysdeps:
-	@missing=""; for c in $(SYSDEPS); do command -v $${c#*:} >/dev/null || missing="$$missing $${c%%:*}"; done; \
+	@missing=""; for c in $(SYSDEPS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $${c#*:} >/dev/null || missing="$$missing $${c%%:*}"; done; \
 	[ -z "$$missing" ] && exit 0; \
 	if ! command -v apt-get >/dev/null; then \
 	    echo "reelcache needs$$missing: install them with your system's package manager, then run make again"; exit 2; fi; \

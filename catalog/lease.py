@@ -11,8 +11,9 @@ A lease is *stale* (its holder is gone) when:
 
 - same host (equal host name and boot id): the pid is not running, or it is a zombie, or it runs
   with another start time (the pid was reused);
-- another host, or the same host after a reboot: its heartbeat is older than ``TTL_S``. The
-  holder's daemon thread refreshes the file's mtime every ``HEARTBEAT_S``; the age is measured by
+- another host, or the same host after a reboot: its heartbeat is older than ``TTL_S`` (300 s, or
+  ``REELCACHE_LEASE_TTL_S``). The holder's daemon thread refreshes the file's mtime every
+  ``HEARTBEAT_S`` (a tenth of it, at most 30 s); the age is measured by
   the storage's own clock (the mtime of a file just created beside it), so clock skew between
   nodes does not matter, only how long a holder can be frozen (SIGSTOP, a hung mount).
 
@@ -37,8 +38,22 @@ from pathlib import Path
 
 from reelcache import UserError
 
-TTL_S = 300.0  # another host's lease without a heartbeat for this long is stale
-HEARTBEAT_S = 30.0  # how often a holder refreshes its leases' mtime
+
+def _ttl_from_env() -> tuple[float, str]:
+    """``REELCACHE_LEASE_TTL_S`` (default 300): a shorter staleness for tests and small clusters whose
+    storage never freezes long. A bad value is reported by ``acquire`` (one line, before any work)."""
+    raw = os.environ.get("REELCACHE_LEASE_TTL_S", "300")
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = -1.0
+    if not 1.0 <= ttl <= 86400.0:
+        return 300.0, f"REELCACHE_LEASE_TTL_S={raw!r}: must be seconds between 1 and 86400 (default 300)"
+    return ttl, ""
+
+
+TTL_S, _TTL_ERROR = _ttl_from_env()  # another host's lease without a heartbeat for this long is stale
+HEARTBEAT_S = min(30.0, TTL_S / 10)  # how often a holder refreshes its leases' mtime
 GUARD_S = 30.0  # a takeover guard (or a lease still being written) older than this is stale
 
 
@@ -154,14 +169,16 @@ class Lease:
         self.path, self.token = path, token
         self.owner = os.getpid()  # a forked child inherits this object (and atexit), not the lease
 
+    def held(self) -> bool:
+        """Whether the lease file is still ours."""
+        try:
+            return json.loads(self.path.read_text()).get("token") == self.token
+        except (OSError, ValueError):
+            return False
+
     def verify(self) -> None:
         """Raise LostLease unless the lease file is still ours (checked before publishing results)."""
-        holder = None
-        try:
-            holder = json.loads(self.path.read_text()).get("token")
-        except (OSError, ValueError):
-            pass
-        if holder != self.token:
+        if not self.held():
             raise LostLease(
                 f"lost the lease {self.path} (its heartbeat stopped for longer than {TTL_S:g} s and "
                 "another run took over): not publishing this run's results"
@@ -245,6 +262,8 @@ def _remove_if_stale(path: Path, stale: Holder) -> None:
 
 def acquire(path: Path, *, wait: bool = False, poll_s: float = 1.0, on_wait=None) -> Lease:
     """Take the lease at `path`: raise Busy if a live run holds it, or with `wait`, wait until it is free."""
+    if _TTL_ERROR:
+        raise UserError(_TTL_ERROR)
     global _beat
     path = Path(path)
     told = False

@@ -142,6 +142,8 @@ class ShardWriter:
                 os.fsync(self.fd)
             os.close(self.fd)
             self.fd = None
+            if (lease := self._lease()) is not None:
+                lease.verify()  # a run frozen past its lease's TTL must not replace the new holder's shard
             os.replace(self._tmp(), self.dir / self.name)
         except OSError as e:
             raise OutputError(self._tmp(), e) from e
@@ -212,14 +214,22 @@ class ShardWriter:
         self._close_current()
         return self.finished
 
+    def _lease(self):
+        """The lease of the unit these shards belong to, where this process runs it."""
+        return _UNITS.get(self.dir / f"{self.stem}.parquet")
+
     def abort(self):
-        """Give up: remove the shard being written and the finished ones (no sidecar will name them)."""
+        """Give up: remove the shard being written and the finished ones (no sidecar will name them),
+        unless another run took the unit's lease over: the finished names are then its shards."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        if self.index >= 0:
             self._tmp().unlink(missing_ok=True)
-        for p in self.finished:
-            p.unlink(missing_ok=True)
+        lease = self._lease()
+        if lease is None or lease.held():
+            for p in self.finished:
+                p.unlink(missing_ok=True)
         self.finished = []
 
 

@@ -86,3 +86,13 @@ def sql(root: Path, query: str):
         return con.execute(query).fetchall()
     finally:
         con.close()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """Three nodes, each a network + UTS + mount namespace with real sshd (tests/cluster_local.py),
+    started once for the session; skipped with one line where it cannot start (not root, no sshd)."""
+    from cluster_local import local_cluster_or_skip
+
+    with local_cluster_or_skip(tmp_path_factory.mktemp("cluster"), nodes=3) as c:
+        yield c

@@ -59,7 +59,9 @@ class Parallel:
             torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
             # Collectives that wait longer than this are a hang, not a slow step: fail with a trace.
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+            dist.init_process_group(
+                "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=collective_timeout_s())
+            )
         Booster, LowLevelZeroPlugin, TorchDDPPlugin = _colossalai()
         if not cuda:  # else ColossalAI finds the GPU itself and moves the model there
             from colossalai.accelerator import set_accelerator
@@ -298,6 +300,24 @@ def _colossalai():
         from colossalai.booster import Booster
         from colossalai.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
     return Booster, LowLevelZeroPlugin, TorchDDPPlugin
+
+
+def collective_timeout_s() -> float:
+    """How long a collective may wait for a peer before it fails: ``REELCACHE_COLLECTIVE_TIMEOUT_S``,
+    default 1800 (torch's own). A node that goes silent (its link cut, its processes frozen: no
+    closed socket to notice) holds every other rank in its collective this long; ``watchdog.limit_s``
+    ends such a step earlier, naming the ranks that stopped answering. On GPUs it is NCCL's timeout,
+    enforced by its watchdog thread (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default since torch 2.2)."""
+    from reelcache import UserError
+
+    raw = os.environ.get("REELCACHE_COLLECTIVE_TIMEOUT_S", "1800")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise UserError(f"REELCACHE_COLLECTIVE_TIMEOUT_S={raw!r}: must be a number of seconds > 0 (default 1800)")
+    return value
 
 
 def free_port() -> int:

@@ -7,7 +7,10 @@ was doing (step, epoch, the batch it trains or the one it waits for: bucket and 
 its threads' Python stacks (faulthandler), and rank 0 logs an alert. No collective is involved,
 so every rank that is stuck reports, also when the others are waiting in NCCL. With
 ``limit_s > 0`` a step that lasts that long ends the process with a message naming the stacks,
-instead of waiting out the collective timeout; the launcher then stops the other ranks.
+instead of waiting out the collective timeout, naming the ranks that wrote no report for the
+step (stopped answering: a dead, frozen or cut-off node), and the launcher then stops the other
+ranks. A rank's hang report comes at the threshold, so ``floor_s`` well below ``limit_s`` lets every
+live rank report first.
 
 Independently of hangs, every rank's stacks can be asked for at any time with SIGUSR1 (what
 ``reelcache cluster dump`` falls back to without py-spy): they go to ``runs/<run>/stacks/``.
@@ -116,9 +119,27 @@ class Watchdog:
                     2,
                     f"reelcache: rank {self.rank}: step {info.get('step')} exceeded the hard limit "
                     f"({elapsed:.0f} s > watchdog.limit_s = {self.limit_s:.0f} s); stacks in {path}. "
+                    f"{self.silent_ranks(path.parent)}"
                     "Ending this process instead of waiting for the collective timeout.\n".encode(),
                 )
                 os._exit(3)
+
+    def silent_ranks(self, step_dir: Path) -> str:
+        """The ranks of the run that wrote no report into this step's folder: every live rank stuck in
+        the step writes one (its threshold is below the limit), so these are the ranks that stopped
+        answering (dead, frozen, or cut off with their storage), named with their hosts."""
+        from reelcache.cluster import ranks
+
+        try:
+            recs = ranks.read(self.dir.parent)
+        except Exception:  # no records (a run without them): nothing to name
+            return ""
+        reported = {int(p.stem[4:]) for p in step_dir.glob("rank*.txt") if p.stem[4:].isdigit()}
+        silent = [r for r in recs if r.rank not in reported]
+        if not silent:
+            return ""
+        named = ", ".join(f"rank {r.rank} on {r.host} (pid {r.pid})" for r in silent)
+        return f"Stopped answering (no report for this step): {named}. "
 
     def report(self, info: dict, elapsed: float) -> Path:
         d = self.dir / f"step-{info.get('step', 0):08d}"

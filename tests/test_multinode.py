@@ -1,0 +1,296 @@
+"""Many nodes on one machine (tests/cluster_local.py): the cluster itself, then ingest and the latent
+cache over real ssh with GNU parallel, with a node killed and a node cut off mid-unit.
+
+References: the one-machine ingest (conftest's ``ingested``: every unit in one process) for the
+catalog rows and the shard bytes; the cache units run in one process for the latents; the plan's
+units for "every unit done once".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multinode
+
+
+def test_nodes_have_their_names_and_reach_each_other_over_ssh_only_inside(cluster):
+    """Each node answers over ssh from the head with its own hostname and address; the machine's own
+    network namespace gained nothing; a node has no route out."""
+    for i, name in enumerate(cluster.names, 1):
+        out = cluster.run(1, "ssh", name, "hostname; hostname -I; getent hosts node1").stdout.split()
+        assert out[:2] == [name, cluster.addr(i)] and out[2:4] == [cluster.addr(1), "node1"], out
+    host_addrs = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    assert cluster.net + "." not in host_addrs
+    assert "default" not in cluster.run(2, "ip", "route").stdout
+    assert cluster.run(1, "cat", "/etc/hostname").stdout.strip() == "node1"
+    assert subprocess.run(["hostname"], capture_output=True, text=True).stdout.strip() != "node1"
+
+
+# --- ingest and the latent cache over ssh ---------------------------------------------------------
+
+RC = str(Path(sys.executable).parent / "reelcache")  # the shared install every node runs
+TTL = "4"  # REELCACHE_LEASE_TTL_S: a dead node's lease goes stale in 4 s, not 300
+
+
+def tar_members(path: Path) -> list[tuple[str, bytes]]:
+    """A shard's members and their bytes (the tar headers' mtime is the run's, not compared)."""
+    with tarfile.open(path) as t:
+        return [(m.name, t.extractfile(m).read()) for m in t]
+
+
+def outputs(root: Path, sub: str) -> dict[str, object]:
+    """Every shard's members and every sidecar's rows under root/sub (temporaries must be gone)."""
+    import pyarrow.parquet as pq
+
+    d = root / sub
+    assert not [p.name for p in d.glob(".*tmp*")] and not list(d.glob("*.lease")), sorted(p.name for p in d.iterdir())
+    out: dict[str, object] = {p.name: tar_members(p) for p in d.glob("*.tar")}
+    out.update({p.name: pq.read_table(p).to_pylist() for p in d.glob("[0-9]*.parquet")})
+    return out
+
+
+def catalog_rows(root: Path, table: str, order: str) -> list[tuple]:
+    import duckdb
+
+    with duckdb.connect(str(root / "catalog.duckdb"), read_only=True) as db:
+        return db.sql(f"SELECT * FROM {table} ORDER BY {order}").fetchall()
+
+
+def parallel(cluster, nodes: Path, joblog: Path, command: list[str], units: Path, *extra: str):
+    """The README's `parallel --sshloginfile nodes.txt --joblog J CMD {} :::: units.txt`, started on the head node."""
+    cmd = ["parallel", "--will-cite", "--sshloginfile", nodes, "--joblog", joblog, "--env", "REELCACHE_LEASE_TTL_S"]
+    return cluster.popen(
+        1,
+        *cmd,
+        *extra,
+        *command,
+        "{}",
+        "::::",
+        units,
+        env=cluster.env(REELCACHE_LEASE_TTL_S=TTL, REELCACHE_PROGRESS="0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def retry_failed(cluster, nodes: Path, joblog: Path) -> None:
+    """The README's retry: `parallel --retry-failed --joblog J` (the commands come from the joblog)."""
+    cluster.run(
+        1,
+        "parallel",
+        "--will-cite",
+        "--retry-failed",
+        "--sshloginfile",
+        nodes,
+        "--joblog",
+        joblog,
+        "--env",
+        "REELCACHE_LEASE_TTL_S",
+        env=cluster.env(REELCACHE_LEASE_TTL_S=TTL, REELCACHE_PROGRESS="0"),
+        timeout=180,
+    )
+    rows = [line.split("\t") for line in joblog.read_text().splitlines()[1:]]
+    last = {r[-1]: r[6] for r in rows}  # command -> the exit value of its newest try
+    assert set(last.values()) == {"0"}, joblog.read_text()
+
+
+def lease_of(d: Path, host: str) -> Path | None:
+    for p in d.glob("*.lease"):
+        try:
+            if json.loads(p.read_text()).get("host") == host:
+                return p
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def wait_for(cond, what: str, proc: subprocess.Popen, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not (found := cond()):
+        assert proc.poll() is None, f"finished before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout} s"
+        time.sleep(0.02)
+    return found
+
+
+def ingest_plan(cluster, root: Path, data: Path) -> Path:
+    """ingest plan as conftest's `ingest` makes it (the reference's units), from the head node."""
+    out = cluster.run(
+        1, RC, "ingest", "plan", "--root", root, "--source", "openvid", "--name", "openvid",
+        "--meta", data / "OpenVid-demo.csv", "--videos", data / "videos", "--rows-per-unit", "8", "--max-file-mb", "8",
+    ).stdout  # fmt: skip
+    (root / "units.txt").write_text(out)
+    return root / "units.txt"
+
+
+def ingest_over_nodes(cluster, root: Path, data: Path, fault=None) -> None:
+    """plan, run the units over the 3 nodes (fault(proc) breaks something mid-run), retry, merge."""
+    units = ingest_plan(cluster, root, data)
+    nodes, joblog = cluster.hostfile(root / "nodes.txt"), root / "ingest.log"
+    p = parallel(cluster, nodes, joblog, [RC, "ingest", "run", "--root", root, "--wait"], units)
+    survivors = fault(p) if fault else None
+    out, err = p.communicate(timeout=180)
+    assert (p.returncode != 0) == bool(fault), err[-3000:]
+    if fault:
+        retry_failed(cluster, cluster.hostfile(root / "alive.txt", names=survivors), joblog)
+    cluster.run(1, RC, "catalog", "merge", "--root", root)
+
+
+def assert_same_ingest(root: Path, reference: Path) -> None:
+    assert outputs(root, "raw/openvid") == outputs(reference, "raw/openvid")
+    assert catalog_rows(root, "clips", "clip_id") == catalog_rows(reference, "clips", "clip_id")
+
+
+def kill_node_mid_unit(cluster, d: Path, node: int):
+    """SIGKILL every process of node `node` (sshd included) once it holds a unit's lease."""
+
+    def fault(p):
+        wait_for(lambda: lease_of(d, f"node{node}"), f"lease of node{node}", p)
+        assert cluster.kill_node(node)
+        return [n for n in cluster.names if n != f"node{node}"]
+
+    return fault
+
+
+def test_ingest_over_three_nodes_equals_one_machine(cluster, demo_dataset, ingested, tmp_path):
+    """README: `parallel --sshloginfile nodes.txt --joblog ingest.log reelcache ingest run ...` then merge."""
+    ingest_over_nodes(cluster, tmp_path / "r", demo_dataset)
+    hosts = {line.split("\t")[1] for line in (tmp_path / "r/ingest.log").read_text().splitlines()[1:]}
+    assert hosts == set(cluster.names)  # every node ran units
+    assert_same_ingest(tmp_path / "r", ingested)
+
+
+def freeze_and_cut_node_mid_unit(cluster, d: Path, node: int, frozen: list):
+    """Cut node `node`'s link once it holds a unit's lease and freeze its processes (SIGSTOP; as its
+    processes would hang on storage mounted over that link): no reset, no close, no heartbeat."""
+
+    def fault(p):
+        wait_for(lambda: lease_of(d, f"node{node}"), f"lease of node{node}", p)
+        cluster.cut(node)
+        frozen.extend(p for p in cluster.node_pids(node) if p != cluster.pids[node])
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        return [n for n in cluster.names if n != f"node{node}"]
+
+    return fault
+
+
+def thaw(cluster, node: int, frozen: list[int]) -> None:
+    """Bring the node back: its frozen run finds its lease taken over and must publish nothing."""
+    cluster.join(node)
+    for pid in frozen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while any(p != cluster.pids[node] for p in cluster.node_pids(node)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("fault", ["killed", "cut"])
+def test_ingest_retry_after_a_node_dies_or_is_cut_off_mid_unit(cluster, demo_dataset, ingested, tmp_path, fault):
+    """A node's every process SIGKILLed mid-unit (its lease left behind), or its link cut with its runs
+    frozen: `parallel --retry-failed` on the others finishes; no row lost or doubled, no lease left."""
+    root, frozen = tmp_path / "r", []
+    if fault == "killed":
+        broken = kill_node_mid_unit(cluster, root / "raw/openvid", 2)
+    else:
+        broken = freeze_and_cut_node_mid_unit(cluster, root / "raw/openvid", 3, frozen)
+    try:
+        ingest_over_nodes(cluster, root, demo_dataset, broken)
+    finally:
+        thaw(cluster, 3, frozen) if frozen else None
+    if fault == "killed":
+        cluster.restart(2)
+    assert_same_ingest(root, ingested)
+
+
+def test_a_bad_lease_ttl_is_one_line_before_any_work(ingested, tmp_path):
+    """REELCACHE_LEASE_TTL_S must be seconds in [1, 86400]: else one line naming it, and no unit touched."""
+    env = {**os.environ, "REELCACHE_LEASE_TTL_S": "soon"}
+    before = sorted(p.name for p in (ingested / "raw/openvid").iterdir())
+    (ingested / "raw/openvid/000001.parquet").rename(tmp_path / "side.parquet")  # the unit would run
+    try:
+        p = subprocess.run(
+            [RC, "ingest", "run", "--root", ingested, "openvid/000001"], capture_output=True, text=True, env=env
+        )
+    finally:
+        (tmp_path / "side.parquet").rename(ingested / "raw/openvid/000001.parquet")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "reelcache: error: REELCACHE_LEASE_TTL_S='soon': must be seconds between 1 and 86400 (default 300)"
+    ]
+    assert sorted(p.name for p in (ingested / "raw/openvid").iterdir()) == before
+
+
+def latent_members(path: Path) -> list[tuple]:
+    """A latent shard's members: name, safetensors header as JSON (its key order is a hash map's,
+    process to process) and tensor bytes."""
+    out = []
+    for name, blob in tar_members(path):
+        n = int.from_bytes(blob[:8], "little")
+        out.append((name, json.loads(blob[8 : 8 + n]), blob[8 + n :]))
+    return out
+
+
+CACHE_WHERE = "level <= 2"  # 10 clips in 3 units: one a node
+
+
+@pytest.fixture(scope="module")
+def cache_reference(ingested, tmp_path_factory):
+    """The tiny cache's units run in this one process over a copy of the ingested root."""
+    from test_cache import write_config
+
+    from reelcache.catalog.manifest import make_manifest
+    from reelcache.cli import main
+
+    d = tmp_path_factory.mktemp("cache-ref")
+    shutil.copytree(ingested, d / "root")
+    make_manifest(d / "root", "m", CACHE_WHERE)
+    cfg = write_config(d, "m", clips_per_unit=4)
+    units = subprocess.run([RC, "cache", "plan", "--root", d / "root", "--config", cfg], capture_output=True, text=True)
+    assert main(["cache", "run", "--root", str(d / "root"), *units.stdout.split()]) == 0
+    assert main(["catalog", "merge", "--root", str(d / "root")]) == 0
+    return d / "root", cfg
+
+
+def cache_outputs(root: Path) -> dict:
+    out = outputs(root, "latents/t")
+    return {k: latent_members(root / "latents/t" / k) if k.endswith(".tar") else v for k, v in out.items()}
+
+
+def test_cache_units_over_three_nodes_with_one_killed_equal_one_process(cluster, ingested, cache_reference, tmp_path):
+    """README: `parallel --sshloginfile gpu-nodes.txt --joblog cache.log reelcache cache run ...` (tiny
+    encoders) with every process of one node SIGKILLed mid-unit, then `--retry-failed` on the others,
+    gives the latents of one process. (A link cut is the ingest test's: the unit protocol is the same.)"""
+    from reelcache.catalog.manifest import make_manifest
+
+    ref, cfg = cache_reference
+    root = tmp_path / "r"
+    shutil.copytree(ingested, root)
+    make_manifest(root, "m", CACHE_WHERE)
+    units = root / "units.txt"
+    units.write_text(cluster.run(1, RC, "cache", "plan", "--root", root, "--config", cfg).stdout)
+    assert len(units.read_text().split()) == 3
+    nodes, joblog = cluster.hostfile(root / "nodes.txt"), root / "cache.log"
+    p = parallel(cluster, nodes, joblog, [RC, "cache", "run", "--root", root, "--wait"], units)
+    try:
+        kill_node_mid_unit(cluster, root / "latents/t", 2)(p)
+        out, err = p.communicate(timeout=180)
+        assert p.returncode != 0, err[-3000:]
+        retry_failed(cluster, cluster.hostfile(root / "alive.txt", names=["node1", "node3"]), joblog)
+    finally:
+        cluster.restart(2)
+    cluster.run(1, RC, "catalog", "merge", "--root", root)
+    assert cache_outputs(root) == cache_outputs(ref)
+    assert catalog_rows(root, "latents", "ALL") == catalog_rows(ref, "latents", "ALL")

@@ -1,0 +1,340 @@
+"""Training across the namespace nodes (tests/cluster_local.py): gloo over the bridge, each node
+started over real ssh from the head, by ``torchrun --nnodes`` and by ``colossalai run --hostfile``.
+
+Reference: the same debug stage on one node with the same world size (torchrun --nproc_per_node 3,
+tests/test_train.py's launcher). The ranks see the same data and gloo reduces in the same order
+whatever host a rank sits on, so losses and final weights are compared exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from latent_data import write_latents
+from test_train import CONFIG, PLUGINS, REPO, complete, data_args, metrics, train, weights
+from test_zero import manifest_clips
+
+pytestmark = pytest.mark.multinode
+
+ENV = {"REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> tuple[Path, Path]:
+    r = tmp_path_factory.mktemp("multinode-train")
+    return r, write_latents(r, 24, name="train")
+
+
+def torchrun_on_nodes(cluster, root: Path, args: list[str], nodes: list[str], port: int, env: dict | None = None):
+    """`torchrun --nnodes N --node_rank K --master_addr <first node>` on each node, over ssh from the
+    head node (node1), one process per node; returns the ssh processes (each one's output: that node's)."""
+    procs = []
+    for k, node in enumerate(nodes):
+        cmd = shlex.join(
+            ["env", *(f"{a}={b}" for a, b in {**ENV, **(env or {})}.items()), sys.executable,
+             "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc_per_node", "1",
+             "--node_rank", str(k), "--master_addr", nodes[0],
+             "--master_port", str(port), "-m", "reelcache.train", str(CONFIG), "--root", str(root), *args]
+        )  # fmt: skip
+        procs.append(
+            cluster.popen(
+                1, "ssh", node, f"cd {REPO} && {cmd}", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    return procs
+
+
+def finish(procs, ok: bool = True, timeout: float = 300) -> list[str]:
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        outs.append(out)
+        if ok:
+            assert p.returncode == 0, out[-4000:]
+    return outs
+
+
+def same_run(a: Path, b: Path, last: int) -> None:
+    ma, mb = metrics(a), metrics(b)
+    assert sorted(ma) == sorted(mb) == list(range(last))
+    assert [ma[s]["loss"] for s in sorted(ma)] == [mb[s]["loss"] for s in sorted(mb)]
+    wa, wb = weights(a / f"ckpt-{last:08d}"), weights(b / f"ckpt-{last:08d}")
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+
+
+def test_torchrun_on_three_nodes_equals_one_node_ddp(cluster, root):
+    """DDP, 3 nodes x 1 rank (`torchrun --nnodes 3` over ssh) = 3 ranks on one node: losses, weights."""
+    r, manifest = root
+    args = data_args(manifest, "--run.epochs=1", *PLUGINS["ddp"])
+    train(r, args + ["--run.name=one-node-ddp"], nproc=3)
+    finish(torchrun_on_nodes(cluster, r, args + ["--run.name=three-nodes-ddp"], cluster.names, 29501))
+    ranks = [json.loads(p.read_text())["host"] for p in sorted((r / "runs/three-nodes-ddp/ranks").glob("rank*.json"))]
+    assert ranks == cluster.names  # rank k ran on node k+1
+    same_run(r / "runs/one-node-ddp", r / "runs/three-nodes-ddp", 4)
+
+
+def test_colossalai_run_hostfile_on_three_nodes_equals_one_node_zero2(cluster, root, tmp_path):
+    """ZeRO-2 (CPU mode), `colossalai run --nproc_per_node 1 --hostfile nodes.txt` from the head node
+    (paramiko over ssh to each node) = 3 ranks on one node."""
+    r, manifest = root
+    args = data_args(manifest, "--run.epochs=1", *PLUGINS["zero2-fp32"])
+    train(r, args + ["--run.name=one-node-zero2"], nproc=3)
+    cfg = tmp_path / "stage.toml"  # colossalai run re-joins arguments unquoted: the settings go in a file
+    cfg.write_text(
+        CONFIG.read_text()
+        .replace('name = "demo-stage1-tiny"', f'name = "{manifest}"')
+        .replace("configs/buckets/demo.toml", "configs/buckets/tiny.toml")
+        .replace("caption_channels = 32", "caption_channels = 8")
+    )
+    bindir = Path(sys.executable).parent
+    env = cluster.env(**ENV)
+    env["PATH"] = f"{bindir}:{env['PATH']}"
+    hostfile = cluster.hostfile(tmp_path / "nodes.txt")
+    p = cluster.run(
+        1, bindir / "colossalai", "run", "--nproc_per_node", "1", "--hostfile", hostfile,
+        "--master_port", "29502", "-m", "reelcache.train", cfg, "--root", r, "--run.name=three-nodes-zero2",
+        "--run.plugin=zero2", "--model.dtype=fp32", "--run.epochs=1", "--data.workers=1", "--log.wandb_mode=disabled",
+        env=env, cwd=REPO, timeout=300, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0 and "failure" not in p.stdout, (p.stdout + p.stderr)[-4000:]
+    ranks = [json.loads(f.read_text())["host"] for f in sorted((r / "runs/three-nodes-zero2/ranks").glob("rank*.json"))]
+    assert ranks == cluster.names
+    same_run(r / "runs/one-node-zero2", r / "runs/three-nodes-zero2", 4)
+
+
+# --- cluster checks over real ssh -----------------------------------------------------------------
+
+
+def cluster_cli(cluster, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`reelcache cluster ...` from the head node."""
+    return cluster.run(
+        1, sys.executable, "-m", "reelcache.cli", "cluster", *args, cwd=REPO, timeout=timeout, check=False
+    )
+
+
+def test_gpus_and_clocks_answer_from_each_node(cluster, tmp_path):
+    """`cluster gpus` reads each node's own nvidia-smi (a fake on the nodes' PATH: node2's lists a
+    process, so --expect-idle fails naming node2); `cluster clocks` measures each node through its own
+    ssh session: the nodes share this machine's clock, so every offset is 0 within its uncertainty."""
+    from test_cluster import APPS_CSV, FAKE_NVIDIA_SMI
+
+    smi = cluster.dir / "bin/nvidia-smi"
+    smi.write_text(
+        FAKE_NVIDIA_SMI.replace('cat "$(dirname "$0")/apps.csv"', 'cat "$(dirname "$0")/apps-$(hostname).csv"')
+    )
+    smi.chmod(0o755)
+    (cluster.dir / "bin/apps-node2.csv").write_text(APPS_CSV.splitlines()[0] + "\n")
+    hostfile = cluster.hostfile(tmp_path / "nodes.txt")
+    p = cluster_cli(cluster, "gpus", "--hostfile", hostfile, "--reads", "2")
+    assert p.returncode == 0 and p.stdout.count("2 x NVIDIA H100 80GB HBM3") == 3, p.stdout + p.stderr
+    p = cluster_cli(cluster, "gpus", "--hostfile", hostfile, "--reads", "2", "--expect-idle")
+    blocks = {b.split()[0]: b for b in p.stdout.split("node ")[1:]}  # one block a node, headed by its name
+    assert p.returncode == 1 and [n for n, b in blocks.items() if "ERROR" in b] == ["node2"], p.stdout + p.stderr
+
+    p = cluster_cli(cluster, "clocks", "--hostfile", hostfile, "--samples", "4", "--reads", "1000")
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {
+        line.split()[0]: line.split()
+        for line in p.stdout.splitlines()
+        if line.startswith("node") and line.split()[0] != "node"
+    }
+    assert sorted(rows) == cluster.names, p.stdout
+    for name, (_, offset, _pm, unc, _ms, back, *_) in rows.items():
+        assert abs(float(offset)) <= float(unc) + 1.0 and back == "0", (name, p.stdout)
+
+
+def wait_ranks(run: Path, n: int, procs, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not all((run / f"ranks/rank{r:05d}.json").exists() for r in range(n)):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [
+            p.communicate()[0][-2000:] for p in procs if p.poll() is not None
+        ]
+        time.sleep(0.2)
+
+
+def test_dump_and_stop_a_run_on_three_nodes_and_spare_a_decoy_on_another(cluster, root, tmp_path):
+    """`cluster dump` and `cluster stop` of a run whose ranks sit on node1..3, over ssh to each rank's
+    recorded host; a decoy with rank 2's command line byte for byte, on node2, is not touched."""
+    from test_cluster import _alive, _stat
+
+    from reelcache.cluster import ranks
+
+    r, manifest = root
+    args = data_args(manifest, "--run.epochs=1000", "--checkpoint.every=0", "--run.name=live", *PLUGINS["ddp"])
+    procs = torchrun_on_nodes(cluster, r, args, cluster.names, 29503)
+    run = r / "runs/live"
+    decoy = None
+    try:
+        wait_ranks(run, 3, procs)
+        time.sleep(2)  # into the loop
+        recs = ranks.read(run)
+        assert [x.host for x in recs] == cluster.names and all(_alive(x.pid, x.proc_start) for x in recs)
+        argv = Path(f"/proc/{recs[2].pid}/cmdline").read_bytes().split(b"\0")[:-1]
+        (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(300)\n")
+        decoy = cluster.popen(
+            2, *[a.decode() for a in argv], cwd=REPO, env={**cluster.env(), "PYTHONPATH": str(tmp_path)}
+        )
+        time.sleep(0.5)
+        assert Path(f"/proc/{decoy.pid}/cmdline").read_bytes() == Path(f"/proc/{recs[2].pid}/cmdline").read_bytes()
+        decoy_start = _stat(decoy.pid)[1]
+
+        p = cluster_cli(cluster, "dump", "--run", run)
+        assert p.returncode == 0, p.stdout + p.stderr
+        (out,) = (run / "dumps").iterdir()
+        for x in recs:
+            text = (out / f"rank{x.rank:05d}.txt").read_text()
+            assert f"Process {x.pid}:" in text and "trainer.py" in text  # py-spy's header: that process
+        assert "3 of 3 ranks dumped" in (out / "summary.txt").read_text()
+
+        p = cluster_cli(cluster, "stop", "--run", run, "--grace", "10")
+        assert p.returncode == 0, p.stdout + p.stderr
+        for x in recs:
+            assert f"rank {x.rank:05d} host {x.host} pid {x.pid}: stopped by SIG" in p.stdout
+            assert not _alive(x.pid, x.proc_start)
+        assert _alive(decoy.pid, decoy_start), "the decoy with the same command line on node2 was stopped"
+        finish(procs, ok=False, timeout=120)  # every node's launcher gives up once its worker is gone
+    finally:
+        for q in [*procs, *([decoy] if decoy else [])]:
+            q.kill()
+            q.wait()
+        for i in (1, 2, 3):
+            cluster.kill_node(i, spare_sshd=True)
+
+
+# --- a node dies mid-run ---------------------------------------------------------------------------
+
+LIMIT_S = 20  # watchdog.limit_s of the runs below: a silent node ends the run in about this long
+BOUND_S = LIMIT_S + 25  # the limit, the launchers stopping their workers, ssh noticing (ServerAlive 3 x 2 s)
+
+
+def epoch_clips(run: Path) -> dict[int, Counter]:
+    import duckdb
+
+    out: dict[int, Counter] = {}
+    for e, c in duckdb.sql(f"""SELECT epoch, clip_id FROM '{run}/consumed/*.parquet'
+        WHERE NOT pad QUALIFY generation = max(generation) OVER (PARTITION BY epoch, step)""").fetchall():
+        out.setdefault(e, Counter())[c] += 1
+    return out
+
+
+@pytest.mark.parametrize("fault", ["killed", "cut"])
+def test_a_node_that_dies_mid_run_ends_it_in_bounded_time_and_two_nodes_resume(cluster, root, fault):
+    """node3's processes SIGKILLed (its peers see a closed socket), or its link cut with its processes
+    frozen (its peers see silence): the survivors end within BOUND_S, naming node3 or its rank; the
+    newest checkpoint is complete; `--resume` on node1 and node2 (world 2) finishes every epoch with
+    every clip once."""
+    r, manifest = root
+    name = f"dies-{fault}"
+    args = data_args(
+        manifest, "--run.epochs=3", "--checkpoint.every=2", "--checkpoint.keep_last=10", f"--run.name={name}",
+        "--watchdog.floor_s=2", f"--watchdog.limit_s={LIMIT_S}", *PLUGINS["ddp"],
+    )  # fmt: skip
+    env = {"REELCACHE_COLLECTIVE_TIMEOUT_S": "120"}  # the backstop behind the watchdog's limit
+    run = r / f"runs/{name}"
+    procs = torchrun_on_nodes(cluster, r, args, cluster.names, 29504 + (fault == "cut"), env=env)
+    frozen: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "ckpt-00000002").exists():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no checkpoint 2"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        if fault == "killed":
+            cluster.kill_node(3, spare_sshd=True)
+        else:
+            cluster.cut(3)
+            frozen = [p for p in cluster.node_pids(3) if p != cluster.pids[3]]
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+        outs = [p.communicate(timeout=BOUND_S + 30)[0] for p in procs[:2]]
+        took = time.monotonic() - t0
+        assert all(p.returncode != 0 for p in procs[:2]), outs
+        print(f"{fault}: the survivors ended {took:.1f} s after the fault (bound {BOUND_S} s)")
+        assert took < BOUND_S, (took, outs)
+        said = "\n".join(outs)
+        if fault == "killed":  # gloo names the peer whose socket closed
+            assert cluster.addr(3) in said, said[-4000:]
+        else:  # the watchdog names the rank that wrote no report
+            assert "Stopped answering (no report for this step): rank 2 on node3" in said, said[-4000:]
+    finally:
+        cluster.join(3)
+        cluster.kill_node(3, spare_sshd=True)  # frozen ones too (SIGKILL reaches a stopped process)
+        for p in procs:
+            p.kill()
+            p.wait()
+    ckpts = sorted(run.glob("ckpt-*"))
+    assert ckpts and all(complete(c) for c in ckpts) and not list(run.glob(".tmp-*"))
+    finish(torchrun_on_nodes(cluster, r, args + ["--resume"], ["node1", "node2"], 29506 + (fault == "cut"), env=env))
+    clips = epoch_clips(run)
+    assert sorted(clips) == [0, 1, 2] and all(c == manifest_clips(manifest) for c in clips.values())
+    assert complete(sorted(run.glob("ckpt-*"))[-1])
+
+
+# --- multi-node Slurm -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def node_slurm(cluster, tmp_path_factory):
+    """slurmctld and munged on node1, a slurmd on each node (tests/cluster_slurm.py)."""
+    from cluster_slurm import NodeSlurm
+    from slurm_local import SlurmUnavailable
+
+    slurm = NodeSlurm(cluster, tmp_path_factory.mktemp("node-slurm"))
+    try:
+        slurm.start()
+    except SlurmUnavailable as e:
+        slurm.stop()
+        pytest.skip(f"no multi-node Slurm: {e}")
+    yield slurm
+    slurm.stop()
+
+
+def test_slurm_train_on_three_nodes_equals_one_node(node_slurm, root):
+    """`reelcache train CONFIG --slurm --nodes 3`: srun starts one torchrun per node (node rank
+    SLURM_NODEID, master the first host of the node list): the losses and weights of 3 ranks on one node."""
+    r, manifest = root
+    args = data_args(manifest, "--run.epochs=1", *PLUGINS["ddp"])
+    if not (r / "runs/one-node-ddp/ckpt-00000004").exists():
+        train(r, args + ["--run.name=one-node-ddp"], nproc=3)
+    p = node_slurm.run(
+        sys.executable, "-m", "reelcache", "train", CONFIG, "--root", r, "--slurm", "--nodes", "3",
+        "--gpus-per-node=0", "--nproc-per-node=1", *args, "--run.name=slurm-three-nodes", cwd=REPO, timeout=120,
+    )  # fmt: skip
+    job = p.stdout.split("submitted job ")[1].split(":")[0]
+    (record,) = node_slurm.wait(job)
+    run = r / "runs/slurm-three-nodes"
+    log = "".join(f.read_text() for f in sorted((run / "slurm").glob("*.out")))
+    assert record["JobState"] == "COMPLETED" and record["NodeList"] == "node[1-3]", (record, log[-3000:])
+    hosts = [json.loads(f.read_text())["host"] for f in sorted((run / "ranks").glob("rank*.json"))]
+    assert hosts == ["node1", "node2", "node3"]
+    same_run(r / "runs/one-node-ddp", run, 4)
+
+
+def test_slurm_ingest_array_spreads_over_the_nodes_and_equals_one_machine(node_slurm, demo_dataset, ingested, tmp_path):
+    """README: `reelcache ingest plan ... | reelcache slurm submit ... -- reelcache ingest run --root R --wait`
+    with `--then` merge: the array's tasks run on several nodes; the catalog and shards are the one-machine run's."""
+    from test_multinode import assert_same_ingest, ingest_plan
+
+    root = tmp_path / "r"
+    units = ingest_plan(node_slurm.cluster, root, demo_dataset)
+    merge = f"{sys.executable} -m reelcache catalog merge --root {root}"
+    p = node_slurm.run(
+        sys.executable, "-m", "reelcache", "slurm", "submit", "--partition", node_slurm.partition, "--dir",
+        tmp_path / "job", "--units", units, "--then", merge, "--", sys.executable, "-m", "reelcache", "ingest", "run",
+        "--root", root, "--wait", cwd=REPO,
+    )  # fmt: skip
+    array, then = p.stdout.split()
+    records = node_slurm.wait(array)
+    assert len(records) == 5 and {r["JobState"] for r in records} == {"COMPLETED"}, records
+    assert len({r["BatchHost"] for r in records}) >= 2, [r["BatchHost"] for r in records]
+    assert [r["JobState"] for r in node_slurm.wait(then)] == ["COMPLETED"]
+    assert_same_ingest(root, ingested)
