@@ -8,9 +8,11 @@ Plain ``sbatch`` scripts rendered from one template (``render``) rather than sub
 are shell (``srun`` starting one ``torchrun`` per node), a user can read, keep and resubmit the
 script we write beside the run (``runs/<run>/slurm/``), and nothing new is installed on the nodes.
 
-Training. One job of N nodes; ``srun`` starts one ``torchrun`` per node (``--node_rank`` =
-``SLURM_NODEID``, the master address the first host of ``scontrol show hostnames
-$SLURM_JOB_NODELIST``, a port derived from the job id), so the ranks are the same on every attempt.
+Training. One job of N nodes (or ``--nodes MIN-MAX``: Slurm starts it, and every requeue of it, on
+as many nodes as are up, at least MIN, and the ranks follow ``SLURM_NNODES``); ``srun`` starts one
+``torchrun`` per node (``--node_rank`` = ``SLURM_NODEID``, the master address the first host of
+``scontrol show hostnames $SLURM_JOB_NODELIST``, a port derived from the job id), so the ranks are
+the same on every attempt on the same nodes.
 The trainer always runs with ``--resume``: the first attempt starts the run (from ``--init-from``
 if given), every later one continues from the run's newest checkpoint in the same run directory
 and the same wandb run, with ``--wait``: a requeued attempt may start while its predecessor's ranks
@@ -95,12 +97,18 @@ class Resources:
     partition: str | None = None
     account: str | None = None
     time: str | None = None
-    nodes: int = 1
+    nodes: int = 1  # the most nodes the job takes
+    min_nodes: int | None = None  # with --nodes MIN-MAX: the fewest it starts on (a node down: fewer ranks)
     gpus_per_node: int = 0
     extra: list[str] = field(default_factory=list)  # more sbatch options, verbatim
 
+    @property
+    def node_range(self) -> str:
+        """``N``, or Slurm's ``MIN-MAX``."""
+        return f"{self.min_nodes}-{self.nodes}" if self.min_nodes and self.min_nodes < self.nodes else str(self.nodes)
+
     def directives(self) -> list[str]:
-        out = [f"--nodes={self.nodes}"]
+        out = [f"--nodes={self.node_range}"]
         for opt, v in (("partition", self.partition), ("account", self.account), ("time", self.time)):
             if v:
                 out.append(f"--{opt}={v}")
@@ -219,8 +227,7 @@ def train_script(
     args = [str(Path(config).resolve()), "--root", str(root), "--resume", "--wait", f"--run.name={run}", *train_args]
     directives = [
         f"--job-name=train-{run}",
-        *res.directives(),
-        "--ntasks-per-node=1",
+        *res.directives(),  # no task count (it would pin --nodes MIN-MAX to MIN): srun starts one per node
         "--requeue",
         f"--signal=B:USR2@{signal_s}",
         "--open-mode=append",
@@ -304,7 +311,13 @@ def add_arguments(p, *, training: bool) -> None:
     g.add_argument("--sbatch", action="append", default=[], metavar="OPT", help="more sbatch options, verbatim")
     g.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     if training:
-        g.add_argument("--nodes", type=arg(int, ge=1), default=1, help="nodes (1)")
+        g.add_argument(
+            "--nodes",
+            type=node_range,
+            default=(1, 1),
+            metavar="N|MIN-MAX",
+            help="nodes (1); MIN-MAX lets a requeued job start on the nodes that are up, at least MIN",
+        )
         g.add_argument("--nproc-per-node", type=arg(int, ge=1), help="ranks per node (default: --gpus-per-node)")
         g.add_argument(
             "--signal-s",
@@ -321,12 +334,25 @@ def add_arguments(p, *, training: bool) -> None:
         )
 
 
+def node_range(text: str) -> tuple[int, int]:
+    """``--nodes N`` or ``MIN-MAX`` as (MIN, MAX)."""
+    lo, dash, hi = str(text).partition("-")
+    try:
+        least, most = int(lo), int(hi if dash else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected N or MIN-MAX, e.g. 24 or 20-24") from None
+    if not 1 <= least <= most:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 <= MIN <= MAX")
+    return least, most
+
+
 def resources(a) -> Resources:
     return Resources(
         partition=a.partition,
         account=a.account,
         time=a.time,
-        nodes=getattr(a, "nodes", 1),
+        min_nodes=getattr(a, "nodes", (1, 1))[0],
+        nodes=getattr(a, "nodes", (1, 1))[1],
         gpus_per_node=a.gpus_per_node,
         extra=list(a.sbatch),
     )

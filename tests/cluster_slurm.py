@@ -65,6 +65,11 @@ class NodeSlurm:
         for i in range(1, self.cluster.nodes + 1):
             self.cluster.kill_node(i, spare_sshd=True)
 
+    def restart_slurmd(self, i: int) -> None:
+        """Node i's slurmd again after ``kill_node`` (ReturnToService=2: it comes back idle)."""
+        self._spawn(i, f"slurmd-node{i}", "slurmd", "-D", "-f", self.conf, "-N", f"node{i}")
+        self._wait_idle()
+
     def run(self, *cmd, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
         """A client command on the head node (node1)."""
         return self.cluster.run(1, *cmd, check=check, timeout=timeout, env=self.env, **kw)

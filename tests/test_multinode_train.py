@@ -338,3 +338,38 @@ def test_slurm_ingest_array_spreads_over_the_nodes_and_equals_one_machine(node_s
     assert len({r["BatchHost"] for r in records}) >= 2, [r["BatchHost"] for r in records]
     assert [r["JobState"] for r in node_slurm.wait(then)] == ["COMPLETED"]
     assert_same_ingest(root, ingested)
+
+
+def test_slurm_requeues_a_job_that_lost_a_node_onto_the_nodes_that_remain(node_slurm, root):
+    """README: `--slurm --nodes 2-3`. node3's slurmd and rank are SIGKILLed after checkpoint 2; Slurm
+    cancels the job for the node failure and requeues it (`#SBATCH --requeue`), the next attempt starts
+    on node1 and node2 (world 2: SLURM_NNODES), resumes from the newest checkpoint, and every epoch
+    trains every clip once. With `--nodes 3` it would stay pending while node3 is down."""
+    r, manifest = root
+    name = "slurm-loses-a-node"
+    args = data_args(manifest, "--run.epochs=3", "--checkpoint.every=2", "--checkpoint.keep_last=10", *PLUGINS["ddp"])
+    p = node_slurm.run(
+        sys.executable, "-m", "reelcache", "train", CONFIG, "--root", r, "--slurm", "--nodes", "2-3",
+        "--gpus-per-node=0", "--nproc-per-node=1", *args, f"--run.name={name}", cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert " on 2-3 node(s) " in p.stdout, p.stdout
+    job = p.stdout.split("submitted job ")[1].split(":")[0]
+    run = r / f"runs/{name}"
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "ckpt-00000002").exists():
+            assert time.monotonic() < deadline, "no checkpoint 2"
+            time.sleep(0.1)
+        assert {json.loads(f.read_text())["host"] for f in (run / "ranks").glob("rank*.json")} == {
+            "node1", "node2", "node3"
+        }  # fmt: skip
+        node_slurm.cluster.kill_node(3, spare_sshd=True)  # its slurmd and its rank
+        (record,) = node_slurm.wait(job, timeout=300)
+    finally:
+        node_slurm.restart_slurmd(3)
+    log = "".join(f.read_text() for f in sorted((run / "slurm").glob("*.out")))
+    assert record["JobState"] == "COMPLETED" and int(record["Restarts"]) >= 1, (record, log[-3000:])
+    assert record["NodeList"] == "node[1-2]", record
+    clips = epoch_clips(run)
+    assert sorted(clips) == [0, 1, 2] and all(c == manifest_clips(manifest) for c in clips.values())
+    assert complete(sorted(run.glob("ckpt-*"))[-1])

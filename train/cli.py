@@ -216,7 +216,7 @@ def _submit(a, cfg, overrides: list[str]) -> None:
     job = sbatch.launch(script, text, res, a.dry_run)
     if job:
         print(
-            f"submitted job {job}: {cfg.run.name} on {res.nodes} node(s) x {nproc} rank(s); log "
+            f"submitted job {job}: {cfg.run.name} on {res.node_range} node(s) x {nproc} rank(s); log "
             f"{script.parent}/train-{cfg.run.name}-{job}.out; checkpoint and stop: touch "
             f"{root}/runs/{cfg.run.name}/stop; checkpoint, stop and requeue: scancel --batch --signal=USR2 {job}"
         )
