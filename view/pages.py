@@ -172,8 +172,13 @@ def step(request: Request) -> Response:
 
 
 def stage(request: Request) -> Response:
+    from reelcache.view.server import NotFound
+
     root, name = _root(request), request.query_params.get("name", "")
-    return _stream(request, "stage.html", name=name, s=runs.stage(root, runs.run_dir(root, name), _store(request)))
+    d = runs.run_dir(root, name)
+    if not (d / "config.json").is_file():  # no run, or one that never started: its stage is not known
+        raise NotFound(f"no run {name!r} with a config.json under {root / 'runs'}")
+    return _stream(request, "stage.html", name=name, s=runs.stage(root, d, _store(request)))
 
 
 def _stream(request: Request, template: str, **ctx) -> Response:
