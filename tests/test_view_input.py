@@ -6,6 +6,10 @@ catalog/db.py (empty tables) and a run directory that never started (no config.j
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 from starlette.testclient import TestClient  # needs httpx (pyproject's dev extra)
 
@@ -37,3 +41,24 @@ def test_a_bad_url_is_one_line_with_a_4xx_status(client, url, status, says):
     r = client.get(url)
     assert (r.status_code, says in r.text) == (status, True), r.text[:300]
     assert len(r.text.strip().splitlines()) == 1
+
+
+def _write_open(root) -> str:
+    """Open the catalog for writing in another process, as `catalog merge` does: '' or its one-line error."""
+    code = "import sys; from reelcache.catalog.db import open_catalog; open_catalog(sys.argv[1], write=True).close()"
+    p = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=120)
+    return "" if p.returncode == 0 else (p.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def test_a_running_viewer_lets_a_merge_write_the_catalog_between_requests(client):
+    """DuckDB lets a process write the file only while no other process has it open: the viewer keeps it
+    open only while it answers (closed IDLE_S after the last request), so a merge is not refused for as
+    long as a viewer runs. Reference: another process opening the catalog for writing (what merge does)."""
+    root = client.app.state.root
+    assert client.get("/clips").status_code == 200
+    deadline, said = time.monotonic() + 60, "?"
+    while said and time.monotonic() < deadline:  # a liveness wait, not a speed bound
+        said = _write_open(root)
+        time.sleep(0.5)
+    assert said == "", said
+    assert client.get("/clips").status_code == 200  # opened again by the next request
