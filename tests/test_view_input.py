@@ -62,3 +62,38 @@ def test_a_running_viewer_lets_a_merge_write_the_catalog_between_requests(client
         time.sleep(0.5)
     assert said == "", said
     assert client.get("/clips").status_code == 200  # opened again by the next request
+
+
+def test_a_rejects_play_error_handler_is_one_whole_attribute(tmp_path):
+    """The reject page's <video onerror="..."> holds the reason as a JSON string: its double quotes must be
+    escaped inside the double-quoted attribute, or the attribute ends at the first one and the handler is a
+    syntax error (the page never says why a file did not play). Reference: Python's own HTML parser."""
+    from html.parser import HTMLParser
+
+    from reelcache.catalog.db import clips_table
+
+    root = tmp_path / "root"
+    (root / "in").mkdir(parents=True)
+    (root / "in/bad.mp4").write_bytes(b"not a video")
+    row = dict(clip_id="r1", source="demo", unit="demo/000000", row=0, path=str(root / "in/bad.mp4"),
+               text="x", status="rejected", reject_reason="undecodable", codec="h264")  # fmt: skip
+    con = open_catalog(root, write=True)
+    try:
+        con.register("new_clips", clips_table([row]))
+        con.execute("INSERT INTO clips BY NAME SELECT * FROM new_clips")
+    finally:
+        con.close()
+    page = TestClient(build_app(root)).get("/reject?id=r1")
+    assert page.status_code == 200, page.text[:300]
+
+    videos = []
+
+    class Videos(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            if tag == "video":
+                videos.append(dict(attrs))
+
+    Videos().feed(page.text)
+    (video,) = videos
+    assert set(video) == {"id", "controls", "preload", "src", "onerror"}, video
+    assert video["onerror"].endswith("'; the file is rejected: ' + \"undecodable\" + ')'"), video["onerror"]
