@@ -97,3 +97,21 @@ def test_a_rejects_play_error_handler_is_one_whole_attribute(tmp_path):
     (video,) = videos
     assert set(video) == {"id", "controls", "preload", "src", "onerror"}, video
     assert video["onerror"].endswith("'; the file is rejected: ' + \"undecodable\" + ')'"), video["onerror"]
+
+
+def test_a_request_waits_for_the_name_lookups_own_connection(client):
+    """catalog/manifest.py's name lookup opens the catalog read-only with DuckDB's default configuration for
+    a moment (a Stage page's loader does it); while it is open DuckDB refuses the viewer's connection (another
+    configuration in the same process). A request arriving then waits for it, instead of a 500."""
+    import threading
+
+    import duckdb
+
+    from reelcache.catalog.db import db_path
+
+    store = client.app.state.store
+    store.close()  # as after IDLE_S without a request
+    other = duckdb.connect(str(db_path(client.app.state.root)), read_only=True)
+    threading.Timer(0.5, other.close).start()
+    r = client.get("/clips")
+    assert r.status_code == 200, r.text[:300]

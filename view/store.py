@@ -30,6 +30,7 @@ from reelcache.catalog.sql import check_where, where_sql
 
 USER_SQL_S = 10.0
 IDLE_S = 2.0  # the catalog is closed after this long without a request (a writer may then open it)
+OPEN_WAIT_S = 10.0  # how long a request waits for this process's other connection to the catalog to close
 PAGE = 60  # clips per grid page
 REJECTS_PAGE = 50
 CLIP_COLUMNS = "clip_id, source, text, level, noun_count, width, height, fps, duration, num_frames, codec, file_size"
@@ -55,14 +56,7 @@ class Store:
         ``_release`` once it has been idle for ``IDLE_S`` (a UserError while a merge holds the file)."""
         with self._guard:
             if self._con is None:
-                try:
-                    self._con = duckdb.connect(
-                        str(self.path),
-                        read_only=True,
-                        config={"enable_external_access": False, "lock_configuration": True},
-                    )
-                except duckdb.IOException as e:
-                    raise UserError(f"cannot open {self.path} read-only ({_one_line(e)}); is a merge running?") from e
+                self._con = self._connect()
             self._users += 1
             cur = self._con.cursor()
         try:
@@ -76,6 +70,23 @@ class Store:
                     timer = threading.Timer(IDLE_S, self._release)
                     timer.daemon = True
                     timer.start()
+
+    def _connect(self):
+        """The read-only connection. DuckDB refuses a second connection of this process to the file with
+        another configuration while one is open: catalog/manifest.py's name lookup (a Stage page's loader)
+        holds one for a moment, so that refusal is waited out (``OPEN_WAIT_S``), never a 500."""
+        deadline = time.monotonic() + OPEN_WAIT_S
+        while True:
+            try:
+                return duckdb.connect(
+                    str(self.path), read_only=True, config={"enable_external_access": False, "lock_configuration": True}
+                )
+            except duckdb.ConnectionException as e:
+                if time.monotonic() > deadline:
+                    raise UserError(f"cannot open {self.path} read-only: {_one_line(e)}") from e
+                time.sleep(0.05)
+            except duckdb.IOException as e:
+                raise UserError(f"cannot open {self.path} read-only ({_one_line(e)}); is a merge running?") from e
 
     def _release(self) -> None:
         with self._guard:
