@@ -115,3 +115,29 @@ def test_a_request_waits_for_the_name_lookups_own_connection(client):
     threading.Timer(0.5, other.close).start()
     r = client.get("/clips")
     assert r.status_code == 200, r.text[:300]
+
+
+def test_a_thumbnail_reads_no_shard_outside_the_root(tmp_path):
+    """A catalog row whose raw shard lies outside ROOT (a '..' path, a symlink out): the raw video is refused,
+    and so is its thumbnail, which would otherwise decode that file (both 403, nothing made)."""
+    from reelcache.catalog.db import clips_table
+
+    root = tmp_path / "root"
+    (root / "raw").mkdir(parents=True)
+    (tmp_path / "outside.tar").write_bytes(b"\0" * 1024)
+    (root / "raw" / "link.tar").symlink_to(tmp_path / "outside.tar")
+    rows = [dict(clip_id=f"o{i}", source="demo", unit="demo/000000", row=i, path="x.mp4", text="x", status="ok",
+                 shard=shard, shard_offset=0, file_size=512, ext="mp4", codec="h264")
+            for i, shard in enumerate(["../outside.tar", "raw/link.tar"])]  # fmt: skip
+    con = open_catalog(root, write=True)
+    try:
+        con.register("new_clips", clips_table(rows))
+        con.execute("INSERT INTO clips BY NAME SELECT * FROM new_clips")
+    finally:
+        con.close()
+    c = TestClient(build_app(root), raise_server_exceptions=False)
+    for clip in ("o0", "o1"):
+        for media in ("raw", "thumb"):
+            r = c.get(f"/media/{media}?id={clip}")
+            assert (r.status_code, r.text.startswith("refused:")) == (403, True), (clip, media, r.text[:200])
+    assert not (root / "view-cache").exists()
