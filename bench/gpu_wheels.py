@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,15 @@ def slim_bitsandbytes(folder: Path) -> None:
         tmp.replace(whl)
 
 
+def replace_wheels(new: Path, folder: Path) -> None:
+    """The wheels of ``folder`` replaced by those of ``new``, moved (a temporary folder is often on another
+    file system than the checkout, a tmpfs /tmp: a rename across file systems fails)."""
+    for old in folder.glob("*.whl"):
+        old.unlink()
+    for whl in new.glob("*.whl"):
+        shutil.move(whl, folder / whl.name)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", type=Path, default=REPO / "bench/gpu-wheels")
@@ -81,10 +91,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:  # a fresh set: two versions of a package stop the install
         download(Path(tmp), args.python)
         slim_bitsandbytes(Path(tmp))
-        for old in args.dir.glob("*.whl"):
-            old.unlink()
-        for new in Path(tmp).glob("*.whl"):
-            new.rename(args.dir / new.name)
+        replace_wheels(Path(tmp), args.dir)
     total = 0
     for whl in sorted(args.dir.glob("*.whl")):
         total += whl.stat().st_size

@@ -231,8 +231,10 @@ def resolve_manifest(root, name_or_path) -> Path:
     p = Path(name_or_path)
     if p.is_file():
         return p
+    # UserError (a ValueError, which callers catch to add their option's name): a command that passes it
+    # on, `cache plan` among them, says it in one line, never a traceback
     if p.is_absolute() or len(p.parts) > 1:  # a path, not a name: glob() takes no absolute pattern
-        raise ValueError(f"no manifest file {p}")
+        raise UserError(f"no manifest file {p}")
     root = Path(root or ".")
     name = str(name_or_path)
     if found := _from_catalog(root, name):
@@ -240,7 +242,7 @@ def resolve_manifest(root, name_or_path) -> Path:
     pattern = re.compile(re.escape(name) + r"-[0-9a-f]{16}\.parquet")
     files = [q for q in root.joinpath("manifests").glob(f"{name}-*.parquet") if pattern.fullmatch(q.name)]
     if not files:
-        raise ValueError(
+        raise UserError(
             f"no manifest {name!r}: not a file, not in {root}'s catalog, and no "
             f"{root / 'manifests' / (name + '-<16 hex>.parquet')}"
         )

@@ -136,18 +136,22 @@ def default_partition() -> str:
 
 
 def time_seconds(value: str) -> int | None:
-    """sbatch's ``--time`` in seconds (None: no limit): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    """sbatch's ``--time`` in seconds (None: no limit): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S. As sbatch
+    reads it (man sbatch): seconds are rounded up to the next minute, and 0 imposes no limit."""
+    value = value.strip()
     if value.upper() in ("INFINITE", "UNLIMITED"):
         return None
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", value.strip())
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", value)
     if not m:
         raise UserError(f"--time {value}: not a Slurm time (minutes, M:S, H:M:S, D-H, D-H:M or D-H:M:S)")
     days, a, b, c = (int(x) if x else None for x in m.groups())
     if days is not None:  # D-H[:M[:S]]
-        return ((days * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
-    if c is not None:
-        return (a * 60 + b) * 60 + c
-    return a * 60 + (b or 0)
+        s = ((days * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
+    elif c is not None:
+        s = (a * 60 + b) * 60 + c
+    else:
+        s = a * 60 + (b or 0)
+    return -(-s // 60) * 60 or None
 
 
 def check_time(time: str | None, signal_s: int) -> None:

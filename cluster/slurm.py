@@ -357,8 +357,21 @@ def render(req: Request, jobdir: Path, name: str) -> tuple[str, str | None]:
 
 
 def again_command(req: Request, jobdir: Path) -> str:
-    """The submit that runs only the units that did not finish, and the --then command after them."""
+    """The submit that runs only the units that did not finish, with the resources this one asked for
+    (a GPU unit run again without --gpus-per-task would get no GPU), and the --then command after them."""
     words = ["reelcache", "slurm", "submit", "--partition", req.partition, "--units", str(jobdir / "failed.txt")]
+    options = {
+        "--account": req.account,
+        "--max-running": req.max_running,
+        "--retries": req.retries if req.retries != 1 else None,
+        "--time": req.time,
+        "--cpus-per-task": req.cpus_per_task if req.cpus_per_task != 1 else None,
+        "--gpus-per-task": req.gpus_per_task,
+        "--mem": req.mem,
+        "--job-name": req.job_name,
+    }
+    words += [w for k, v in options.items() if v is not None for w in (k, str(v))]
+    words += [f"--sbatch-arg={x}" for x in req.sbatch_args]
     words += ["--then", req.then] if req.then else []
     return shlex.join([*words, "--", *req.command])
 

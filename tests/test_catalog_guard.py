@@ -189,3 +189,30 @@ def test_a_busy_catalog_is_one_line_for_merge_manifest_sql_and_export(root, tmp_
     assert _snapshot(root) == before
     assert not (root / "manifests").exists() and not (tmp_path / "e.csv").exists()
     assert main(["catalog", "merge", "--root", str(root)]) == 0  # free again: the same command now runs
+
+
+def test_cache_plan_naming_a_missing_manifest_is_one_line(root, tmp_path):
+    """Issue 26.5: `cache plan` with a manifest that is neither a file nor a name in the catalog ends in one
+    line, exit 2, nothing planned (train and the loader already said it so)."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        (repo / "configs/cache/tiny.toml")
+        .read_text()
+        .replace('manifest = "demo-stage1"', 'manifest = "nosuch"')
+        .replace("configs/buckets/demo.toml", str(repo / "configs/buckets/demo.toml"))
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [
+        f"reelcache: error: no manifest 'nosuch': not a file, not in {root}'s catalog, and no "
+        f"{root / 'manifests' / 'nosuch-<16 hex>.parquet'}"
+    ]
+    assert not (root / "latents").exists()

@@ -97,3 +97,23 @@ def test_bad_arguments_are_one_line_before_any_work(tmp_path, args, says):
     p = run(out, *args, timeout=60)
     assert p.returncode == 2 and says in p.stderr
     assert not out.exists()
+
+
+def test_gpu_wheels_replaces_the_set_across_file_systems(tmp_path):
+    """make gpu-wheels downloads into a temporary folder and moves the set into bench/gpu-wheels/: where the
+    temporary folder is on another file system (a tmpfs /tmp, here /dev/shm), a rename fails (EXDEV)."""
+    import tempfile
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second file system (/dev/shm) beside the test's folder")
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_wheels import replace_wheels
+
+    folder = tmp_path / "gpu-wheels"
+    folder.mkdir()
+    (folder / "old-1.0-py3-none-any.whl").write_bytes(b"old")
+    with tempfile.TemporaryDirectory(dir=shm) as tmp:
+        (Path(tmp) / "new-2.0-py3-none-any.whl").write_bytes(b"new")
+        replace_wheels(Path(tmp), folder)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == {"new-2.0-py3-none-any.whl": b"new"}

@@ -113,6 +113,38 @@ def test_a_missing_program_is_named_in_one_line(tmp_path, monkeypatch):
     assert not (tmp_path / "c").exists()
 
 
+def test_the_failed_units_command_asks_for_what_the_first_submit_asked(tmp_path):
+    """The then job's "run them again" line, parsed by the CLI's own parser, is the first submit's
+    arguments (a GPU unit run again without --gpus-per-task would get no GPU) with --units failed.txt."""
+    from reelcache.cli import build_parser
+    from reelcache.cluster import slurm as sl
+
+    first = [
+        *("slurm", "submit", "--partition", "gpu", "--account", "proj", "--max-running", "4", "--retries", "2"),
+        *("--time", "2:00:00", "--cpus-per-task", "8", "--gpus-per-task", "1", "--mem", "16G", "--job-name", "c"),
+        *("--sbatch-arg=--qos=high", "--sbatch-arg=--exclusive", "--then", "reelcache catalog merge --root 'R x'"),
+        *("--", "reelcache", "cache", "run", "--root", "R x"),
+    ]
+    a = build_parser().parse_args(first)
+    req = sl.Request(
+        command=a.command[1:], units=["u"], partition=a.partition, account=a.account, max_running=a.max_running,
+        retries=a.retries, time=a.time, cpus_per_task=a.cpus_per_task, gpus_per_task=a.gpus_per_task, mem=a.mem,
+        job_name=a.job_name, then=a.then, sbatch_args=tuple(a.sbatch_arg),
+    )  # fmt: skip
+    again = shlex.split(sl.again_command(req, tmp_path))
+    assert again[0] == "reelcache"
+    b = build_parser().parse_args(again[1:])
+    assert b.units == str(tmp_path / "failed.txt")
+    same = ("partition", "account", "max_running", "retries", "time", "cpus_per_task", "gpus_per_task", "mem")
+    assert {k: getattr(b, k) for k in same} == {k: getattr(a, k) for k in same}
+    assert (b.job_name, b.sbatch_arg, b.then, b.command) == (a.job_name, a.sbatch_arg, a.then, a.command)
+    # defaults stay defaults
+    plain = sl.Request(command=["true"], units=["u"], partition="debug")
+    assert shlex.split(sl.again_command(plain, tmp_path)) == [
+        *("reelcache", "slurm", "submit", "--partition", "debug", "--units", str(tmp_path / "failed.txt"), "--", "true")
+    ]
+
+
 def _zombie(pid: int) -> bool:
     try:
         text = open(f"/proc/{pid}/stat").read()
@@ -277,7 +309,18 @@ def test_a_failed_unit_is_retried_and_the_then_job_waits_and_names_what_failed(s
     again = said.split("and merge after them:\n")[1].rstrip("\n")  # the README's failed-units row, filled in
     assert shlex.split(again) == [
         *("reelcache", "slurm", "submit", "--partition", slurm.partition, "--units", str(jobdir / "failed.txt")),
-        *("--then", f"date +%s.%N > {work}/then", "--", "bash", "-c", FLAKY, "flaky", str(work)),
+        *(
+            "--gpus-per-task",
+            "1",
+            "--then",
+            f"date +%s.%N > {work}/then",
+            "--",
+            "bash",
+            "-c",
+            FLAKY,
+            "flaky",
+            str(work),
+        ),
     ]
     gpus = {u: (work / f"gpus.{u}").read_text().split() for u in "abc"}
     assert [len(g) for g in gpus.values()] == [2, 2, 1] and set(sum(gpus.values(), [])) <= {"0", "1"}

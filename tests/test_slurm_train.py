@@ -27,6 +27,7 @@ from latent_data import write_latents
 from slurm_local import local_slurm_or_skip
 from test_train import _port, data_args, metrics, train, weights
 
+from reelcache import UserError
 from reelcache.cluster.hosts import expand_nodelist
 
 pytestmark = pytest.mark.slurm
@@ -172,6 +173,20 @@ def test_node_lists_expand_as_scontrol_does(slurm):
     for expr in ("gpu[01-03,7],cpu5", "n[001-002]-ib[1-2]", "a[8-11],b", slurm.node):
         want = slurm.run("scontrol", "show", "hostnames", expr).stdout.split()
         assert expand_nodelist(expr) == want, expr
+
+
+def test_time_limits_are_read_as_sbatch_reads_them():
+    """man sbatch: "Time resolution is one minute and second values are rounded up to the next minute.
+    A time limit of zero requests that no time limit be imposed." (expected values by hand)"""
+    from reelcache.cluster.sbatch import check_time, time_seconds
+
+    cases = {"90": 5400, "0:30": 60, "2:30": 180, "1:00:01": 3660, "2-0": 172800, "1-2:3": 93780,
+             "1-0:0:1": 86460, "0": None, "0:0:0": None, "UNLIMITED": None, " infinite ": None}  # fmt: skip
+    assert {v: time_seconds(v) for v in cases} == cases
+    check_time("0", 300)  # no limit: nothing to refuse
+    check_time("0:30", 40)  # a 1-minute limit, 40 s warning: what the time-limit test submits
+    with pytest.raises(UserError, match=r"^--time 5 \(300 s\) is not longer than --signal-s 300"):
+        check_time("5", 300)
 
 
 def test_each_way_to_stop_does_what_the_readme_says(slurm, root):

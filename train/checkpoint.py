@@ -148,8 +148,9 @@ class Checkpointer:
     last=True)`` at its end; the checkpointer saves at the start if asked (``at_start``), on its
     cadence, at the last step, or when a stop was requested on any rank, and then sets ``stopping``."""
 
-    def __init__(self, cfg: CheckpointConfig, run_dir, par, snapshot=None, saved_step: int | None = None):
+    def __init__(self, cfg: CheckpointConfig, run_dir, par, snapshot=None, saved_step: int | None = None, lease=None):
         self.cfg, self.run_dir, self.par, self.snapshot = cfg, Path(run_dir), par, snapshot
+        self.lease = lease  # rank 0's run lease (train/runlease.py): verified before each checkpoint is published
         self.saved_step = saved_step  # the step of the newest checkpoint this run wrote or loaded
         self.stopping = False
         self.stop = StopRequest(self.run_dir)
@@ -230,6 +231,12 @@ class Checkpointer:
                 json.dumps({**state, "write_seconds": time.monotonic() - t}, indent=2, default=str)
             )
             _fsync_tree(tmp)
+            if self.lease is not None:  # a run frozen past the lease's TTL, whose run another start took over,
+                try:  # must not publish into it (the other writes the same ckpt-* names)
+                    self.lease.verify()
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
             if final.exists():  # a re-run of the same step (after --reset-data, say)
                 shutil.rmtree(final)
             os.rename(tmp, final)

@@ -6,7 +6,9 @@ restarting what still runs) would otherwise both resume from the same checkpoint
 second would delete the first's ``.tmp-ckpt-*`` while it is being written. So a start takes
 ``runs/<run>/run.lease``, the lease units already take (catalog/lease.py: an ``O_EXCL`` file naming
 host, boot id, pid and its start time, the Slurm job; a heartbeat; stale when its holder is gone),
-before it looks at the run's checkpoints, and gives it back when it exits.
+before it looks at the run's checkpoints, and gives it back when it exits. Rank 0's checkpointer
+verifies the lease before it publishes each checkpoint: a holder frozen on another node for longer
+than the lease's TTL, whose run a new start has taken over, fails instead of writing into it.
 
 Rank 0 of the launch holds it; every other rank learns the outcome through the process group
 before it does anything, so a refused start is refused on every rank at once. With ``--wait`` (what

@@ -181,7 +181,9 @@ class Trainer:
         self.ema = self._ema() if cfg.run.ema_decay > 0 else None
         self.step = Step(cfg, par, self.model, self.optimizer, self.state.guard, self.ema, self.buckets.frame_interval)
         saved = self.state.global_step if self.ckpt_path is not None else None
-        self.ckpt = ck.Checkpointer(cfg.checkpoint, self.run_dir, par, snapshot=self.snapshot, saved_step=saved)
+        self.ckpt = ck.Checkpointer(
+            cfg.checkpoint, self.run_dir, par, snapshot=self.snapshot, saved_step=saved, lease=self.lease.lease
+        )
         resolved = cfg.to_dict()
         if self.rank0:
             (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))

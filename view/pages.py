@@ -172,8 +172,13 @@ def step(request: Request) -> Response:
 
 
 def stage(request: Request) -> Response:
+    from reelcache.view.server import NotFound
+
     root, name = _root(request), request.query_params.get("name", "")
-    return _stream(request, "stage.html", name=name, s=runs.stage(root, runs.run_dir(root, name), _store(request)))
+    d = runs.run_dir(root, name)
+    if not (d / "config.json").is_file():  # no run, or one that never started: its stage is not known
+        raise NotFound(f"no run {name!r} with a config.json under {root / 'runs'}")
+    return _stream(request, "stage.html", name=name, s=runs.stage(root, d, _store(request)))
 
 
 def _stream(request: Request, template: str, **ctx) -> Response:
@@ -193,9 +198,7 @@ def _stream(request: Request, template: str, **ctx) -> Response:
 def media_raw(request: Request) -> Response:
     """The clip's video member, straight from its raw shard (byte ranges of the tar)."""
     c = _clip(request)
-    if not c["shard"]:
-        raise Refused(f"clip {c['clip_id']!r} has no raw shard")
-    path = confined(_root(request), c["shard"])
+    path = _raw_shard(request, c)
     return slice_response(path, c["shard_offset"], c["file_size"], request.headers.get("range"), _type(c["ext"]))
 
 
@@ -220,10 +223,16 @@ def media_input(request: Request) -> Response:
     return file_response(_input_path(request, _clip(request)), request.headers.get("range"))
 
 
-def media_thumb(request: Request) -> Response:
-    c = _clip(request)
+def _raw_shard(request: Request, c: dict) -> Path:
+    """The clip's raw shard, confined to ROOT as every file the viewer reads for a page (media_raw's rule)."""
     if not c["shard"]:
         raise Refused(f"clip {c['clip_id']!r} has no raw shard")
+    return confined(_root(request), c["shard"])
+
+
+def media_thumb(request: Request) -> Response:
+    c = _clip(request)
+    _raw_shard(request, c)
     return file_response(preview.thumbnail(_root(request), c), None)
 
 
@@ -240,6 +249,7 @@ def _latent(request: Request) -> tuple[dict, dict]:
 
 def media_window(request: Request) -> Response:
     c, lat = _latent(request)
+    _raw_shard(request, c)  # the window is decoded from it
     return file_response(preview.window_preview(_root(request), c, lat), request.headers.get("range"))
 
 

@@ -7,11 +7,19 @@ outside the database. The user's clause is also checked to be one condition befo
 interrupted after ``USER_SQL_S`` seconds. A bad clause is a ``BadQuery`` with one line for the
 page. Each request takes its own cursor (DuckDB connections are not shared between threads;
 cursors of one connection are).
+
+The connection is held only while pages are being answered: DuckDB lets one process write a
+database file only while no other process has it open, even read-only, so a viewer holding it for
+its lifetime would make every ``catalog merge`` and ``catalog manifest`` (a Slurm array's ``--then``
+merge included) fail as "busy" for as long as it runs. It is closed once no request has used it for
+``IDLE_S`` seconds and opened again by the next one (about 10 ms).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
@@ -21,6 +29,8 @@ from reelcache.catalog.db import db_path
 from reelcache.catalog.sql import check_where, where_sql
 
 USER_SQL_S = 10.0
+IDLE_S = 2.0  # the catalog is closed after this long without a request (a writer may then open it)
+OPEN_WAIT_S = 10.0  # how long a request waits for this process's other connection to the catalog to close
 PAGE = 60  # clips per grid page
 REJECTS_PAGE = 50
 CLIP_COLUMNS = "clip_id, source, text, level, noun_count, width, height, fps, duration, num_frames, codec, file_size"
@@ -33,35 +43,70 @@ class BadQuery(ValueError):
 class Store:
     def __init__(self, root: str | Path):
         self.root = Path(root).resolve()
-        path = db_path(self.root)
-        if not path.exists():
-            raise UserError(f"no catalog at {path}: run `reelcache catalog merge --root {root}` first")
-        try:
-            self.con = duckdb.connect(
-                str(path), read_only=True, config={"enable_external_access": False, "lock_configuration": True}
-            )
-        except duckdb.IOException as e:
-            raise UserError(f"cannot open {path} read-only ({e}); is a merge running?") from e
+        self.path = db_path(self.root)
+        if not self.path.exists():
+            raise UserError(f"no catalog at {self.path}: run `reelcache catalog merge --root {root}` first")
+        self._con, self._users, self._used = None, 0, 0.0
+        self._guard = threading.Lock()
         self.tables = {r[0] for r in self.rows("SELECT table_name FROM information_schema.tables")}
 
+    @contextmanager
+    def _cursor(self):
+        """A cursor of the shared read-only connection, opened if it was closed; closed again by
+        ``_release`` once it has been idle for ``IDLE_S`` (a UserError while a merge holds the file)."""
+        with self._guard:
+            if self._con is None:
+                self._con = self._connect()
+            self._users += 1
+            cur = self._con.cursor()
+        try:
+            yield cur
+        finally:
+            cur.close()
+            with self._guard:
+                self._users -= 1
+                self._used = time.monotonic()
+                if self._users == 0:
+                    timer = threading.Timer(IDLE_S, self._release)
+                    timer.daemon = True
+                    timer.start()
+
+    def _connect(self):
+        """The read-only connection. DuckDB refuses a second connection of this process to the file with
+        another configuration while one is open: catalog/manifest.py's name lookup (a Stage page's loader)
+        holds one for a moment, so that refusal is waited out (``OPEN_WAIT_S``), never a 500."""
+        deadline = time.monotonic() + OPEN_WAIT_S
+        while True:
+            try:
+                return duckdb.connect(
+                    str(self.path), read_only=True, config={"enable_external_access": False, "lock_configuration": True}
+                )
+            except duckdb.ConnectionException as e:
+                if time.monotonic() > deadline:
+                    raise UserError(f"cannot open {self.path} read-only: {_one_line(e)}") from e
+                time.sleep(0.05)
+            except duckdb.IOException as e:
+                raise UserError(f"cannot open {self.path} read-only ({_one_line(e)}); is a merge running?") from e
+
+    def _release(self) -> None:
+        with self._guard:
+            if self._con is not None and self._users == 0 and time.monotonic() - self._used >= IDLE_S * 0.99:
+                self._con.close()
+                self._con = None
+
     def close(self) -> None:
-        self.con.close()
+        with self._guard:
+            if self._con is not None:
+                self._con.close()
+                self._con = None
 
     def rows(self, sql: str, params=None) -> list[tuple]:
-        cur = self.con.cursor()
-        try:
+        with self._cursor() as cur:
             return cur.execute(sql, params or []).fetchall()
-        finally:
-            cur.close()
 
     def dicts(self, sql: str, params=None) -> list[dict]:
-        cur = self.con.cursor()
-        try:
-            rel = cur.execute(sql, params or [])
-            cols = [d[0] for d in rel.description]
-            return [dict(zip(cols, r)) for r in rel.fetchall()]
-        finally:
-            cur.close()
+        with self._cursor() as cur:
+            return _dicts(cur, sql, params)
 
     # -- the user's WHERE clause -------------------------------------------------------------
     def user_rows(self, where: str, sql: str, params=None) -> list[dict]:
@@ -70,20 +115,17 @@ class Store:
             query = sql.replace("{where}", where_sql(check_where(where, option="WHERE")))
         except UserError as e:
             raise BadQuery(str(e)) from None
-        cur = self.con.cursor()
-        timer = threading.Timer(USER_SQL_S, cur.interrupt)
-        timer.start()
-        try:
-            rel = cur.execute(query, params or [])
-            cols = [d[0] for d in rel.description]
-            return [dict(zip(cols, r)) for r in rel.fetchall()]
-        except duckdb.InterruptException:
-            raise BadQuery(f"stopped after {USER_SQL_S:.0f} s: {where!r}") from None
-        except duckdb.Error as e:
-            raise BadQuery(_one_line(e)) from None
-        finally:
-            timer.cancel()
-            cur.close()
+        with self._cursor() as cur:
+            timer = threading.Timer(USER_SQL_S, cur.interrupt)
+            timer.start()
+            try:
+                return _dicts(cur, query, params)
+            except duckdb.InterruptException:
+                raise BadQuery(f"stopped after {USER_SQL_S:.0f} s: {where!r}") from None
+            except duckdb.Error as e:
+                raise BadQuery(_one_line(e)) from None
+            finally:
+                timer.cancel()
 
     # -- pages -------------------------------------------------------------------------------
     def overview(self) -> dict:
@@ -191,8 +233,7 @@ class Store:
     def breakdown(self, table) -> dict:
         """Counts of the rows of an Arrow table with ``clip_id`` (and maybe ``bucket``) per level and source
         (joined to the catalog, in one pass) and per bucket: a manifest's, a step's, an epoch plan's samples."""
-        cur = self.con.cursor()
-        try:
+        with self._cursor() as cur:
             cur.register("sel", table)
             pairs = cur.execute("SELECT c.level, c.source, count(*) FROM sel JOIN clips c USING (clip_id) GROUP BY ALL")
             level: dict = {}
@@ -205,8 +246,6 @@ class Store:
             if "bucket" in table.column_names:
                 out["bucket"] = _dicts(cur, "SELECT bucket AS key, count(*) AS n FROM sel GROUP BY 1 ORDER BY 1")
             return out
-        finally:
-            cur.close()
 
     def lookup(self, ids, columns: tuple[str, ...]) -> dict:
         """For an Arrow array of clip ids: {column: (names, code per id)} from one join with the catalog
@@ -215,13 +254,10 @@ class Store:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        cur = self.con.cursor()
-        try:
+        with self._cursor() as cur:
             cur.register("ids", pa.table({"i": pa.array(np.arange(len(ids))), "clip_id": ids}))
             cols = ", ".join(f"c.{c}" for c in columns)
             got = cur.sql(f"SELECT {cols} FROM ids LEFT JOIN clips c USING (clip_id) ORDER BY ids.i").to_arrow_table()
-        finally:
-            cur.close()
         out = {}
         for c in columns:
             enc = pc.dictionary_encode(got[c].combine_chunks())
@@ -235,8 +271,8 @@ class Store:
         return out
 
 
-def _dicts(cur, sql: str) -> list[dict]:
-    rel = cur.execute(sql)
+def _dicts(cur, sql: str, params=None) -> list[dict]:
+    rel = cur.execute(sql, params or [])
     cols = [d[0] for d in rel.description]
     return [dict(zip(cols, r)) for r in rel.fetchall()]
 
