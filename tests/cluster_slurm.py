@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slurm_local import CLIENTS, DAEMONS, SBIN, SlurmUnavailable, _fields, _mem_total_mb
+from slurm_local import CLIENTS, DAEMONS, SBIN, SlurmUnavailable, _fields, _mem_total_mb, conf_common
 
 
 @dataclass
@@ -121,36 +121,8 @@ SlurmctldHost=node1({c.addr(1)})
 SlurmctldPort=6817
 SlurmdPort=6818
 SrunPortRange=60001-60063
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={d}/munge/munge.socket,cred_expire={self.cred_expire}
-StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool/%n
-SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd-%n.pid
-SlurmctldLogFile={d}/log/slurmctld.log
-SlurmdLogFile={d}/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-PlugStackConfig={d}/plugstack.conf
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=1,bf_interval=1
-MpiDefault=none
-ReturnToService=2
-SlurmdTimeout=10
+{conf_common(d, self.cred_expire)}SlurmdTimeout=10
 JobRequeue=1
-KillWait=2
-MailProg=/bin/true
-GresTypes=gpu
 {nodes}PartitionName={self.partition} Nodes=node[1-{c.nodes}] Default=YES MaxTime=INFINITE State=UP
 """
         )

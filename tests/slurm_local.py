@@ -244,36 +244,8 @@ SlurmctldHost={self.node}(127.0.0.1)
 SlurmctldPort={ctld}
 SlurmdPort={slurmd}
 SrunPortRange={srun}-{srun + 63}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={d}/munge/munge.socket,cred_expire={self.cred_expire}
-StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
-SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
-SlurmctldLogFile={d}/log/slurmctld.log
-SlurmdLogFile={d}/log/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-PlugStackConfig={d}/plugstack.conf
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=1,bf_interval=1
-MpiDefault=none
-ReturnToService=2
-MaxArraySize={self.max_array_size}
+{conf_common(d, self.cred_expire)}MaxArraySize={self.max_array_size}
 JobRequeue={int(self.job_requeue)}
-KillWait=2
-MailProg=/bin/true
-GresTypes=gpu
 NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={mem}{gres} State=UNKNOWN
 PartitionName={self.partition} Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 """
@@ -364,6 +336,42 @@ def _mem_total_mb() -> int:
         if line.startswith("MemTotal:"):
             return int(line.split()[1]) // 1024
     return 1024
+
+
+def conf_common(d: Path, cred_expire: int) -> str:
+    """The slurm.conf lines both test clusters share (this one-node Slurm and tests/cluster_slurm.py's
+    nodes): munge, state, spool, pids and logs in the test's folder (``%n``: per node), no accounting,
+    cgroups or task plugins, a 1-second scheduler, a node that registers again back in service."""
+    return f"""\
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={d}/munge/munge.socket,cred_expire={cred_expire}
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+PlugStackConfig={d}/plugstack.conf
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1,bf_interval=1
+MpiDefault=none
+ReturnToService=2
+KillWait=2
+MailProg=/bin/true
+GresTypes=gpu
+"""
 
 
 def _state(pid: int) -> str | None:
