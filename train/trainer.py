@@ -322,6 +322,7 @@ class Trainer:
                     t_end = time.monotonic()
                     st.global_step += 1
                     dog.end()
+                    dog.begin(st.global_step, after_step=True)  # the collectives below are watched too
                     if not out.skipped:
                         self._since_log.append(out.loss)
                     if out.bad:
@@ -331,6 +332,7 @@ class Trainer:
                     if st.global_step % cfg.log.every == 0 or out.bad:
                         self._log(batch, out, t_end - t_data, t_step - t_data)
                     self._save(last=self._done())
+                    dog.end(record=False)
                     if self._done() or self.ckpt.stopping:
                         break
                     k += 1

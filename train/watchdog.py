@@ -1,16 +1,18 @@
 """Hang watchdog: a step far slower than usual leaves every rank's stack in the run directory.
 
 Each rank runs a daemon thread that watches the time since its current step began (data wait
-included: a stuck read is the usual hang). When it exceeds ``max(floor_s, factor x median of
-the recent step times)``, the rank writes, into ``runs/<run>/hangs/step-<N>/rank<R>.txt``, what it
-was doing (step, epoch, the batch it trains or the one it waits for: bucket and clip ids) and all
-its threads' Python stacks (faulthandler), and rank 0 logs an alert. No collective is involved,
-so every rank that is stuck reports, also when the others are waiting in NCCL. With
-``limit_s > 0`` a step that lasts that long ends the process with a message naming the stacks,
-instead of waiting out the collective timeout, naming the ranks that wrote no report for the
-step (stopped answering: a dead, frozen or cut-off node), and the launcher then stops the other
-ranks. A rank's hang report comes at the threshold, so ``floor_s`` well below ``limit_s`` lets every
-live rank report first.
+included: a stuck read is the usual hang), and then the logging, checkpoint and stop-agreement
+collectives after the step (a node lost while the others wait there is the same hang; that time
+is watched but kept out of the median, and ``limit_s`` must exceed a checkpoint's gather). When
+it exceeds ``max(floor_s, factor x median of the recent step times)``, the rank writes, into
+``runs/<run>/hangs/step-<N>/rank<R>.txt``, what it was doing (step, epoch, the batch it trains or
+the one it waits for: bucket and clip ids) and all its threads' Python stacks (faulthandler), and
+rank 0 logs an alert. No collective is involved, so every rank that is stuck reports, also when
+the others are waiting in NCCL. With ``limit_s > 0`` a step that lasts that long ends the process
+with a message naming the stacks, instead of waiting out the collective timeout, naming the ranks
+that wrote no report for the step (stopped answering: a dead, frozen or cut-off node), and the
+launcher then stops the other ranks. A rank's hang report comes at the threshold, so ``floor_s``
+well below ``limit_s`` lets every live rank report first.
 
 Independently of hangs, every rank's stacks can be asked for at any time with SIGUSR1 (what
 ``reelcache cluster dump`` falls back to without py-spy): they go to ``runs/<run>/stacks/``.
@@ -88,9 +90,11 @@ class Watchdog:
         with self._lock:
             self._info.update(info)
 
-    def end(self) -> None:
+    def end(self, record: bool = True) -> None:
+        """The watched span ends; its time joins the median unless ``record`` is false (the log and
+        checkpoint collectives after a step are watched, but are no step time)."""
         with self._lock:
-            if self._start is not None:
+            if self._start is not None and record:
                 self.times.append(time.monotonic() - self._start)
             self._start = None
 
