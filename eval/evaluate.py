@@ -91,7 +91,10 @@ def _check_weights(ckpt: Path, used: str) -> None:
             raise UserError(f"{ckpt.name} is incomplete: no {folder.name}/ folder; evaluate another checkpoint")
         if not index.exists():
             continue  # a single-file layout: load_weights says what is missing
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # cut short, or not an index
+            raise UserError(f"{ckpt.name} is incomplete: {folder.name}/{INDEX} is not a shard index ({e!r})") from None
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise UserError(

@@ -212,7 +212,7 @@ def test_cache_plan_naming_a_missing_manifest_is_one_line(root, tmp_path):
     )
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert p.stderr.strip().splitlines() == [
-        f"reelcache: error: no manifest 'nosuch': not a file, not in {root}'s catalog, and no "
+        f"reelcache: error: manifest = 'nosuch': no manifest 'nosuch': not a file, not in {root}'s catalog, and no "
         f"{root / 'manifests' / 'nosuch-<16 hex>.parquet'}"
     ]
     assert not (root / "latents").exists()

@@ -321,6 +321,24 @@ def test_once_of_a_checkpoint_missing_a_shard_is_one_line_and_writes_nothing(tra
     shutil.rmtree(run)
 
 
+def test_once_of_a_checkpoint_whose_index_is_cut_short_is_one_line(trained, capsys):
+    """A shard index cut short by a copy: one line naming it, exit 2, no eval/ folder (was a
+    JSONDecodeError traceback)."""
+    run = trained / "runs" / "cutindex"
+    shutil.copytree(trained / "runs" / RUN, run, ignore=shutil.ignore_patterns("eval", "wandb"))
+    index = run / "ckpt-00000004" / "ema" / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:40])
+    args = ["eval", "once", "--root", str(trained), "--run", str(run), "--checkpoint", "ckpt-00000004",
+            "--preset", "debug", "--val-manifest", "lat", "--val-max-clips", "1", "--device", "cpu",
+            "--wandb-mode", "disabled"]  # fmt: skip
+    capsys.readouterr()
+    assert main(args) == 2
+    err = [e for e in capsys.readouterr().err.splitlines() if "error" in e]
+    assert len(err) == 1 and "ema/model.safetensors.index.json is not a shard index" in err[0], err
+    assert not (run / "eval").exists()
+    shutil.rmtree(run)
+
+
 # -- references computed from the definitions, not from eval/'s helpers ---------------------------
 #
 # These tests own a copy of the run (runs/<name>, checkpoints copied) so their eval/ files never meet

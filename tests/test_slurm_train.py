@@ -269,7 +269,8 @@ def test_no_controller_is_said_in_one_line(slurm, root, tmp_path):
     """A slurm.conf whose controller port nobody listens on: said as that, not as a missing partition."""
     r, manifest = root
     conf = tmp_path / "slurm.conf"
-    conf.write_text(re.sub(r"(?m)^SlurmctldPort=\d+$", f"SlurmctldPort={_port()}", slurm.conf.read_text()))
+    text = re.sub(r"(?m)^SlurmctldPort=\d+$", f"SlurmctldPort={_port()}", slurm.conf.read_text())
+    conf.write_text(text + "MessageTimeout=2\n")  # the clients retry a silent controller this long (10 s default)
     env = {**slurm.env, "SLURM_CONF": str(conf)}
     train_cmd = [sys.executable, "-m", "reelcache", "train", CONFIG, "--root", str(r), *data_args(manifest)]
     units = [sys.executable, "-m", "reelcache", "slurm", "submit", "--partition", "debug", "--dir", str(tmp_path / "j")]
