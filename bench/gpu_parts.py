@@ -312,15 +312,8 @@ def vae(ctx: Ctx) -> list[dict]:
         n = ctx.batch[b]
         reset_memory(ctx.device)
         x = pixels(ctx, b, n)
-        model.encode(x)  # warm-up: cuDNN picks its convolution algorithms
-        times = []
-        for _ in range(ctx.p.encode_reps):
-            sync(ctx.device)
-            t0 = time.perf_counter()
-            mean, _ = model.encode(x)
-            sync(ctx.device)
-            times.append(time.perf_counter() - t0)
-        s = statistics.median(times)
+        mean, _ = model.encode(x)  # warm-up (cuDNN picks its convolution algorithms); its shape is reported
+        s = statistics.median([timed(lambda x=x: model.encode(x), ctx.device) for _ in range(ctx.p.encode_reps)])
         ctx.measured.setdefault(b, {})["vae_clip_s"] = s / n
         rows.append(
             {

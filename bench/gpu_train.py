@@ -26,6 +26,7 @@ from gpu_parts import (
     pixels,
     reset_memory,
     sync,
+    timed,
 )
 from interleave import Ratio, rounds
 
@@ -165,11 +166,7 @@ def train(ctx: Ctx) -> list[dict]:
         tr(batch)  # warm-up: the first step allocates ZeRO's buckets and the optimizer state
         times = []
         for _ in range(ctx.p.reps):
-            sync(ctx.device)
-            t0 = time.perf_counter()
-            tr(batch)
-            sync(ctx.device)
-            times.append(time.perf_counter() - t0)
+            times.append(timed(lambda batch=batch: tr(batch), ctx.device))
             if ctx.left() < 20:
                 break
         s = statistics.median(times)
@@ -232,10 +229,7 @@ def contenders(ctx: Ctx, tr: Trainer, vae, b: str, n: int) -> dict:
     cached_batch = latent_batch(ctx, b, n)
 
     def cached(_r):
-        t0 = time.perf_counter()
-        tr(cached_batch)
-        sync(ctx.device)
-        return {"s": time.perf_counter() - t0}
+        return {"s": timed(lambda: tr(cached_batch), ctx.device)}
 
     def online(_r):
         t0 = time.perf_counter()
