@@ -78,6 +78,21 @@ def fresh_root(ingested, tmp_path) -> Path:
     return dst
 
 
+def tiny_cache_config(path: Path, manifest: str, name: str = "t") -> Path:
+    """configs/cache/tiny.toml (the demo's cache: tiny LTX and T5, its views) over ``manifest``, named
+    ``name``, with its buckets file by absolute path and one decode worker, written to ``path``."""
+    repo = Path(__file__).resolve().parents[1]
+    path.write_text(
+        (repo / "configs/cache/tiny.toml")
+        .read_text()
+        .replace('manifest = "demo-stage1"', f'manifest = "{manifest}"')
+        .replace('name = "tiny"', f'name = "{name}"')
+        .replace("configs/buckets/demo.toml", str(repo / "configs/buckets/demo.toml"))
+        .replace("workers = 2", "workers = 1")
+    )
+    return path
+
+
 def sql(root: Path, query: str):
     from reelcache.catalog.db import open_catalog
 

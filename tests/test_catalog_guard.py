@@ -194,16 +194,9 @@ def test_a_busy_catalog_is_one_line_for_merge_manifest_sql_and_export(root, tmp_
 def test_cache_plan_naming_a_missing_manifest_is_one_line(root, tmp_path):
     """Issue 26.5: `cache plan` with a manifest that is neither a file nor a name in the catalog ends in one
     line, exit 2, nothing planned (train and the loader already said it so)."""
-    from pathlib import Path
+    from conftest import tiny_cache_config
 
-    repo = Path(__file__).resolve().parents[1]
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(
-        (repo / "configs/cache/tiny.toml")
-        .read_text()
-        .replace('manifest = "demo-stage1"', 'manifest = "nosuch"')
-        .replace("configs/buckets/demo.toml", str(repo / "configs/buckets/demo.toml"))
-    )
+    cfg = tiny_cache_config(tmp_path / "c.toml", "nosuch")
     p = subprocess.run(
         [sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config", str(cfg)],
         capture_output=True,

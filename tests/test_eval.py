@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import tiny_cache_config
 from wandb_files import history, run_files
 
 from reelcache.cli import main
@@ -57,15 +58,7 @@ def trained(ingested, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("eval") / "root"
     shutil.copytree(ingested, root)
     make_manifest(root, "m", "clip_id IN (SELECT clip_id FROM clips WHERE status = 'ok' ORDER BY clip_id LIMIT 10)")
-    cfg = root / "cache.toml"
-    cfg.write_text(
-        (REPO / "configs/cache/tiny.toml")
-        .read_text()
-        .replace('manifest = "demo-stage1"', 'manifest = "m"')
-        .replace('name = "tiny"', 'name = "t"')
-        .replace("configs/buckets/demo.toml", str(REPO / "configs/buckets/demo.toml"))
-        .replace("workers = 2", "workers = 1")
-    )
+    cfg = tiny_cache_config(root / "cache.toml", "m")
     out = subprocess.run(
         [sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config", str(cfg)],
         check=True,

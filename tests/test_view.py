@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import tiny_cache_config
 
 pytestmark = pytest.mark.browser
 
@@ -60,15 +61,7 @@ def demo_root(ingested, tmp_path_factory) -> Path:
     shutil.copytree(ingested, root)
     six = "clip_id IN (SELECT clip_id FROM clips WHERE status = 'ok' AND codec = 'h264' ORDER BY clip_id LIMIT 6)"
     _main("catalog", "manifest", "--root", str(root), "--name", "m", "--where", six)
-    cfg = root / "cache.toml"
-    cfg.write_text(
-        (REPO / "configs/cache/tiny.toml")
-        .read_text()
-        .replace('manifest = "demo-stage1"', 'manifest = "m"')
-        .replace('name = "tiny"', 'name = "t"')
-        .replace("configs/buckets/demo.toml", str(REPO / "configs/buckets/demo.toml"))
-        .replace("workers = 2", "workers = 1")
-    )
+    cfg = tiny_cache_config(root / "cache.toml", "m")
     units = _main("cache", "plan", "--root", str(root), "--config", str(cfg)).split()
     _main("cache", "run", "--root", str(root), "--device", "cpu", *units)
     _main("catalog", "merge", "--root", str(root))
