@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from latent_data import write_latents
-from test_train import CONFIG, PLUGINS, REPO, complete, data_args, metrics, train, weights
+from test_train import CONFIG, PLUGINS, REPO, complete, data_args, metrics, stage_file, train, weights
 from test_zero import manifest_clips
 
 pytestmark = pytest.mark.multinode
@@ -88,13 +88,7 @@ def test_colossalai_run_hostfile_on_three_nodes_equals_one_node_zero2(cluster, r
     r, manifest = root
     args = data_args(manifest, "--run.epochs=1", *PLUGINS["zero2-fp32"])
     train(r, args + ["--run.name=one-node-zero2"], nproc=3)
-    cfg = tmp_path / "stage.toml"  # colossalai run re-joins arguments unquoted: the settings go in a file
-    cfg.write_text(
-        CONFIG.read_text()
-        .replace('name = "demo-stage1-tiny"', f'name = "{manifest}"')
-        .replace("configs/buckets/demo.toml", "configs/buckets/tiny.toml")
-        .replace("caption_channels = 32", "caption_channels = 8")
-    )
+    cfg = stage_file(tmp_path / "stage.toml", manifest)  # colossalai run: the settings go in a file
     bindir = Path(sys.executable).parent
     env = cluster.env(**ENV)
     env["PATH"] = f"{bindir}:{env['PATH']}"

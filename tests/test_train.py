@@ -334,17 +334,23 @@ def wandb_history(run_dir: Path) -> list[dict]:
     return history(f)
 
 
-def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):
-    """`colossalai run` from the venv (its launcher re-joins arguments unquoted, so the test root's
-    settings go in a config file), and the offline wandb file holds every step's numbers."""
-    r, manifest = root
-    cfg = tmp_path / "stage.toml"
-    cfg.write_text(
+def stage_file(path: Path, manifest) -> Path:
+    """The debug stage with the test root's settings (manifest, tiny buckets, 8 caption channels) in a
+    config file: `colossalai run` re-joins its arguments unquoted, so they cannot be overrides."""
+    path.write_text(
         CONFIG.read_text()
         .replace('name = "demo-stage1-tiny"', f'name = "{manifest}"')
         .replace("configs/buckets/demo.toml", "configs/buckets/tiny.toml")
         .replace("caption_channels = 32", "caption_channels = 8")
     )
+    return path
+
+
+def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):
+    """`colossalai run` from the venv (its launcher re-joins arguments unquoted, so the test root's
+    settings go in a config file), and the offline wandb file holds every step's numbers."""
+    r, manifest = root
+    cfg = stage_file(tmp_path / "stage.toml", manifest)
     bindir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
     p = subprocess.run(
