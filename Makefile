@@ -30,7 +30,7 @@ GPU_TORCH ?= 2.5.1
 GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.17.1
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: sysdeps install install-gpu gpu-kernels gpu-check gpu-wheels gpu-check-device demo ingest cache lint format test bench clean
+.PHONY: sysdeps install install-gpu gpu-kernels gpu-check gpu-wheels gpu-check-device demo ingest cache lint format test test-fast bench clean
 
 # The programs the pipeline runs besides Python: ffmpeg (the tests' reference decoder) and GNU parallel
 # (ingest and cache units, cluster checks). Installed once, with apt-get as root or through sudo;
@@ -202,6 +202,11 @@ format: install
 
 test: sysdeps install lint
 	$(BIN)/pytest -q
+
+# The unit tests alone: every component in milliseconds, no multi-process or end-to-end run (those
+# are marked slow; multinode, slurm and browser tests count as slow too). Under a minute.
+test-fast: install
+	$(BIN)/pytest -q -m "not slow"
 
 bench: install
 	@[ -f $(DEMO_ROOT)/latents/tiny/cache.json ] || $(MAKE) --no-print-directory demo

@@ -8,11 +8,27 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tests live in folders that mirror the packages and are imported by path (--import-mode=importlib),
+# so two folders may each have a test_run.py; what they share comes from tests/support.py and the
+# other modules here (videos, latent_data, cluster_local, ...), found through this one path entry.
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+SLOW_KINDS = ("multinode", "slurm", "browser", "gpu")
+
+
+def pytest_collection_modifyitems(items):
+    """A test on a namespace cluster, a Slurm, a browser or a GPU is a slow one (`make test-fast`
+    deselects `slow`): one marker to filter on, whatever made the test slow."""
+    for item in items:
+        if any(item.get_closest_marker(k) for k in SLOW_KINDS) and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -24,47 +40,10 @@ def demo_dataset(tmp_path_factory) -> Path:
     return out
 
 
-def ingest(root: Path, data: Path, *extra: str, name: str = "openvid") -> list[str]:
-    """plan + run every unit (in-process, like one parallel slot) + merge; returns the units."""
-    import contextlib
-    import io
-
-    from reelcache.cli import main
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert (
-            main(
-                [
-                    "ingest",
-                    "plan",
-                    "--root",
-                    str(root),
-                    "--source",
-                    "openvid",
-                    "--name",
-                    name,
-                    "--meta",
-                    str(data / "OpenVid-demo.csv"),
-                    "--videos",
-                    str(data / "videos"),
-                    "--rows-per-unit",
-                    "8",
-                    "--max-file-mb",
-                    "8",
-                    *extra,
-                ]
-            )
-            == 0
-        )
-    units = buf.getvalue().split()
-    assert main(["ingest", "run", "--root", str(root), *units]) == 0
-    assert main(["catalog", "merge", "--root", str(root)]) == 0
-    return units
-
-
 @pytest.fixture(scope="session")
 def ingested(demo_dataset, tmp_path_factory) -> Path:
+    from support import ingest
+
     root = tmp_path_factory.mktemp("root")
     ingest(root, demo_dataset)
     return root
@@ -76,31 +55,6 @@ def fresh_root(ingested, tmp_path) -> Path:
     dst = tmp_path / "root"
     shutil.copytree(ingested, dst)
     return dst
-
-
-def tiny_cache_config(path: Path, manifest: str, name: str = "t") -> Path:
-    """configs/cache/tiny.toml (the demo's cache: tiny LTX and T5, its views) over ``manifest``, named
-    ``name``, with its buckets file by absolute path and one decode worker, written to ``path``."""
-    repo = Path(__file__).resolve().parents[1]
-    path.write_text(
-        (repo / "configs/cache/tiny.toml")
-        .read_text()
-        .replace('manifest = "demo-stage1"', f'manifest = "{manifest}"')
-        .replace('name = "tiny"', f'name = "{name}"')
-        .replace("configs/buckets/demo.toml", str(repo / "configs/buckets/demo.toml"))
-        .replace("workers = 2", "workers = 1")
-    )
-    return path
-
-
-def sql(root: Path, query: str):
-    from reelcache.catalog.db import open_catalog
-
-    con = open_catalog(root)
-    try:
-        return con.execute(query).fetchall()
-    finally:
-        con.close()
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from support import TOL, decode_job, reference, write_clip_file
 
 from reelcache import UserError
 from reelcache.catalog.aspect_tables import OPENSORA12_ASPECT
@@ -113,14 +114,13 @@ def test_opensora_resize_covers_upstreams_size_of_the_assigned_bucket(tmp_path, 
     """A clip's bucket (assign) and its frames (decode_clip, resize = "opensora") are Open-Sora 1.2's:
     resize_crop_to_fill (test_resize.py's torch reference) to upstream's size read off its table."""
     import numpy as np
-    from test_resize import TOL, job, reference, write
 
     from reelcache.cache.decode import decode_clip
 
     a = BucketConfig.from_dict({res: {5: [1.0, 2]}}).assign("c", size[1], size[0], 25)
     assert (a.bucket, (a.height, a.width)) == (bucket, fit)
-    p = write(tmp_path, *size)
-    got = decode_clip(job(p, a.bucket, *stored, resize="opensora"), str(tmp_path))
+    p = write_clip_file(tmp_path, *size)
+    got = decode_clip(decode_job(p, a.bucket, *stored, resize="opensora"), str(tmp_path))
     assert np.abs(got - reference(p, [7 + 3 * k for k in range(5)], fit, *stored)).max() <= TOL
 
 

@@ -17,13 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import sql
+from support import REPO, cache_config, cache_plan, sql
 
 from reelcache.catalog.buckets import BucketConfig, bucket_hw
 from reelcache.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 # -- buckets -------------------------------------------------------------------------------
 CFG = BucketConfig.from_dict({"720p": {51: [1.0, 2]}, "240p": {51: [1.0, 8], 102: [1.0, 4]}, "144p": {1: [1.0, 64]}})
@@ -145,47 +142,12 @@ def test_closing_the_decode_stream_early_frees_every_block(tmp_path):
     assert not [p for p in Path("/dev/shm").glob(f"rc{os.getpid()}-*")]
 
 
-# -- the cache end to end ------------------------------------------------------------------
-def write_config(tmp_path, manifest, **over) -> Path:
-    vals = {"name": "t", "kind": "ltx", "seed": 0, "clips_per_unit": 6, "text_kind": "t5"} | over
-    p = tmp_path / f"cache-{vals['name']}-{vals['kind']}-{vals['seed']}.toml"
-    p.write_text(f"""
-name = "{vals["name"]}"
-manifest = "{manifest}"
-buckets = "{vals.get("buckets", REPO / "configs/buckets/demo.toml")}"
-clips_per_unit = {vals["clips_per_unit"]}
-batch_size = 2
-workers = 1
-decode_timeout = {vals.get("decode_timeout", 60)}
-[video_encoder]
-kind = "{vals["kind"]}"
-tiny = true
-dtype = "float32"
-seed = {vals["seed"]}
-[text_encoder]
-kind = "{vals["text_kind"]}"
-tiny = true
-dtype = "float32"
-""")
-    return p
-
-
 @pytest.fixture()
 def cache_root(fresh_root):
     from reelcache.catalog.manifest import make_manifest
 
     make_manifest(fresh_root, "m", "true")
     return fresh_root
-
-
-def plan(root, config) -> list[str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config", str(config)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.split()
 
 
 def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
@@ -195,8 +157,8 @@ def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
     from reelcache.cache.encoders import EncoderSpec, TextEncoder, VideoEncoder
     from reelcache.catalog.latents import read_latent
 
-    cfg = write_config(tmp_path, "m")
-    units = plan(cache_root, cfg)
+    cfg = cache_config(tmp_path, "m")
+    units = cache_plan(cache_root, cfg)
     assert len(units) >= 2
     assert main(["cache", "run", "--root", str(cache_root), *units]) == 0
     assert main(["catalog", "merge", "--root", str(cache_root)]) == 0
@@ -250,7 +212,7 @@ def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
         con.close()
     make_manifest(fresh_root, "m", "true")
     (tmp_path / "b.toml").write_text("[buckets.144p]\n9 = [1.0, 2]\n")  # short windows: a quick unit
-    unit = plan(fresh_root, write_config(tmp_path, "m", clips_per_unit=4, buckets=tmp_path / "b.toml"))[0]
+    unit = cache_plan(fresh_root, cache_config(tmp_path, "m", clips_per_unit=4, buckets=tmp_path / "b.toml"))[0]
     seen = []
     encode = TextEncoder.encode
     monkeypatch.setattr(TextEncoder, "encode", lambda self, texts: seen.extend(texts) or encode(self, texts))
@@ -266,13 +228,13 @@ def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
 
 
 def test_identity_mismatch_is_refused_with_the_difference(cache_root, tmp_path, capsys):
-    plan(cache_root, write_config(tmp_path, "m"))
-    assert main(["cache", "plan", "--root", str(cache_root), "--config", str(write_config(tmp_path, "m", seed=1))]) == 2
+    cache_plan(cache_root, cache_config(tmp_path, "m"))
+    assert main(["cache", "plan", "--root", str(cache_root), "--config", str(cache_config(tmp_path, "m", seed=1))]) == 2
     err = capsys.readouterr().err
     assert "another identity" in err and "video_encoder.weights_sha256" in err
     assert (
         main(
-            ["cache", "plan", "--root", str(cache_root), "--config", str(write_config(tmp_path, "m", kind="cogvideox"))]
+            ["cache", "plan", "--root", str(cache_root), "--config", str(cache_config(tmp_path, "m", kind="cogvideox"))]
         )
         == 2
     )
@@ -286,7 +248,7 @@ def test_clips_without_bucket_and_corrupt_clips_are_recorded(cache_root, tmp_pat
     with open(cache_root / shard, "r+b") as f:  # scribble over the clip's bytes inside the raw shard
         f.seek(off)
         f.write(os.urandom(size))
-    cfg = write_config(tmp_path, "m", clips_per_unit=100)
+    cfg = cache_config(tmp_path, "m", clips_per_unit=100)
     subprocess.run(
         [sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(cache_root), "--config", str(cfg)],
         check=True,
@@ -302,10 +264,10 @@ def test_clips_without_bucket_and_corrupt_clips_are_recorded(cache_root, tmp_pat
 
 
 def test_no_bucket_is_a_recorded_reason(cache_root, tmp_path):
-    cfg = write_config(tmp_path, "m", clips_per_unit=100)
+    cfg = cache_config(tmp_path, "m", clips_per_unit=100)
     cfg.write_text(cfg.read_text().replace(str(REPO / "configs/buckets/demo.toml"), str(tmp_path / "b.toml")))
     (tmp_path / "b.toml").write_text("[buckets.720p]\n17 = [1.0, 2]\n")
-    plan(cache_root, cfg)
+    cache_plan(cache_root, cfg)
     assert main(["cache", "run", "--root", str(cache_root), "t/000000"]) == 0
     assert main(["catalog", "merge", "--root", str(cache_root)]) == 0
     reasons = dict(sql(cache_root, "SELECT reject_reason, count(*) FROM latents GROUP BY 1"))
@@ -313,8 +275,8 @@ def test_no_bucket_is_a_recorded_reason(cache_root, tmp_path):
 
 
 def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path):
-    cfg = write_config(tmp_path, "m", clips_per_unit=100)
-    (unit,) = plan(cache_root, cfg)
+    cfg = cache_config(tmp_path, "m", clips_per_unit=100)
+    (unit,) = cache_plan(cache_root, cfg)
     cdir, vdir = cache_root / "latents" / "t", cache_root / "store" / "video" / "t"
     proc = subprocess.Popen(
         [sys.executable, "-m", "reelcache", "cache", "run", "--root", str(cache_root), unit],
@@ -336,7 +298,7 @@ def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path
     side = pq.read_table(cdir / "000000.parquet").to_pylist()
     shutil.rmtree(cdir)
     shutil.rmtree(store)  # a fresh encode, not a reuse of the store
-    plan(cache_root, cfg)
+    cache_plan(cache_root, cfg)
     assert main(["cache", "run", "--root", str(cache_root), unit]) == 0
     assert {str(p.relative_to(store)) for p in store.rglob("*.tar")} == killed.keys()
 
@@ -361,7 +323,7 @@ def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path
 def test_gnu_parallel_two_slots(cache_root, tmp_path):
     if not shutil.which("parallel"):
         pytest.skip("GNU parallel is not installed")
-    units = plan(cache_root, write_config(tmp_path, "m"))
+    units = cache_plan(cache_root, cache_config(tmp_path, "m"))
     (tmp_path / "u.txt").write_text("\n".join(units) + "\n")
     subprocess.run(
         [
@@ -523,8 +485,8 @@ def test_write_failure_fails_the_unit_loudly_and_its_rerun_is_clean(cache_root, 
 
     from reelcache.train.loader import read_sample
 
-    cfg = write_config(tmp_path, "m", clips_per_unit=100)
-    (unit,) = plan(cache_root, cfg)
+    cfg = cache_config(tmp_path, "m", clips_per_unit=100)
+    (unit,) = cache_plan(cache_root, cfg)
     cdir = cache_root / "latents" / "t"
     proc = run_until_writing(cache_root, unit, cdir)
     resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
@@ -547,8 +509,8 @@ def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path
     from reelcache import UserError
     from reelcache.cache.run import run_unit
 
-    cfg = write_config(tmp_path, "m", clips_per_unit=100)
-    (unit,) = plan(cache_root, cfg)
+    cfg = cache_config(tmp_path, "m", clips_per_unit=100)
+    (unit,) = cache_plan(cache_root, cfg)
     cdir = cache_root / "latents" / "t"
     first = run_until_writing(cache_root, unit, cdir)  # it holds the lease and is writing
     assert first.poll() is None, first.communicate()
@@ -580,8 +542,8 @@ def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path
 def test_decode_timeouts_are_rejects_the_unit_goes_on_and_no_frames_leak(cache_root, tmp_path):
     """The isolation survives the shared-memory path: killed workers are `timeout` rejects and
     leave no /dev/shm block behind (nor do the clips that made it)."""
-    cfg = write_config(tmp_path, "m", clips_per_unit=100, decode_timeout=0.005)
-    (unit,) = plan(cache_root, cfg)
+    cfg = cache_config(tmp_path, "m", clips_per_unit=100, decode_timeout=0.005)
+    (unit,) = cache_plan(cache_root, cfg)
     assert main(["cache", "run", "--root", str(cache_root), unit]) == 0
     rows = _sidecar_rows(cache_root / "latents" / "t")
     reasons = {r["reject_reason"] for r in rows}

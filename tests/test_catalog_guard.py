@@ -14,6 +14,7 @@ import textwrap
 
 import duckdb
 import pytest
+from support import tiny_cache_config
 
 from reelcache.catalog.db import clips_table, db_path, open_catalog
 from reelcache.catalog.sql import check_query, check_where
@@ -194,7 +195,6 @@ def test_a_busy_catalog_is_one_line_for_merge_manifest_sql_and_export(root, tmp_
 def test_cache_plan_naming_a_missing_manifest_is_one_line(root, tmp_path):
     """Issue 26.5: `cache plan` with a manifest that is neither a file nor a name in the catalog ends in one
     line, exit 2, nothing planned (train and the loader already said it so)."""
-    from conftest import tiny_cache_config
 
     cfg = tiny_cache_config(tmp_path / "c.toml", "nosuch")
     p = subprocess.run(

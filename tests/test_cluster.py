@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 from latent_data import write_latents
+from support import APPS_CSV, FAKE_NVIDIA_SMI, GPU_CSV, REPO, free_port, proc_alive, proc_stat
 
 from reelcache import UserError
 from reelcache.cluster import agent, ranks
 from reelcache.cluster.ranks import RankRecord
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/train/debug/stage1.toml"
 
 
@@ -88,18 +88,6 @@ NTP=yes
 NTPSynchronized=no
 TimeUSec=Sun 2026-11-22 04:42:48 UTC
 RTCTimeUSec=Sun 2026-11-22 04:42:48 UTC
-"""
-
-# nvidia-smi --format=csv,noheader,nounits: ", "-separated values in the order queried, and
-# "[N/A]" / "[Not Supported]" where a value is unavailable (nvidia-smi --help-query-gpu).
-# Values as an 8 x H100 node shows them, one GPU without a power reading.
-GPU_CSV = """\
-0, GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, NVIDIA H100 80GB HBM3, 71234, 81559, 512.37, 97
-1, GPU-6d1b3d2a-0c42-11ee-be56-0242ac120002, NVIDIA H100 80GB HBM3, 3, 81559, [N/A], 0
-"""
-APPS_CSV = """\
-GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, 40213, /opt/conda/bin/python3.10, 71220
-GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, 40299, python -c import a,b, [N/A]
 """
 
 
@@ -213,11 +201,11 @@ def test_a_rank_record_names_this_process_as_the_kernel_does(tmp_path, monkeypat
     doc = json.loads(path.read_text())
     assert list(doc) == TRAINER_KEYS
     assert (doc["rank"], doc["world_size"], doc["local_rank"]) == (1, 2, 1)
-    assert (doc["pid"], doc["proc_start"]) == (os.getpid(), _stat(os.getpid())[1])
-    assert (doc["launcher_pid"], doc["launcher_proc_start"]) == (os.getppid(), _stat(os.getppid())[1])
+    assert (doc["pid"], doc["proc_start"]) == (os.getpid(), proc_stat(os.getpid())[1])
+    assert (doc["launcher_pid"], doc["launcher_proc_start"]) == (os.getppid(), proc_stat(os.getppid())[1])
     assert doc["host"] == socket.gethostname() and doc["boot_id"] == _boot_id()
     assert doc["stacks"] == str(tmp_path / "stacks/rank00001.txt") and abs(doc["started"] - time.time()) < 60
-    assert ranks.proc_start(os.getpid()) == _stat(os.getpid())[1]
+    assert ranks.proc_start(os.getpid()) == proc_stat(os.getpid())[1]
     (rec,) = ranks.read("run")
     assert rec.to_json() == doc
     # the agent on a node judges the record it is sent by /proc, as ranks.py wrote it: this process,
@@ -313,17 +301,6 @@ def test_gpus_without_nvidia_smi_says_no_gpu(tmp_path):
     assert "no GPU" in p.stdout
 
 
-# nvidia-smi as the agent calls it (the two queries, csv,noheader,nounits), answering with the
-# documented samples above; the compute-apps query lists what the file apps.csv beside it holds.
-FAKE_NVIDIA_SMI = f"""#!/bin/bash
-case "$*" in
-  *--query-gpu=*) printf '%s' '{GPU_CSV}';;
-  *--query-compute-apps=*) cat "$(dirname "$0")/apps.csv" 2>/dev/null;;
-  *) exit 2;;
-esac
-"""
-
-
 def test_gpus_expect_idle_fails_on_a_gpu_process(tmp_path):
     bin_ = tmp_path / "bin"
     bin_.mkdir()
@@ -348,25 +325,6 @@ def test_gpus_expect_idle_fails_on_a_gpu_process(tmp_path):
 # --- processes: the kernel's view, and rank records as the trainer writes them ----------------
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stat(pid: int):
-    try:
-        after = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return after[0], int(after[19])
-
-
-def _alive(pid: int, start: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[1] == start and st[0] != "Z"
-
-
 def _record(run: Path, rank: int, pid: int, host: str, stacks: Path | None = None) -> RankRecord:
     """The record of another process (a stand-in rank), as the trainer would have written it."""
     rec = RankRecord(
@@ -375,11 +333,11 @@ def _record(run: Path, rank: int, pid: int, host: str, stacks: Path | None = Non
         local_rank=rank,
         host=host,
         pid=pid,
-        proc_start=_stat(pid)[1],
+        proc_start=proc_stat(pid)[1],
         boot_id=_boot_id(),
         started=time.time(),
         launcher_pid=os.getpid(),
-        launcher_proc_start=_stat(os.getpid())[1],
+        launcher_proc_start=proc_stat(os.getpid())[1],
         stacks=None if stacks is None else str(stacks),
     )
     rec.save(run)
@@ -605,7 +563,7 @@ def training(tmp_path_factory):
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(_port()),
+            str(free_port()),
             "-m",
             "reelcache.train",
             str(CONFIG),
@@ -638,8 +596,8 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
     run, launcher = training
     recs = ranks.read(run)  # the records the trainer wrote
     assert [r.rank for r in recs] == [0, 1] and all(r.world_size == 2 for r in recs)
-    assert all(_alive(r.pid, r.proc_start) for r in recs)
-    assert all((r.launcher_pid, r.launcher_proc_start) == (launcher.pid, _stat(launcher.pid)[1]) for r in recs)
+    assert all(proc_alive(r.pid, r.proc_start) for r in recs)
+    assert all((r.launcher_pid, r.launcher_proc_start) == (launcher.pid, proc_stat(launcher.pid)[1]) for r in recs)
 
     # A decoy whose command line equals rank 0's byte for byte (what `pkill -f` would also match):
     # the same argv, kept asleep by a sitecustomize before it ever reaches the trainer.
@@ -653,7 +611,7 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
     try:
         time.sleep(0.5)
         assert Path(f"/proc/{decoy.pid}/cmdline").read_bytes() == Path(f"/proc/{recs[0].pid}/cmdline").read_bytes()
-        decoy_start = _stat(decoy.pid)[1]
+        decoy_start = proc_stat(decoy.pid)[1]
         # a stale record: the decoy's pid, but another process's start time (the pid was reused)
         dataclasses.replace(recs[1], rank=2, pid=decoy.pid, proc_start=decoy_start - 1).save(run)
 
@@ -677,15 +635,15 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
         for r in recs:
             text = (newest / f"rank{r.rank:05d}.txt").read_text()
             assert "(most recent call first)" in text and "trainer.py" in text
-        assert _alive(decoy.pid, decoy_start)
+        assert proc_alive(decoy.pid, decoy_start)
 
         p = cli("stop", "--run", run, "--grace", 10)
         assert p.returncode == 0, p.stdout + p.stderr
         for r in recs:
             assert f"rank {r.rank:05d} host {r.host} pid {r.pid}: stopped by SIG" in p.stdout
-            assert not _alive(r.pid, r.proc_start)
+            assert not proc_alive(r.pid, r.proc_start)
         assert "rank 00002" in p.stdout and "pid gone or reused" in p.stdout
-        assert _alive(decoy.pid, decoy_start), "the decoy with the same command line was stopped"
+        assert proc_alive(decoy.pid, decoy_start), "the decoy with the same command line was stopped"
         launcher.wait(timeout=60)  # its workers gone, the launcher gives up by itself
 
         p = cli("stop", "--run", run, "--grace", 1)  # again: nothing left to stop

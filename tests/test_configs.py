@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import REPO
 
 from reelcache.cache.plan import CacheConfig
 from reelcache.catalog.buckets import BucketConfig
@@ -24,7 +25,6 @@ from reelcache.train.model import STDiT3Config
 from reelcache.train.plan import Source, epoch_plan
 from reelcache.train.schedule import lr_at
 
-REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "configs" / "train"
 CONFIGS = sorted(TRAIN.rglob("*.toml"))
 FULL = {f"opensora12/stage{i}" for i in range(1, 8)} | {f"opensora12-original/stage{i}" for i in range(1, 4)}

@@ -15,28 +15,20 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import tiny_cache_config
+from support import REPO, free_port, tiny_cache_config
 from wandb_files import history, run_files
 
 from reelcache.cli import main
 from reelcache.log import LINE_PREFIX
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "configs/eval/debug-prompts.txt"
 RUN = "evalrun"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -77,7 +69,7 @@ def trained(ingested, tmp_path_factory) -> Path:
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(_port()),
+            str(free_port()),
             "-m",
             "reelcache.train",
             "configs/train/debug/stage1.toml",

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench/gpu_check.py"
 # Open-Sora 1.2's VAE at 144p 9:16 (144 x 256 pixels): 18 x 32 latents; 9 frames -> 3, 17 -> 5, 1 -> 1.
 LATENTS = {"144p/9": "4x3x18x32", "144p/17": "4x5x18x32", "144p/1": "4x1x18x32"}

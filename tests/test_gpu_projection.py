@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from support import REPO
 
 torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
 def gp():
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_gpu_projection.py"
+    path = REPO / "bench" / "bench_gpu_projection.py"
     spec = importlib.util.spec_from_file_location("bench_gpu_projection", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -20,11 +20,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from latent_data import write_latents
+from support import REPO
 
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.train.loader import LatentLoader, read_sample
 
-REPO = Path(__file__).resolve().parents[1]
 SIZES = BucketConfig.from_toml(REPO / "configs/buckets/tiny.toml")
 
 

@@ -14,12 +14,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import tarfile
 import time
 from pathlib import Path
 
 import pytest
+from support import RC, assert_same_ingest, cache_config, catalog_rows, ingest_plan, outputs, tar_members
 
 pytestmark = pytest.mark.multinode
 
@@ -39,32 +38,7 @@ def test_nodes_have_their_names_and_reach_each_other_over_ssh_only_inside(cluste
 
 # --- ingest and the latent cache over ssh ---------------------------------------------------------
 
-RC = str(Path(sys.executable).parent / "reelcache")  # the shared install every node runs
 TTL = "4"  # REELCACHE_LEASE_TTL_S: a dead node's lease goes stale in 4 s, not 300
-
-
-def tar_members(path: Path) -> list[tuple[str, bytes]]:
-    """A shard's members and their bytes (the tar headers' mtime is the run's, not compared)."""
-    with tarfile.open(path) as t:
-        return [(m.name, t.extractfile(m).read()) for m in t]
-
-
-def outputs(root: Path, sub: str) -> dict[str, object]:
-    """Every shard's members and every sidecar's rows under root/sub (temporaries must be gone)."""
-    import pyarrow.parquet as pq
-
-    d = root / sub
-    assert not [p.name for p in d.glob(".*tmp*")] and not list(d.glob("*.lease")), sorted(p.name for p in d.iterdir())
-    out: dict[str, object] = {p.name: tar_members(p) for p in d.glob("*.tar")}
-    out.update({p.name: pq.read_table(p).to_pylist() for p in d.glob("[0-9]*.parquet")})
-    return out
-
-
-def catalog_rows(root: Path, table: str, order: str) -> list[tuple]:
-    import duckdb
-
-    with duckdb.connect(str(root / "catalog.duckdb"), read_only=True) as db:
-        return db.sql(f"SELECT * FROM {table} ORDER BY {order}").fetchall()
 
 
 def parallel(cluster, nodes: Path, joblog: Path, command: list[str], units: Path, *extra: str):
@@ -125,16 +99,6 @@ def wait_for(cond, what: str, proc: subprocess.Popen, timeout: float = 60):
     return found
 
 
-def ingest_plan(cluster, root: Path, data: Path) -> Path:
-    """ingest plan as conftest's `ingest` makes it (the reference's units), from the head node."""
-    out = cluster.run(
-        1, RC, "ingest", "plan", "--root", root, "--source", "openvid", "--name", "openvid",
-        "--meta", data / "OpenVid-demo.csv", "--videos", data / "videos", "--rows-per-unit", "8", "--max-file-mb", "8",
-    ).stdout  # fmt: skip
-    (root / "units.txt").write_text(out)
-    return root / "units.txt"
-
-
 def ingest_over_nodes(cluster, root: Path, data: Path, fault=None) -> None:
     """plan, run the units over the 3 nodes (fault(proc) breaks something mid-run), retry, merge."""
     units = ingest_plan(cluster, root, data)
@@ -146,11 +110,6 @@ def ingest_over_nodes(cluster, root: Path, data: Path, fault=None) -> None:
     if fault:
         retry_failed(cluster, cluster.hostfile(root / "alive.txt", names=survivors), joblog)
     cluster.run(1, RC, "catalog", "merge", "--root", root)
-
-
-def assert_same_ingest(root: Path, reference: Path) -> None:
-    assert outputs(root, "raw/openvid") == outputs(reference, "raw/openvid")
-    assert catalog_rows(root, "clips", "clip_id") == catalog_rows(reference, "clips", "clip_id")
 
 
 def kill_node_mid_unit(cluster, d: Path, node: int):
@@ -249,7 +208,6 @@ CACHE_WHERE = "level <= 2"  # 10 clips in 3 units: one a node
 @pytest.fixture(scope="module")
 def cache_reference(ingested, tmp_path_factory):
     """The tiny cache's units run in this one process over a copy of the ingested root."""
-    from test_cache import write_config
 
     from reelcache.catalog.manifest import make_manifest
     from reelcache.cli import main
@@ -257,7 +215,7 @@ def cache_reference(ingested, tmp_path_factory):
     d = tmp_path_factory.mktemp("cache-ref")
     shutil.copytree(ingested, d / "root")
     make_manifest(d / "root", "m", CACHE_WHERE)
-    cfg = write_config(d, "m", clips_per_unit=4)
+    cfg = cache_config(d, "m", clips_per_unit=4)
     units = subprocess.run([RC, "cache", "plan", "--root", d / "root", "--config", cfg], capture_output=True, text=True)
     assert main(["cache", "run", "--root", str(d / "root"), *units.stdout.split()]) == 0
     assert main(["catalog", "merge", "--root", str(d / "root")]) == 0

@@ -20,8 +20,24 @@ from pathlib import Path
 
 import pytest
 from latent_data import write_latents
-from test_train import CONFIG, PLUGINS, REPO, complete, data_args, metrics, stage_file, train, weights
-from test_zero import manifest_clips
+from support import (
+    APPS_CSV,
+    CONFIG,
+    FAKE_NVIDIA_SMI,
+    PLUGINS,
+    REPO,
+    assert_same_ingest,
+    complete,
+    data_args,
+    ingest_plan,
+    manifest_clips,
+    metrics,
+    proc_alive,
+    proc_stat,
+    stage_file,
+    train,
+    weights,
+)
 
 pytestmark = pytest.mark.multinode
 
@@ -119,7 +135,6 @@ def test_gpus_and_clocks_answer_from_each_node(cluster, tmp_path):
     """`cluster gpus` reads each node's own nvidia-smi (a fake on the nodes' PATH: node2's lists a
     process, so --expect-idle fails naming node2); `cluster clocks` measures each node through its own
     ssh session: the nodes share this machine's clock, so every offset is 0 within its uncertainty."""
-    from test_cluster import APPS_CSV, FAKE_NVIDIA_SMI
 
     smi = cluster.dir / "bin/nvidia-smi"
     smi.write_text(
@@ -158,7 +173,6 @@ def wait_ranks(run: Path, n: int, procs, timeout: float = 180) -> None:
 def test_dump_and_stop_a_run_on_three_nodes_and_spare_a_decoy_on_another(cluster, root, tmp_path):
     """`cluster dump` and `cluster stop` of a run whose ranks sit on node1..3, over ssh to each rank's
     recorded host; a decoy with rank 2's command line byte for byte, on node2, is not touched."""
-    from test_cluster import _alive, _stat
 
     from reelcache.cluster import ranks
 
@@ -171,7 +185,7 @@ def test_dump_and_stop_a_run_on_three_nodes_and_spare_a_decoy_on_another(cluster
         wait_ranks(run, 3, procs)
         time.sleep(2)  # into the loop
         recs = ranks.read(run)
-        assert [x.host for x in recs] == cluster.names and all(_alive(x.pid, x.proc_start) for x in recs)
+        assert [x.host for x in recs] == cluster.names and all(proc_alive(x.pid, x.proc_start) for x in recs)
         argv = Path(f"/proc/{recs[2].pid}/cmdline").read_bytes().split(b"\0")[:-1]
         (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(300)\n")
         decoy = cluster.popen(
@@ -179,7 +193,7 @@ def test_dump_and_stop_a_run_on_three_nodes_and_spare_a_decoy_on_another(cluster
         )
         time.sleep(0.5)
         assert Path(f"/proc/{decoy.pid}/cmdline").read_bytes() == Path(f"/proc/{recs[2].pid}/cmdline").read_bytes()
-        decoy_start = _stat(decoy.pid)[1]
+        decoy_start = proc_stat(decoy.pid)[1]
 
         p = cluster_cli(cluster, "dump", "--run", run)
         assert p.returncode == 0, p.stdout + p.stderr
@@ -193,8 +207,8 @@ def test_dump_and_stop_a_run_on_three_nodes_and_spare_a_decoy_on_another(cluster
         assert p.returncode == 0, p.stdout + p.stderr
         for x in recs:
             assert f"rank {x.rank:05d} host {x.host} pid {x.pid}: stopped by SIG" in p.stdout
-            assert not _alive(x.pid, x.proc_start)
-        assert _alive(decoy.pid, decoy_start), "the decoy with the same command line on node2 was stopped"
+            assert not proc_alive(x.pid, x.proc_start)
+        assert proc_alive(decoy.pid, decoy_start), "the decoy with the same command line on node2 was stopped"
         finish(procs, ok=False, timeout=120)  # every node's launcher gives up once its worker is gone
     finally:
         for q in [*procs, *([decoy] if decoy else [])]:
@@ -316,7 +330,6 @@ def test_slurm_train_on_three_nodes_equals_one_node(node_slurm, root):
 def test_slurm_ingest_array_spreads_over_the_nodes_and_equals_one_machine(node_slurm, demo_dataset, ingested, tmp_path):
     """README: `reelcache ingest plan ... | reelcache slurm submit ... -- reelcache ingest run --root R --wait`
     with `--then` merge: the array's tasks run on several nodes; the catalog and shards are the one-machine run's."""
-    from test_multinode import assert_same_ingest, ingest_plan
 
     root = tmp_path / "r"
     units = ingest_plan(node_slurm.cluster, root, demo_dataset)

@@ -7,9 +7,8 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO
 
 
 def test_wheel_contains_only_the_reelcache_namespace(tmp_path):

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ingest, sql
+from support import ingest, sql
 
 from reelcache.cli import main
 from reelcache.ingest.filters import Reason

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import sql
+from support import REPO, sql
 
 from reelcache.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _plan(root: Path, data: Path, *extra: str) -> list[str]:

@@ -21,72 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-TOL = 0.5 + 1e-3
-
-
-def resize_crop_to_fill(clip, th: int, tw: int):
-    """Open-Sora 1.2's function, on a float (T, C, h, w) clip."""
-    import torch.nn.functional as F
-
-    h, w = clip.shape[-2:]
-    rh, rw = th / h, tw / w
-    if rh > rw:
-        sh, sw = th, round(w * rh)
-        clip = F.interpolate(clip, size=(sh, sw), mode="bilinear", align_corners=False)
-        i, j = 0, int(round(sw - tw) / 2.0)
-    else:
-        sh, sw = round(h * rw), tw
-        clip = F.interpolate(clip, size=(sh, sw), mode="bilinear", align_corners=False)
-        i, j = int(round(sh - th) / 2.0), 0
-    assert i + th <= clip.shape[-2] and j + tw <= clip.shape[-1]
-    return clip[..., i : i + th, j : j + tw]
-
-
-def reference(path, wanted: list[int], fit: tuple[int, int], height: int, width: int) -> np.ndarray:
-    """Open-Sora's frames (0..255 floats) for the window `wanted`, centre-cropped to (height, width)."""
-    import av
-    import torch
-
-    with av.open(str(path)) as c:
-        frames = [(f.to_rgb().to_ndarray(), f.rotation) for k, f in enumerate(c.decode(video=0)) if k in wanted]
-    # the displayed picture, as the cache decodes it (test_decode.py pins rot90 against ffmpeg's autorotate)
-    rgb = np.stack([np.rot90(a, k=int(rot or 0) % 360 // 90) for a, rot in frames])
-    clip = torch.from_numpy(rgb.copy()).permute(0, 3, 1, 2).float() / 255.0
-    out = resize_crop_to_fill(clip, *fit).permute(0, 2, 3, 1).numpy() * 255.0
-    y, x = (fit[0] - height) // 2, (fit[1] - width) // 2
-    return out[:, y : y + height, x : x + width]
-
-
-def write(tmp_path, width, height, rotation=0, noise=True) -> Path:
-    from reelcache.ingest.demo import ClipSpec, write_clip
-
-    p = tmp_path / f"c{width}x{height}r{rotation}.mp4"
-    write_clip(p, ClipSpec(p.name, width, height, Fraction(25), 1.0, rotation=rotation, noise=noise))
-    return p
-
-
-def job(path: Path, bucket: str, height: int, width: int, **kw) -> dict:
-    return dict(
-        clip_id=path.name,
-        raw_shard=path.name,
-        raw_offset=0,
-        file_size=path.stat().st_size,
-        bucket=bucket,
-        num_frames=5,
-        interval=3,
-        height=height,
-        width=width,
-        window_start=7,
-        fps=25.0,
-        **kw,
-    )
+from support import REPO, TOL, decode_job, reference, write_clip_file
 
 
 @pytest.mark.parametrize(
@@ -103,14 +42,14 @@ def test_opensora_resize_is_open_sora_12s_resize_crop_to_fill(tmp_path, size, ro
     from reelcache.cache.decode import decode_clip
     from reelcache.catalog.buckets import bucket_geometry
 
-    p = write(tmp_path, *size, rotation=rotation)
-    got = decode_clip(job(p, bucket, *crop, resize="opensora"), str(tmp_path))
+    p = write_clip_file(tmp_path, *size, rotation=rotation)
+    got = decode_clip(decode_job(p, bucket, *crop, resize="opensora"), str(tmp_path))
     ref = reference(p, [7 + 3 * k for k in range(5)], bucket_geometry(bucket)[1:], *crop)
     assert got.dtype == np.uint8 and got.shape == ref.shape
     err = np.abs(got - ref)
     assert err.max() <= TOL, float(err.max())
     # the area resize (the default, also when a job names none) is a different picture: 10-15 levels
-    area = decode_clip(job(p, bucket, *crop), str(tmp_path))
+    area = decode_clip(decode_job(p, bucket, *crop), str(tmp_path))
     assert np.abs(area - ref).mean() > 5
 
 
@@ -118,7 +57,7 @@ def test_decode_window_takes_the_exact_size_to_cover(tmp_path):
     """decode_window's `fit`: without it the crop is covered directly (Open-Sora at a bucket of (H, W))."""
     from reelcache.cache.decode import decode_window
 
-    p = write(tmp_path, 640, 360)
+    p = write_clip_file(tmp_path, 640, 360)
     kw = dict(frames=2, interval=1, height=240, width=424, start=3, resize="opensora")
     wanted = [3, 4]
     assert np.abs(decode_window(str(p), **kw) - reference(p, wanted, (240, 424), 240, 424)).max() <= TOL

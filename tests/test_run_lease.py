@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from latent_data import write_latents
-from test_train import consumed, data_args, launch, metrics, train
+from support import FakePar, consumed, data_args, metrics, torchrun, train
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_a_second_start_of_a_live_run_refuses_in_one_line_and_with_wait_resumes_
     run = r / "runs/twice"
     args = data_args(manifest, "--run.epochs=3", "--checkpoint.every=4", "--checkpoint.keep_last=10")
     args += ["--run.name=twice", "--resume"]  # what a Slurm job runs: the same command, submitted twice
-    first = launch(r, args, nproc=2)
+    first = torchrun(r, args, nproc=2)
     procs, ranks = [first], []
     try:
         deadline = time.monotonic() + 180
@@ -86,7 +86,7 @@ def test_a_second_start_of_a_live_run_refuses_in_one_line_and_with_wait_resumes_
         signal_run(first, ranks, signal.SIGSTOP)  # alive and holding its lease, but writing nothing meanwhile
         before = snapshot(run)
 
-        waiting = launch(r, [*args, "--wait"], nproc=2)  # starts beside the refused one (saves a startup)
+        waiting = torchrun(r, [*args, "--wait"], nproc=2)  # starts beside the refused one (saves a startup)
         procs.append(waiting)
         third = Output(waiting)
         out = train(r, args, nproc=2, ok=False)
@@ -152,7 +152,6 @@ def test_a_run_that_lost_its_lease_publishes_no_checkpoint(tmp_path):
     takeover); when it wakes it must not publish a checkpoint into the run the other now writes. Reference:
     the lease file naming another holder (what a takeover leaves) and the run directory's listing."""
     import torch
-    from test_upstream_options import FakePar
 
     from reelcache.catalog.lease import acquire
     from reelcache.train.checkpoint import CheckpointConfig, Checkpointer

@@ -17,9 +17,9 @@ import subprocess
 import sys
 import tomllib
 import typing
-from pathlib import Path
 
 import pytest
+from support import REPO
 
 from reelcache import UserError
 from reelcache.cache.plan import CacheConfig
@@ -31,7 +31,6 @@ from reelcache.settings import Arg, build, check, hints, rule_of
 from reelcache.train import config as train_config
 from reelcache.train.config import TrainConfig, load_config
 
-REPO = Path(__file__).resolve().parents[1]
 STAGE = REPO / "configs" / "train" / "debug" / "stage1.toml"
 
 

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ingest, sql
 from slurm_local import local_slurm_or_skip
+from support import ingest, sql
 
 from reelcache.cli import main
 from reelcache.log import LINE_PREFIX

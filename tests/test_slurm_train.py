@@ -25,13 +25,12 @@ from pathlib import Path
 import pytest
 from latent_data import write_latents
 from slurm_local import local_slurm_or_skip
-from test_train import _port, data_args, metrics, train, weights
+from support import REPO, data_args, free_port, metrics, train, weights
 
 from reelcache import UserError
 from reelcache.cluster.hosts import expand_nodelist
 
 pytestmark = pytest.mark.slurm
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/train/debug/stage1.toml"
 
 
@@ -269,7 +268,7 @@ def test_no_controller_is_said_in_one_line(slurm, root, tmp_path):
     """A slurm.conf whose controller port nobody listens on: said as that, not as a missing partition."""
     r, manifest = root
     conf = tmp_path / "slurm.conf"
-    text = re.sub(r"(?m)^SlurmctldPort=\d+$", f"SlurmctldPort={_port()}", slurm.conf.read_text())
+    text = re.sub(r"(?m)^SlurmctldPort=\d+$", f"SlurmctldPort={free_port()}", slurm.conf.read_text())
     conf.write_text(text + "MessageTimeout=2\n")  # the clients retry a silent controller this long (10 s default)
     env = {**slurm.env, "SLURM_CONF": str(conf)}
     train_cmd = [sys.executable, "-m", "reelcache", "train", CONFIG, "--root", str(r), *data_args(manifest)]

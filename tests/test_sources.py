@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support import sql
 
 from reelcache import UserError
 from reelcache.ingest.sources import MIRADATA_COLUMNS, OPENVID_COLUMNS, clip_id, read_source
@@ -121,8 +122,6 @@ def test_miradata_parquet_and_folder_sources_end_to_end(tmp_path):
     import contextlib
     import io
     from fractions import Fraction
-
-    from conftest import sql
 
     from reelcache.cli import main
     from reelcache.ingest.demo import ClipSpec, write_clip

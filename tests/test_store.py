@@ -9,8 +9,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import sql
-from test_cache import plan, write_config
+from support import cache_config, cache_plan, sql
 
 from reelcache.cli import main
 
@@ -42,7 +41,7 @@ def counted(monkeypatch):
 def _run(root, config, seen=None) -> None:
     if seen is not None:
         seen["clips"], seen["texts"] = 0, []
-    units = plan(root, config)
+    units = cache_plan(root, config)
     assert main(["cache", "run", "--root", str(root), *units]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0
 
@@ -81,7 +80,7 @@ def test_each_caption_is_stored_once_and_every_sample_reads_it(fresh_root, tmp_p
         con.close()
     _manifest(fresh_root, "m", SOME)
     (tmp_path / "b.toml").write_text(SHORT)
-    cfg = write_config(tmp_path, "m", clips_per_unit=4, buckets=tmp_path / "b.toml")
+    cfg = cache_config(tmp_path, "m", clips_per_unit=4, buckets=tmp_path / "b.toml")
     cfg.write_text(cfg.read_text().replace("batch_size = 2", "batch_size = 2\nviews = 2"))
     _run(fresh_root, cfg)
     ((pairs,),) = sql(
@@ -117,13 +116,13 @@ def test_growth_reuse_and_gc(fresh_root, ingested, tmp_path, counted):
     b = tmp_path / "b.toml"
     half = f"{SOME} AND hash(clip_id) % 2 = 0"
     _manifest(fresh_root, "m1", half)
-    _run(fresh_root, write_config(tmp_path, "m1", name="a", clips_per_unit=4, buckets=b), counted)
+    _run(fresh_root, cache_config(tmp_path, "m1", name="a", clips_per_unit=4, buckets=b), counted)
     old = dict(sql(fresh_root, "SELECT clip_id, text FROM clips WHERE clip_id IN (SELECT clip_id FROM latents)"))
     ((first,),) = sql(fresh_root, "SELECT count(*) FROM latents WHERE status = 'ok'")
     assert counted["clips"] == first > 0 and sorted(counted["texts"]) == sorted(set(old.values()))
 
     _manifest(fresh_root, "m2", SOME)  # the superset: cache "a" re-planned over it
-    _run(fresh_root, write_config(tmp_path, "m2", name="a", clips_per_unit=4, buckets=b), counted)
+    _run(fresh_root, cache_config(tmp_path, "m2", name="a", clips_per_unit=4, buckets=b), counted)
     new = sql(fresh_root, "SELECT clip_id, text FROM clips WHERE clip_id IN (SELECT clip_id FROM latents)")
     new = {c: t for c, t in new if c not in old}
     ((ok,),) = sql(fresh_root, "SELECT count(*) FROM latents WHERE status = 'ok' AND cache = 'a'")
@@ -137,22 +136,22 @@ def test_growth_reuse_and_gc(fresh_root, ingested, tmp_path, counted):
     finally:
         con.close()
     _manifest(fresh_root, "m3", SOME)
-    _run(fresh_root, write_config(tmp_path, "m3", name="a", clips_per_unit=4, buckets=b), counted)
+    _run(fresh_root, cache_config(tmp_path, "m3", name="a", clips_per_unit=4, buckets=b), counted)
     assert counted["clips"] == 0 and counted["texts"] == ["a brand new caption"]
     assert main(["catalog", "manifest", "--root", str(fresh_root), "--name", "lat", "--cache", "a"]) == 0
 
     # a new text encoder (its seed): text only; the same identity under another name: nothing at all
-    cfg = write_config(tmp_path, "m1", name="t5b", clips_per_unit=4, buckets=b)
+    cfg = cache_config(tmp_path, "m1", name="t5b", clips_per_unit=4, buckets=b)
     cfg.write_text(cfg.read_text().replace('kind = "t5"', 'kind = "t5"\nseed = 1'))
     _run(fresh_root, cfg, counted)
     assert counted["clips"] == 0 and sorted(counted["texts"]) == sorted(set(old.values()))
-    _run(fresh_root, write_config(tmp_path, "m1", name="c", clips_per_unit=4, buckets=b), counted)
+    _run(fresh_root, cache_config(tmp_path, "m1", name="c", clips_per_unit=4, buckets=b), counted)
     assert counted["clips"] == 0 and counted["texts"] == []
 
     other = tmp_path / "other"  # the same draws encoded afresh in another root
     shutil.copytree(ingested, other)
     _manifest(other, "m1", half)
-    _run(other, write_config(tmp_path, "m1", name="c", clips_per_unit=4, buckets=b), counted)
+    _run(other, cache_config(tmp_path, "m1", name="c", clips_per_unit=4, buckets=b), counted)
     assert counted["clips"] == first
     q = "SELECT clip_id, shard, shard_offset, text_shard, text_offset, reused FROM latents WHERE cache = 'c' ORDER BY 1"
     here, there = sql(fresh_root, q), sql(other, q)

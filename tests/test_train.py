@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,100 +21,26 @@ from typing import TYPE_CHECKING
 
 import pytest
 from latent_data import write_latents
+from support import (
+    CONFIG,
+    PLUGINS,
+    REPO,
+    complete,
+    consumed,
+    data_args,
+    ema_rule_error,
+    free_port,
+    metrics,
+    poisoned_manifest,
+    stage_file,
+    torchrun,
+    train,
+    weights,
+)
 from wandb_files import history, run_files
 
 if TYPE_CHECKING:
     import torch
-
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs/train/debug/stage1.toml"
-
-
-def data_args(manifest: Path, *extra: str) -> list[str]:
-    """Overrides that point the debug stage at a test root (8-wide captions, tiny buckets)."""
-    return [
-        f'--data.manifests=[{{name="{manifest}"}}]',
-        '--data.buckets="configs/buckets/tiny.toml"',
-        "--model.overrides={caption_channels=8, model_max_length=300}",
-        "--data.workers=1",
-        "--log.wandb_mode=disabled",
-        *extra,
-    ]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(
-    root: Path,
-    args: list[str],
-    nproc: int = 1,
-    entry: list[str] = ("-m", "reelcache.train"),
-    env: dict | None = None,
-    **kw,
-) -> subprocess.Popen:
-    """The trainer on nproc ranks (torchrun beyond 1); entry: the program each rank runs."""
-    env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})}
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(_port())]
-    return subprocess.Popen(
-        cmd + [*entry, str(CONFIG), "--root", str(root), *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        **kw,
-    )
-
-
-def train(root: Path, args: list[str], nproc: int = 1, ok: bool = True, timeout: float = 240, **kw) -> str:
-    p = launch(root, args, nproc, **kw)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:  # the launcher and every rank go, not just the launcher
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"training did not finish in {timeout:.0f} s:\n{out[-4000:]}")
-    if ok:
-        assert p.returncode == 0, out[-4000:]
-    else:
-        assert p.returncode != 0, out[-4000:]
-    return out
-
-
-def metrics(run_dir: Path) -> dict[int, dict]:
-    """The newest generation's row of each step (what trained)."""
-    import pyarrow.parquet as pq
-
-    rows = {}
-    for part in sorted((run_dir / "metrics").glob("*.parquet")):
-        for r in pq.read_table(part).to_pylist():
-            if r["step"] not in rows or r["generation"] >= rows[r["step"]]["generation"]:
-                rows[r["step"]] = r
-    return rows
-
-
-def weights(ckpt: Path, which: str = "model") -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted((ckpt / which).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def consumed(run_dir: Path) -> list[tuple]:
-    import duckdb
-
-    return duckdb.sql(f"""SELECT epoch, step, rank, clip_id FROM '{run_dir}/consumed/*.parquet'
-        QUALIFY generation = max(generation) OVER (PARTITION BY epoch, step)
-        ORDER BY ALL""").fetchall()
 
 
 def spike_clips(run_dir: Path, step: int) -> set[str]:
@@ -133,33 +58,10 @@ def spike_clips(run_dir: Path, step: int) -> set[str]:
     }
 
 
-def complete(ckpt: Path) -> bool:
-    """Everything a checkpoint promises is there: state, config, every indexed shard, the optimizer."""
-    for part in ("model", "ema"):
-        index = ckpt / part / "model.safetensors.index.json"
-        if not index.exists():
-            return False
-        if any(not (ckpt / part / f).exists() for f in set(json.loads(index.read_text())["weight_map"].values())):
-            return False
-    return all(
-        (ckpt / f).exists()
-        for f in ("state.json", "config.json", "optimizer/state.safetensors", "optimizer/optimizer.json")
-    )
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> tuple[Path, Path]:
     r = tmp_path_factory.mktemp("train-root")
     return r, write_latents(r, 24, name="train")
-
-
-# The two paths a run takes: ZeRO-2 (what GPU nodes run; here its CPU mode over gloo, bf16 working
-# weights and fp32 masters) and DDP (the CPU default).
-PLUGINS = {
-    "ddp": ["--run.plugin=ddp"],
-    "zero2-bf16": ["--run.plugin=zero2", "--model.dtype=bf16"],
-    "zero2-fp32": ["--run.plugin=zero2", "--model.dtype=fp32"],
-}
 
 
 @pytest.mark.parametrize("plugin", ["ddp", "zero2-bf16"])
@@ -188,7 +90,7 @@ def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root, plugin):
     w = threading.Thread(target=watch)
     w.start()
     try:
-        p = launch(r, args + [f"--run.name=killed-{plugin}"], nproc=2)
+        p = torchrun(r, args + [f"--run.name=killed-{plugin}"], nproc=2)
         deadline = time.monotonic() + 180
         while not (run / "ckpt-00000008").exists():
             assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:]
@@ -230,7 +132,7 @@ def test_a_stop_request_to_one_rank_checkpoints_every_rank_and_resume_continues_
     if not (r / "runs/whole-ddp/ckpt-00000015").exists():  # made by the kill test above when it ran
         train(r, args + ["--run.name=whole-ddp"], nproc=2)
     run = r / "runs/stop-requested"
-    p = launch(r, args + ["--run.name=stop-requested"], nproc=2)
+    p = torchrun(r, args + ["--run.name=stop-requested"], nproc=2)
     deadline = time.monotonic() + 180
     while not (run / "ckpt-00000004").exists():
         assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:]
@@ -251,21 +153,6 @@ def test_a_stop_request_to_one_rank_checkpoints_every_rank_and_resume_continues_
 def checkpoints(run_dir: Path) -> dict[int, Path]:
     """step -> the run's checkpoint folder, as listed on disk."""
     return {int(c.name.removeprefix("ckpt-")): c for c in run_dir.glob("ckpt-*")}
-
-
-def ema_rule_error(before: Path, after: Path) -> float:
-    """How far the EMA of checkpoint `after` (one optimizer step after `before`) is from
-    ema = d * ema_before + (1 - d) * w_after (w: model/, d: run.ema_decay), relative to the
-    update's size: ~1e-4 from float rounding; 0.9 with d = 0.9, 9 with 0.999, 1 with no update."""
-    import torch
-
-    d = json.loads((after / "config.json").read_text())["run"]["ema_decay"]
-    e0, e1, w1 = weights(before, "ema"), weights(after, "ema"), weights(after, "model")
-    assert e0.keys() == e1.keys() and 0 < d < 1
-    moved = torch.cat([(e1[k] - e0[k]).flatten() for k in e1])
-    rule = torch.cat([((1 - d) * (w1[k] - e0[k])).flatten() for k in e1])
-    assert rule.norm() > 1e-3  # lr > 0: the weights moved away from the EMA
-    return float((moved - rule).norm() / rule.norm())
 
 
 def test_init_from_load_and_reset_data(root):
@@ -334,18 +221,6 @@ def wandb_history(run_dir: Path) -> list[dict]:
     return history(f)
 
 
-def stage_file(path: Path, manifest) -> Path:
-    """The debug stage with the test root's settings (manifest, tiny buckets, 8 caption channels) in a
-    config file: `colossalai run` re-joins its arguments unquoted, so they cannot be overrides."""
-    path.write_text(
-        CONFIG.read_text()
-        .replace('name = "demo-stage1-tiny"', f'name = "{manifest}"')
-        .replace("configs/buckets/demo.toml", "configs/buckets/tiny.toml")
-        .replace("caption_channels = 32", "caption_channels = 8")
-    )
-    return path
-
-
 def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):
     """`colossalai run` from the venv (its launcher re-joins arguments unquoted, so the test root's
     settings go in a config file), and the offline wandb file holds every step's numbers."""
@@ -360,7 +235,7 @@ def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):
             "--nproc_per_node",
             "1",
             "--master_port",
-            str(_port()),
+            str(free_port()),
             "-m",
             "reelcache.train",
             str(cfg),
@@ -511,7 +386,7 @@ def test_step_gradient_and_clipped_step_match_plain_torch(root, plugin, dtypes):
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(_port()),
+            str(free_port()),
             str(REPO / "tests/grad_check.py"),
             str(CONFIG),
             str(r),
@@ -541,40 +416,6 @@ def test_step_gradient_and_clipped_step_match_plain_torch(root, plugin, dtypes):
     for d in dtypes:
         by = {(c["case"], c.get("reduction")): c for c in cases if c["dtype"] == d}
         assert by[("padding rank", "sample")]["samples"] < by[("two buckets", "sample")]["samples"]
-
-
-def poisoned_manifest(root: Path, manifest: Path) -> tuple[Path, str]:
-    """The manifest plus one sample whose latents are NaN (as a broken encoder would have written)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-
-    from reelcache.catalog.latents import LATENT_EXT, encode
-    from reelcache.catalog.shards import ShardWriter
-
-    clip, bucket = "poisoned-clip-0000", "144p/17/0.56"
-    (root / "latents/poison").mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(root / "latents/poison", "000000", 10_000_000)
-    nan = torch.full((4, 5, 4, 6), float("nan")).bfloat16()
-    data = encode(
-        {"mean": nan, "logvar": torch.zeros(4, 5, 4, 6).bfloat16(), "text": torch.ones(4, 8).bfloat16()},
-        clip_id=clip,
-        bucket=bucket,
-    )
-    shard, offsets = writer.write_sample(clip, [(LATENT_EXT, data, None)])
-    writer.close()
-    table = pq.read_table(manifest)
-    row = pa.table(
-        {
-            "clip_id": [clip],
-            "bucket": [bucket],
-            "shard": [f"latents/poison/{shard}"],
-            "shard_offset": [offsets[LATENT_EXT]],
-        }
-    ).cast(table.schema)
-    out = root / "manifests/poisoned.parquet"
-    pq.write_table(pa.concat_tables([table, row]), out)
-    return out, clip
 
 
 def test_divergence_guard_skips_a_nan_step_on_every_rank_and_stops_after_n(root):
@@ -711,7 +552,9 @@ def test_watchdog_limit_ends_a_stuck_run_with_a_message(root):
         row["shard"] = f"pipe:exec 2>/dev/null; sleep 8; cat {r / row['shard']}"
     path = r / "manifests/stuck.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    p = launch(r, data_args(path, "--run.name=stuck", "--run.max_steps=1", "--data.workers=0", "--watchdog.limit_s=2"))
+    p = torchrun(
+        r, data_args(path, "--run.name=stuck", "--run.max_steps=1", "--data.workers=0", "--watchdog.limit_s=2")
+    )
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 3, out[-3000:]
     assert "step 0 exceeded the hard limit" in out and "watchdog.limit_s = 2 s" in out, out[-3000:]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import sql
+from support import sql
 
 from reelcache import UserError
 from reelcache.cli import main

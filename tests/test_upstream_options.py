@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from opensora_fixtures import FIX
+from support import REPO, FakePar, poisoned_manifest
 from torch import nn
 
 from reelcache import UserError
@@ -28,34 +29,9 @@ from reelcache.train.guard import Guard, GuardConfig
 from reelcache.train.layers import pos_embed_2d
 from reelcache.train.model import STDiT3, STDiT3Config
 
-REPO = Path(__file__).resolve().parents[1]
 ORIGINAL = sorted((REPO / "configs/train/opensora12-original").glob("*.toml")) + sorted(
     (REPO / "configs/train/debug").glob("original-*.toml")
 )
-
-
-class FakePar:
-    """The part of train/parallel.py's ``Parallel`` a step uses, for one process without a group."""
-
-    device, world, rank, zero = torch.device("cpu"), 1, 0, False
-
-    def sum(self, values):
-        return torch.as_tensor(values, dtype=torch.float64)
-
-    max = sum
-
-    def backward(self, loss, optimizer):
-        loss.backward()
-
-    def grad_norm(self, model, optimizer, max_norm):
-        params = [p for p in model.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm > 0 else torch.tensor(0.0)
-
-    def master_chunks(self, model, optimizer):
-        return {n: p.detach().reshape(-1).float() for n, p in model.named_parameters() if p.requires_grad}
-
-    def barrier(self):
-        pass
 
 
 def _cfg(name: str = "debug/original-stage1", *overrides: str):
@@ -463,7 +439,6 @@ def test_an_original_run_saves_at_start_and_a_complete_ema_that_travels(tmp_path
 
 def test_an_original_run_steps_on_a_nan_like_upstream_and_stops_naming_the_checkpoint_before_it(tmp_path):
     from latent_data import write_latents
-    from test_train import poisoned_manifest
 
     manifest = write_latents(tmp_path, 12, name="t")
     bad, clip = poisoned_manifest(tmp_path, manifest)

@@ -21,11 +21,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import tiny_cache_config
+from support import REPO, tiny_cache_config
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parents[1]
 CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", "/usr/bin/chromedriver"
 FLAGS = [
     "--headless",

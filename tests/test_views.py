@@ -33,11 +33,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from conftest import sql
+from support import REPO, sql
 
 from reelcache.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
 B1 = REPO / "configs/buckets/opensora12-stage1.toml"
 # Pixel budgets of the resolution names (DATASETS.md, "Open-Sora 1.2 buckets").
 BUDGET = {

@@ -18,7 +18,20 @@ from pathlib import Path
 
 import pytest
 from latent_data import write_latents
-from test_train import CONFIG, PLUGINS, REPO, _port, complete, consumed, data_args, metrics, train, weights
+from support import (
+    CONFIG,
+    PLUGINS,
+    REPO,
+    complete,
+    consumed,
+    data_args,
+    ema_rule_error,
+    free_port,
+    manifest_clips,
+    metrics,
+    train,
+    weights,
+)
 
 WRITER = ["tests/writer_faults.py"]
 
@@ -27,12 +40,6 @@ WRITER = ["tests/writer_faults.py"]
 def root(tmp_path_factory) -> tuple[Path, Path]:
     r = tmp_path_factory.mktemp("zero-root")
     return r, write_latents(r, 24, name="train")
-
-
-def manifest_clips(manifest: Path) -> Counter:
-    import pyarrow.parquet as pq
-
-    return Counter(pq.read_table(manifest, columns=["clip_id"]).column("clip_id").to_pylist())
 
 
 def check_optimizer(r: Path, manifest: Path, ckpt: Path, nproc: int, plugin: str = "zero2", dtype: str = "fp32"):
@@ -45,7 +52,7 @@ def check_optimizer(r: Path, manifest: Path, ckpt: Path, nproc: int, plugin: str
             "--nproc_per_node",
             str(nproc),
             "--master_port",
-            str(_port()),
+            str(free_port()),
             "tests/optimizer_check.py",
             str(CONFIG),
             str(r),
@@ -163,7 +170,6 @@ def test_ema_under_zero2_bf16_follows_its_update_rule(root):
     """ema = d*ema_prev + (1-d)*w between consecutive checkpoints, checked as under DDP
     (test_train.py::test_init_from_load_and_reset_data): under ZeRO each rank updates its own chunk of
     the EMA from its fp32 master shard, and the checkpoint gathers them. model/ holds the fp32 masters."""
-    from test_train import ema_rule_error
 
     r, manifest = root
     args = data_args(

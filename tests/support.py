@@ -1,0 +1,479 @@
+"""What the tests share: one home for launching a trainer (`torchrun`, `train`), ingesting a test
+dataset (`ingest`), the debug stage's test-root overrides (`data_args`), a free port, and the
+readers of what a run, a cache or a catalog wrote. Test files import from here, never from each
+other; fixtures stay in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+# --- paths and constants ----------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+CONFIG = REPO / "configs/train/debug/stage1.toml"
+
+RC = str(Path(sys.executable).parent / "reelcache")  # the shared install every node runs
+
+# The two paths a run takes: ZeRO-2 (what GPU nodes run; here its CPU mode over gloo, bf16 working
+# weights and fp32 masters) and DDP (the CPU default).
+PLUGINS = {
+    "ddp": ["--run.plugin=ddp"],
+    "zero2-bf16": ["--run.plugin=zero2", "--model.dtype=bf16"],
+    "zero2-fp32": ["--run.plugin=zero2", "--model.dtype=fp32"],
+}
+
+TOL = 0.5 + 1e-3
+
+# nvidia-smi --format=csv,noheader,nounits: ", "-separated values in the order queried, and
+# "[N/A]" / "[Not Supported]" where a value is unavailable (nvidia-smi --help-query-gpu).
+# Values as an 8 x H100 node shows them, one GPU without a power reading.
+GPU_CSV = """\
+0, GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, NVIDIA H100 80GB HBM3, 71234, 81559, 512.37, 97
+1, GPU-6d1b3d2a-0c42-11ee-be56-0242ac120002, NVIDIA H100 80GB HBM3, 3, 81559, [N/A], 0
+"""
+
+APPS_CSV = """\
+GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, 40213, /opt/conda/bin/python3.10, 71220
+GPU-6d1b3a1e-0c42-11ee-be56-0242ac120002, 40299, python -c import a,b, [N/A]
+"""
+
+# nvidia-smi as the agent calls it (the two queries, csv,noheader,nounits), answering with the
+# documented samples above; the compute-apps query lists what the file apps.csv beside it holds.
+FAKE_NVIDIA_SMI = f"""#!/bin/bash
+case "$*" in
+  *--query-gpu=*) printf '%s' '{GPU_CSV}';;
+  *--query-compute-apps=*) cat "$(dirname "$0")/apps.csv" 2>/dev/null;;
+  *) exit 2;;
+esac
+"""
+
+
+# --- processes and ports ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_stat(pid: int):
+    try:
+        after = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return after[0], int(after[19])
+
+
+def proc_alive(pid: int, start: int) -> bool:
+    st = proc_stat(pid)
+    return st is not None and st[1] == start and st[0] != "Z"
+
+
+# --- ingest and the catalog -------------------------------------------------------------------
+
+
+def ingest(root: Path, data: Path, *extra: str, name: str = "openvid") -> list[str]:
+    """plan + run every unit (in-process, like one parallel slot) + merge; returns the units."""
+    import contextlib
+    import io
+
+    from reelcache.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert (
+            main(
+                [
+                    "ingest",
+                    "plan",
+                    "--root",
+                    str(root),
+                    "--source",
+                    "openvid",
+                    "--name",
+                    name,
+                    "--meta",
+                    str(data / "OpenVid-demo.csv"),
+                    "--videos",
+                    str(data / "videos"),
+                    "--rows-per-unit",
+                    "8",
+                    "--max-file-mb",
+                    "8",
+                    *extra,
+                ]
+            )
+            == 0
+        )
+    units = buf.getvalue().split()
+    assert main(["ingest", "run", "--root", str(root), *units]) == 0
+    assert main(["catalog", "merge", "--root", str(root)]) == 0
+    return units
+
+
+def sql(root: Path, query: str):
+    from reelcache.catalog.db import open_catalog
+
+    con = open_catalog(root)
+    try:
+        return con.execute(query).fetchall()
+    finally:
+        con.close()
+
+
+def catalog_rows(root: Path, table: str, order: str) -> list[tuple]:
+    import duckdb
+
+    with duckdb.connect(str(root / "catalog.duckdb"), read_only=True) as db:
+        return db.sql(f"SELECT * FROM {table} ORDER BY {order}").fetchall()
+
+
+def tar_members(path: Path) -> list[tuple[str, bytes]]:
+    """A shard's members and their bytes (the tar headers' mtime is the run's, not compared)."""
+    with tarfile.open(path) as t:
+        return [(m.name, t.extractfile(m).read()) for m in t]
+
+
+def outputs(root: Path, sub: str) -> dict[str, object]:
+    """Every shard's members and every sidecar's rows under root/sub (temporaries must be gone)."""
+    import pyarrow.parquet as pq
+
+    d = root / sub
+    assert not [p.name for p in d.glob(".*tmp*")] and not list(d.glob("*.lease")), sorted(p.name for p in d.iterdir())
+    out: dict[str, object] = {p.name: tar_members(p) for p in d.glob("*.tar")}
+    out.update({p.name: pq.read_table(p).to_pylist() for p in d.glob("[0-9]*.parquet")})
+    return out
+
+
+def ingest_plan(cluster, root: Path, data: Path) -> Path:
+    """ingest plan as conftest's `ingest` makes it (the reference's units), from the head node."""
+    out = cluster.run(
+        1, RC, "ingest", "plan", "--root", root, "--source", "openvid", "--name", "openvid",
+        "--meta", data / "OpenVid-demo.csv", "--videos", data / "videos", "--rows-per-unit", "8", "--max-file-mb", "8",
+    ).stdout  # fmt: skip
+    (root / "units.txt").write_text(out)
+    return root / "units.txt"
+
+
+def assert_same_ingest(root: Path, reference: Path) -> None:
+    assert outputs(root, "raw/openvid") == outputs(reference, "raw/openvid")
+    assert catalog_rows(root, "clips", "clip_id") == catalog_rows(reference, "clips", "clip_id")
+
+
+# --- the cache --------------------------------------------------------------------------------
+
+
+# -- the cache end to end ------------------------------------------------------------------
+def cache_config(tmp_path, manifest, **over) -> Path:
+    vals = {"name": "t", "kind": "ltx", "seed": 0, "clips_per_unit": 6, "text_kind": "t5"} | over
+    p = tmp_path / f"cache-{vals['name']}-{vals['kind']}-{vals['seed']}.toml"
+    p.write_text(f"""
+name = "{vals["name"]}"
+manifest = "{manifest}"
+buckets = "{vals.get("buckets", REPO / "configs/buckets/demo.toml")}"
+clips_per_unit = {vals["clips_per_unit"]}
+batch_size = 2
+workers = 1
+decode_timeout = {vals.get("decode_timeout", 60)}
+[video_encoder]
+kind = "{vals["kind"]}"
+tiny = true
+dtype = "float32"
+seed = {vals["seed"]}
+[text_encoder]
+kind = "{vals["text_kind"]}"
+tiny = true
+dtype = "float32"
+""")
+    return p
+
+
+def tiny_cache_config(path: Path, manifest: str, name: str = "t") -> Path:
+    """configs/cache/tiny.toml (the demo's cache: tiny LTX and T5, its views) over ``manifest``, named
+    ``name``, with its buckets file by absolute path and one decode worker, written to ``path``."""
+    repo = REPO
+    path.write_text(
+        (repo / "configs/cache/tiny.toml")
+        .read_text()
+        .replace('manifest = "demo-stage1"', f'manifest = "{manifest}"')
+        .replace('name = "tiny"', f'name = "{name}"')
+        .replace("configs/buckets/demo.toml", str(repo / "configs/buckets/demo.toml"))
+        .replace("workers = 2", "workers = 1")
+    )
+    return path
+
+
+def cache_plan(root, config) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config", str(config)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.split()
+
+
+def write_clip_file(tmp_path, width, height, rotation=0, noise=True) -> Path:
+    from reelcache.ingest.demo import ClipSpec, write_clip
+
+    p = tmp_path / f"c{width}x{height}r{rotation}.mp4"
+    write_clip(p, ClipSpec(p.name, width, height, Fraction(25), 1.0, rotation=rotation, noise=noise))
+    return p
+
+
+def decode_job(path: Path, bucket: str, height: int, width: int, **kw) -> dict:
+    return dict(
+        clip_id=path.name,
+        raw_shard=path.name,
+        raw_offset=0,
+        file_size=path.stat().st_size,
+        bucket=bucket,
+        num_frames=5,
+        interval=3,
+        height=height,
+        width=width,
+        window_start=7,
+        fps=25.0,
+        **kw,
+    )
+
+
+def resize_crop_to_fill(clip, th: int, tw: int):
+    """Open-Sora 1.2's function, on a float (T, C, h, w) clip."""
+    import torch.nn.functional as F
+
+    h, w = clip.shape[-2:]
+    rh, rw = th / h, tw / w
+    if rh > rw:
+        sh, sw = th, round(w * rh)
+        clip = F.interpolate(clip, size=(sh, sw), mode="bilinear", align_corners=False)
+        i, j = 0, int(round(sw - tw) / 2.0)
+    else:
+        sh, sw = round(h * rw), tw
+        clip = F.interpolate(clip, size=(sh, sw), mode="bilinear", align_corners=False)
+        i, j = int(round(sh - th) / 2.0), 0
+    assert i + th <= clip.shape[-2] and j + tw <= clip.shape[-1]
+    return clip[..., i : i + th, j : j + tw]
+
+
+def reference(path, wanted: list[int], fit: tuple[int, int], height: int, width: int) -> np.ndarray:
+    """Open-Sora's frames (0..255 floats) for the window `wanted`, centre-cropped to (height, width)."""
+    import av
+    import torch
+
+    with av.open(str(path)) as c:
+        frames = [(f.to_rgb().to_ndarray(), f.rotation) for k, f in enumerate(c.decode(video=0)) if k in wanted]
+    # the displayed picture, as the cache decodes it (test_decode.py pins rot90 against ffmpeg's autorotate)
+    rgb = np.stack([np.rot90(a, k=int(rot or 0) % 360 // 90) for a, rot in frames])
+    clip = torch.from_numpy(rgb.copy()).permute(0, 3, 1, 2).float() / 255.0
+    out = resize_crop_to_fill(clip, *fit).permute(0, 2, 3, 1).numpy() * 255.0
+    y, x = (fit[0] - height) // 2, (fit[1] - width) // 2
+    return out[:, y : y + height, x : x + width]
+
+
+# --- training runs ----------------------------------------------------------------------------
+
+
+def data_args(manifest: Path, *extra: str) -> list[str]:
+    """Overrides that point the debug stage at a test root (8-wide captions, tiny buckets)."""
+    return [
+        f'--data.manifests=[{{name="{manifest}"}}]',
+        '--data.buckets="configs/buckets/tiny.toml"',
+        "--model.overrides={caption_channels=8, model_max_length=300}",
+        "--data.workers=1",
+        "--log.wandb_mode=disabled",
+        *extra,
+    ]
+
+
+def torchrun(
+    root: Path,
+    args: list[str],
+    nproc: int = 1,
+    entry: list[str] = ("-m", "reelcache.train"),
+    env: dict | None = None,
+    **kw,
+) -> subprocess.Popen:
+    """The trainer on nproc ranks (torchrun beyond 1); entry: the program each rank runs."""
+    env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})}
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    return subprocess.Popen(
+        cmd + [*entry, str(CONFIG), "--root", str(root), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
+
+
+def train(root: Path, args: list[str], nproc: int = 1, ok: bool = True, timeout: float = 240, **kw) -> str:
+    p = torchrun(root, args, nproc, **kw)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # the launcher and every rank go, not just the launcher
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"training did not finish in {timeout:.0f} s:\n{out[-4000:]}")
+    if ok:
+        assert p.returncode == 0, out[-4000:]
+    else:
+        assert p.returncode != 0, out[-4000:]
+    return out
+
+
+def stage_file(path: Path, manifest) -> Path:
+    """The debug stage with the test root's settings (manifest, tiny buckets, 8 caption channels) in a
+    config file: `colossalai run` re-joins its arguments unquoted, so they cannot be overrides."""
+    path.write_text(
+        CONFIG.read_text()
+        .replace('name = "demo-stage1-tiny"', f'name = "{manifest}"')
+        .replace("configs/buckets/demo.toml", "configs/buckets/tiny.toml")
+        .replace("caption_channels = 32", "caption_channels = 8")
+    )
+    return path
+
+
+def poisoned_manifest(root: Path, manifest: Path) -> tuple[Path, str]:
+    """The manifest plus one sample whose latents are NaN (as a broken encoder would have written)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from reelcache.catalog.latents import LATENT_EXT, encode
+    from reelcache.catalog.shards import ShardWriter
+
+    clip, bucket = "poisoned-clip-0000", "144p/17/0.56"
+    (root / "latents/poison").mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(root / "latents/poison", "000000", 10_000_000)
+    nan = torch.full((4, 5, 4, 6), float("nan")).bfloat16()
+    data = encode(
+        {"mean": nan, "logvar": torch.zeros(4, 5, 4, 6).bfloat16(), "text": torch.ones(4, 8).bfloat16()},
+        clip_id=clip,
+        bucket=bucket,
+    )
+    shard, offsets = writer.write_sample(clip, [(LATENT_EXT, data, None)])
+    writer.close()
+    table = pq.read_table(manifest)
+    row = pa.table(
+        {
+            "clip_id": [clip],
+            "bucket": [bucket],
+            "shard": [f"latents/poison/{shard}"],
+            "shard_offset": [offsets[LATENT_EXT]],
+        }
+    ).cast(table.schema)
+    out = root / "manifests/poisoned.parquet"
+    pq.write_table(pa.concat_tables([table, row]), out)
+    return out, clip
+
+
+class FakePar:
+    """The part of train/parallel.py's ``Parallel`` a step uses, for one process without a group."""
+
+    device, world, rank, zero = torch.device("cpu"), 1, 0, False
+
+    def sum(self, values):
+        return torch.as_tensor(values, dtype=torch.float64)
+
+    max = sum
+
+    def backward(self, loss, optimizer):
+        loss.backward()
+
+    def grad_norm(self, model, optimizer, max_norm):
+        params = [p for p in model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm > 0 else torch.tensor(0.0)
+
+    def master_chunks(self, model, optimizer):
+        return {n: p.detach().reshape(-1).float() for n, p in model.named_parameters() if p.requires_grad}
+
+    def barrier(self):
+        pass
+
+
+# --- reading a run directory ------------------------------------------------------------------
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    """The newest generation's row of each step (what trained)."""
+    import pyarrow.parquet as pq
+
+    rows = {}
+    for part in sorted((run_dir / "metrics").glob("*.parquet")):
+        for r in pq.read_table(part).to_pylist():
+            if r["step"] not in rows or r["generation"] >= rows[r["step"]]["generation"]:
+                rows[r["step"]] = r
+    return rows
+
+
+def weights(ckpt: Path, which: str = "model") -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted((ckpt / which).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def consumed(run_dir: Path) -> list[tuple]:
+    import duckdb
+
+    return duckdb.sql(f"""SELECT epoch, step, rank, clip_id FROM '{run_dir}/consumed/*.parquet'
+        QUALIFY generation = max(generation) OVER (PARTITION BY epoch, step)
+        ORDER BY ALL""").fetchall()
+
+
+def complete(ckpt: Path) -> bool:
+    """Everything a checkpoint promises is there: state, config, every indexed shard, the optimizer."""
+    for part in ("model", "ema"):
+        index = ckpt / part / "model.safetensors.index.json"
+        if not index.exists():
+            return False
+        if any(not (ckpt / part / f).exists() for f in set(json.loads(index.read_text())["weight_map"].values())):
+            return False
+    return all(
+        (ckpt / f).exists()
+        for f in ("state.json", "config.json", "optimizer/state.safetensors", "optimizer/optimizer.json")
+    )
+
+
+def manifest_clips(manifest: Path) -> Counter:
+    import pyarrow.parquet as pq
+
+    return Counter(pq.read_table(manifest, columns=["clip_id"]).column("clip_id").to_pylist())
+
+
+def ema_rule_error(before: Path, after: Path) -> float:
+    """How far the EMA of checkpoint `after` (one optimizer step after `before`) is from
+    ema = d * ema_before + (1 - d) * w_after (w: model/, d: run.ema_decay), relative to the
+    update's size: ~1e-4 from float rounding; 0.9 with d = 0.9, 9 with 0.999, 1 with no update."""
+    import torch
+
+    d = json.loads((after / "config.json").read_text())["run"]["ema_decay"]
+    e0, e1, w1 = weights(before, "ema"), weights(after, "ema"), weights(after, "model")
+    assert e0.keys() == e1.keys() and 0 < d < 1
+    moved = torch.cat([(e1[k] - e0[k]).flatten() for k in e1])
+    rule = torch.cat([((1 - d) * (w1[k] - e0[k])).flatten() for k in e1])
+    assert rule.norm() > 1e-3  # lr > 0: the weights moved away from the EMA
+    return float((moved - rule).norm() / rule.norm())
