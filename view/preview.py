@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import av
@@ -32,14 +33,26 @@ from reelcache.catalog.shards import atomic_path
 CACHE_DIR = "view-cache"
 THUMB = 192
 
-_locks: dict[str, threading.Lock] = {}
+_locks: dict[str, list] = {}  # key -> [lock, holders and waiters]: gone when the last one leaves
 _locks_guard = threading.Lock()
 _encoders: dict[str, object] = {}
 
 
-def _lock(key: str) -> threading.Lock:
+@contextmanager
+def _lock(key: str):
+    """One lock per key while anyone holds or waits for it; removed after, so a server that makes a
+    thumbnail of every clip of a large catalog does not keep a lock for each."""
     with _locks_guard:
-        return _locks.setdefault(key, threading.Lock())
+        entry = _locks.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1
+    try:
+        with entry[0]:
+            yield
+    finally:
+        with _locks_guard:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _locks[key]
 
 
 def _name(*parts) -> str:

@@ -29,6 +29,9 @@ from reelcache.catalog.db import db_path
 from reelcache.catalog.sql import check_where, where_sql
 
 USER_SQL_S = 10.0
+# What one query may hold in memory (DuckDB's own limit; a query past it fails with one line): a
+# WHERE typed in the browser must not take the memory of the machine that serves the catalog.
+MEMORY_LIMIT = "2GB"
 IDLE_S = 2.0  # the catalog is closed after this long without a request (a writer may then open it)
 OPEN_WAIT_S = 10.0  # how long a request waits for this process's other connection to the catalog to close
 PAGE = 60  # clips per grid page
@@ -79,7 +82,9 @@ class Store:
         while True:
             try:
                 return duckdb.connect(
-                    str(self.path), read_only=True, config={"enable_external_access": False, "lock_configuration": True}
+                    str(self.path),
+                    read_only=True,
+                    config={"enable_external_access": False, "memory_limit": MEMORY_LIMIT, "lock_configuration": True},
                 )
             except duckdb.ConnectionException as e:
                 if time.monotonic() > deadline:
