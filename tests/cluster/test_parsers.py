@@ -140,7 +140,7 @@ def test_stack_summary_names_the_odd_rank():
 
 
 def test_a_slurm_node_list_expands_like_scontrol(monkeypatch):
-    """Expected lists written out by hand from Slurm's hostlist rules (tests/test_slurm_train.py compares
+    """Expected lists written out by hand from Slurm's hostlist rules (tests/cluster/test_slurm_train.py compares
     with `scontrol show hostnames` itself where a local Slurm runs)."""
     from reelcache import UserError
     from reelcache.cluster.hosts import expand_nodelist, node_logins
