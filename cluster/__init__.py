@@ -8,6 +8,7 @@ use, prints a table per node and exits 1 when something is wrong.
 
 Modules: ``hosts`` (the hostfile and the transport to every node), ``agent`` (what runs on each
 node, stdlib only), ``gpus``, ``clocks``, ``procs`` (dump and stop of one run's recorded ranks),
-``ranks`` (the rank record every trainer rank writes and dump/stop read), ``cli``. Nothing here
+``ranks`` (the rank record every trainer rank writes and dump/stop read), ``slurm`` (every command
+that submits to Slurm: one option set, one script template, the checks before submitting), ``cli``. Nothing here
 imports torch or a stage other than ``catalog``: the checks run on a head node without them.
 """

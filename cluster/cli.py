@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reelcache.cluster import clocks, gpus, procs, slurm
+from reelcache.cluster import clocks, gpus, procs
+from reelcache.cluster.slurm import array, options
 from reelcache.settings import arg
 
 EXAMPLES = """\
@@ -72,6 +73,13 @@ def add_commands(top) -> None:
     c.add_argument("--reads", type=arg(int, ge=1), default=200_000, help="tight-loop clock reads per node (200000)")
     common(c)
     c.set_defaults(fn=clocks.cmd_clocks)
+    _add_run_commands(sub)
+    add_slurm(top)
+
+
+def _add_run_commands(sub) -> None:
+    """``cluster dump`` and ``cluster stop``: they act on one run's recorded ranks, not on a hostfile's nodes."""
+    fmt = argparse.RawDescriptionHelpFormatter
     d = sub.add_parser(
         "dump",
         help="py-spy dump of every recorded rank of a run into RUN/dumps/<time>/",
@@ -105,52 +113,24 @@ def add_commands(top) -> None:
     s.add_argument("--python", default=sys.executable, help="Python on the nodes that runs the agent")
     s.add_argument("--hostfile", help="sshloginfile whose lines say how to reach the recorded hosts")
     s.set_defaults(fn=procs.cmd_stop)
-    add_slurm(top)
 
 
 def add_slurm(top) -> None:
-    """``reelcache slurm submit``: a plan's units as one Slurm job array (cluster/slurm.py)."""
+    """``reelcache slurm submit``: a plan's units as one Slurm job array (cluster/slurm/array.py); its options are
+    the ones every command that submits takes (cluster/slurm/options.py)."""
     fmt = argparse.RawDescriptionHelpFormatter
     sl = top.add_parser(
         "slurm",
         help="run a plan's units on Slurm: one job array, retries, a merge after",
-        epilog=slurm.EXAMPLES,
+        epilog=array.EXAMPLES,
         formatter_class=fmt,
     )
     sub = sl.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser(
         "submit",
         help="units from stdin as one job array: task i runs COMMAND UNIT_i",
-        epilog=slurm.EXAMPLES,
+        epilog=array.EXAMPLES,
         formatter_class=fmt,
     )
-    p.add_argument("--partition", required=True, help="the partition every job goes to")
-    p.add_argument(
-        "--account", help="the account the jobs are charged to (checked with sacctmgr where accounting is on)"
-    )
-    p.add_argument("--max-running", type=arg(int, ge=1), help="at most N units at once (the array's %%N)")
-    p.add_argument(
-        "--retries", type=arg(int, ge=0), default=1, help="a failed unit requeues its task up to K times (1)"
-    )
-    p.add_argument("--time", help="time limit of each unit and of --then, sbatch's format (e.g. 2:00:00)")
-    p.add_argument("--cpus-per-task", type=arg(int, ge=1), default=1, help="CPUs per unit (1)")
-    p.add_argument(
-        "--gpus-per-task", type=arg(int, ge=1), help="GPUs per unit (the cache: 1; Slurm sets CUDA_VISIBLE_DEVICES)"
-    )
-    p.add_argument("--mem", help="memory per unit, sbatch's --mem (e.g. 16G)")
-    p.add_argument("--job-name", help="the array's name (default rc-<stage>-<command>, e.g. rc-ingest-run)")
-    p.add_argument("--dir", help="job directory, on storage every node sees (default slurm-jobs/<name>-<time>)")
-    p.add_argument(
-        "--then", help="a shell command run once every unit has ended, e.g. 'reelcache catalog merge --root R'"
-    )
-    p.add_argument(
-        "--sbatch-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="one more sbatch option for every job, e.g. --sbatch-arg=--qos=high (repeatable)",
-    )
-    p.add_argument("--units", help="read the units from this file (one a line) instead of stdin")
-    p.add_argument("--dry-run", action="store_true", help="check and write the job directory; submit nothing")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...: each task runs COMMAND UNIT")
-    p.set_defaults(fn=slurm.cmd_submit)
+    options.add_arguments(p, "array")
+    p.set_defaults(fn=array.cmd_submit)

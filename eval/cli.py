@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.cluster import sbatch
+from reelcache.cluster.slurm import options as slurm_options
 from reelcache.settings import arg, existing_dir, existing_file
 
 # The evaluator, its samples and the checkpoint listing (torch, and cache/ and train/ modules) are imported
@@ -94,7 +94,7 @@ def add_commands(top) -> None:
     s.add_argument(
         "--max-attempts", type=arg(int, ge=1), default=3, help="tries per checkpoint before it is left alone"
     )
-    sbatch.add_arguments(s, training=False)
+    slurm_options.add_arguments(s, "eval")
     s.set_defaults(fn=_serve)
     o = iev.add_parser("once", help="evaluate one checkpoint", epilog=EXAMPLES, formatter_class=fmt)
     _common(o)
@@ -136,7 +136,7 @@ def _serve(a) -> None:
     ev = _evaluator(a, a.max_attempts)
     ended = None
     if a.follow:
-        from reelcache.cluster.slurm import job_ended
+        from reelcache.cluster.slurm.client import job_ended
 
         def ended() -> bool:
             return bool(job_ended(a.follow))  # None: the controller did not answer; ask again next poll
@@ -145,16 +145,20 @@ def _serve(a) -> None:
 
 
 def _submit(a) -> None:
-    """``eval serve --slurm``: the same command as a job on one GPU (cluster/sbatch.py), after --after starts."""
+    """``eval serve --slurm``: the same command as a job on one GPU (cluster/slurm/jobs.py), after --after starts."""
+    from reelcache.cluster.slurm import jobs
+
     run_dir = (Path(a.run) if Path(a.run).is_absolute() else Path(a.root) / a.run).resolve()
     _check_inputs(a)
     argv = sys.argv[sys.argv.index("serve") + 1 :]
-    res = sbatch.resources(a)
-    args = sbatch.without_slurm_options(argv) + (["--follow", a.after] if a.after and not a.follow else [])
-    script, text = sbatch.eval_script(run_dir, res, after=a.after, args=args)
-    job = sbatch.launch(script, text, res, a.dry_run)
-    if job:
-        print(f"submitted job {job}: eval serve of {run_dir.name}; log {script.parent}/eval-{run_dir.name}-{job}.out")
+    res = slurm_options.resources(a)
+    args = slurm_options.without_slurm_options(argv, "eval") + (
+        ["--follow", a.after] if a.after and not a.follow else []
+    )
+    job = jobs.eval_script(run_dir, res, after=a.after, args=args)
+    job_id = jobs.launch(job, res, dry_run=a.dry_run)
+    if job_id:
+        print(f"submitted job {job_id}: eval serve of {run_dir.name}; log {job.log(job_id)}")
 
 
 def _check_inputs(a) -> None:

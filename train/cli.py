@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from reelcache import UserError
-from reelcache.cluster import sbatch
+from reelcache.cluster.slurm import options as slurm_options
 from reelcache.settings import arg, existing_dir, existing_file, option
 
 EXAMPLES = """\
@@ -139,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run name (= run.name; default: the config file's stem)",
     )
     p.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], help="= log.wandb_mode")
-    sbatch.add_arguments(p, training=True)
+    slurm_options.add_arguments(p, "train")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -191,18 +191,20 @@ def run(a, overrides: list[str]) -> None:
 
 
 def _submit(a, cfg, overrides: list[str]) -> None:
-    """``train --slurm``: the same command as a requeueable batch job (cluster/sbatch.py)."""
+    """``train --slurm``: the same command as a requeueable batch job (cluster/slurm/jobs.py)."""
     from pathlib import Path
+
+    from reelcache.cluster.slurm import checks, jobs
 
     if a.load or a.reset_data:
         raise UserError(
             "--slurm runs with --resume (the run's newest checkpoint, else a start): drop --load/--reset-data"
         )
-    res = sbatch.resources(a)
+    res = slurm_options.resources(a)
     nproc = a.nproc_per_node or a.gpus_per_node
     if not nproc:
         raise UserError("--gpus-per-node 0 (CPU nodes): give --nproc-per-node, the ranks per node")
-    sbatch.check_time(a.time, a.signal_s)
+    checks.check_time(a.time, a.signal_s)
     _check_manifests(cfg, a.root)  # here, not only inside the job
     train_args = [f"--{o}" for o in overrides if not o.startswith("run.name=")]
     if a.init_from:
@@ -210,15 +212,13 @@ def _submit(a, cfg, overrides: list[str]) -> None:
     if a.init_from_weights:
         train_args += ["--init-from-weights", a.init_from_weights]
     root = Path(a.root).resolve()
-    script, text = sbatch.train_script(
-        a.config, root, cfg.run.name, res, nproc=nproc, signal_s=a.signal_s, train_args=train_args
-    )
-    job = sbatch.launch(script, text, res, a.dry_run)
-    if job:
+    job = jobs.train_script(a.config, root, cfg.run.name, res, nproc=nproc, signal_s=a.signal_s, train_args=train_args)
+    job_id = jobs.launch(job, res, dry_run=a.dry_run, signal_s=a.signal_s)
+    if job_id:
         print(
-            f"submitted job {job}: {cfg.run.name} on {res.node_range} node(s) x {nproc} rank(s); log "
-            f"{script.parent}/train-{cfg.run.name}-{job}.out; checkpoint and stop: touch "
-            f"{root}/runs/{cfg.run.name}/stop; checkpoint, stop and requeue: scancel --batch --signal=USR2 {job}"
+            f"submitted job {job_id}: {cfg.run.name} on {res.node_range} node(s) x {nproc} rank(s); log "
+            f"{job.log(job_id)}; checkpoint and stop: touch "
+            f"{root}/runs/{cfg.run.name}/stop; checkpoint, stop and requeue: scancel --batch --signal=USR2 {job_id}"
         )
 
 

@@ -113,38 +113,6 @@ def test_a_missing_program_is_named_in_one_line(tmp_path, monkeypatch):
     assert not (tmp_path / "c").exists()
 
 
-def test_the_failed_units_command_asks_for_what_the_first_submit_asked(tmp_path):
-    """The then job's "run them again" line, parsed by the CLI's own parser, is the first submit's
-    arguments (a GPU unit run again without --gpus-per-task would get no GPU) with --units failed.txt."""
-    from reelcache.cli import build_parser
-    from reelcache.cluster import slurm as sl
-
-    first = [
-        *("slurm", "submit", "--partition", "gpu", "--account", "proj", "--max-running", "4", "--retries", "2"),
-        *("--time", "2:00:00", "--cpus-per-task", "8", "--gpus-per-task", "1", "--mem", "16G", "--job-name", "c"),
-        *("--sbatch-arg=--qos=high", "--sbatch-arg=--exclusive", "--then", "reelcache catalog merge --root 'R x'"),
-        *("--", "reelcache", "cache", "run", "--root", "R x"),
-    ]
-    a = build_parser().parse_args(first)
-    req = sl.Request(
-        command=a.command[1:], units=["u"], partition=a.partition, account=a.account, max_running=a.max_running,
-        retries=a.retries, time=a.time, cpus_per_task=a.cpus_per_task, gpus_per_task=a.gpus_per_task, mem=a.mem,
-        job_name=a.job_name, then=a.then, sbatch_args=tuple(a.sbatch_arg),
-    )  # fmt: skip
-    again = shlex.split(sl.again_command(req, tmp_path))
-    assert again[0] == "reelcache"
-    b = build_parser().parse_args(again[1:])
-    assert b.units == str(tmp_path / "failed.txt")
-    same = ("partition", "account", "max_running", "retries", "time", "cpus_per_task", "gpus_per_task", "mem")
-    assert {k: getattr(b, k) for k in same} == {k: getattr(a, k) for k in same}
-    assert (b.job_name, b.sbatch_arg, b.then, b.command) == (a.job_name, a.sbatch_arg, a.then, a.command)
-    # defaults stay defaults
-    plain = sl.Request(command=["true"], units=["u"], partition="debug")
-    assert shlex.split(sl.again_command(plain, tmp_path)) == [
-        *("reelcache", "slurm", "submit", "--partition", "debug", "--units", str(tmp_path / "failed.txt"), "--", "true")
-    ]
-
-
 def _zombie(pid: int) -> bool:
     try:
         text = open(f"/proc/{pid}/stat").read()
@@ -308,10 +276,10 @@ def test_a_failed_unit_is_retried_and_the_then_job_waits_and_names_what_failed(s
     assert "1 of 3 units did not finish" in said
     again = said.split("and merge after them:\n")[1].rstrip("\n")  # the README's failed-units row, filled in
     assert shlex.split(again) == [
-        *("reelcache", "slurm", "submit", "--partition", slurm.partition, "--units", str(jobdir / "failed.txt")),
+        *("reelcache", "slurm", "submit", "--partition", slurm.partition, "--gpus-per-task", "1"),
         *(
-            "--gpus-per-task",
-            "1",
+            "--units",
+            str(jobdir / "failed.txt"),
             "--then",
             f"date +%s.%N > {work}/then",
             "--",
@@ -347,9 +315,14 @@ def _jobs_known(slurm) -> int:
         ),
         ("a\nb\na\n", ("--partition", "debug"), "unit a is given twice (lines 1 and 3): each unit once"),
         ("\n", ("--partition", "debug"), "no units: pipe a plan's units in"),
-        ("a\n", ("--partition", "debug", "--time", "soon"), "sbatch refused the job: sbatch: error: Invalid --time"),
+        ("a\n", ("--partition", "debug", "--time", "soon"), "--time soon: not a Slurm time"),
+        (
+            "a\n",
+            ("--partition", "debug", "--sbatch-arg=--time=soon"),
+            "sbatch refused the job (array.sbatch): sbatch: error: Invalid --time",
+        ),
     ],
-    ids=["partition", "array-size", "gpus", "twice", "none", "sbatch"],
+    ids=["partition", "array-size", "gpus", "twice", "none", "time", "sbatch"],
 )
 def test_bad_input_is_one_line_and_submits_nothing(slurm, tmp_path, units, args, message):
     if "--gpus-per-task" in args and slurm.gpus != 2:
@@ -383,6 +356,11 @@ def test_what_would_fail_only_inside_the_cluster_is_one_line_before_submitting(s
     done = submit(slurm, "a\n", "--partition", "debug", *args, "--dir", jobdir, "--", *command, check=False)
     assert done.returncode == 2 and done.stderr.startswith(f"reelcache: error: {message}"), done.stderr
     assert done.stderr.count("\n") == 1 and _jobs_known(slurm) == before, done.stderr
+    if case == "command":  # where it exists only on the compute nodes: --no-command-check
+        done = submit(
+            slurm, "a\n", "--partition", "debug", "--no-command-check", "--dry-run", "--dir", jobdir, "--", *command
+        )
+        assert '\nreelcache-no-such-program --root x "$unit"\n' in (jobdir / "array.sbatch").read_text()
 
 
 def test_an_account_where_accounting_is_off_is_said_not_pretended(slurm, tmp_path):
@@ -394,4 +372,5 @@ def test_an_account_where_accounting_is_off_is_said_not_pretended(slurm, tmp_pat
         "warning: accounting is off on this cluster (AccountingStorageType=accounting_storage/none): "
         "Slurm accepts any --account, so 'nosuch' cannot be checked"
     )
-    assert "#SBATCH --account=nosuch" in (tmp_path / "j/array.sbatch").read_text() and done.stdout == ""
+    assert "#SBATCH --account=nosuch" in (tmp_path / "j/array.sbatch").read_text()
+    assert done.stdout == (tmp_path / "j/array.sbatch").read_text()  # a dry run prints what it wrote

@@ -27,7 +27,6 @@ from latent_data import write_latents
 from slurm_local import local_slurm_or_skip
 from support import REPO, data_args, free_port, metrics, train, weights
 
-from reelcache import UserError
 from reelcache.cluster.hosts import expand_nodelist
 
 pytestmark = pytest.mark.slurm
@@ -174,20 +173,6 @@ def test_node_lists_expand_as_scontrol_does(slurm):
         assert expand_nodelist(expr) == want, expr
 
 
-def test_time_limits_are_read_as_sbatch_reads_them():
-    """man sbatch: "Time resolution is one minute and second values are rounded up to the next minute.
-    A time limit of zero requests that no time limit be imposed." (expected values by hand)"""
-    from reelcache.cluster.sbatch import check_time, time_seconds
-
-    cases = {"90": 5400, "0:30": 60, "2:30": 180, "1:00:01": 3660, "2-0": 172800, "1-2:3": 93780,
-             "1-0:0:1": 86460, "0": None, "0:0:0": None, "UNLIMITED": None, " infinite ": None}  # fmt: skip
-    assert {v: time_seconds(v) for v in cases} == cases
-    check_time("0", 300)  # no limit: nothing to refuse
-    check_time("0:30", 40)  # a 1-minute limit, 40 s warning: what the time-limit test submits
-    with pytest.raises(UserError, match=r"^--time 5 \(300 s\) is not longer than --signal-s 300"):
-        check_time("5", 300)
-
-
 def test_each_way_to_stop_does_what_the_readme_says(slurm, root):
     """`scancel --signal=USR2 <job>` reaches every process of the job's step: the ranks checkpoint and stop,
     torchrun (started with USR2 ignored) lives on, and the job ends COMPLETED, not requeued. The same
@@ -228,15 +213,18 @@ def test_each_way_to_stop_does_what_the_readme_says(slurm, root):
     assert f"resumed from {run}/ckpt-{second:08d}: step {second}" in text and not (run / "stop").exists()
 
 
-@pytest.mark.parametrize("case", ["time", "cpus", "manifest", "root"])
+@pytest.mark.parametrize("case", ["time", "cpus", "cpus-verbatim", "manifest", "root"])
 def test_bad_inputs_are_one_line_before_anything_is_submitted(slurm, root, tmp_path, case):
     r, manifest = root
     args = data_args(manifest)
     if case == "time":
         args, message = ["--time=5", "--signal-s=300", *args], "--time 5 (300 s) is not longer than --signal-s 300:"
     elif case == "cpus":
-        args = ["--sbatch=--cpus-per-task=999", *args]
-        message = f"--sbatch=--cpus-per-task 999: no node of partition debug has more than {slurm.cpus} CPUs"
+        args = ["--cpus-per-task=999", *args]
+        message = f"--cpus-per-task 999: no node of partition debug has more than {slurm.cpus} CPUs"
+    elif case == "cpus-verbatim":
+        args = ["--sbatch-arg=--cpus-per-task=999", *args]
+        message = f"--sbatch-arg=--cpus-per-task 999: no node of partition debug has more than {slurm.cpus} CPUs"
     elif case == "manifest":
         args, message = data_args(Path("absent")), "data.manifests: no manifest 'absent'"
     else:  # a root where runs/<run>/slurm cannot be made
