@@ -80,7 +80,7 @@ def per_file(fn, part: list[str], min_s: float = 0.5) -> float:
 def bench_probe(files: list[str]) -> None:
     import av
 
-    from reelcache.ingest.probe import preload, probe
+    from reelcache.ingest.probe import probe
     from reelcache.isolate import isolated_map
 
     def ours(part):
@@ -91,7 +91,7 @@ def bench_probe(files: list[str]) -> None:
     # (its ~0.3 s start is paid once per unit, as in production, not once per 243 files).
     def ours_isolated(part, size=1000):
         unit = (part * -(-size // len(part)))[:size]
-        for _, r in isolated_map(probe, unit, workers=1, timeout=30, init=preload):
+        for _, r in isolated_map(probe, unit, workers=1, timeout=30):
             assert isinstance(r, dict), r
         return len(unit)
 
