@@ -160,8 +160,7 @@ def t5_encode() -> tuple[int, int]:
 
 
 def project(args) -> dict:
-    from reelcache.cache.opensora_vae import latent_frames
-    from reelcache.catalog.buckets import RESOLUTIONS, BucketConfig, bucket_hw, nearest_ratio
+    from reelcache.catalog.buckets import RESOLUTIONS, BucketConfig
     from reelcache.train.model import STDiT3Config
 
     batch = {
@@ -179,51 +178,13 @@ def project(args) -> dict:
     pair, vae, (t5, t5_params) = (build_dit(depth=1), build_dit(depth=2)), build_vae(), t5_encode()
     doc = stage_config(1)["model"]
     depth = STDiT3Config.preset(doc["preset"], **doc.get("overrides", {})).depth
-    rate = {p: getattr(args, f"mfu_{p}") * args.peak_tflops * 1e12 for p in PARTS}
-    rows = {}
-    for k in keys:
-        res, frames = k.split("/")
-        H, W = bucket_hw(res, nearest_ratio(*AR, res))
-        geo = (latent_frames(int(frames)), H // 8, W // 8, H, W)
-        fwd, step = dit_extrapolated(pair, depth, *geo)
-        f = dict(dit=step, vae=vae_encode(vae, int(frames), H, W), t5=t5)
-        rows[k] = dict(
-            px=f"{H}x{W}",
-            latent="x".join(map(str, geo[:3])),
-            dit_fwd=fwd,
-            **f,
-            s_cached=f["dit"] / rate["dit"],
-            s_online=sum(f[p] / rate[p] for p in PARTS),
-            batch={tb: batch[tb].get(k) for tb in FIRST},
-        )
-
+    rows = _bucket_rows(keys, batch, args, depth, (pair, vae, t5))
     stages, total = {}, dict.fromkeys(("samples", "gpuh_cached", "gpuh_cache", "gpuh_online", "gpuh_upstream"), 0.0)
     for n in args.stages:
-        tb = "B" + Path(stage_config(n)["data"]["buckets"]).stem[-1]
-        mix = [(rows[k], b) for k, b in batch[tb].items() if k in rows and not k.endswith("/1")]
-        if not mix:
+        s = _stage(n, rows, batch, args)
+        if s is None:
             continue
-        first, clips = FIRST[tb]
-        steps = STEPS[n] or round(stage_config(n)["run"]["epochs"] * STEPS[3] / stage_config(3)["run"]["epochs"])
-        samples = steps * stage_config(first)["run"]["epochs"] * clips / STEPS[first]
-        gpu_s = {p: steps * GPUS * sum(b * r[f"s_{p}"] for r, b in mix) / len(mix) for p in ("cached", "online")}
-        gpu_s["upstream"] = steps * GPUS * STEP_S[tb]
-        mb = [b * r["dit"] for r, b in mix]
-        s = stages[n] = dict(
-            table=tb,
-            steps=steps,
-            estimated=STEPS[n] is None,
-            samples=samples,
-            **{f"sps_{p}": samples / v for p, v in gpu_s.items()},
-            **{f"gpuh_{p}": v / 3600 for p, v in gpu_s.items()},
-            gpuh_cache=CLIPS * (gpu_s["online"] - gpu_s["cached"]) / samples / 3600 if n == first else 0.0,
-            gpuh_reported=None,
-            dit_microbatch_vs_mean=(min(mb) * len(mb) / sum(mb), max(mb) * len(mb) / sum(mb)),
-            upstream_mfu=sum(b * (r["dit"] + r["vae"] + r["t5"]) for r, b in mix)
-            / len(mix)
-            / STEP_S[tb]
-            / (args.peak_tflops * 1e12),
-        )
+        stages[n] = s
         for k in total if not s["estimated"] else ():
             total[k] += s[k]
     ran = [n for n in stages if not stages[n]["estimated"]]
@@ -252,6 +213,64 @@ def project(args) -> dict:
             ),
         )
     return out
+
+
+def _bucket_rows(keys: list[str], batch: dict, args, depth: int, models) -> dict:
+    """Per bucket: its pixel and latent size, the FLOPs of a DiT training step (extrapolated from the
+    depth-1 and depth-2 ``models``), a VAE encode and a T5 caption, and the seconds of a cached and of
+    an online sample at the given MFUs."""
+    from reelcache.cache.opensora_vae import latent_frames
+    from reelcache.catalog.buckets import bucket_hw, nearest_ratio
+
+    pair, vae, t5 = models
+    rate = {p: getattr(args, f"mfu_{p}") * args.peak_tflops * 1e12 for p in PARTS}
+    rows = {}
+    for k in keys:
+        res, frames = k.split("/")
+        H, W = bucket_hw(res, nearest_ratio(*AR, res))
+        geo = (latent_frames(int(frames)), H // 8, W // 8, H, W)
+        fwd, step = dit_extrapolated(pair, depth, *geo)
+        f = dict(dit=step, vae=vae_encode(vae, int(frames), H, W), t5=t5)
+        rows[k] = dict(
+            px=f"{H}x{W}",
+            latent="x".join(map(str, geo[:3])),
+            dit_fwd=fwd,
+            **f,
+            s_cached=f["dit"] / rate["dit"],
+            s_online=sum(f[p] / rate[p] for p in PARTS),
+            batch={tb: batch[tb].get(k) for tb in FIRST},
+        )
+    return rows
+
+
+def _stage(n: int, rows: dict, batch: dict, args) -> dict | None:
+    """One training stage's samples, GPU-hours (cached, online, upstream) and upstream MFU, from its
+    bucket mix; None when none of its buckets is among the rows."""
+    tb = "B" + Path(stage_config(n)["data"]["buckets"]).stem[-1]
+    mix = [(rows[k], b) for k, b in batch[tb].items() if k in rows and not k.endswith("/1")]
+    if not mix:
+        return None
+    first, clips = FIRST[tb]
+    steps = STEPS[n] or round(stage_config(n)["run"]["epochs"] * STEPS[3] / stage_config(3)["run"]["epochs"])
+    samples = steps * stage_config(first)["run"]["epochs"] * clips / STEPS[first]
+    gpu_s = {p: steps * GPUS * sum(b * r[f"s_{p}"] for r, b in mix) / len(mix) for p in ("cached", "online")}
+    gpu_s["upstream"] = steps * GPUS * STEP_S[tb]
+    mb = [b * r["dit"] for r, b in mix]
+    return dict(
+        table=tb,
+        steps=steps,
+        estimated=STEPS[n] is None,
+        samples=samples,
+        **{f"sps_{p}": samples / v for p, v in gpu_s.items()},
+        **{f"gpuh_{p}": v / 3600 for p, v in gpu_s.items()},
+        gpuh_cache=CLIPS * (gpu_s["online"] - gpu_s["cached"]) / samples / 3600 if n == first else 0.0,
+        gpuh_reported=None,
+        dit_microbatch_vs_mean=(min(mb) * len(mb) / sum(mb), max(mb) * len(mb) / sum(mb)),
+        upstream_mfu=sum(b * (r["dit"] + r["vae"] + r["t5"]) for r, b in mix)
+        / len(mix)
+        / STEP_S[tb]
+        / (args.peak_tflops * 1e12),
+    )
 
 
 def crosscheck(depth: int, rows: dict) -> dict:
