@@ -132,6 +132,7 @@ def test_a_cache_is_never_mixed_from_two_resizes(planned):
         make_plan(root, dataclasses.replace(cfg, resize="opensora"))
 
 
+@pytest.mark.slow
 def test_cache_run_decodes_with_the_planned_resize(fresh_root, tmp_path, monkeypatch):
     """`cache run` hands the plan's resize to its decode workers: the frames it encodes are
     decode_clip's "opensora" frames, not the area ones."""

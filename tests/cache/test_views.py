@@ -232,6 +232,7 @@ def test_windows_of_two_views_are_independent(planned):
     assert len(pairs) == 2 * CLIPS and float(((counts - expected) ** 2 / expected).sum()) < 148.2
 
 
+@pytest.mark.slow
 def test_cache_plan_prints_the_cost_of_views(planned, caplog):
     from reelcache.cache.plan import CacheConfig, make_plan
 
@@ -271,6 +272,7 @@ def cache2(ingested, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_a_two_view_cache_stores_each_distinct_draw_once(cache2):
 
     from reelcache.cache.decode import FileSlice, decode_window
@@ -334,6 +336,7 @@ def _epoch(loaders, steps=None) -> list[dict]:
     return sorted(out, key=lambda b: b["index"])
 
 
+@pytest.mark.slow
 def test_the_loader_shows_each_clip_once_per_epoch_and_each_view_once(cache2, tmp_path):
     import duckdb
 
@@ -357,6 +360,7 @@ def test_the_loader_shows_each_clip_once_per_epoch_and_each_view_once(cache2, tm
     assert sorted(log) == sorted((e, c, v) for e in range(2) for c, v in seen[e].items())
 
 
+@pytest.mark.slow
 def test_views_resume_on_another_world_size_and_another_k_is_refused(cache2, tmp_path):
     from reelcache.catalog.manifest import resolve_manifest
 
@@ -384,6 +388,7 @@ def test_views_resume_on_another_world_size_and_another_k_is_refused(cache2, tmp
             ld.load_state_dict(state)
 
 
+@pytest.mark.slow
 def test_simulate_says_which_views_each_epoch_showed(cache2, caplog):
     from reelcache.catalog.buckets import BucketConfig
     from reelcache.train.simulate import simulate
@@ -397,6 +402,7 @@ def test_simulate_says_which_views_each_epoch_showed(cache2, caplog):
     assert {(r["epoch"], r["view"]) for r in real} == {(0, 0), (0, 1), (1, 0), (1, 1)}
 
 
+@pytest.mark.slow
 def test_a_catalog_without_the_view_column_is_migrated_and_merges(cache2, tmp_path):
     """A catalog made before views: `latents` has no `view`; merge adds it and loads the sidecars."""
     import shutil

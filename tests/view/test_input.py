@@ -1,4 +1,5 @@
-"""`reelcache view` given bad URLs, without a browser: each is one line with a 4xx status, never a 500.
+"""`reelcache view` without a browser: a bad URL is one line with a 4xx status, never a 500; only a
+loopback address serves without a warning.
 
 The app is Starlette's own, driven in-process by its TestClient over a catalog made by
 catalog/db.py (empty tables) and a run directory that never started (no config.json).
@@ -50,6 +51,7 @@ def _write_open(root) -> str:
     return "" if p.returncode == 0 else (p.stderr.strip().splitlines() or ["?"])[-1]
 
 
+@pytest.mark.slow
 def test_a_running_viewer_lets_a_merge_write_the_catalog_between_requests(client):
     """DuckDB lets a process write the file only while no other process has it open: the viewer keeps it
     open only while it answers (closed IDLE_S after the last request), so a merge is not refused for as
@@ -141,3 +143,10 @@ def test_a_thumbnail_reads_no_shard_outside_the_root(tmp_path):
             r = c.get(f"/media/{media}?id={clip}")
             assert (r.status_code, r.text.startswith("refused:")) == (403, True), (clip, media, r.text[:200])
     assert not (root / "view-cache").exists()
+
+
+def test_only_loopback_addresses_go_without_a_warning():
+    from reelcache.view.server import _loopback
+
+    assert all(_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
+    assert not any(_loopback(h) for h in ("0.0.0.0", "::", "10.1.2.3", "head-node"))
