@@ -23,7 +23,15 @@ def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("viewroot")
     open_catalog(root, write=True).close()
     (root / "runs" / "never-started" / "log").mkdir(parents=True)
-    return TestClient(build_app(root), raise_server_exceptions=False)
+    c = TestClient(build_app(root), raise_server_exceptions=False)
+    yield c
+    _close(c)
+
+
+def _close(client) -> None:
+    """Close the viewer's catalog connection now: its idle timer (a daemon thread) then has nothing to
+    close, rather than closing it in DuckDB while the interpreter exits (an abort at the end of the run)."""
+    client.app.state.store.close()
 
 
 @pytest.mark.parametrize(
@@ -85,7 +93,9 @@ def test_a_rejects_play_error_handler_is_one_whole_attribute(tmp_path):
         con.execute("INSERT INTO clips BY NAME SELECT * FROM new_clips")
     finally:
         con.close()
-    page = TestClient(build_app(root)).get("/reject?id=r1")
+    c = TestClient(build_app(root))
+    page = c.get("/reject?id=r1")
+    _close(c)
     assert page.status_code == 200, page.text[:300]
 
     videos = []
@@ -138,10 +148,13 @@ def test_a_thumbnail_reads_no_shard_outside_the_root(tmp_path):
     finally:
         con.close()
     c = TestClient(build_app(root), raise_server_exceptions=False)
-    for clip in ("o0", "o1"):
-        for media in ("raw", "thumb"):
-            r = c.get(f"/media/{media}?id={clip}")
-            assert (r.status_code, r.text.startswith("refused:")) == (403, True), (clip, media, r.text[:200])
+    try:
+        for clip in ("o0", "o1"):
+            for media in ("raw", "thumb"):
+                r = c.get(f"/media/{media}?id={clip}")
+                assert (r.status_code, r.text.startswith("refused:")) == (403, True), (clip, media, r.text[:200])
+    finally:
+        _close(c)
     assert not (root / "view-cache").exists()
 
 
