@@ -30,6 +30,10 @@ said so: give the trainer ``checkpoint.keep_every`` (or keep_last) wide enough f
 
 wandb (eval/runlog.py): the numbers and videos go into the SAME run as training, under
 ``eval/<tag>/...`` with their own x axis ``eval/global_step`` (define_metric), never ``step=``.
+
+Beside this module: eval/checkpoints.py (which checkpoints ``--every`` takes, and whether one is whole),
+eval/encoders.py (the cache's encoders, found and checked), eval/records.py (the JSON records and
+val_loss.parquet).
 """
 
 from __future__ import annotations
