@@ -38,7 +38,7 @@ GPU_STAMP := $(VENV)/.installed-gpu
 # one-node Slurm (tests/slurm_local.py, which runs only as root: elsewhere its tests skip, so no sudo
 # for them); each name is a package and the command that shows it installed (slurmctld brings sbatch),
 # or package:command. As root also Debian's Chromium and its driver, for the viewer's browser tests
-# (tests/test_view.py, skipped where they are missing); and OpenSSH's server and iproute2, for the
+# (tests/view/test_server.py, skipped where they are missing); and OpenSSH's server and iproute2, for the
 # suite's namespace cluster (tests/cluster_local.py; root only, else its tests skip).
 SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd chromium chromium-driver:chromedriver \
     openssh-server:sshd iproute2:ip)

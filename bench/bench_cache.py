@@ -56,63 +56,71 @@ def clips(n=60):
     return out
 
 
-def bench_decode(results):
+H, W, T = 240, 424, 33  # the bucket both benchmarks decode to: 240p 9:16, 33 frames
+
+
+def _decode_ours(part):
+    from reelcache.cache.decode import decode_window
+
+    for p, s, _ in part:
+        decode_window(p, frames=T, interval=1, height=H, width=W, start=s)
+
+
+def _decode_ffmpeg(part):
+    import numpy as np
+
+    for p, s, m in part:
+        scale = max(H / m["height"], W / m["width"])
+        sw, sh = -(-int(m["width"] * scale * 1000) // 1000), -(-int(m["height"] * scale * 1000) // 1000)
+        sw, sh = max(W, sw + sw % 2), max(H, sh + sh % 2)
+        out = subprocess.run(
+            [
+                "ffmpeg",
+                "-v",
+                "error",
+                "-ss",
+                f"{s / m['fps']:.4f}",
+                "-i",
+                p,
+                "-frames:v",
+                str(T),
+                "-vf",
+                f"scale={sw}:{sh}:flags=area,crop={W}:{H}",
+                "-f",
+                "rawvideo",
+                "-pix_fmt",
+                "rgb24",
+                "-",
+            ],
+            check=True,
+            capture_output=True,
+        ).stdout
+        np.frombuffer(out, np.uint8)
+
+
+def _decode_full_torch(part):
     import av
     import numpy as np
     import torch
 
-    from reelcache.cache.decode import decode_window, window_start
+    torch.set_num_threads(2)
+    for p, s, _ in part:
+        with av.open(p) as c:
+            frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+        x = torch.from_numpy(np.stack(frames[s : s + T])).permute(0, 3, 1, 2).float() / 255
+        scale = max(H / x.shape[2], W / x.shape[3])
+        x = torch.nn.functional.interpolate(
+            x, size=(max(H, round(x.shape[2] * scale)), max(W, round(x.shape[3] * scale))), mode="area"
+        )
+        y0, x0 = (x.shape[2] - H) // 2, (x.shape[3] - W) // 2
+        x[:, :, y0 : y0 + H, x0 : x0 + W].contiguous()
 
-    H, W, T = 240, 424, 33
+
+def bench_decode(results):
+    from reelcache.cache.decode import window_start
+
     items = clips()
     jobs = [(p, window_start(p, 0, m["num_frames"], T), m) for p, m in items]
-
-    def ours(part):
-        for p, s, _ in part:
-            decode_window(p, frames=T, interval=1, height=H, width=W, start=s)
-
-    def ffmpeg(part):
-        for p, s, m in part:
-            scale = max(H / m["height"], W / m["width"])
-            sw, sh = -(-int(m["width"] * scale * 1000) // 1000), -(-int(m["height"] * scale * 1000) // 1000)
-            sw, sh = max(W, sw + sw % 2), max(H, sh + sh % 2)
-            out = subprocess.run(
-                [
-                    "ffmpeg",
-                    "-v",
-                    "error",
-                    "-ss",
-                    f"{s / m['fps']:.4f}",
-                    "-i",
-                    p,
-                    "-frames:v",
-                    str(T),
-                    "-vf",
-                    f"scale={sw}:{sh}:flags=area,crop={W}:{H}",
-                    "-f",
-                    "rawvideo",
-                    "-pix_fmt",
-                    "rgb24",
-                    "-",
-                ],
-                check=True,
-                capture_output=True,
-            ).stdout
-            np.frombuffer(out, np.uint8)
-
-    def full_decode_torch(part):
-        torch.set_num_threads(2)
-        for p, s, _ in part:
-            with av.open(p) as c:
-                frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
-            x = torch.from_numpy(np.stack(frames[s : s + T])).permute(0, 3, 1, 2).float() / 255
-            scale = max(H / x.shape[2], W / x.shape[3])
-            x = torch.nn.functional.interpolate(
-                x, size=(max(H, round(x.shape[2] * scale)), max(W, round(x.shape[3] * scale))), mode="area"
-            )
-            y0, x0 = (x.shape[2] - H) // 2, (x.shape[3] - W) // 2
-            x[:, :, y0 : y0 + H, x0 : x0 + W].contiguous()
-
     # Round r decodes every REPS-th clip from the r-th: all the clips once per contender, as one
     # timed pass did, in REPS interleaved slices of a similar mix of sizes. The warm-up reads every
     # file (page cache) and runs each contender on a few clips (imports, ffmpeg's own binary).
@@ -120,9 +128,9 @@ def bench_decode(results):
         Path(p).read_bytes()
     parts = {r: jobs[r::REPS] if r >= 0 else jobs[:3] for r in range(-1, REPS)}
     names = {
-        "reelcache decode_window": ours,
-        "ffmpeg scale+crop to raw": ffmpeg,
-        "full decode + torch float resize": full_decode_torch,
+        "reelcache decode_window": _decode_ours,
+        "ffmpeg scale+crop to raw": _decode_ffmpeg,
+        "full decode + torch float resize": _decode_full_torch,
     }
     secs = rounds({k: (lambda r, fn=fn: fn(parts[r])) for k, fn in names.items()}, reps=REPS)
     per_round = {k: [len(parts[r]) / dt for r, dt in enumerate(v)] for k, v in secs.items()}
@@ -149,16 +157,55 @@ def bench_decode(results):
         )
 
 
-def bench_delivery(results, workers=2, batch=8, gpu_ms_per_clip=60):
-    import functools
-
+def _encode(batch, gpu_s_per_clip):
+    """What cache run hands the encoder (one stacked array), and a sleep per clip for a GPU's time."""
     import numpy as np
 
-    from reelcache.cache.decode import window_start
-    from reelcache.cache.run import decode_clip, decoded
+    x = np.stack(batch)
+    if gpu_s_per_clip:
+        time.sleep(gpu_s_per_clip * len(batch))
+    return x
+
+
+def _deliver_pickled(jobs, gpu_s_per_clip, workers, batch):
+    """Windows pickled through the worker pipe and consumed in the same loop (before issue 9)."""
+    import functools
+
+    from reelcache.cache.run import decode_clip
     from reelcache.isolate import Failed, isolated_map
 
-    H, W, T = 240, 424, 33
+    pending = []
+    for _, res in isolated_map(functools.partial(decode_clip, root="/"), jobs, workers=workers, timeout=120):
+        assert not isinstance(res, (Failed, BaseException)), res
+        pending.append(res)
+        if len(pending) == batch:
+            _encode(pending, gpu_s_per_clip)
+            pending = []
+    _encode(pending, gpu_s_per_clip)
+
+
+def _deliver_shared(jobs, gpu_s_per_clip, workers, batch):
+    """Shared memory + a feeder thread, as cache/run.py ``decoded`` delivers them."""
+    from reelcache.cache.run import decoded
+    from reelcache.isolate import Failed
+
+    pending = []
+    for _, res in decoded(jobs, "/", workers=workers, timeout=120, memory_mb=None, prefetch=batch + workers):
+        assert not isinstance(res, (Failed, BaseException)), res
+        pending.append(res)
+        if len(pending) == batch:
+            _encode([f.array for f in pending], gpu_s_per_clip)
+            for f in pending:
+                f.release()
+            pending = []
+    _encode([f.array for f in pending], gpu_s_per_clip)
+    for f in pending:
+        f.release()
+
+
+def bench_delivery(results, workers=2, batch=8, gpu_ms_per_clip=60):
+    from reelcache.cache.decode import window_start
+
     jobs = [
         dict(
             raw_shard=os.path.abspath(p),
@@ -173,45 +220,20 @@ def bench_delivery(results, workers=2, batch=8, gpu_ms_per_clip=60):
         )
         for p, m in clips()
     ]
-
-    def encode(batch, gpu):
-        x = np.stack(batch)  # what cache run hands the encoder
-        if gpu:
-            time.sleep(gpu_ms_per_clip / 1000 * len(batch))
-        return x
-
-    def pickled(gpu):
-        pending = []
-        for _, res in isolated_map(functools.partial(decode_clip, root="/"), jobs, workers=workers, timeout=120):
-            assert not isinstance(res, (Failed, BaseException)), res
-            pending.append(res)
-            if len(pending) == batch:
-                encode(pending, gpu)
-                pending = []
-        encode(pending, gpu)
-
-    def shared(gpu):
-        pending = []
-        for _, res in decoded(jobs, "/", workers=workers, timeout=120, memory_mb=None, prefetch=batch + workers):
-            assert not isinstance(res, (Failed, BaseException)), res
-            pending.append(res)
-            if len(pending) == batch:
-                encode([f.array for f in pending], gpu)
-                for f in pending:
-                    f.release()
-                pending = []
-        encode([f.array for f in pending], gpu)
-        for f in pending:
-            f.release()
-
-    pickled(False), shared(False)  # warm (not timed): imports, worker start, page cache
+    gpu_s = gpu_ms_per_clip / 1000
+    _deliver_pickled(jobs, 0, workers, batch), _deliver_shared(jobs, 0, workers, batch)  # warm (not timed)
     # All four interleaved: a round runs each once over all the windows (a worker pool's start is
     # part of what is measured, so the windows are not split across rounds).
     secs = rounds(
         {
-            f"{name}{' + GPU stand-in' if gpu else ''}": (lambda r, fn=fn, gpu=gpu: fn(gpu))
+            f"{name}{' + GPU stand-in' if gpu else ''}": (
+                lambda r, fn=fn, gpu=gpu: fn(jobs, gpu_s if gpu else 0, workers, batch)
+            )
             for gpu in (False, True)
-            for name, fn in (("pickled through the pipe", pickled), ("shared memory + feeder", shared))
+            for name, fn in (
+                ("pickled through the pipe", _deliver_pickled),
+                ("shared memory + feeder", _deliver_shared),
+            )
         },
         reps=DELIVERY_REPS,
         warmup=0,
@@ -222,7 +244,7 @@ def bench_delivery(results, workers=2, batch=8, gpu_ms_per_clip=60):
         label: Ratio.of(per_round[f"shared memory + feeder{tag}"], per_round[f"pickled through the pipe{tag}"])
         for label, tag in (("no encoder", ""), ("with the GPU stand-in", " + GPU stand-in"))
     }
-    serial = 1 / (1 / rates["pickled through the pipe"] + gpu_ms_per_clip / 1000)
+    serial = 1 / (1 / rates["pickled through the pipe"] + gpu_s)
     results["delivery"] = {
         "clips": len(jobs),
         "workers": workers,

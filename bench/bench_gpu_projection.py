@@ -1,6 +1,6 @@
 """The GPU headline, on paper: training from reelcache's latent cache vs Open-Sora's online encode, per H100.
 
-No GPU, no real memory: each model is built on the meta device from its real configuration, and
+No GPU, no real memory: each model is built on the meta device from its real configuration (bench/meta_flops.py), and
 torch's FlopCounterMode counts its matmuls, convolutions and attention (norms, softmax, elementwise
 ops are left out: well under 1% here). Per sample, at catalog/buckets.py's buckets (Open-Sora 1.2's
 sizes for H:W = 9:16, key "0.56" at 144p-1080p, "0.57" at 256-2048; a resolution is a pixel budget,
@@ -27,16 +27,29 @@ Time = FLOPs / (MFU x peak), per part. Stages: the replication as OPENSORA12.md:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
+import sys
 import textwrap
 import time
-import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-AR, CAPTION, PARTS = (9, 16), 300, ("dit", "vae", "t5")  # AR: (H, W) of the clip whose bucket is counted
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: meta_flops, when loaded by path
+from meta_flops import (  # noqa: E402, F401 (T5XXL and count: re-exported for bench/gpu_parts.py)
+    CAPTION,
+    REPO,
+    T5XXL,
+    build_dit,
+    build_vae,
+    count,
+    dit_extrapolated,
+    dit_step,
+    stage_config,
+    t5_encode,
+    vae_encode,
+)
+
+AR, PARTS = (9, 16), ("dit", "vae", "t5")  # AR: (H, W) of the clip whose bucket is counted
 GPUS = 192  # OPENSORA12.md:234 "Hardware: 192 H100 (24×8)"
 CLIPS = 1_330_000  # DATASETS.md:5 OpenVid-1M "~1M clips" + DATASETS.md:12 MiraData "330k clips"
 # Final global step per stage, from the tutorial's checkpoint chain (OPENSORA12.md:232). Stage 7 did
@@ -49,119 +62,10 @@ FIRST = {"B1": (1, 1_000_000), "B2": (2, 1_000_000), "B3": (3, CLIPS)}
 # stages 1–2" (DATASETS.md:32), B3 "20s/it" (OPENSORA12.md:267).
 STEP_S = {"B1": 12.0, "B2": 12.0, "B3": 20.0}
 REPORTED_H = 28_000  # DESIGN.md:95 "the Open-Sora 1.2 replication at 28k H100-hours" (stages 1-6)
-T5XXL = dict(
-    vocab_size=32128,
-    d_model=4096,
-    d_kv=64,
-    d_ff=10240,
-    num_layers=24,
-    num_heads=64,
-    feed_forward_proj="gated-gelu",
-    is_encoder_decoder=False,
-    use_cache=False,
-)
-
-
-def stage_config(n: int) -> dict:
-    return tomllib.loads((REPO / f"configs/train/opensora12/stage{n}.toml").read_text())
-
-
-def count(fn) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as fc:
-        fn()
-    return fc.get_total_flops()
-
-
-def build_dit(preset: str | None = None, **over):
-    """STDiT3 on meta, in training mode, as the stage configs build it. ``preset`` is for tests
-    (the tiny preset keeps its own caption size)."""
-    import torch
-
-    from reelcache.train.model import STDiT3, STDiT3Config
-
-    doc = stage_config(1)["model"]
-    over = {**({} if preset else doc.get("overrides", {})), "freeze_y_embedder": doc.get("freeze_y_embedder"), **over}
-    with torch.device("meta"):
-        model = STDiT3(STDiT3Config.preset(preset or doc["preset"], **over)).to(torch.bfloat16)
-    model.set_grad_checkpointing(bool(doc.get("grad_checkpoint")))
-    return model.train()
-
-
-def dit_step(model, t: int, h: int, w: int, H: int, W: int, backward: bool = True) -> tuple[int, int]:
-    """(forward, training step) FLOPs of one sample: latent (t, h, w), pixels (H, W)."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    cfg = model.config
-    with torch.device("meta"):
-        x = torch.empty(1, cfg.in_channels, t, h, w, dtype=torch.bfloat16)
-        y = torch.empty(1, 1, cfg.model_max_length, cfg.caption_channels, dtype=torch.bfloat16)
-        s, hh, ww = torch.empty(1), torch.full((1,), float(H)), torch.full((1,), float(W))
-    with torch.set_grad_enabled(backward), FlopCounterMode(display=False) as fc:
-        out = model(x, s, y, fps=s, height=hh, width=ww)
-        fwd = fc.get_total_flops()
-        if backward:  # the checkpointed blocks' recompute runs in here, and is counted
-            out[:, : cfg.in_channels].float().pow(2).mean().backward()
-    model.zero_grad(set_to_none=True)
-    return fwd, fc.get_total_flops()
-
-
-def dit_extrapolated(pair, depth: int, *geo) -> tuple[int, int]:
-    """Counts of the depth-``depth`` model from ``pair`` = its depth-1 and depth-2 versions: the block
-    pairs are identical and all else (the adaLN t_block's backward too) is in both, so this is exact."""
-    (f1, s1), (f2, s2) = (dit_step(m, *geo) for m in pair)
-    return f1 + (depth - 1) * (f2 - f1), s1 + (depth - 1) * (s2 - s1)
-
-
-def build_vae(tiny: bool = False):
-    import torch
-
-    from reelcache.cache.opensora_vae import OpenSoraVAE
-
-    with torch.device("meta"):
-        return OpenSoraVAE(tiny=tiny).to(torch.bfloat16).eval()
-
-
-@functools.cache
-def _vae_part(vae, part: str, shape: tuple) -> tuple[int, tuple]:
-    """(FLOPs, output shape) of ``vae.<part>.encode`` on a meta input. Memoized: every length of a
-    resolution shares the same per-frame and per-chunk counts."""
-    import torch
-
-    with torch.no_grad(), torch.device("meta"):
-        x, out = torch.empty(shape, dtype=torch.bfloat16), []
-        flops = count(lambda: out.append(getattr(vae, part).encode(x)))
-    return flops, tuple(out[0].latent_dist.mean.shape if part == "spatial" else out[0][0].shape)
-
-
-def vae_encode(vae, frames: int, H: int, W: int) -> int:
-    """One clip along ``encode_stages``. The SDXL encoder runs per frame and frames are independent,
-    so one frame is counted and multiplied; then each 17-frame chunk (the last may be shorter)
-    goes through the temporal encoder."""
-    from reelcache.cache.opensora_vae import MICRO_FRAMES
-
-    spatial, (_, c, h, w) = _vae_part(vae, "spatial", (1, 3, H, W))
-    chunks = [min(MICRO_FRAMES, frames - i) for i in range(0, frames, MICRO_FRAMES)]
-    return frames * spatial + sum(_vae_part(vae, "temporal", (1, c, n, h, w))[0] for n in chunks)
-
-
-def t5_encode() -> tuple[int, int]:
-    """(FLOPs of one 300-token caption, parameters) of the T5-v1.1-XXL encoder on meta."""
-    import torch
-    from transformers import T5Config, T5EncoderModel
-
-    with torch.device("meta"):
-        model = T5EncoderModel(T5Config(**T5XXL)).to(torch.bfloat16).eval()
-        ids = torch.zeros(1, CAPTION, dtype=torch.long)
-    with torch.no_grad():  # padded to 300 tokens, as in Open-Sora; the attention mask changes no FLOPs
-        return count(lambda: model(input_ids=ids)), sum(p.numel() for p in model.parameters())
 
 
 def project(args) -> dict:
-    from reelcache.cache.opensora_vae import latent_frames
-    from reelcache.catalog.buckets import RESOLUTIONS, BucketConfig, bucket_hw, nearest_ratio
+    from reelcache.catalog.buckets import RESOLUTIONS, BucketConfig
     from reelcache.train.model import STDiT3Config
 
     batch = {
@@ -179,51 +83,13 @@ def project(args) -> dict:
     pair, vae, (t5, t5_params) = (build_dit(depth=1), build_dit(depth=2)), build_vae(), t5_encode()
     doc = stage_config(1)["model"]
     depth = STDiT3Config.preset(doc["preset"], **doc.get("overrides", {})).depth
-    rate = {p: getattr(args, f"mfu_{p}") * args.peak_tflops * 1e12 for p in PARTS}
-    rows = {}
-    for k in keys:
-        res, frames = k.split("/")
-        H, W = bucket_hw(res, nearest_ratio(*AR, res))
-        geo = (latent_frames(int(frames)), H // 8, W // 8, H, W)
-        fwd, step = dit_extrapolated(pair, depth, *geo)
-        f = dict(dit=step, vae=vae_encode(vae, int(frames), H, W), t5=t5)
-        rows[k] = dict(
-            px=f"{H}x{W}",
-            latent="x".join(map(str, geo[:3])),
-            dit_fwd=fwd,
-            **f,
-            s_cached=f["dit"] / rate["dit"],
-            s_online=sum(f[p] / rate[p] for p in PARTS),
-            batch={tb: batch[tb].get(k) for tb in FIRST},
-        )
-
+    rows = _bucket_rows(keys, batch, args, depth, (pair, vae, t5))
     stages, total = {}, dict.fromkeys(("samples", "gpuh_cached", "gpuh_cache", "gpuh_online", "gpuh_upstream"), 0.0)
     for n in args.stages:
-        tb = "B" + Path(stage_config(n)["data"]["buckets"]).stem[-1]
-        mix = [(rows[k], b) for k, b in batch[tb].items() if k in rows and not k.endswith("/1")]
-        if not mix:
+        s = _stage(n, rows, batch, args)
+        if s is None:
             continue
-        first, clips = FIRST[tb]
-        steps = STEPS[n] or round(stage_config(n)["run"]["epochs"] * STEPS[3] / stage_config(3)["run"]["epochs"])
-        samples = steps * stage_config(first)["run"]["epochs"] * clips / STEPS[first]
-        gpu_s = {p: steps * GPUS * sum(b * r[f"s_{p}"] for r, b in mix) / len(mix) for p in ("cached", "online")}
-        gpu_s["upstream"] = steps * GPUS * STEP_S[tb]
-        mb = [b * r["dit"] for r, b in mix]
-        s = stages[n] = dict(
-            table=tb,
-            steps=steps,
-            estimated=STEPS[n] is None,
-            samples=samples,
-            **{f"sps_{p}": samples / v for p, v in gpu_s.items()},
-            **{f"gpuh_{p}": v / 3600 for p, v in gpu_s.items()},
-            gpuh_cache=CLIPS * (gpu_s["online"] - gpu_s["cached"]) / samples / 3600 if n == first else 0.0,
-            gpuh_reported=None,
-            dit_microbatch_vs_mean=(min(mb) * len(mb) / sum(mb), max(mb) * len(mb) / sum(mb)),
-            upstream_mfu=sum(b * (r["dit"] + r["vae"] + r["t5"]) for r, b in mix)
-            / len(mix)
-            / STEP_S[tb]
-            / (args.peak_tflops * 1e12),
-        )
+        stages[n] = s
         for k in total if not s["estimated"] else ():
             total[k] += s[k]
     ran = [n for n in stages if not stages[n]["estimated"]]
@@ -252,6 +118,64 @@ def project(args) -> dict:
             ),
         )
     return out
+
+
+def _bucket_rows(keys: list[str], batch: dict, args, depth: int, models) -> dict:
+    """Per bucket: its pixel and latent size, the FLOPs of a DiT training step (extrapolated from the
+    depth-1 and depth-2 ``models``), a VAE encode and a T5 caption, and the seconds of a cached and of
+    an online sample at the given MFUs."""
+    from reelcache.cache.opensora_vae import latent_frames
+    from reelcache.catalog.buckets import bucket_hw, nearest_ratio
+
+    pair, vae, t5 = models
+    rate = {p: getattr(args, f"mfu_{p}") * args.peak_tflops * 1e12 for p in PARTS}
+    rows = {}
+    for k in keys:
+        res, frames = k.split("/")
+        H, W = bucket_hw(res, nearest_ratio(*AR, res))
+        geo = (latent_frames(int(frames)), H // 8, W // 8, H, W)
+        fwd, step = dit_extrapolated(pair, depth, *geo)
+        f = dict(dit=step, vae=vae_encode(vae, int(frames), H, W), t5=t5)
+        rows[k] = dict(
+            px=f"{H}x{W}",
+            latent="x".join(map(str, geo[:3])),
+            dit_fwd=fwd,
+            **f,
+            s_cached=f["dit"] / rate["dit"],
+            s_online=sum(f[p] / rate[p] for p in PARTS),
+            batch={tb: batch[tb].get(k) for tb in FIRST},
+        )
+    return rows
+
+
+def _stage(n: int, rows: dict, batch: dict, args) -> dict | None:
+    """One training stage's samples, GPU-hours (cached, online, upstream) and upstream MFU, from its
+    bucket mix; None when none of its buckets is among the rows."""
+    tb = "B" + Path(stage_config(n)["data"]["buckets"]).stem[-1]
+    mix = [(rows[k], b) for k, b in batch[tb].items() if k in rows and not k.endswith("/1")]
+    if not mix:
+        return None
+    first, clips = FIRST[tb]
+    steps = STEPS[n] or round(stage_config(n)["run"]["epochs"] * STEPS[3] / stage_config(3)["run"]["epochs"])
+    samples = steps * stage_config(first)["run"]["epochs"] * clips / STEPS[first]
+    gpu_s = {p: steps * GPUS * sum(b * r[f"s_{p}"] for r, b in mix) / len(mix) for p in ("cached", "online")}
+    gpu_s["upstream"] = steps * GPUS * STEP_S[tb]
+    mb = [b * r["dit"] for r, b in mix]
+    return dict(
+        table=tb,
+        steps=steps,
+        estimated=STEPS[n] is None,
+        samples=samples,
+        **{f"sps_{p}": samples / v for p, v in gpu_s.items()},
+        **{f"gpuh_{p}": v / 3600 for p, v in gpu_s.items()},
+        gpuh_cache=CLIPS * (gpu_s["online"] - gpu_s["cached"]) / samples / 3600 if n == first else 0.0,
+        gpuh_reported=None,
+        dit_microbatch_vs_mean=(min(mb) * len(mb) / sum(mb), max(mb) * len(mb) / sum(mb)),
+        upstream_mfu=sum(b * (r["dit"] + r["vae"] + r["t5"]) for r, b in mix)
+        / len(mix)
+        / STEP_S[tb]
+        / (args.peak_tflops * 1e12),
+    )
 
 
 def crosscheck(depth: int, rows: dict) -> dict:

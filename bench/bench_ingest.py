@@ -77,49 +77,59 @@ def per_file(fn, part: list[str], min_s: float = 0.5) -> float:
             return n / dt
 
 
-def bench_probe(files: list[str]) -> None:
-    import av
+def _probe_ours(part):
+    from reelcache.ingest.probe import probe
 
-    from reelcache.ingest.probe import preload, probe
+    for f in part:
+        probe(f)
+
+
+def _probe_isolated(part, size=1000):
+    """A unit as `ingest run` sees it: the default 1000 rows, one worker process started per unit
+    (its ~0.3 s start is paid once per unit, as in production, not once per 243 files)."""
+    from reelcache.ingest.probe import probe
     from reelcache.isolate import isolated_map
 
-    def ours(part):
-        for f in part:
-            probe(f)
+    unit = (part * -(-size // len(part)))[:size]
+    for _, r in isolated_map(probe, unit, workers=1, timeout=30):
+        assert isinstance(r, dict), r
+    return len(unit)
 
-    # A unit as `ingest run` sees it: the default 1000 rows, one worker process started per unit
-    # (its ~0.3 s start is paid once per unit, as in production, not once per 243 files).
-    def ours_isolated(part, size=1000):
-        unit = (part * -(-size // len(part)))[:size]
-        for _, r in isolated_map(probe, unit, workers=1, timeout=30, init=preload):
-            assert isinstance(r, dict), r
-        return len(unit)
 
-    def ffprobe(part, extra=()):
-        for f in part:
-            subprocess.run(
-                ["ffprobe", "-v", "error", *extra, "-show_streams", "-show_format", "-of", "json", f],
-                check=True,
-                capture_output=True,
-            )
+def _ffprobe(part, extra=()):
+    for f in part:
+        subprocess.run(
+            ["ffprobe", "-v", "error", *extra, "-show_streams", "-show_format", "-of", "json", f],
+            check=True,
+            capture_output=True,
+        )
 
-    def pyav_open(part):
-        for f in part:
-            with av.open(f, metadata_errors="ignore") as c:
-                _ = c.streams.video[0].codec_context.name  # opening the codec context is the probe
 
-    def open_read(part):
-        for f in part:
-            with open(f, "rb") as fh:
-                fh.read(65536)
+def _pyav_open(part):
+    import av
 
+    for f in part:
+        with av.open(f, metadata_errors="ignore") as c:
+            _ = c.streams.video[0].codec_context.name  # opening the codec context is the probe
+
+
+def _open_read(part):
+    for f in part:
+        with open(f, "rb") as fh:
+            fh.read(65536)
+
+
+def _full_decode(part):
+    import av
+
+    for f in part:
+        with av.open(f) as c:
+            for _ in c.decode(video=0):
+                pass
+
+
+def bench_probe(files: list[str]) -> None:
     sub = files[:: max(1, len(files) // 40)]
-
-    def full_decode(part):
-        for f in part:
-            with av.open(f) as c:
-                for _ in c.decode(video=0):
-                    pass
 
     # Round r probes every PROBE_REPS-th file from the r-th (full decode: of the 40-file subset),
     # so the rounds together cost one pass over the files per contender, as one timed pass did;
@@ -130,17 +140,19 @@ def bench_probe(files: list[str]) -> None:
 
     def isolated(r):
         t0 = time.perf_counter()
-        n = ours_isolated(part(files, r), 1000 if r >= 0 else 20)
+        n = _probe_isolated(part(files, r), 1000 if r >= 0 else 20)
         return n / (time.perf_counter() - t0)
 
     contenders = {
-        "reelcache probe (in-process)": lambda r: per_file(ours, part(files, r)),
+        "reelcache probe (in-process)": lambda r: per_file(_probe_ours, part(files, r)),
         "reelcache probe (isolated worker)": isolated,
-        "ffprobe per file": lambda r: per_file(ffprobe, part(files, r)),
-        "ffprobe -count_packets per file": lambda r: per_file(lambda p: ffprobe(p, ["-count_packets"]), part(files, r)),
-        "full decode (PyAV)": lambda r: per_file(full_decode, part(sub, r)),
-        "PyAV open + stream info only": lambda r: per_file(pyav_open, part(files, r)),
-        "open + 64 KB read (floor)": lambda r: per_file(open_read, part(files, r)),
+        "ffprobe per file": lambda r: per_file(_ffprobe, part(files, r)),
+        "ffprobe -count_packets per file": lambda r: per_file(
+            lambda p: _ffprobe(p, ["-count_packets"]), part(files, r)
+        ),
+        "full decode (PyAV)": lambda r: per_file(_full_decode, part(sub, r)),
+        "PyAV open + stream info only": lambda r: per_file(_pyav_open, part(files, r)),
+        "open + 64 KB read (floor)": lambda r: per_file(_open_read, part(files, r)),
     }
     per_round = rounds(contenders, reps=PROBE_REPS)
     head = "reelcache probe (isolated worker)"  # what `ingest run` does: the headline

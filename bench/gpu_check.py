@@ -1,7 +1,7 @@
 """make gpu-check: the real-size GPU paths measured on one GPU, within a wall-clock budget (8 minutes).
 
     python bench/gpu_check.py [OUT]            # one GPU: STDiT3-XL/2, the Open-Sora 1.2 VAE, T5-XXL
-    python bench/gpu_check.py --tiny [OUT]     # CPU, toy sizes, the same code (tests/test_gpu_check.py)
+    python bench/gpu_check.py --tiny [OUT]     # CPU, toy sizes, the same code (tests/bench/test_gpu_check.py)
 
 Parts (bench/gpu_parts.py, bench/gpu_train.py say what each measures): versions, kernels (HybridAdam's,
 built by ColossalAI's loaders in a thread while the encoders run), vae, t5, train, online (cached vs
@@ -133,26 +133,9 @@ def main(argv=None) -> int:
             table.errors["colossalai"] = traceback.format_exc()
             print(table.errors["colossalai"], file=sys.stderr)
     for name, fn, need in parts:
-        t0 = time.monotonic()
         if name not in args.parts:
             continue
-        if name not in chosen:
-            table.add(name, [], "skipped: no CUDA device")
-        elif need is not None and ctx.left() < need:
-            table.add(name, [], f"skipped: {ctx.left():.0f} s of the budget left, needs {need}")
-        else:
-            print(f"gpu-check: {name} ({ctx.left():.0f} s left)", flush=True)
-            try:
-                table.add(name, fn(ctx), seconds=time.monotonic() - t0)
-            except gp.Skip as e:
-                table.add(name, [], f"skipped: {e}")
-            except Exception as e:  # the table says which part failed; the rest still runs
-                table.add(name, [], f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
-                          seconds=time.monotonic() - t0)  # fmt: skip
-                table.errors[name] = traceback.format_exc()
-                print(table.errors[name], file=sys.stderr)
-                if cuda:
-                    torch.cuda.empty_cache()
+        _run_part(table, ctx, name, fn, need, chosen, cuda)
         ctx.fill_mfu(wait=False)
         table.head["elapsed_s"] = time.monotonic() - t_start
         table.write()
@@ -166,6 +149,32 @@ def main(argv=None) -> int:
     print(table.markdown())
     print(f"gpu-check: {args.out / 'gpu_check.md'}, {args.out / 'gpu_check.json'}")
     return 0
+
+
+def _run_part(table, ctx, name: str, fn, need: float | None, chosen: set, cuda: bool) -> None:
+    """One part into the table: skipped (not chosen here, or too little of the budget left), its rows,
+    or failed with its first line (the traceback in table.errors and on stderr); the rest still runs."""
+    import gpu_parts as gp
+    import torch
+
+    t0 = time.monotonic()
+    if name not in chosen:
+        table.add(name, [], "skipped: no CUDA device")
+    elif need is not None and ctx.left() < need:
+        table.add(name, [], f"skipped: {ctx.left():.0f} s of the budget left, needs {need}")
+    else:
+        print(f"gpu-check: {name} ({ctx.left():.0f} s left)", flush=True)
+        try:
+            table.add(name, fn(ctx), seconds=time.monotonic() - t0)
+        except gp.Skip as e:
+            table.add(name, [], f"skipped: {e}")
+        except Exception as e:  # the table says which part failed; the rest still runs
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            table.add(name, [], f"failed: {type(e).__name__}: {first}", seconds=time.monotonic() - t0)
+            table.errors[name] = traceback.format_exc()
+            print(table.errors[name], file=sys.stderr)
+            if cuda:
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

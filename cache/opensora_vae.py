@@ -20,7 +20,7 @@ Open-Sora samples both posteriors. ``encode`` returns the temporal posterior (me
 log-variance, which the cache samples at load time) of the image stage's posterior MEAN, whose
 spread is negligible next to the temporal one: the trade-off keeps cached latents
 bit-reproducible. ``encode_stages`` exposes every intermediate and takes injected noise, so the
-exact sampling path can be compared with Open-Sora's own outputs (tests/test_opensora_vae.py).
+exact sampling path can be compared with Open-Sora's own outputs (tests/cache/test_opensora_vae.py).
 
 Sizes are arguments (defaults: the published ones), so tiny seeded configurations, and
 Open-Sora's own tiny reference fixtures, use the same code.

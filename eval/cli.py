@@ -1,6 +1,6 @@
 """``reelcache eval serve|once``: the evaluation stage's arguments (reelcache/cli.py only registers them).
 
-Nothing heavy is imported here: the parser must build without torch (tests/test_package.py).
+Nothing heavy is imported here: the parser must build without torch (tests/core/test_package.py).
 """
 
 from __future__ import annotations

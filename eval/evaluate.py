@@ -30,6 +30,10 @@ said so: give the trainer ``checkpoint.keep_every`` (or keep_last) wide enough f
 
 wandb (eval/runlog.py): the numbers and videos go into the SAME run as training, under
 ``eval/<tag>/...`` with their own x axis ``eval/global_step`` (define_metric), never ``step=``.
+
+Beside this module: eval/checkpoints.py (which checkpoints ``--every`` takes, and whether one is whole),
+eval/encoders.py (the cache's encoders, found and checked), eval/records.py (the JSON records and
+val_loss.parquet).
 """
 
 from __future__ import annotations
@@ -40,30 +44,27 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from safetensors import SafetensorError
 
 from reelcache import UserError
-from reelcache.cache.encoders import TextEncoder, VideoEncoder, spec_identity
-from reelcache.cache.plan import diff, load_cache
+from reelcache.cache.plan import load_cache
 from reelcache.catalog.manifest import read_manifest, resolve_manifest
-from reelcache.catalog.shards import atomic_path
+from reelcache.eval.checkpoints import check_weights, select
+from reelcache.eval.encoders import cache_encoders, made_from
+from reelcache.eval.records import write_json, write_val_loss_parquet
 from reelcache.eval.runlog import log_eval
 from reelcache.eval.samples import PRESETS, sample
 from reelcache.eval.valloss import validation_loss
 from reelcache.eval.video import write_mp4
 from reelcache.progress import fmt_eta, say
-from reelcache.train.checkpoint import ckpt_step, list_checkpoints, read_state
+from reelcache.train.checkpoint import list_checkpoints, read_state
 from reelcache.train.config import from_dict
 from reelcache.train.loader import load_source
 from reelcache.train.model import STDiT3
-from reelcache.train.weights import INDEX, load_weights
+from reelcache.train.weights import load_weights
 
 __all__ = ["Evaluator", "select"]
-
-VAL_LOSS_PARQUET = "val_loss.parquet"
 
 
 class _Progress:
@@ -79,43 +80,6 @@ class _Progress:
         self.last = now
         eta = (now - self.t0) / max(done, 1) * (total - done)
         say(f"  {self.what}: {done}/{total}, {now - self.t0:.0f}s, ETA {fmt_eta(eta)}")
-
-
-def _check_weights(ckpt: Path, used: str) -> None:
-    """Refuse, in one line and before any work, a checkpoint whose weight shards are not all there
-    (a copy cut short, a shard deleted by hand): the index names every shard the folder must hold.
-    An EMA load also reads model/ (the frozen tensors and buffers come from there)."""
-    for folder in dict.fromkeys([ckpt / used, ckpt / "model"]):
-        index = folder / INDEX
-        if not folder.is_dir():
-            raise UserError(f"{ckpt.name} is incomplete: no {folder.name}/ folder; evaluate another checkpoint")
-        if not index.exists():
-            continue  # a single-file layout: load_weights says what is missing
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:  # cut short, or not an index
-            raise UserError(f"{ckpt.name} is incomplete: {folder.name}/{INDEX} is not a shard index ({e!r})") from None
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise UserError(
-                f"{ckpt.name} is incomplete: {folder.name}/{missing[0]} is missing "
-                f"({len(missing)} of the {len(names)} shards its index names); evaluate another checkpoint, "
-                "or copy the checkpoint again whole"
-            )
-
-
-def _write_json(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        Path(tmp).write_text(json.dumps(doc, indent=2, default=str))
-
-
-def select(ckpts: list[Path], every: int = 1, ckpt_every: int = 0) -> list[Path]:
-    """The checkpoints ``--every N`` evaluates: steps on every N-th save (multiples of
-    N x ckpt_every), plus checkpoints off the save grid (a run's final one); all when N <= 1."""
-    if every <= 1 or ckpt_every <= 0:
-        return list(ckpts)
-    return [c for c in ckpts if ckpt_step(c) % ckpt_every or (ckpt_step(c) // ckpt_every) % every == 0]
 
 
 @dataclass
@@ -280,7 +244,7 @@ class Evaluator:
             torch.cuda.empty_cache()  # the next checkpoint's model goes where this one was
         self._log_wandb(result)
         result["seconds"] = time.monotonic() - t0
-        _write_json(d / "done.json", result)  # last: the checkpoint is finished for this tag
+        write_json(d / "done.json", result)  # last: the checkpoint is finished for this tag
         say(f"eval: {ckpt.name} done in {result['seconds']:.0f}s -> {d}")
         return result
 
@@ -297,7 +261,7 @@ class Evaluator:
         if used == "ema" and not (ckpt / "ema").is_dir():
             say(f"  {ckpt.name} has no ema/ (run.ema_decay = 0): using model/")
             used = "model"
-        _check_weights(ckpt, used)
+        check_weights(ckpt, used)
         try:
             load_weights(model, ckpt, which=used)
         except (OSError, SafetensorError) as e:  # a shard present but unreadable (cut short, overwritten)
@@ -350,8 +314,8 @@ class Evaluator:
             "dtype": self.dtype,
             **res,
         }
-        _write_json(path, doc)
-        self._write_parquet()
+        write_json(path, doc)
+        write_val_loss_parquet(self.out)
         return doc
 
     def _frame_interval(self, cfg) -> int:
@@ -370,34 +334,11 @@ class Evaluator:
             )
             return 1
 
-    def _write_parquet(self) -> None:
-        rows = []
-        for f in sorted(self.out.glob("ckpt-*/val_loss*.json")):
-            doc = json.loads(f.read_text())
-            base = {
-                "global_step": doc["global_step"],
-                "checkpoint": doc["checkpoint"],
-                "weights": doc["weights"],
-                "manifest_fingerprint": doc["manifest_fingerprint"],
-            }
-            rows.append({**base, "bucket": "all", "t": None, "loss": doc["overall"], "clips": doc["clips"]})
-            rows += [
-                {**base, "bucket": b, "t": None, "loss": v["loss"], "clips": v["clips"]}
-                for b, v in doc["buckets"].items()
-            ]
-            rows += [
-                {**base, "bucket": "all", "t": float(t), "loss": v, "clips": doc["clips"]}
-                for t, v in doc["timesteps"].items()
-            ]
-        with atomic_path(self.out / VAL_LOSS_PARQUET) as tmp:
-            pq.write_table(pa.Table.from_pylist(rows), tmp)
-
     # -- encoders from the cache -----------------------------------------------------------
     def _cache_name(self) -> str:
         """--cache, else the cache the val manifest was made from, else the one the run trained on."""
         if self.cache:
             return self.cache
-
         candidates = []
         if self.val_manifest:
             candidates.append(self.manifest())
@@ -408,16 +349,7 @@ class Evaluator:
                     candidates.append(resolve_manifest(self.root, m.name))
                 except ValueError:
                     pass
-        for m in candidates:
-            side = m.with_suffix(".json")
-            if side.exists() and (name := json.loads(side.read_text()).get("cache")):
-                return name
-
-            shard = pq.read_table(m, columns=["shard"]).column(0)[0].as_py()
-            parts = Path(shard).parts
-            if "latents" in parts:
-                return parts[parts.index("latents") + 1]
-        raise UserError("cannot tell which latent cache's encoders to use: pass --cache NAME")
+        return made_from(candidates)
 
     def _cache(self):
         """(plan, CacheConfig, identity) of the cache whose encoders this evaluator uses, read once."""
@@ -428,25 +360,7 @@ class Evaluator:
     def encoders(self):
         """(VideoEncoder, TextEncoder) rebuilt from the cache's plan, checked against its cache.json."""
         if self._encoders is None:
-            _, cfg, ident = self._cache()
-            specs = {"video_encoder": cfg.video_encoder, "text_encoder": cfg.text_encoder}
-            for k, spec in specs.items():
-                mine, theirs = spec_identity(spec), ident[k]
-                if d := diff({**mine, "versions": None}, {**theirs, "versions": None}):
-                    raise UserError(
-                        f"the {k} here differs from the cache's cache.json (the videos would be decoded "
-                        "by another model):\n  " + "\n  ".join(d[:8])
-                    )
-                if d := diff(mine["versions"], theirs["versions"]):
-                    say(f"  note: {k} library versions differ from the cache's: {'; '.join(d)}")
-            say(
-                f"  encoders of cache {ident['name']!r}: {specs['video_encoder'].kind} VAE, "
-                f"{specs['text_encoder'].kind} text encoder on {self.device}"
-            )
-            self._encoders = (
-                VideoEncoder(specs["video_encoder"], self.device),
-                TextEncoder(specs["text_encoder"], self.device),
-            )
+            self._encoders = cache_encoders(*self._cache()[1:], self.device)
         return self._encoders
 
     def prompt_text(self) -> list:

@@ -191,6 +191,22 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
     out = Path(out_dir)
     vdir = out / "videos"
     vdir.mkdir(parents=True, exist_ok=True)
+    specs = _random_specs(rng, n)
+    specials = _special_specs()
+    jobs = [(str(vdir / s.name), s) for s in specs + list(specials.values())]
+    frames = {}
+    with ProcessPoolExecutor(workers) as ex, bar(len(jobs), "generating demo clips", "clip") as pbar:
+        for (_path, spec), nf in zip(jobs, ex.map(_write_one, jobs, chunksize=4)):
+            frames[spec.name] = nf
+            pbar.update(1)
+    _write_bad_files(vdir, seed)
+    csv_path = out / "OpenVid-demo.csv"
+    _write_csv(csv_path, _rows(rng, specs, list(specials.values()), frames))
+    return csv_path
+
+
+def _random_specs(rng: random.Random, n: int) -> list[ClipSpec]:
+    """The `n` ordinary clips: sizes, containers and rates drawn from the weighted tables above."""
     specs = []
     for i in range(n):
         ((w, h),) = rng.choices([s for s, _ in SIZES], weights=[wt for _, wt in SIZES])
@@ -208,6 +224,12 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
                 audio=ext != ".avi" and rng.random() < 0.2,
             )
         )
+    return specs
+
+
+def _special_specs() -> dict[str, ClipSpec]:
+    """The clips each made for one reject reason or one encoding a crawl mixes in (the cut ones are
+    written whole, then cut by _write_bad_files)."""
     specials = {
         "too_short": ClipSpec("short_clip.mp4", 426, 240, Fraction(30), 0.3),
         "too_large": ClipSpec("huge_noise.mp4", 1280, 720, Fraction(30), 0.3, noise=True),
@@ -226,14 +248,11 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
             6.0,
             **{k: v for k, v in CODEC_SPECIALS["vp9"][0].items() if k != "name"},
         )
-    jobs = [(str(vdir / s.name), s) for s in specs + list(specials.values())]
-    frames = {}
-    with ProcessPoolExecutor(workers) as ex, bar(len(jobs), "generating demo clips", "clip") as pbar:
-        for (_path, spec), nf in zip(jobs, ex.map(_write_one, jobs, chunksize=4)):
-            frames[spec.name] = nf
-            pbar.update(1)
+    return specials
 
-    # Corrupt what should be corrupt.
+
+def _write_bad_files(vdir: Path, seed: int) -> None:
+    """Corrupt what should be corrupt: cut four clips in half, and write the files that are not video."""
     for name in ("cut_in_half.mp4", "cut_no_moov.mp4", "cut_in_half.mkv", "cut_in_half.webm"):
         cut = vdir / name
         if not cut.exists():
@@ -245,40 +264,47 @@ def generate(out_dir: str | Path, n: int = 240, seed: int = 0, workers: int = 2)
     _write_audio_only(vdir / "audio_only.mp4")
     _write_audio_only(vdir / "cover_art.m4a", cover=True)
 
+
+def _row(rng: random.Random, name, text, nf, fps, secs) -> list:
+    """One OpenVid CSV row (OPENVID_COLUMNS order), with random scores and camera motion."""
+    return [
+        name,
+        text,
+        f"{rng.uniform(4, 6.5):.4f}",
+        f"{rng.uniform(0, 30):.4f}",
+        f"{rng.uniform(0.9, 1.0):.4f}",
+        rng.choice(CAMERA),
+        nf,
+        fps,
+        secs,
+    ]
+
+
+def _rows(rng: random.Random, specs: list[ClipSpec], specials: list[ClipSpec], frames: dict) -> list[list]:
+    """The CSV's rows: one per written clip, then the table's own faults (a wrong frame count and fps,
+    rows for files that are missing or not video, an empty caption, a duplicate row)."""
     rows = []
-
-    def row(name, text, nf, fps, secs, rng=rng):
-        return [
-            name,
-            text,
-            f"{rng.uniform(4, 6.5):.4f}",
-            f"{rng.uniform(0, 30):.4f}",
-            f"{rng.uniform(0.9, 1.0):.4f}",
-            rng.choice(CAMERA),
-            nf,
-            fps,
-            secs,
-        ]
-
-    for s in specs + list(specials.values()):
+    for s in specs + specials:
         nf = frames[s.name]
-        rows.append(row(s.name, caption(rng), nf, f"{float(s.rate):.3f}", f"{float(nf / s.rate):.3f}"))
+        rows.append(_row(rng, s.name, caption(rng), nf, f"{float(s.rate):.3f}", f"{float(nf / s.rate):.3f}"))
     rows[3][6] = frames[specs[3].name] + 12  # the table's frame count is wrong
     rows[5][7] = "24.0" if rows[5][7] != "24.000" else "30.0"  # and this one's fps
-    rows.append(row("not_there.mp4", caption(rng), 90, "30.000", "3.000"))
-    rows.append(row("zero_bytes.mp4", caption(rng), 90, "30.000", "3.000"))
-    rows.append(row("random_bytes.mp4", caption(rng), 90, "30.000", "3.000"))
-    rows.append(row("audio_only.mp4", caption(rng), 0, "0", "2.000"))
-    rows.append(row("cover_art.m4a", caption(rng), 0, "0", "2.000"))
+    rows.append(_row(rng, "not_there.mp4", caption(rng), 90, "30.000", "3.000"))
+    rows.append(_row(rng, "zero_bytes.mp4", caption(rng), 90, "30.000", "3.000"))
+    rows.append(_row(rng, "random_bytes.mp4", caption(rng), 90, "30.000", "3.000"))
+    rows.append(_row(rng, "audio_only.mp4", caption(rng), 0, "0", "2.000"))
+    rows.append(_row(rng, "cover_art.m4a", caption(rng), 0, "0", "2.000"))
     rows[7][1] = ""  # an empty caption
-    rows.append(row(specs[1].name, caption(rng), 0, "", ""))  # a duplicate row
-    csv_path = out / "OpenVid-demo.csv"
+    rows.append(_row(rng, specs[1].name, caption(rng), 0, "", ""))  # a duplicate row
+    return rows
+
+
+def _write_csv(csv_path: Path, rows: list[list]) -> None:
     with open(csv_path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(OPENVID_COLUMNS)
         w.writerows(rows)
         f.write('broken_row.mp4,"a caption, with the rest of the row missing"\n')  # malformed
-    return csv_path
 
 
 def _mux_tone(out, stream, seconds: float, rate: int = 16000) -> None:

@@ -50,11 +50,6 @@ def _frame_rate(stream) -> Fraction | None:
     return None
 
 
-def preload() -> None:
-    """Nothing left to do: PyAV is imported with this module, which a spawned probe worker imports
-    (to unpickle ``probe``) before it reports ready. Kept for callers that pass it as ``init``."""
-
-
 def mp4_cut(path: str, size: int) -> str | None:
     """For an ISO-BMFF file FFmpeg cannot open: say how it was cut short, reading box headers only.
 
@@ -113,6 +108,60 @@ def probe(path: str, *, max_file_mb: float | None = None, verify: str = "header"
 
 
 def _probe_open(container, path: str, size: int, verify: str) -> dict:
+    vs = _video_stream(container)
+    rate = _frame_rate(vs)
+    fmt = container.format.name
+    indexed = any(f in fmt.split(",") for f in INDEXED_FORMATS) and vs.frames > 0
+    header_duration = (
+        float(vs.duration * vs.time_base) if vs.duration else container.duration / 1e6 if container.duration else None
+    )
+    if indexed:
+        entries = vs.index_entries
+        if len(entries):
+            last = entries[len(entries) - 1]
+            if last.pos + last.size > size:
+                raise Rejected(Reason.truncated, f"sample index ends at byte {last.pos + last.size}, file has {size}")
+
+    first, packets, decoded, last_end = _scan(container, vs, indexed, verify)
+    if verify == "decode":
+        num_frames, frames_from = decoded, "decode"
+    elif indexed:
+        num_frames, frames_from = vs.frames, "header"
+    else:
+        num_frames, frames_from = packets, "demux"
+    if (
+        not indexed
+        and header_duration
+        and last_end is not None
+        and rate
+        and float(last_end) < header_duration - max(0.5, 0.05 * header_duration)
+    ):
+        raise Rejected(
+            Reason.truncated, f"packets end at {float(last_end):.2f} s, container says {header_duration:.2f} s"
+        )
+    if verify == "decode" and indexed and decoded < vs.frames:
+        raise Rejected(Reason.truncated, f"decoded {decoded} of {vs.frames} frames")
+
+    duration = header_duration if header_duration else (float(num_frames / rate) if rate else None)
+    if frames_from != "header" and rate:
+        duration = float(num_frames / rate)
+    return {
+        "num_frames": int(num_frames),
+        "frames_from": frames_from,
+        "fps": float(rate) if rate else None,
+        "fps_num": rate.numerator if rate else None,
+        "fps_den": rate.denominator if rate else None,
+        "duration": duration,
+        **_picture(vs, first),
+        "container": fmt,
+        "bit_rate": container.bit_rate or None,
+        "has_audio": bool(container.streams.audio),
+        "file_size": size,
+    }
+
+
+def _video_stream(container):
+    """The stream to probe, or Rejected: no video stream, or one no decoder reads."""
     vs = video_stream(container)
     if vs is None:
         kinds = sorted({s.type if s.type != "video" else "video (attached picture)" for s in container.streams}) or [
@@ -122,22 +171,13 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
     cc = vs.codec_context
     if cc is None or not cc.name:
         raise Rejected(Reason.undecodable, f"no decoder for this video stream ({container.format.name})")
-    rate = _frame_rate(vs)
-    fmt = container.format.name
-    indexed = any(f in fmt.split(",") for f in INDEXED_FORMATS) and vs.frames > 0
-    header_duration = (
-        float(vs.duration * vs.time_base) if vs.duration else container.duration / 1e6 if container.duration else None
-    )
+    return vs
 
-    if indexed:
-        entries = vs.index_entries
-        if len(entries):
-            last = entries[len(entries) - 1]
-            if last.pos + last.size > size:
-                raise Rejected(Reason.truncated, f"sample index ends at byte {last.pos + last.size}, file has {size}")
 
-    # One pass over the packets: decode until the first frame, then (only where the header
-    # cannot be trusted) keep counting packets without decoding them.
+def _scan(container, vs, indexed: bool, verify: str):
+    """One pass over the packets: decode until the first frame, then (only where the header cannot
+    be trusted) keep counting packets without decoding them. Returns (first frame, packets,
+    frames decoded, end time of the last packet or None)."""
     vs.thread_type = "AUTO" if verify == "decode" else "SLICE"
     first = None
     packets = decoded = 0
@@ -168,42 +208,19 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
         ) from None
     if first is None:
         raise Rejected(Reason.undecodable, f"no frame decodes ({packets} packets read)")
+    return first, packets, decoded, last_end
 
-    if verify == "decode":
-        num_frames, frames_from = decoded, "decode"
-    elif indexed:
-        num_frames, frames_from = vs.frames, "header"
-    else:
-        num_frames, frames_from = packets, "demux"
-    if (
-        not indexed
-        and header_duration
-        and last_end is not None
-        and rate
-        and float(last_end) < header_duration - max(0.5, 0.05 * header_duration)
-    ):
-        raise Rejected(
-            Reason.truncated, f"packets end at {float(last_end):.2f} s, container says {header_duration:.2f} s"
-        )
-    if verify == "decode" and indexed and decoded < vs.frames:
-        raise Rejected(Reason.truncated, f"decoded {decoded} of {vs.frames} frames")
 
+def _picture(vs, first) -> dict:
+    """The picture columns: stored and displayed size (SAR, then rotation), codec and pixel format."""
+    cc = vs.codec_context
     rotation = int(first.rotation or 0) % 360
     cw, ch = cc.width or first.width, cc.height or first.height
     sar = sample_aspect_ratio(vs)
     dw = max(1, round(cw * sar))  # displayed, before rotation: stretch the width
     w, h = (ch, dw) if rotation in (90, 270) else (dw, ch)
-    duration = header_duration if header_duration else (float(num_frames / rate) if rate else None)
-    if frames_from != "header" and rate:
-        duration = float(num_frames / rate)
     pix_fmt = cc.pix_fmt or first.format.name
     return {
-        "num_frames": int(num_frames),
-        "frames_from": frames_from,
-        "fps": float(rate) if rate else None,
-        "fps_num": rate.numerator if rate else None,
-        "fps_den": rate.denominator if rate else None,
-        "duration": duration,
         "width": w,
         "height": h,
         "coded_width": cw,
@@ -216,8 +233,4 @@ def _probe_open(container, path: str, size: int, verify: str) -> dict:
         "codec": getattr(cc.codec, "canonical_name", None) or cc.name,  # 'av1', not the decoder 'libdav1d'
         "pix_fmt": pix_fmt,
         "bit_depth": _bit_depth(pix_fmt),
-        "container": fmt,
-        "bit_rate": container.bit_rate or None,
-        "has_audio": bool(container.streams.audio),
-        "file_size": size,
     }

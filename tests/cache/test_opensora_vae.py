@@ -41,6 +41,7 @@ def upstream():
     return model, state, load_file(str(FIX / "vae_cases.safetensors"))
 
 
+@pytest.mark.slow
 def test_mode_path_matches_every_stage(upstream):
     model, _, case = upstream
     with torch.no_grad():
@@ -57,6 +58,7 @@ def test_mode_path_matches_every_stage(upstream):
     torch.testing.assert_close(first, case["mode.z"][:, :, :5], **LAT)
 
 
+@pytest.mark.slow
 def test_sampling_path_with_upstream_noise(upstream):
     model, _, case = upstream
     with torch.no_grad():

@@ -8,9 +8,11 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
 from support import REPO
 
 
+@pytest.mark.slow  # builds the wheel
 def test_wheel_contains_only_the_reelcache_namespace(tmp_path):
     # Build from a copy of the tracked files: setuptools never prunes a stale build/ folder.
     files = subprocess.run(["git", "ls-files"], cwd=REPO, check=True, capture_output=True, text=True).stdout.split()

@@ -117,6 +117,7 @@ def test_folder_with_sidecar_captions(tmp_path):
     assert t[1]["text"] is None and t[1]["row_error"] == "caption file b.txt is not UTF-8 (byte 0xe9 at 6)"
 
 
+@pytest.mark.slow
 def test_miradata_parquet_and_folder_sources_end_to_end(tmp_path):
     """Three sources over the same real clips, one root, one merge: every row there, as each table says."""
     import contextlib

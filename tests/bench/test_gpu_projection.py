@@ -48,6 +48,7 @@ def real_cpu_counts(meta_model) -> tuple[int, int]:
     return fwd, fc.get_total_flops()
 
 
+@pytest.mark.slow
 def test_meta_counts_match_a_real_cpu_run(gp):
     model = gp.build_dit("tiny")
     assert model.grad_checkpointing and not model.y_embedder.y_proj.fc1.weight.requires_grad  # as the stage configs
@@ -58,6 +59,7 @@ def test_meta_counts_match_a_real_cpu_run(gp):
     assert 3.5 < meta_step / meta_fwd < 4.0  # forward + backward (~2x) + recompute of the checkpointed blocks
 
 
+@pytest.mark.slow
 def test_depth_extrapolation_is_exact(gp):
     full = gp.build_dit("tiny")
     pair = (gp.build_dit("tiny", depth=1), gp.build_dit("tiny", depth=2))
@@ -73,6 +75,7 @@ def test_vae_count_follows_encode_stages(gp):
     assert gp.vae_encode(vae, 35, 64, 96) == whole
 
 
+@pytest.mark.slow
 def test_main_prints_the_headline(gp, tmp_path, capsys):
     out = tmp_path / "gp.json"
     res = gp.main(["--buckets", "240p/51", "--stages", "1", "--no-check", "--out", str(out)])

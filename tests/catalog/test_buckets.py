@@ -158,6 +158,7 @@ def cache_config(buckets, **over):
     return CacheConfig.from_dict(doc | over, "test")
 
 
+@pytest.mark.slow
 def test_cache_plan_draws_upstreams_windows_and_says_so(fresh_root, tmp_path):
     """`window = "opensora"` plans starts in upstream's range, is part of the cache's identity, and the
     default plans as before; a cache.json from before the tables is refused naming buckets.sizes."""

@@ -43,6 +43,7 @@ def rows(doc: dict, part: str) -> dict:
     return {r["bucket"]: r for r in doc["rows"] if r["part"] == part}
 
 
+@pytest.mark.slow
 def test_every_part_runs_the_real_code_at_toy_sizes(tiny):
     doc, _ = tiny
     status = {r["part"]: r["status"] for r in doc["rows"]}
@@ -58,6 +59,7 @@ def test_every_part_runs_the_real_code_at_toy_sizes(tiny):
         assert r["numbers"]["samples_per_s"] > 0 and r["numbers"]["skipped_steps"] == 0
 
 
+@pytest.mark.slow
 def test_cached_vs_online_and_loader(tiny):
     doc, _ = tiny
     on = rows(doc, "online")["144p/17"]["numbers"]
@@ -72,6 +74,7 @@ def test_cached_vs_online_and_loader(tiny):
     assert "measured_interleaved" in proj["144p/17"]["numbers"]
 
 
+@pytest.mark.slow
 def test_markdown_is_the_json(tiny):
     doc, md = tiny
     lines = [x for x in md.splitlines() if x.startswith("| ") and not x.startswith(("| part", "| ---"))]
@@ -80,6 +83,7 @@ def test_markdown_is_the_json(tiny):
         assert line.startswith(f"| {r['part']} | {r['bucket']} | {r['status']} |")
 
 
+@pytest.mark.slow
 def test_a_spent_budget_skips_parts_and_says_so(tmp_path):
     p = run(tmp_path, "--tiny", "--budget-s", "5", "--parts", "versions,vae,t5")
     assert p.returncode == 0, p.stderr[-3000:]

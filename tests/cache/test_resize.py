@@ -99,15 +99,25 @@ def test_default_identity_is_that_of_caches_made_before_the_option():
 
 
 @pytest.fixture()
-def planned(fresh_root, tmp_path):
-    """A default-resize cache over a 240p bucket (426-wide buckets), planned once."""
-    from reelcache.cache.plan import make_plan
-    from reelcache.catalog.manifest import make_manifest
+def planned(tmp_path):
+    """A default-resize cache over a 240p bucket (426-wide buckets), planned once over a manifest of
+    eight 240p clips written here (planning reads no video)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    make_manifest(fresh_root, "m", "true")
+    from reelcache.cache.plan import make_plan
+
+    root = tmp_path / "root"
+    (root / "manifests").mkdir(parents=True)
+    rows = [
+        {"clip_id": f"c{i}", "shard": "raw/x/000000-00.tar", "shard_offset": 512 * (i + 1), "file_size": 1000}
+        | {"num_frames": 30, "width": 426, "height": 240, "text": "a dog runs", "fps": 30.0}
+        for i in range(8)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), root / "manifests" / "m-0000000000000000.parquet")
     (tmp_path / "b.toml").write_text("[buckets.240p]\n9 = [1.0, 2]\n")
     cfg = cache_config(tmp_path / "b.toml")
-    return fresh_root, cfg, make_plan(fresh_root, cfg)
+    return root, cfg, make_plan(root, cfg)
 
 
 def test_a_cache_is_never_mixed_from_two_resizes(planned):
@@ -118,6 +128,7 @@ def test_a_cache_is_never_mixed_from_two_resizes(planned):
     from reelcache.cache.plan import make_plan
 
     root, cfg, units = planned
+    assert units == ["r/000000", "r/000001"]  # 8 clips, 4 per unit
     with pytest.raises(UserError, match="another identity") as e:
         make_plan(root, dataclasses.replace(cfg, resize="opensora"))
     assert "preprocess.resize" in str(e.value)
@@ -132,6 +143,7 @@ def test_a_cache_is_never_mixed_from_two_resizes(planned):
         make_plan(root, dataclasses.replace(cfg, resize="opensora"))
 
 
+@pytest.mark.slow
 def test_cache_run_decodes_with_the_planned_resize(fresh_root, tmp_path, monkeypatch):
     """`cache run` hands the plan's resize to its decode workers: the frames it encodes are
     decode_clip's "opensora" frames, not the area ones."""

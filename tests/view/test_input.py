@@ -1,4 +1,5 @@
-"""`reelcache view` given bad URLs, without a browser: each is one line with a 4xx status, never a 500.
+"""`reelcache view` without a browser: a bad URL is one line with a 4xx status, never a 500; only a
+loopback address serves without a warning.
 
 The app is Starlette's own, driven in-process by its TestClient over a catalog made by
 catalog/db.py (empty tables) and a run directory that never started (no config.json).
@@ -22,7 +23,15 @@ def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("viewroot")
     open_catalog(root, write=True).close()
     (root / "runs" / "never-started" / "log").mkdir(parents=True)
-    return TestClient(build_app(root), raise_server_exceptions=False)
+    c = TestClient(build_app(root), raise_server_exceptions=False)
+    yield c
+    _close(c)
+
+
+def _close(client) -> None:
+    """Close the viewer's catalog connection now: its idle timer (a daemon thread) then has nothing to
+    close, rather than closing it in DuckDB while the interpreter exits (an abort at the end of the run)."""
+    client.app.state.store.close()
 
 
 @pytest.mark.parametrize(
@@ -50,6 +59,7 @@ def _write_open(root) -> str:
     return "" if p.returncode == 0 else (p.stderr.strip().splitlines() or ["?"])[-1]
 
 
+@pytest.mark.slow
 def test_a_running_viewer_lets_a_merge_write_the_catalog_between_requests(client):
     """DuckDB lets a process write the file only while no other process has it open: the viewer keeps it
     open only while it answers (closed IDLE_S after the last request), so a merge is not refused for as
@@ -83,7 +93,9 @@ def test_a_rejects_play_error_handler_is_one_whole_attribute(tmp_path):
         con.execute("INSERT INTO clips BY NAME SELECT * FROM new_clips")
     finally:
         con.close()
-    page = TestClient(build_app(root)).get("/reject?id=r1")
+    c = TestClient(build_app(root))
+    page = c.get("/reject?id=r1")
+    _close(c)
     assert page.status_code == 200, page.text[:300]
 
     videos = []
@@ -136,8 +148,18 @@ def test_a_thumbnail_reads_no_shard_outside_the_root(tmp_path):
     finally:
         con.close()
     c = TestClient(build_app(root), raise_server_exceptions=False)
-    for clip in ("o0", "o1"):
-        for media in ("raw", "thumb"):
-            r = c.get(f"/media/{media}?id={clip}")
-            assert (r.status_code, r.text.startswith("refused:")) == (403, True), (clip, media, r.text[:200])
+    try:
+        for clip in ("o0", "o1"):
+            for media in ("raw", "thumb"):
+                r = c.get(f"/media/{media}?id={clip}")
+                assert (r.status_code, r.text.startswith("refused:")) == (403, True), (clip, media, r.text[:200])
+    finally:
+        _close(c)
     assert not (root / "view-cache").exists()
+
+
+def test_only_loopback_addresses_go_without_a_warning():
+    from reelcache.view.server import _loopback
+
+    assert all(_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
+    assert not any(_loopback(h) for h in ("0.0.0.0", "::", "10.1.2.3", "head-node"))
