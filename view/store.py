@@ -49,7 +49,7 @@ class Store:
         self.path = db_path(self.root)
         if not self.path.exists():
             raise UserError(f"no catalog at {self.path}: run `reelcache catalog merge --root {root}` first")
-        self._con, self._users, self._used = None, 0, 0.0
+        self._con, self._users, self._used, self._timer = None, 0, 0.0, None
         self._guard = threading.Lock()
         self.tables = {r[0] for r in self.rows("SELECT table_name FROM information_schema.tables")}
 
@@ -70,9 +70,11 @@ class Store:
                 self._users -= 1
                 self._used = time.monotonic()
                 if self._users == 0:
-                    timer = threading.Timer(IDLE_S, self._release)
-                    timer.daemon = True
-                    timer.start()
+                    if self._timer is not None:
+                        self._timer.cancel()
+                    self._timer = threading.Timer(IDLE_S, self._release)
+                    self._timer.daemon = True
+                    self._timer.start()
 
     def _connect(self):
         """The read-only connection. DuckDB refuses a second connection of this process to the file with
@@ -100,7 +102,12 @@ class Store:
                 self._con = None
 
     def close(self) -> None:
+        """Closes the connection and cancels the idle timer: a daemon timer left to close DuckDB's
+        connection while the interpreter shuts down aborts the process."""
         with self._guard:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             if self._con is not None:
                 self._con.close()
                 self._con = None
