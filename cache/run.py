@@ -1,29 +1,34 @@
 """``cache run UNIT``: decode one unit's clips for their buckets and encode them, once.
 
-Decoding runs in isolated worker processes (a deadline and an optional memory cap per clip; a
-clip that fails to decode becomes a recorded reject), reading the video straight out of the raw
-shard; a worker runs ``cache/decode.py``'s ``decode_clip_shared`` and imports that module only, not
-this one (torch, pyarrow). Each worker decodes a window straight into a shared-memory block named by
-the parent (``/dev/shm``); only the block's name crosses the pipe, never the frames (pickling a
-10-140 MB window through a pipe costs two copies and blocks the worker until the parent reads it). A
-feeder thread keeps the workers busy, so decoding continues while the main thread encodes: the
-parent batches clips of one bucket and runs the VAE, validates every output (shape, dtype, finite),
-hashes the clip's raw bytes once and appends ``<video_key>.safetensors`` latents to size-capped
-store shards (cache/store.py: ``ROOT/store/video/<cache>/<unit>-<plan>-KK.tar``). Before decoding,
-the unit encodes the captions the plan gave it (``encode_text``: captions the store lacks, each
-given to one unit) into its caption shard. Draws and captions the store already holds are not
-touched: their rows point at the existing entries. The store indexes of what the unit wrote, then
-the sidecar parquet (one row per planned clip and view with its bucket, latent shape, shard and
-offset, caption key and location, or its reject reason) are written last; a view whose draw repeats
-an earlier view's (the plan's ``same_as``) is not encoded again and its row points at that view's
-latent.
+The cache's part of the unit runner (catalog/units.py). Before any work the unit checks that its
+encoders have the identity in cache.json, and encodes the captions the plan gave it (``encode_text``:
+captions the store lacks, each given to one unit) into its caption shard. Then, for each planned
+(clip, view) row:
+
+1. before: ``no_bucket``: a clip that fits no bucket is recorded with the plan's reason, never decoded;
+   draws the store already holds, and views that repeat an earlier view's draw (the plan's
+   ``same_as``), are not decoded either: their rows point at the existing latent;
+2. work: ``decoded``: the window is decoded in isolated worker processes (a deadline and an optional
+   memory cap per clip; a clip that fails is a recorded reject), read straight out of the raw shard;
+   a worker runs ``cache/decode.py``'s ``decode_clip_shared`` and imports that module only, not this
+   one (torch, pyarrow). Each worker decodes into a shared-memory block named by the parent
+   (``/dev/shm``); only the block's name crosses the pipe, never the frames (pickling a 10-140 MB
+   window costs two copies and blocks the worker until the parent reads it). A feeder thread keeps the
+   workers busy, so decoding continues while the main thread encodes;
+3. steps (``Latents``): a ``Batch`` of one bucket's clips is encoded by the VAE; ``draw`` (``store =
+   "sample"``: one seeded draw), ``finite`` (a NaN or inf is ``invalid_latent``), and ``store``: the
+   clip's raw bytes are hashed once and its ``<video_key>.safetensors`` latent appended to size-capped
+   store shards (cache/store.py: ``ROOT/store/video/<cache>/<unit>-<plan>-KK.tar``).
+
+Then the store indexes of what the unit wrote, and last the sidecar parquet (one row per planned clip
+and view with its bucket, latent shape, shard and offset, caption key and location, or its reject
+reason: cache/outputs.py: Reason) are written.
 
 A unit whose sidecar exists is skipped; one killed at any moment is cleaned and redone; a unit
 another live run holds (catalog/shards.py: the lease) is refused. Reading a source may reject a
 clip; writing our own outputs (latent shards, the sidecar, the shared-memory frames) may not:
 such a failure is an OutputError, the unit fails with no sidecar and no store shards, and its re-run
-gives the clean result. Before any work the unit checks that its encoders have the identity in
-cache.json.
+gives the clean result.
 """
 
 from __future__ import annotations
@@ -193,11 +198,13 @@ def finite(row: dict) -> Reject | None:
 
 class Latents:
     """The cache's steps in the parent, once a clip's window is decoded: encode a bucket's batch, draw
-    (``store = "sample"``), check (``finite``), store. Holds the unit's video shard writer, the store
-    index rows it wrote and its counts."""
+    (``store = "sample"``), check (``finite``), store; and ``finish``, the sidecar. Holds the unit's video
+    shard writer, the store index rows it wrote and its counts."""
 
-    def __init__(self, root, cfg: CacheConfig, cdir: Path, stem: str, device: str, encode: bool):
-        self.root, self.cfg, self.device, self.name = root, cfg, device, cdir.name
+    def __init__(self, root, cfg: CacheConfig, cdir: Path, stem: str, device: str, encode: bool, captions: tuple):
+        self.root, self.cfg, self.device, self.name, self.stem = root, cfg, device, cdir.name, stem
+        self.text_index, self.text = captions  # what encode_captions wrote, and its counts
+        self.t0 = time.monotonic()
         self.vdig = video_digest(json.loads((cdir / "cache.json").read_text()))
         self.video = VideoEncoder(cfg.video_encoder, device) if encode else None
         vdir = store_dir(root, "video", self.name)
@@ -251,6 +258,22 @@ class Latents:
             self.stats[k] += n
         self.stats["pixels"] += row["num_frames"] * row["height"] * row["width"]
 
+    def finish(self, rows: list[dict]):
+        """Every row done: repeated views get their outcome, the store indexes of what the unit wrote are
+        written, and the sidecar's table is made (its metadata: what was encoded, in how long)."""
+        repeat_views(rows)
+        if self.index:
+            write_index(store_dir(self.root, "video", self.name) / f"{self.stem}.parquet", self.index, "video")
+        if self.text_index:
+            write_index(store_dir(self.root, "text", self.name) / f"{self.stem}.parquet", self.text_index, "text")
+        s = self.stats
+        done = {"encode_seconds": s["encode_s"], "encoded_clips": s["clips"], "encoded_pixels": s["pixels"]}
+        return outputs.sidecar(rows, done | self.text)
+
+    def postfix(self) -> dict:
+        dt = max(1e-9, time.monotonic() - self.t0)
+        return {"clips_s": f"{self.stats['clips'] / dt:.1f}", "MB_s": f"{self.stats['bytes'] / 1e6 / dt:.1f}"}
+
 
 def _to_encode(row: dict) -> bool:
     """A kept row is decoded and encoded unless it repeats an earlier view's draw or the store holds it."""
@@ -271,23 +294,8 @@ def _run(root, unit, plan, cfg: CacheConfig, buckets, cdir: Path, index: int, si
     for r in rows:
         if r["text_shard"] is None and r["text_key"] in captions:
             r["text_shard"], r["text_offset"], r["text_len"] = captions[r["text_key"]]
-    enc = Latents(root, cfg, cdir, stem, device, encode=any(r["bucket"] and _to_encode(r) for r in rows))
-
-    def finish(rows: list[dict]):
-        repeat_views(rows)
-        if enc.index:
-            write_index(store_dir(root, "video", name) / f"{stem}.parquet", enc.index, "video")
-        if text_index:
-            write_index(store_dir(root, "text", name) / f"{stem}.parquet", text_index, "text")
-        s = enc.stats
-        return outputs.sidecar(
-            rows, {"encode_seconds": s["encode_s"], "encoded_clips": s["clips"], "encoded_pixels": s["pixels"]} | text
-        )
-
-    def postfix() -> dict:
-        dt = max(1e-9, time.monotonic() - t0)
-        return {"clips_s": f"{enc.stats['clips'] / dt:.1f}", "MB_s": f"{enc.stats['bytes'] / 1e6 / dt:.1f}"}
-
+    encode = any(r["bucket"] and _to_encode(r) for r in rows)
+    enc = Latents(root, cfg, cdir, stem, device, encode, (text_index, text))
     decode = functools.partial(
         decoded,
         root=str(root),
@@ -309,11 +317,11 @@ def _run(root, unit, plan, cfg: CacheConfig, buckets, cdir: Path, index: int, si
                 steps=enc.steps(),
                 writer=enc.writer,
                 sidecar=sidecar,
-                finish=finish,
+                finish=enc.finish,
                 reasons=Reason,
                 abort=lambda: clear_store_unit(root, name, stem),  # its caption shards and indexes too
                 what="clip",
-                postfix=postfix,
+                postfix=enc.postfix,
             )
         )
     finally:

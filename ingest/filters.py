@@ -80,4 +80,3 @@ def too_short(p, t):
 
 ROW_FILTERS = [bad_row, duplicate_row, empty_caption]
 PROBE_FILTERS = [too_short]
-
