@@ -1,13 +1,15 @@
 """The unit runner (catalog/units.py) and the unit protocol under failure.
 
 Fast: the runner on tiny rows in this process (real worker processes, a real shard writer and lease):
-steps keep or reject in order, a batch runs its rows together, a worker's failure is a reason, a failed
-write of our own output fails the unit and leaves nothing, and the sidecar schemas are the catalog's.
+steps keep or reject in order, a batch runs its rows together, a worker's failure is a reason, and a
+failed write of our own output fails the unit and leaves nothing (the sidecar schemas:
+test_sidecar_schema.py).
 Slow, their twins through `ingest run` in real processes: a full disk fails the unit (never rejects
 its clips), and two runs of one unit never delete each other's files."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -27,7 +29,6 @@ from support import sql
 from workers import work
 
 from reelcache.catalog import units
-from reelcache.catalog.db import arrow_schema, open_catalog, sidecar_table
 from reelcache.catalog.shards import OutputError, ShardWriter
 from reelcache.catalog.units import Batch, Unit, claimed, worker_reject
 from reelcache.cli import main
@@ -40,29 +41,11 @@ def _plan(root: Path, data: Path, meta: Path | None = None) -> list[str]:
     import contextlib
     import io
 
+    args = ["ingest", "plan", "--root", str(root), "--source", "openvid", "--rows-per-unit", "8", "--max-file-mb", "8"]
+    args += ["--meta", str(meta or data / "OpenVid-demo.csv"), "--videos", str(data / "videos")]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert (
-            main(
-                [
-                    "ingest",
-                    "plan",
-                    "--root",
-                    str(root),
-                    "--source",
-                    "openvid",
-                    "--meta",
-                    str(meta or data / "OpenVid-demo.csv"),
-                    "--videos",
-                    str(data / "videos"),
-                    "--rows-per-unit",
-                    "8",
-                    "--max-file-mb",
-                    "8",
-                ]
-            )
-            == 0
-        )
+        assert main(args) == 0
     return buf.getvalue().split()
 
 
@@ -188,22 +171,16 @@ def test_a_workers_answer_is_a_reason_of_the_stage():
     assert worker_reject({"num_frames": 17}, Why) is None and worker_reject(0, Why) is None
 
 
+@contextlib.contextmanager
 def _file_size_limit_here(nbytes: int):
     """This process may write no file past `nbytes` (EFBIG, as a full disk) until the context ends."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def limit():
-        old = resource.getrlimit(resource.RLIMIT_FSIZE)
-        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old[1]))
-        try:
-            yield
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, old)
-            signal.signal(signal.SIGXFSZ, handler)
-
-    return limit()
+    old, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
 
 
 def test_a_failed_write_of_our_output_fails_the_unit_and_leaves_nothing(tmp_path):
@@ -229,27 +206,6 @@ def test_a_failed_write_of_our_output_fails_the_unit_and_leaves_nothing(tmp_path
             units.run(unit)
     assert pq.read_table(tmp_path / "000000.parquet").equals(pq.read_table(clean / "000000.parquet"))
     assert {r["status"] for r in pq.read_table(tmp_path / "000000.parquet").to_pylist()} == {"ok"}
-
-
-@pytest.mark.parametrize("table", ["clips", "latents"])
-def test_a_sidecar_has_the_columns_and_types_of_its_catalog_table(tmp_path, table):
-    """What merge inserts by name: the sidecar schema (from schema.sql) against a real catalog's table."""
-    con = open_catalog(tmp_path, write=True)
-    described = con.execute(f"DESCRIBE {table}").fetchall()
-    assert arrow_schema(table).names == [name for name, *_ in described]
-    row = {"clip_id": "c", "unit": "u/000000", "status": "ok"}
-    if table == "clips":
-        row |= {"source": "s", "row": 0, "num_frames": 17, "has_audio": False}
-    else:
-        row |= {"cache": "k", "shape": [4, 5, 8, 8], "view": 1, "plan": {"not": "a column"}}
-    side = sidecar_table(table, [row], strict=table == "clips")
-    con.register("side", side)
-    names_types = lambda rows: [(n, t) for n, t, *_ in rows]  # noqa: E731
-    assert names_types(con.execute("DESCRIBE SELECT * FROM side").fetchall()) == names_types(described)
-    con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM side")
-    assert con.execute(f"SELECT clip_id, status FROM {table}").fetchall() == [("c", "ok")]
-    with pytest.raises(AssertionError, match="not_a_column"):
-        sidecar_table(table, [row | {"not_a_column": 1}])
 
 
 @pytest.mark.slow  # `ingest run` in its own processes
