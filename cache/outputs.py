@@ -1,60 +1,55 @@
-"""What a cache unit writes besides its latents (cache/run.py runs it): the sidecar's schema, the unit's
-outcome rows before any work (draws the store holds are ok from the start, cache/reuse.py), and its
-caption shard: the captions the plan gave the unit (``encode_text``), each encoded once into
-``ROOT/store/text/<cache>/<unit>-<plan>-KK.tar`` (cache/store.py)."""
+"""What a cache unit writes besides its latents (cache/run.py runs it): its reject vocabulary, the unit's
+outcome rows before any work (draws the store holds are ok from the start, cache/reuse.py) and its
+sidecar table (the ``latents`` table of catalog/schema.sql), and its caption shard: the captions the plan
+gave the unit (``encode_text``), each encoded once into ``ROOT/store/text/<cache>/<unit>-<plan>-KK.tar``
+(cache/store.py)."""
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 
-import pyarrow as pa
 import torch
 
 from reelcache import UserError
 from reelcache.cache.encoders import TextEncoder
 from reelcache.cache.store import store_dir
+from reelcache.catalog.db import arrow_schema, sidecar_table
 from reelcache.catalog.latents import LATENT_EXT, encode
 from reelcache.catalog.shards import ShardWriter
 
-SIDECAR = pa.schema(
-    [
-        ("clip_id", pa.string()),
-        ("cache", pa.string()),
-        ("unit", pa.string()),
-        ("status", pa.string()),
-        ("reject_reason", pa.string()),
-        ("reject_detail", pa.string()),
-        ("bucket", pa.string()),
-        ("num_frames", pa.int32()),
-        ("height", pa.int32()),
-        ("width", pa.int32()),
-        ("window_start", pa.int64()),
-        ("shape", pa.list_(pa.int32())),
-        ("text_len", pa.int32()),
-        ("shard", pa.string()),
-        ("shard_offset", pa.int64()),
-        ("view", pa.int32()),
-        ("video_key", pa.string()),
-        ("reused", pa.bool_()),
-        ("text_key", pa.string()),
-        ("text_shard", pa.string()),
-        ("text_offset", pa.int64()),
-    ]
-)
+
+class Reason(str, Enum):
+    """Why a planned (clip, view) has no latent: the ``reject_reason`` of its ``latents`` row."""
+
+    no_bucket_too_small = "no_bucket:too_small"  # fewer pixels than 0.8 x the smallest resolution's budget
+    no_bucket_too_short = "no_bucket:too_short"  # large enough, but fewer frames than any bucket's span
+    no_bucket_not_kept = "no_bucket:not_kept"  # it fits buckets, but their keep-probability draws dropped it
+    undecodable = "undecodable"  # the window could not be decoded from the raw shard (the decoder's error)
+    timeout = "timeout"  # decoding did not finish within decode_timeout; its worker was killed
+    crashed = "crashed"  # the decode worker died on it (a decoder crash, worker_memory_mb exceeded)
+    invalid_latent = "invalid_latent"  # the VAE gave non-finite values (NaN, inf): nothing stored
 
 
-def planned_rows(rows: list[dict], name: str, unit: str) -> dict:
-    """The unit's outcome rows before any work: rejected until encoded or reused."""
-    out = {}
+def no_bucket(row: dict):
+    """A step before any work: a clip that fits no bucket (the plan says why) is recorded, never decoded."""
+    if not row["bucket"]:
+        return Reason(f"no_bucket:{row['plan']['no_bucket']}"), None
+    return None
+
+
+def planned_rows(rows: list[dict], name: str, unit: str) -> list[dict]:
+    """The unit's outcome rows before any work, each with its plan row (``plan``): a draw the store
+    holds is ok and reused; the others are ok until a step rejects them."""
+    out = []
     for r in rows:
-        r["key"] = (r["clip_id"], r["view"])
-        out[r["key"]] = {
+        row = {
             "clip_id": r["clip_id"],
             "view": r["view"],
             "cache": name,
             "unit": unit,
-            "status": "rejected",
-            "reject_reason": f"no_bucket:{r['no_bucket']}" if not r["bucket"] else None,
+            "status": "ok",
+            "reject_reason": None,
             "bucket": r["bucket"],
             "num_frames": r["num_frames"],
             "height": r["height"],
@@ -64,18 +59,37 @@ def planned_rows(rows: list[dict], name: str, unit: str) -> dict:
             "text_shard": r["text_shard"],
             "text_offset": r["text_offset"],
             "text_len": r["text_len"],
+            "plan": r,
         }
         if r["bucket"] and r["same_as"] is None and r["reuse_shard"] is not None:  # the store holds it
-            out[r["key"]].update(
-                status="ok",
-                reject_reason=None,
+            row.update(
                 shape=r["reuse_shape"],
                 shard=r["reuse_shard"],
                 shard_offset=r["reuse_offset"],
                 video_key=r["video_key"],
                 reused=True,
             )
+        out.append(row)
     return out
+
+
+_OWN = ("clip_id", "view", "unit", "cache")  # a repeated view keeps these; the rest is the earlier view's
+
+
+def repeat_views(rows: list[dict]) -> None:
+    """A view that drew what an earlier view of its clip drew gets that view's outcome: its sample."""
+    by_key = {(r["clip_id"], r["view"]): r for r in rows}
+    for r in rows:
+        if r["bucket"] and (same_as := r["plan"]["same_as"]) is not None:
+            src = by_key[(r["clip_id"], same_as)]
+            r.update({k: src.get(k) for k in arrow_schema("latents").names if k not in _OWN})
+
+
+def sidecar(rows: list[dict], metadata: dict):
+    """The unit's sidecar: its rows as the ``latents`` table (their plan rows left out), with `metadata`."""
+    return sidecar_table("latents", rows, strict=False).replace_schema_metadata(
+        {k: str(v) for k, v in metadata.items()}
+    )
 
 
 def encode_captions(root, rows, cfg, device, name: str, stem: str) -> tuple[dict, list[dict], int]:

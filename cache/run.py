@@ -1,29 +1,34 @@
 """``cache run UNIT``: decode one unit's clips for their buckets and encode them, once.
 
-Decoding runs in isolated worker processes (a deadline and an optional memory cap per clip; a
-clip that fails to decode becomes a recorded reject), reading the video straight out of the raw
-shard; a worker runs ``cache/decode.py``'s ``decode_clip_shared`` and imports that module only, not
-this one (torch, pyarrow). Each worker decodes a window straight into a shared-memory block named by
-the parent (``/dev/shm``); only the block's name crosses the pipe, never the frames (pickling a
-10-140 MB window through a pipe costs two copies and blocks the worker until the parent reads it). A
-feeder thread keeps the workers busy, so decoding continues while the main thread encodes: the
-parent batches clips of one bucket and runs the VAE, validates every output (shape, dtype, finite),
-hashes the clip's raw bytes once and appends ``<video_key>.safetensors`` latents to size-capped
-store shards (cache/store.py: ``ROOT/store/video/<cache>/<unit>-<plan>-KK.tar``). Before decoding,
-the unit encodes the captions the plan gave it (``encode_text``: captions the store lacks, each
-given to one unit) into its caption shard. Draws and captions the store already holds are not
-touched: their rows point at the existing entries. The store indexes of what the unit wrote, then
-the sidecar parquet (one row per planned clip and view with its bucket, latent shape, shard and
-offset, caption key and location, or its reject reason) are written last; a view whose draw repeats
-an earlier view's (the plan's ``same_as``) is not encoded again and its row points at that view's
-latent.
+The cache's part of the unit runner (catalog/units.py). Before any work the unit checks that its
+encoders have the identity in cache.json, and encodes the captions the plan gave it (``encode_text``:
+captions the store lacks, each given to one unit) into its caption shard. Then, for each planned
+(clip, view) row:
+
+1. before: ``no_bucket``: a clip that fits no bucket is recorded with the plan's reason, never decoded;
+   draws the store already holds, and views that repeat an earlier view's draw (the plan's
+   ``same_as``), are not decoded either: their rows point at the existing latent;
+2. work: ``decoded``: the window is decoded in isolated worker processes (a deadline and an optional
+   memory cap per clip; a clip that fails is a recorded reject), read straight out of the raw shard;
+   a worker runs ``cache/decode.py``'s ``decode_clip_shared`` and imports that module only, not this
+   one (torch, pyarrow). Each worker decodes into a shared-memory block named by the parent
+   (``/dev/shm``); only the block's name crosses the pipe, never the frames (pickling a 10-140 MB
+   window costs two copies and blocks the worker until the parent reads it). A feeder thread keeps the
+   workers busy, so decoding continues while the main thread encodes;
+3. steps (``Latents``): a ``Batch`` of one bucket's clips is encoded by the VAE; ``draw`` (``store =
+   "sample"``: one seeded draw), ``finite`` (a NaN or inf is ``invalid_latent``), and ``store``: the
+   clip's raw bytes are hashed once and its ``<video_key>.safetensors`` latent appended to size-capped
+   store shards (cache/store.py: ``ROOT/store/video/<cache>/<unit>-<plan>-KK.tar``).
+
+Then the store indexes of what the unit wrote, and last the sidecar parquet (one row per planned clip
+and view with its bucket, latent shape, shard and offset, caption key and location, or its reject
+reason: cache/outputs.py: Reason) are written.
 
 A unit whose sidecar exists is skipped; one killed at any moment is cleaned and redone; a unit
 another live run holds (catalog/shards.py: the lease) is refused. Reading a source may reject a
 clip; writing our own outputs (latent shards, the sidecar, the shared-memory frames) may not:
 such a failure is an OutputError, the unit fails with no sidecar and no store shards, and its re-run
-gives the clean result. Before any work the unit checks that its encoders have the identity in
-cache.json.
+gives the clean result.
 """
 
 from __future__ import annotations
@@ -35,16 +40,14 @@ import os
 import queue
 import threading
 import time
-from collections import defaultdict
 from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from reelcache import UserError
+from reelcache.cache import outputs
 from reelcache.cache.decode import (
     FrameBufferError,
     clip_seed,
@@ -52,7 +55,7 @@ from reelcache.cache.decode import (
     decode_clip_shared,
 )
 from reelcache.cache.encoders import VideoEncoder, default_device
-from reelcache.cache.outputs import SIDECAR, encode_captions, planned_rows
+from reelcache.cache.outputs import Reason, encode_captions, no_bucket, planned_rows, repeat_views
 from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, projection
 from reelcache.cache.store import (
     clear_store_unit,
@@ -63,11 +66,13 @@ from reelcache.cache.store import (
     video_key,
     write_index,
 )
+from reelcache.catalog import units
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.catalog.latents import LATENT_EXT, encode
-from reelcache.catalog.shards import OutputError, ShardWriter, atomic_path, begin_unit, end_unit, parse_unit, unit_rows
+from reelcache.catalog.shards import OutputError, ShardWriter, parse_unit, unit_rows
+from reelcache.catalog.units import Batch, Reject, Unit, claimed
 from reelcache.isolate import Failed, isolated_map
-from reelcache.progress import bar, say
+from reelcache.progress import say
 
 _CALLS = itertools.count()
 
@@ -96,6 +101,7 @@ def decoded(
     jobs: list[dict], root: str, *, workers: int, timeout: float, memory_mb: int | None, prefetch: int | None = None
 ):
     """Yield (job, SharedFrames | Failed | exception) in job order, decoding ahead in isolated workers.
+    A worker that could not create a window's shared memory is an OutputError: our own output failed.
 
     A feeder thread drives the workers, so they keep decoding (up to `prefetch` windows ahead)
     while the caller encodes; only shared-memory names cross the pipe. Closing the generator
@@ -139,6 +145,8 @@ def decoded(
             if item[0] == "feeder":
                 raise item[1]
             job, res = item
+            if isinstance(res, FrameBufferError):  # our own output (the frames' block) failed: not a reject
+                raise OutputError(f"/dev/shm/{job['shm']}", res)
             if isinstance(res, Failed):
                 _unlink_shared(job["shm"])
             elif isinstance(res, tuple):
@@ -173,181 +181,167 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
             + "\n  ".join(d[:12])
         )
     cdir = cache_dir(root, name)
-    sidecar = begin_unit(cdir, index, wait=wait)
-    if sidecar is None:
-        say(f"{unit}: already done, skipped")
-        return {"unit": unit, "skipped": True}
-    try:
+    with claimed(cdir, index, wait=wait) as sidecar:
+        if sidecar is None:
+            say(f"{unit}: already done, skipped")
+            return {"unit": unit, "skipped": True}
         clear_store_unit(root, name, f"{index:06d}-{plan['plan_id']}")  # what a killed run left
-        return _run(root, unit, plan, cfg, buckets, cdir, index, sidecar, device)
-    finally:
-        end_unit(sidecar)
+        return _run(root, unit, plan, cfg, buckets, cdir, index, sidecar, device or default_device())
 
 
-def _run(
-    root,
-    unit: str,
-    plan: dict,
-    cfg: CacheConfig,
-    buckets: BucketConfig,
-    cdir: Path,
-    index: int,
-    sidecar: Path,
-    device: str | None,
-) -> dict:
+def finite(row: dict) -> Reject | None:
+    """A step: a latent with a NaN or an inf is the encoder's failure on this clip, recorded, never stored."""
+    if not all(torch.isfinite(v.float()).all() for v in row["latents"].values()):
+        return Reason.invalid_latent, "non-finite values in the encoder output"
+    return None
+
+
+class Latents:
+    """The cache's steps in the parent, once a clip's window is decoded: encode a bucket's batch, draw
+    (``store = "sample"``), check (``finite``), store; and ``finish``, the sidecar. Holds the unit's video
+    shard writer, the store index rows it wrote and its counts."""
+
+    def __init__(self, root, cfg: CacheConfig, cdir: Path, stem: str, device: str, encode: bool, captions: tuple):
+        self.root, self.cfg, self.device, self.name, self.stem = root, cfg, device, cdir.name, stem
+        self.text_index, self.text = captions  # what encode_captions wrote, and its counts
+        self.t0 = time.monotonic()
+        self.vdig = video_digest(json.loads((cdir / "cache.json").read_text()))
+        self.video = VideoEncoder(cfg.video_encoder, device) if encode else None
+        vdir = store_dir(root, "video", self.name)
+        vdir.mkdir(parents=True, exist_ok=True)
+        self.writer = ShardWriter(vdir, stem, int(cfg.shard_mb * 1e6))
+        self.index: list[dict] = []
+        self.stats = {"clips": 0, "frames": 0, "bytes": 0, "encode_s": 0.0, "pixels": 0}
+
+    def steps(self) -> list:
+        return [Batch(lambda row: row["bucket"], self.cfg.batch_size, self.encode), self.draw, finite, self.store]
+
+    def encode(self, rows: list[dict]) -> None:
+        """One VAE call over a bucket's decoded windows; their shared memory is freed first."""
+        t = time.monotonic()
+        stacked = np.stack([row["frames"].array for row in rows])
+        for row in rows:
+            row.pop("frames").release()
+        latents = self.video.encode(stacked)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.stats["encode_s"] += time.monotonic() - t
+        for k, row in enumerate(rows):
+            row["latents"] = {key: v[k].clone() for key, v in latents.items()}
+
+    def draw(self, row: dict) -> None:
+        """``store = "sample"``: one frozen draw of the posterior, seeded by (seed, view, clip id): reruns agree."""
+        if self.cfg.store == "sample":
+            t = row["latents"]
+            purpose = "sample" if row["view"] == 0 else f"sample/{row['view']}"
+            g = torch.Generator().manual_seed(clip_seed(purpose, self.cfg.seed, row["clip_id"]))
+            noise = torch.randn(t["mean"].shape, generator=g)
+            row["latents"] = {"sample": (t["mean"].float() + torch.exp(0.5 * t["logvar"].float()) * noise).bfloat16()}
+
+    def store(self, row: dict) -> None:
+        """Append the latent to the unit's store shard under its content key, and index it."""
+        job, tensors = row["plan"], row.pop("latents")
+        raw = Path(self.root) / job["raw_shard"]
+        chash = content_hash(raw, job["raw_offset"], job["file_size"])
+        vkey = video_key(self.vdig, chash, job, self.cfg.resize, self.cfg.store, self.cfg.seed)
+        data = encode(tensors, video_key=vkey, bucket=row["bucket"])
+        shard, offsets = self.writer.write_sample(vkey, [(LATENT_EXT, data, None)])
+        shape = list(tensors.get("mean", tensors.get("sample")).shape)
+        rel = str(Path("store", "video", self.name, shard))
+        row.update(shape=shape, shard=rel, shard_offset=offsets[LATENT_EXT], video_key=vkey, reused=False)
+        self.index.append(
+            {"video_key": vkey, "shard": rel, "shard_offset": offsets[LATENT_EXT], "shape": shape}
+            | {"bytes": len(data), "content_hash": chash, "raw_shard": job["raw_shard"]}
+            | {"raw_offset": job["raw_offset"], "file_size": job["file_size"], "raw_stamp": raw_stamp(raw)}
+        )
+        for k, n in (("clips", 1), ("frames", row["num_frames"]), ("bytes", len(data))):
+            self.stats[k] += n
+        self.stats["pixels"] += row["num_frames"] * row["height"] * row["width"]
+
+    def finish(self, rows: list[dict]):
+        """Every row done: repeated views get their outcome, the store indexes of what the unit wrote are
+        written, and the sidecar's table is made (its metadata: what was encoded, in how long)."""
+        repeat_views(rows)
+        if self.index:
+            write_index(store_dir(self.root, "video", self.name) / f"{self.stem}.parquet", self.index, "video")
+        if self.text_index:
+            write_index(store_dir(self.root, "text", self.name) / f"{self.stem}.parquet", self.text_index, "text")
+        s = self.stats
+        done = {"encode_seconds": s["encode_s"], "encoded_clips": s["clips"], "encoded_pixels": s["pixels"]}
+        return outputs.sidecar(rows, done | self.text)
+
+    def postfix(self) -> dict:
+        dt = max(1e-9, time.monotonic() - self.t0)
+        return {"clips_s": f"{self.stats['clips'] / dt:.1f}", "MB_s": f"{self.stats['bytes'] / 1e6 / dt:.1f}"}
+
+
+def _to_encode(row: dict) -> bool:
+    """A kept row is decoded and encoded unless it repeats an earlier view's draw or the store holds it."""
+    return row["plan"]["same_as"] is None and row["plan"]["reuse_shard"] is None
+
+
+def _run(root, unit, plan, cfg: CacheConfig, buckets, cdir: Path, index: int, sidecar: Path, device: str) -> dict:
     name, stem = cdir.name, f"{index:06d}-{plan['plan_id']}"
     t0 = time.monotonic()
-    rows = unit_rows(cdir, index)
-    out = planned_rows(rows, name, unit)
-    jobs = [
-        dict(r, interval=buckets.frame_interval, resize=cfg.resize)
-        for r in rows
-        if r["bucket"] and r["same_as"] is None and r["reuse_shard"] is None
-    ]
-    device = device or default_device()
-    vdig = video_digest(json.loads((cdir / "cache.json").read_text()))
-    stats = {"clips": 0, "frames": 0, "bytes": 0, "encode_s": 0.0, "pixels": 0, "tokens": 0, "texts": 0}
+    rows = planned_rows(unit_rows(cdir, index), name, unit)
     t = time.monotonic()
     try:
-        captions, text_index, stats["tokens"] = encode_captions(root, rows, cfg, device, name, stem)
+        captions, text_index, tokens = encode_captions(root, [r["plan"] for r in rows], cfg, device, name, stem)
     except BaseException:
         clear_store_unit(root, name, stem)
         raise
-    stats["texts"], stats["text_s"] = len(captions), time.monotonic() - t
-    for o in out.values():
-        if o["text_shard"] is None and o["text_key"] in captions:
-            o["text_shard"], o["text_offset"], o["text_len"] = captions[o["text_key"]]
-    video = VideoEncoder(cfg.video_encoder, device) if jobs else None
-    vdir = store_dir(root, "video", name)
-    vdir.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(vdir, stem, int(cfg.shard_mb * 1e6))
-    video_index: list[dict] = []
-    pending: dict[str, list] = defaultdict(list)
-
-    def reject(key, reason, detail):
-        out[key].update(status="rejected", reject_reason=reason, reject_detail=str(detail)[:2000])
-
-    def flush(bucket):
-        batch, pending[bucket] = pending[bucket], []
-        if not batch:
-            return
-        t = time.monotonic()
-        stacked = np.stack([frames.array for _, frames in batch])
-        for _, frames in batch:
-            frames.release()
-        latents = video.encode(stacked)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        stats["encode_s"] += time.monotonic() - t
-        for k, (job, _frames) in enumerate(batch):
-            tensors = {key: v[k].clone() for key, v in latents.items()}
-            if cfg.store == "sample":  # one frozen draw, seeded by (seed, view, clip id): reruns agree
-                purpose = "sample" if job["view"] == 0 else f"sample/{job['view']}"
-                g = torch.Generator().manual_seed(clip_seed(purpose, cfg.seed, job["clip_id"]))
-                tensors = {
-                    "sample": (
-                        tensors["mean"].float()
-                        + torch.exp(0.5 * tensors["logvar"].float()) * torch.randn(tensors["mean"].shape, generator=g)
-                    ).bfloat16()
-                }
-            if not all(torch.isfinite(v.float()).all() for v in tensors.values()):
-                reject(job["key"], "invalid_latent", "non-finite values in the encoder output")
-                continue
-            raw = Path(root) / job["raw_shard"]
-            chash = content_hash(raw, job["raw_offset"], job["file_size"])
-            vkey = video_key(vdig, chash, job, cfg.resize, cfg.store, cfg.seed)
-            data = encode(tensors, video_key=vkey, bucket=bucket)
-            shard, offsets = writer.write_sample(vkey, [(LATENT_EXT, data, None)])
-            shape = list(tensors.get("mean", tensors.get("sample")).shape)
-            rel = str(Path("store", "video", name, shard))
-            out[job["key"]].update(
-                status="ok", shape=shape, shard=rel, shard_offset=offsets[LATENT_EXT], video_key=vkey, reused=False
-            )
-            video_index.append(
-                {"video_key": vkey, "shard": rel, "shard_offset": offsets[LATENT_EXT], "shape": shape}
-                | {"bytes": len(data), "content_hash": chash, "raw_shard": job["raw_shard"]}
-                | {"raw_offset": job["raw_offset"], "file_size": job["file_size"], "raw_stamp": raw_stamp(raw)}
-            )
-            stats["clips"] += 1
-            stats["frames"] += job["num_frames"]
-            stats["bytes"] += len(data)
-            stats["pixels"] += job["num_frames"] * job["height"] * job["width"]
-
-    # decode up to a batch ahead (plus a window per worker) while a batch is being encoded
-    frames_in = decoded(
-        jobs,
-        str(root),
+    text = {"text_seconds": time.monotonic() - t, "encoded_texts": len(captions), "text_tokens": tokens}
+    for r in rows:
+        if r["text_shard"] is None and r["text_key"] in captions:
+            r["text_shard"], r["text_offset"], r["text_len"] = captions[r["text_key"]]
+    encode = any(r["bucket"] and _to_encode(r) for r in rows)
+    enc = Latents(root, cfg, cdir, stem, device, encode, (text_index, text))
+    decode = functools.partial(
+        decoded,
+        root=str(root),
         workers=cfg.workers,
         timeout=cfg.decode_timeout,
         memory_mb=cfg.worker_memory_mb,
-        prefetch=cfg.batch_size + cfg.workers,
+        prefetch=cfg.batch_size + cfg.workers,  # a batch ahead, plus a window per worker, while one encodes
     )
+    job = {"interval": buckets.frame_interval, "resize": cfg.resize}
     try:
-        with bar(len(rows), unit, "clip") as pbar:
-            pbar.update(len(rows) - len(jobs))
-            for job, res in frames_in:
-                pbar.update(1)
-                if isinstance(res, FrameBufferError):
-                    raise OutputError(f"/dev/shm/{job['shm']}", res)
-                if isinstance(res, Failed):
-                    reject(
-                        job["key"],
-                        res.reason if res.reason in ("timeout", "crashed") else "undecodable",
-                        res.detail,
-                    )
-                elif isinstance(res, BaseException):
-                    reject(job["key"], "undecodable", f"{type(res).__name__}: {res}")
-                else:
-                    pending[job["bucket"]].append((job, res))
-                    if len(pending[job["bucket"]]) >= cfg.batch_size:
-                        flush(job["bucket"])
-                        pbar.set_postfix(
-                            clips_s=f"{stats['clips'] / max(1e-9, time.monotonic() - t0):.1f}",
-                            MB_s=f"{stats['bytes'] / 1e6 / max(1e-9, time.monotonic() - t0):.1f}",
-                        )
-            for b in list(pending):
-                flush(b)
-        writer.close()
-        for r in rows:  # a repeated draw: the earlier view's outcome, its sample
-            if r["bucket"] and r["same_as"] is not None:
-                src = out[(r["clip_id"], r["same_as"])]
-                out[r["key"]].update({k: v for k, v in src.items() if k not in ("view", "unit", "cache")})
-
-        table = pa.Table.from_pylist(list(out.values()), schema=SIDECAR).replace_schema_metadata(
-            {
-                "encode_seconds": str(stats["encode_s"]),
-                "encoded_clips": str(stats["clips"]),
-                "encoded_pixels": str(stats["pixels"]),
-                "text_seconds": str(stats["text_s"]),
-                "encoded_texts": str(stats["texts"]),
-                "text_tokens": str(stats["tokens"]),
-            }
+        units.run(
+            Unit(
+                name=unit,
+                rows=rows,
+                before=[no_bucket],
+                todo=_to_encode,
+                work=lambda todo: decode([dict(r["plan"], **job) for r in todo]),
+                take=lambda row, frames: row.update(frames=frames),
+                steps=enc.steps(),
+                writer=enc.writer,
+                sidecar=sidecar,
+                finish=enc.finish,
+                reasons=Reason,
+                abort=lambda: clear_store_unit(root, name, stem),  # its caption shards and indexes too
+                what="clip",
+                postfix=enc.postfix,
+            )
         )
-        if video_index:
-            write_index(store_dir(root, "video", name) / f"{stem}.parquet", video_index, "video")
-        if text_index:
-            write_index(store_dir(root, "text", name) / f"{stem}.parquet", text_index, "text")
-        with atomic_path(sidecar) as tmp:  # last: the unit is now visible as finished
-            pq.write_table(table, tmp)
-    except BaseException:
-        writer.abort()  # no sidecar will name its shards: remove them, and its caption shards and indexes
-        clear_store_unit(root, name, stem)
-        raise
     finally:
-        frames_in.close()
-        for batch in pending.values():
-            for _, frames in batch:
+        for r in rows:  # windows decoded but not encoded when the unit failed
+            if (frames := r.pop("frames", None)) is not None:
                 frames.release()
     dt = time.monotonic() - t0
+    _summary(unit, rows, cfg, enc.stats | text, dt, device)
+    say(projection(cdir, plan.get("num_encodes", plan["num_clips"]), plan.get("num_pixels")))
+    return {"unit": unit, "clips": len({r["clip_id"] for r in rows}), "ok": enc.stats["clips"], "seconds": dt}
+
+
+def _summary(unit: str, rows: list[dict], cfg: CacheConfig, stats: dict, dt: float, device: str) -> None:
     ok = stats["clips"]
     clips = len({r["clip_id"] for r in rows})
-    rejected = sum(1 for r in out.values() if r["status"] != "ok")
+    rejected = sum(1 for r in rows if r["status"] != "ok")
     say(
         f"{unit}: {clips} clips"
         + (f" x {cfg.views} views" if cfg.views > 1 else "")
-        + f", {ok} encoded, {sum(1 for o in out.values() if o.get('reused'))} reused from the store, "
-        f"{stats['texts']} captions encoded, {rejected} rejected; {stats['frames'] / dt:.0f} frames/s, "
+        + f", {ok} encoded, {sum(1 for r in rows if r.get('reused'))} reused from the store, "
+        f"{stats['encoded_texts']} captions encoded, {rejected} rejected; {stats['frames'] / dt:.0f} frames/s, "
         f"{ok / dt:.2f} clips/s, {stats['bytes'] / 1e6 / dt:.1f} MB/s of latents in {dt:.1f} s on {device}"
     )
-    say(projection(cdir, plan.get("num_encodes", plan["num_clips"]), plan.get("num_pixels")))
-    return {"unit": unit, "clips": clips, "ok": ok, "seconds": dt}

@@ -8,14 +8,14 @@ touch it: they write sidecar parquets that merge loads.
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import duckdb
 
 from reelcache import UserError
 
-# pyarrow is imported by clips_table, the writers' function: `catalog query` starts without it.
+# pyarrow is imported by sidecar_table, the writers' function: `catalog query` starts without it.
 
 SCHEMA_FILE = Path(__file__).with_name("schema.sql")
 DB_NAME = "catalog.duckdb"
@@ -89,22 +89,36 @@ def open_catalog(root: str | Path, *, write: bool = False):
     return con
 
 
-@lru_cache(maxsize=1)
-def clips_arrow_schema():
-    """The Arrow schema of `clips`, derived from schema.sql: what every sidecar is cast to."""
+@cache
+def arrow_schema(table: str):
+    """The Arrow schema of a catalog table, derived from schema.sql: what a stage's sidecar is cast to
+    (ingest: `clips`, cache: `latents`), so a column added there reaches every writer."""
     con = duckdb.connect()
     con.execute(schema_sql())
-    schema = con.sql("SELECT * FROM clips LIMIT 0").to_arrow_table().schema
+    schema = con.sql(f"SELECT * FROM {table} LIMIT 0").to_arrow_table().schema
     con.close()
     return schema
 
 
-def clips_table(rows: list[dict]):
-    """Rows (dicts keyed by clips column) -> Arrow table with exactly the clips schema."""
+def clips_arrow_schema():
+    """The Arrow schema of `clips`, derived from schema.sql: what every ingest sidecar is cast to."""
+    return arrow_schema("clips")
+
+
+def sidecar_table(table: str, rows: list[dict], *, strict: bool = True):
+    """Rows (dicts keyed by the table's columns) -> Arrow table with exactly that table's schema.
+
+    `strict`: a key that is no column is an error (ingest: a probe field without a column would vanish);
+    otherwise such keys are the caller's own and are left out (cache: its rows also carry their plan)."""
     import pyarrow as pa
 
-    schema = clips_arrow_schema()
-    unknown = set().union(*(r.keys() for r in rows)) - set(schema.names) if rows else set()
-    assert not unknown, f"columns not in schema.sql: {sorted(unknown)}"
+    schema = arrow_schema(table)
+    unknown = set().union(*(r.keys() for r in rows)) - set(schema.names) if rows and strict else set()
+    assert not unknown, f"columns not in schema.sql's {table}: {sorted(unknown)}"
     cols = {name: [r.get(name) for r in rows] for name in schema.names}
     return pa.table(cols, schema=schema)
+
+
+def clips_table(rows: list[dict]):
+    """Rows (dicts keyed by clips column) -> Arrow table with exactly the clips schema."""
+    return sidecar_table("clips", rows)

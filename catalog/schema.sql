@@ -1,9 +1,9 @@
 -- reelcache catalog schema.
 -- schema_version: 2
 --
--- The one definition of the catalog. Sidecar parquets written by ingest are cast to the
--- `clips` columns below (catalog/db.py derives their Arrow schema from this file), so a
--- column added here reaches every writer. A change to an existing table bumps
+-- The one definition of the catalog. Sidecar parquets are cast to a table's columns below (ingest's
+-- to `clips`, the cache's to `latents`: catalog/db.py derives their Arrow schemas from this file), so
+-- a column added here reaches every writer. A change to an existing table bumps
 -- schema_version and comes with an explicit migration in catalog/db.py: MIGRATIONS.
 
 CREATE TABLE IF NOT EXISTS meta (
@@ -117,7 +117,7 @@ CREATE TABLE IF NOT EXISTS latents (
     cache         VARCHAR NOT NULL,    -- cache name; ROOT/latents/<cache>/cache.json is its identity
     unit          VARCHAR NOT NULL,
     status        VARCHAR NOT NULL,    -- 'ok' | 'rejected'
-    reject_reason VARCHAR,             -- no_bucket:<too_small|too_short|not_kept> | undecodable | timeout | crashed | invalid_latent
+    reject_reason VARCHAR,             -- fixed vocabulary, cache/outputs.py: Reason
     reject_detail VARCHAR,
     bucket        VARCHAR,             -- '<resolution>/<num_frames>/<aspect ratio>'
     num_frames    INTEGER,             -- frames encoded (the bucket's T)

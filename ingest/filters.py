@@ -1,9 +1,10 @@
 """Why a row is rejected: a fixed vocabulary, and the filters that apply it.
 
-A filter is a plain function ``(row or probe, config) -> None | (Reason, detail)``; a unit
-applies ``ROW_FILTERS`` before touching the file and ``PROBE_FILTERS`` after probing it, in
-order, and records the first reason that fires. The probe itself raises ``Rejected`` for what
-it finds in the file (missing, empty, too large, undecodable, truncated, ...).
+A filter is a plain function ``(row or probe, thresholds) -> None | (Reason, detail)``: with its
+thresholds bound, a step of the unit runner (catalog/units.py). A unit applies ``ROW_FILTERS``
+before touching the file and ``PROBE_FILTERS`` after probing it, in order, and records the first
+reason that fires. The probe itself raises ``Rejected`` for what it finds in the file (missing,
+empty, too large, undecodable, truncated, ...).
 """
 
 from __future__ import annotations
@@ -79,11 +80,3 @@ def too_short(p, t):
 
 ROW_FILTERS = [bad_row, duplicate_row, empty_caption]
 PROBE_FILTERS = [too_short]
-
-
-def first_reject(filters, item, thresholds):
-    for f in filters:
-        hit = f(item, thresholds)
-        if hit:
-            return hit
-    return None

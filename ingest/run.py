@@ -1,11 +1,11 @@
 """``ingest run UNIT``: probe, filter and shard one unit's rows; write its sidecar last.
 
-The steps, in order, for each row of the unit:
+Ingest's part of the unit runner (catalog/units.py), for each row of the unit:
 
-1. row filters (malformed row, duplicate, empty caption): no file is touched;
-2. probe in an isolated worker process with a deadline (ingest/probe.py, ingest/isolate.py);
-3. probe filters (too short);
-4. accepted clips are appended to a size-capped tar shard (ingest/shards.py).
+1. before: the row filters (malformed row, duplicate, empty caption); no file is touched;
+2. work: the probe, in an isolated worker process with a deadline (ingest/probe.py, reelcache/isolate.py);
+3. steps: the probe filters (too short), then ``write``: the clip is appended to a size-capped tar
+   shard (catalog/shards.py).
 
 Then captions of accepted clips are tagged in one batch (noun_count), and the sidecar parquet,
 one row per input row with the `clips` schema, is written and renamed into place. A unit whose
@@ -20,30 +20,19 @@ from __future__ import annotations
 
 import functools
 import json
-import time
-from collections import Counter
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from reelcache import UserError
+from reelcache.catalog import units
 from reelcache.catalog.db import clips_table
 from reelcache.catalog.levels import count_nouns, tagger_name
-from reelcache.catalog.shards import (
-    ShardWriter,
-    ShortRead,
-    SourceError,
-    atomic_path,
-    begin_unit,
-    end_unit,
-    parse_unit,
-    unit_rows,
-)
-from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason, Rejected, first_reject
+from reelcache.catalog.shards import ShardWriter, ShortRead, SourceError, parse_unit, unit_rows
+from reelcache.catalog.units import Reject, Unit, claimed
+from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason
 from reelcache.ingest.plan import load_plan, source_dir
 from reelcache.ingest.probe import probe
-from reelcache.isolate import Failed, isolated_map
-from reelcache.progress import bar, say
+from reelcache.isolate import isolated_map
+from reelcache.progress import say
 
 # Metadata columns that are not copied into the sample's .json inside the shard.
 _NOT_IN_JSON = {
@@ -62,10 +51,6 @@ _NOT_IN_JSON = {
 }
 
 
-# How an isolated probe that returned no result is recorded.
-FAILED_REASON = {"timeout": Reason.timeout, "crashed": Reason.crashed}
-
-
 def mismatch(stated: dict, p: dict) -> str | None:
     """What the source table claims and the file disagrees with (the file wins)."""
     out = []
@@ -82,84 +67,86 @@ def mismatch(stated: dict, p: dict) -> str | None:
     return "; ".join(out) or None
 
 
-def _reject(row: dict, reason: Reason | str, detail: str) -> None:
-    row.update(status="rejected", reject_reason=Reason(reason).value, reject_detail=str(detail)[:2000])
-
-
 def run_unit(root: str, unit: str, wait: bool = False) -> dict:
     source, index = parse_unit(unit)
     cfg, plan = load_plan(root, source)
     if not 0 <= index < plan["num_units"]:
         raise UserError(f"{unit}: the plan for {source!r} has units 0..{plan['num_units'] - 1}")
     sdir = source_dir(root, source)
-    sidecar = begin_unit(sdir, index, wait=wait)
-    if sidecar is None:
-        say(f"{unit}: already done, skipped")
-        return {"unit": unit, "skipped": True}
-    try:
+    with claimed(sdir, index, wait=wait) as sidecar:
+        if sidecar is None:
+            say(f"{unit}: already done, skipped")
+            return {"unit": unit, "skipped": True}
         return _run(unit, cfg, plan, sdir, index, sidecar)
-    finally:
-        end_unit(sidecar)
+
+
+def take_probe(row: dict, probed: dict) -> None:
+    """The probe's fields into the row (the file wins), and what the source table stated otherwise."""
+    row.update(probed)
+    row["stated_mismatch"] = mismatch(row, probed)
+
+
+def write(row: dict, *, writer: ShardWriter, sdir: Path) -> Reject | None:
+    """A step, the last: append the clip (video bytes, .json meta, .txt caption) to the unit's shard.
+    A source that cannot be read is the clip's reject; a failed write (OutputError) fails the unit."""
+    ext = Path(row["path"]).suffix.lower().lstrip(".") or "video"
+    meta = {k: v for k, v in row.items() if k not in _NOT_IN_JSON and v is not None}
+    try:
+        name, offsets = writer.write_sample(
+            row["clip_id"],
+            [
+                (ext, row["path"], row["file_size"]),
+                ("json", json.dumps(meta, sort_keys=True).encode(), None),
+                ("txt", (row["text"] or "").encode(), None),
+            ],
+        )
+    except ShortRead as e:
+        return Reason.truncated, str(e)
+    except SourceError as e:
+        return Reason.missing_file, f"cannot read for sharding: {e}"
+    row.update(shard=f"raw/{sdir.name}/{name}", shard_offset=offsets[ext], ext=ext)
+    return None
+
+
+def tagged_table(rows: list[dict], tagger: str):
+    """The sidecar: the accepted clips' captions tagged in one batch (noun_count), every row as `clips`."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if ok:
+        for r, n in zip(ok, count_nouns([r["text"] for r in ok], tagger)):
+            r["noun_count"], r["noun_tagger"] = n, tagger_name(tagger)
+    for r in rows:
+        r.pop("row_error", None), r.pop("duplicate_of", None)
+    return clips_table(rows)
 
 
 def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, sidecar: Path) -> dict:
-    source, stem = sdir.name, f"{index:06d}"
-    t0 = time.monotonic()
     rows = unit_rows(sdir, index)
     for r in rows:
-        r.update(source=source, unit=unit, status="ok")
-        if hit := first_reject(ROW_FILTERS, r, cfg.thresholds):
-            _reject(r, *hit)
-    todo = [r for r in rows if r["status"] == "ok"]
-    timeout = cfg.decode_timeout if cfg.verify == "decode" else cfg.probe_timeout
+        r.update(source=sdir.name, unit=unit, status="ok")
     fn = functools.partial(probe, max_file_mb=cfg.thresholds.max_file_mb, verify=cfg.verify)
-
-    writer = ShardWriter(sdir, stem, int(cfg.shard_mb * 1e6))
-    nbytes = 0
-    try:
-        with bar(len(rows), desc=unit, unit="file") as pbar:
-            pbar.update(len(rows) - len(todo))
-            results = isolated_map(
-                fn,
-                [r["path"] for r in todo],
-                workers=cfg.workers,
-                timeout=timeout,
-                memory_mb=cfg.worker_memory_mb,
-            )
-            for r, (_, res) in zip(todo, results):
-                pbar.update(1)
-                if isinstance(res, Rejected):
-                    _reject(r, res.reason, res.detail)
-                elif isinstance(res, Failed):
-                    _reject(r, FAILED_REASON.get(res.reason, Reason.undecodable), res.detail)
-                elif isinstance(res, BaseException):
-                    _reject(r, Reason.undecodable, f"{type(res).__name__}: {res}")
-                else:
-                    r.update(res)
-                    r["stated_mismatch"] = mismatch(r, res)
-                    if hit := first_reject(PROBE_FILTERS, r, cfg.thresholds):
-                        _reject(r, *hit)
-                        continue
-                    _write(writer, r, sdir)
-                    if r["status"] == "ok":
-                        nbytes += r["file_size"]
-        writer.close()
-
-        ok = [r for r in rows if r["status"] == "ok"]
-        if ok:
-            for r, n in zip(ok, count_nouns([r["text"] for r in ok], cfg.tagger)):
-                r["noun_count"], r["noun_tagger"] = n, tagger_name(cfg.tagger)
-        for r in rows:
-            r.pop("row_error", None), r.pop("duplicate_of", None)
-        table = clips_table(rows)
-        with atomic_path(sidecar) as tmp:  # last: the unit is now visible as finished
-            pq.write_table(table, tmp, compression="zstd")
-    except BaseException:
-        writer.abort()  # its shards are named by no sidecar: remove them
-        raise
-
-    dt = time.monotonic() - t0
-    reasons = Counter(r["reject_reason"] for r in rows if r["status"] != "ok")
+    timeout = cfg.decode_timeout if cfg.verify == "decode" else cfg.probe_timeout
+    limits = {"workers": cfg.workers, "timeout": timeout, "memory_mb": cfg.worker_memory_mb}
+    writer = ShardWriter(sdir, f"{index:06d}", int(cfg.shard_mb * 1e6))
+    done = units.run(
+        Unit(
+            name=unit,
+            rows=rows,
+            before=[functools.partial(f, t=cfg.thresholds) for f in ROW_FILTERS],
+            work=lambda todo: isolated_map(fn, [r["path"] for r in todo], **limits),
+            take=take_probe,
+            steps=[functools.partial(f, t=cfg.thresholds) for f in PROBE_FILTERS]
+            + [functools.partial(write, writer=writer, sdir=sdir)],
+            writer=writer,
+            sidecar=sidecar,
+            finish=functools.partial(tagged_table, tagger=cfg.tagger),
+            reasons=Reason,
+            compression="zstd",
+            what="file",
+        )
+    )
+    dt, reasons = done["seconds"], done["reasons"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    nbytes = sum(r["file_size"] for r in ok)
     say(
         f"{unit}: {len(rows)} rows, {len(ok)} ok, {len(rows) - len(ok)} rejected"
         + (f" ({', '.join(f'{k} {v}' for k, v in reasons.most_common())})" if reasons else "")
@@ -176,24 +163,3 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, sidecar: Path) -> d
         "bytes": nbytes,
         "seconds": dt,
     }
-
-
-def _write(writer: ShardWriter, r: dict, sdir: Path) -> None:
-    ext = Path(r["path"]).suffix.lower().lstrip(".") or "video"
-    meta = {k: v for k, v in r.items() if k not in _NOT_IN_JSON and v is not None}
-    try:
-        name, offsets = writer.write_sample(
-            r["clip_id"],
-            [
-                (ext, r["path"], r["file_size"]),
-                ("json", json.dumps(meta, sort_keys=True).encode(), None),
-                ("txt", (r["text"] or "").encode(), None),
-            ],
-        )
-    except ShortRead as e:
-        _reject(r, Reason.truncated, str(e))
-        return
-    except SourceError as e:  # a write failure (OutputError) is not the clip's fault: it fails the unit
-        _reject(r, Reason.missing_file, f"cannot read for sharding: {e}")
-        return
-    r.update(shard=f"raw/{sdir.name}/{name}", shard_offset=offsets[ext], ext=ext)

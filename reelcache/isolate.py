@@ -89,6 +89,23 @@ class _Slot:
         if not ok:
             raise RuntimeError(f"worker process did not start within {timeout:g} s ({_death(self.proc)})")
 
+    def outcome(self, ready: list, timeout: float):
+        """What the item being worked on came to: its result, Failed (crashed, past its deadline), or None:
+        still running. ``ready``: what ``wait`` found ready."""
+        seq, _, deadline = self.jobs[0]
+        if self.conn in ready or self.conn.poll():
+            try:
+                rseq, _, value = self.conn.recv()
+                assert rseq == seq
+                return value
+            except (EOFError, OSError):
+                return Failed("crashed", _death(self.proc))
+        if self.proc.sentinel in ready or not self.proc.is_alive():
+            return Failed("crashed", _death(self.proc))
+        if time.monotonic() >= deadline:
+            return Failed("timeout", f"no answer within {timeout:g} s; worker killed")
+        return None
+
     def kill(self):
         if self.proc.is_alive():
             self.proc.kill()
@@ -146,20 +163,8 @@ def isolated_map(
             for i, s in enumerate(slots):
                 if not s.jobs:
                     continue
-                seq, item, deadline = s.jobs[0]
-                result = None
-                if s.conn in ready or s.conn.poll():
-                    try:
-                        rseq, ok, value = s.conn.recv()
-                        assert rseq == seq
-                        result = value
-                    except (EOFError, OSError):
-                        result = Failed("crashed", _death(s.proc))
-                elif s.proc.sentinel in ready or not s.proc.is_alive():
-                    result = Failed("crashed", _death(s.proc))
-                elif time.monotonic() >= deadline:
-                    result = Failed("timeout", f"no answer within {timeout:g} s; worker killed")
-                if result is None:
+                seq, item, _ = s.jobs[0]
+                if (result := s.outcome(ready, timeout)) is None:
                     continue
                 done[seq] = (item, result)
                 s.jobs.popleft()

@@ -128,13 +128,13 @@ def _zombie(pid: int) -> bool:
 HELD_AFTER_FIRST_SHARD = """
 import os, sys, time
 from reelcache.ingest import run
-write = run._write
-def held(writer, r, sdir):
+write = run.write
+def held(r, *, writer, sdir):
     if writer.finished and "SLURM_RESTART_COUNT" not in os.environ:
         time.sleep(120)
-    write(writer, r, sdir)
+    return write(r, writer=writer, sdir=sdir)
 if sys.argv[-1].endswith("/000000"):
-    run._write = held
+    run.write = held
 from reelcache.cli import main
 sys.exit(main(["ingest", "run", *sys.argv[1:]]))
 """

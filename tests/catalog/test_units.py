@@ -1,26 +1,38 @@
-"""The unit protocol under failure: a full disk fails the unit (never rejects its clips), and two
-runs of one unit never delete each other's files. Real processes, real size limits, real leases."""
+"""The unit runner (catalog/units.py) and the unit protocol under failure.
+
+Fast: the runner on tiny rows in this process (real worker processes, a real shard writer and lease):
+steps keep or reject in order, a batch runs its rows together, a worker's failure is a reason, and a
+failed write of our own output fails the unit and leaves nothing (the sidecar schemas:
+test_sidecar_schema.py).
+Slow, their twins through `ingest run` in real processes: a full disk fails the unit (never rejects
+its clips), and two runs of one unit never delete each other's files."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
 import time
+from enum import Enum
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from support import sql
+from workers import work
 
-from reelcache import UserError
+from reelcache.catalog import units
+from reelcache.catalog.shards import OutputError, ShardWriter
+from reelcache.catalog.units import Batch, Unit, claimed, worker_reject
 from reelcache.cli import main
+from reelcache.isolate import Failed, isolated_map
 
 UNIT = "openvid/000000"
 
@@ -29,29 +41,11 @@ def _plan(root: Path, data: Path, meta: Path | None = None) -> list[str]:
     import contextlib
     import io
 
+    args = ["ingest", "plan", "--root", str(root), "--source", "openvid", "--rows-per-unit", "8", "--max-file-mb", "8"]
+    args += ["--meta", str(meta or data / "OpenVid-demo.csv"), "--videos", str(data / "videos")]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert (
-            main(
-                [
-                    "ingest",
-                    "plan",
-                    "--root",
-                    str(root),
-                    "--source",
-                    "openvid",
-                    "--meta",
-                    str(meta or data / "OpenVid-demo.csv"),
-                    "--videos",
-                    str(data / "videos"),
-                    "--rows-per-unit",
-                    "8",
-                    "--max-file-mb",
-                    "8",
-                ]
-            )
-            == 0
-        )
+        assert main(args) == 0
     return buf.getvalue().split()
 
 
@@ -85,6 +79,136 @@ def _same_as_clean(root: Path, clean: Path, stem: str = "000000") -> None:
     assert members(a) == members(b) and members(a)
 
 
+class Why(str, Enum):
+    """A stage's vocabulary, as small as the runner needs: its own reasons and the three of a worker."""
+
+    no_value = "no_value"
+    too_big = "too_big"
+    timeout = "timeout"
+    crashed = "crashed"
+    undecodable = "undecodable"
+
+
+def _unit(directory, rows, sidecar, steps, **kw) -> Unit:
+    """Rows {"clip_id", "x"} through a real isolated map of tests/workers.py's `work` (doubles x)."""
+    writer = kw.pop("writer", None) or ShardWriter(directory, "000000", 10_000, fsync=False)
+    return Unit(
+        name="t/000000",
+        rows=rows,
+        before=[lambda r: (Why.no_value, "x is None") if r["x"] is None else None],
+        work=lambda todo: isolated_map(work, [r["x"] for r in todo], workers=1, timeout=30),
+        take=lambda r, y: r.update(y=y),
+        steps=steps(writer),
+        writer=writer,
+        sidecar=sidecar,
+        finish=lambda rows: pa.Table.from_pylist([{k: r.get(k) for k in COLUMNS} for r in rows]),
+        reasons=Why,
+        **kw,
+    )
+
+
+COLUMNS = ("clip_id", "status", "reject_reason", "reject_detail", "y", "batch", "shard")
+
+
+def _store(writer):
+    """The last step: write the row's value, as bytes, into the unit's shard."""
+
+    def store(r):
+        name, _ = writer.write_sample(r["clip_id"], [("bin", b"v" * r["y"], None)])
+        r["shard"] = name
+
+    return store
+
+
+def _steps(writer):
+    too_big = lambda r: (Why.too_big, f"{r['y']} > 8") if r["y"] > 8 else None  # noqa: E731
+    batch = Batch(key=lambda r: r["y"] % 4, size=2, run=lambda rows: [r.update(batch=len(rows)) for r in rows])
+    return [too_big, batch, _store(writer)]
+
+
+def test_steps_keep_or_reject_in_order_and_a_batch_runs_its_rows_together(tmp_path):
+    xs = [1, None, 2, "raise", 5, 3, 4]  # y = 2x: 2, -, 4, -, 10, 6, 8
+    rows = [{"clip_id": f"c{i}", "x": x, "status": "ok"} for i, x in enumerate(xs)]
+    with claimed(tmp_path, 0) as sidecar:
+        done = units.run(_unit(tmp_path, rows, sidecar, _steps))
+    got = {r["clip_id"]: r for r in pq.read_table(sidecar).to_pylist()}
+    assert [got[f"c{i}"]["status"] for i in range(7)] == ["ok", "rejected", "ok", "rejected", "rejected", "ok", "ok"]
+    assert got["c1"]["reject_reason"] == "no_value" and got["c1"]["y"] is None  # never given to a worker
+    assert got["c3"]["reject_reason"] == "undecodable" and got["c3"]["reject_detail"] == "ValueError: bad item"
+    assert (got["c4"]["reject_reason"], got["c4"]["reject_detail"]) == ("too_big", "10 > 8")
+    # y % 4: 2 -> {c0 (2), c5 (6)} a full batch; 0 -> {c2 (4), c6 (8)} a full batch
+    assert [got[c]["batch"] for c in ("c0", "c2", "c5", "c6")] == [2, 2, 2, 2]
+    assert done["reasons"] == {"no_value": 1, "undecodable": 1, "too_big": 1}
+    members = [m.name for m in tarfile.open(tmp_path / "000000-00.tar")]
+    assert members == ["c0.bin", "c5.bin", "c2.bin", "c6.bin"]  # written as each batch filled
+    assert not (tmp_path / "000000.lease").exists()
+
+
+def test_rows_left_in_a_batch_run_at_the_end_in_the_order_their_keys_came(tmp_path):
+    rows = [{"clip_id": f"c{i}", "x": x, "status": "ok"} for i, x in enumerate([3, 1, 2, 4])]  # y % 4: 2 2 0 0
+    with claimed(tmp_path, 0) as sidecar:
+
+        def steps(writer):
+            batch = Batch(key=lambda r: r["y"] % 4, size=3, run=lambda rs: [r.update(batch=len(rs)) for r in rs])
+            return [batch, _store(writer)]
+
+        units.run(_unit(tmp_path, rows, sidecar, steps))
+    assert [m.name for m in tarfile.open(tmp_path / "000000-00.tar")] == ["c0.bin", "c1.bin", "c2.bin", "c3.bin"]
+    assert {r["batch"] for r in pq.read_table(sidecar).to_pylist()} == {2}
+
+
+def test_a_workers_answer_is_a_reason_of_the_stage():
+    class Refused(Exception):  # as a probe's Rejected: the reason it found
+        def __init__(self, reason, detail):
+            super().__init__(detail)
+            self.reason, self.detail = reason, detail
+
+    assert worker_reject(Failed("timeout", "no answer within 2 s"), Why) == (Why.timeout, "no answer within 2 s")
+    assert worker_reject(Failed("crashed", "worker killed by SIGSEGV"), Why)[0] is Why.crashed
+    assert worker_reject(Failed("error", "unpicklable"), Why) == (Why.undecodable, "unpicklable")
+    assert worker_reject(OSError("no such file"), Why) == (Why.undecodable, "OSError: no such file")
+    assert worker_reject(Refused(Why.too_big, "11 MB"), Why) == (Why.too_big, "11 MB")
+    assert worker_reject({"num_frames": 17}, Why) is None and worker_reject(0, Why) is None
+
+
+@contextlib.contextmanager
+def _file_size_limit_here(nbytes: int):
+    """This process may write no file past `nbytes` (EFBIG, as a full disk) until the context ends."""
+    old, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_failed_write_of_our_output_fails_the_unit_and_leaves_nothing(tmp_path):
+    """The fast twin of test_a_full_disk_fails_the_unit_and_its_rerun_is_clean: the unit's second shard
+    hits a file-size limit (EFBIG) after its first shard was finished; no row becomes a reject, the
+    unit fails with no sidecar, no shard, no lease, and its rerun gives the clean result."""
+    rows = lambda: [{"clip_id": f"c{i}", "x": x, "status": "ok"} for i, x in enumerate([1, 3, 2, 4])]  # noqa: E731
+    aborted = []
+    with claimed(tmp_path, 0) as sidecar:
+        # shards of 10 kB at most: c0's 2 kB finish the first, c1's 6 kB open a second and pass the 5 kB limit
+        big = lambda writer: [_store(writer)]  # noqa: E731
+        unit = _unit(tmp_path, rows(), sidecar, big, abort=lambda: aborted.append(True))
+        unit.take = lambda r, y: r.update(y=y * 1000)
+        with _file_size_limit_here(5000), pytest.raises(OutputError, match="File too large"):
+            units.run(unit)
+    assert aborted and sorted(p.name for p in tmp_path.iterdir()) == []
+    clean = tmp_path / "clean"
+    for d in (tmp_path, clean):
+        d.mkdir(exist_ok=True)
+        with claimed(d, 0) as sidecar:
+            unit = _unit(d, rows(), sidecar, big)
+            unit.take = lambda r, y: r.update(y=y * 1000)
+            units.run(unit)
+    assert pq.read_table(tmp_path / "000000.parquet").equals(pq.read_table(clean / "000000.parquet"))
+    assert {r["status"] for r in pq.read_table(tmp_path / "000000.parquet").to_pylist()} == {"ok"}
+
+
+@pytest.mark.slow  # `ingest run` in its own processes
 def test_a_full_disk_fails_the_unit_and_its_rerun_is_clean(demo_dataset, ingested, tmp_path):
     root = tmp_path / "r"
     _plan(root, demo_dataset)
@@ -101,6 +225,7 @@ def test_a_full_disk_fails_the_unit_and_its_rerun_is_clean(demo_dataset, ingeste
     _same_as_clean(root, ingested)
 
 
+@pytest.mark.slow  # `ingest run` in its own processes
 def test_a_failed_sidecar_write_fails_the_unit(demo_dataset, tmp_path):
     from reelcache.ingest.sources import OPENVID_COLUMNS
 
@@ -143,6 +268,7 @@ def _holder(directory: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow  # `ingest run` in its own processes
 def test_a_second_run_is_refused_names_the_holder_and_touches_nothing(demo_dataset, ingested, tmp_path):
     root = tmp_path / "r"
     _plan(root, demo_dataset)
@@ -172,6 +298,7 @@ def test_a_second_run_is_refused_names_the_holder_and_touches_nothing(demo_datas
     assert not (src / "000000.lease").exists() and not list(src.glob(".*tmp*"))
 
 
+@pytest.mark.slow  # `ingest run` in its own processes
 def test_the_lease_of_a_killed_run_is_stale_at_once(demo_dataset, ingested, tmp_path):
     root = tmp_path / "r"
     _plan(root, demo_dataset)
@@ -184,53 +311,6 @@ def test_the_lease_of_a_killed_run_is_stale_at_once(demo_dataset, ingested, tmp_
     proc.communicate(timeout=120)
     assert proc.returncode == 0
     _same_as_clean(root, ingested)
-
-
-def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
-    from reelcache.catalog import lease as leases
-    from reelcache.catalog.shards import begin_unit, end_unit
-
-    lease = tmp_path / "000003.lease"
-    lease.write_text(
-        json.dumps(
-            {
-                "host": "gpu-node-17",
-                "boot_id": "x",
-                "pid": 1,
-                "pid_start": 1,
-                "started_at": "2026-01-01T00:00:00Z",
-                "token": "abc",
-            }
-        )
-    )
-    (tmp_path / "000003-00.tar").write_bytes(b"the other node's shard")
-    with pytest.raises(UserError, match="gpu-node-17 pid 1"):
-        begin_unit(tmp_path, 3)
-    assert (tmp_path / "000003-00.tar").exists()
-    old = time.time() - leases.TTL_S - 60
-    os.utime(lease, (old, old))  # no heartbeat for longer than the TTL: the node is gone
-    sidecar = begin_unit(tmp_path, 3)
-    assert sidecar == tmp_path / "000003.parquet" and not (tmp_path / "000003-00.tar").exists()
-    assert json.loads(lease.read_text())["pid"] == os.getpid()
-    end_unit(sidecar)
-    assert not lease.exists()
-
-
-def test_a_lease_with_its_pid_start_as_a_string_still_reads(tmp_path):
-    """Leases written before pid_start was an int hold the start ticks as a string: read as the int, so
-    the same-host rule still tells a live holder from a pid now used by another process."""
-    from reelcache.catalog import lease as leases
-
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
-    me = {"host": socket.gethostname(), "boot_id": leases.boot_id(), "pid": os.getpid()}
-    lease = tmp_path / "000004.lease"
-    for start, stale in ((ticks, False), (ticks - 1, True)):
-        lease.write_text(
-            json.dumps({**me, "pid_start": str(start), "started_at": "2026-01-01T00:00:00Z", "token": "a"})
-        )
-        holder = leases.read_holder(lease)
-        assert holder.pid_start == start and leases.is_stale(holder) == stale
-    assert leases.pid_start(os.getpid()) == ticks
 
 
 # `ingest run` with a heartbeat every 0.05 s (30 s in production) and a unit slowed by 2 s before
@@ -247,6 +327,7 @@ sys.exit(main(["ingest", "run", "--root", sys.argv[1], sys.argv[2]]))
 """
 
 
+@pytest.mark.slow  # `ingest run` in its own processes
 def test_a_held_leases_heartbeat_advances_while_the_unit_runs(demo_dataset, ingested, tmp_path):
     """What another host judges staleness by: the lease file's mtime, refreshed by the holder's heartbeat
     thread. Set back 1000 s, it is brought back to now, and keeps advancing, while the unit runs."""
@@ -290,6 +371,7 @@ def _lease_pid(lease: Path):
         return None
 
 
+@pytest.mark.slow  # `ingest run` in its own processes
 def test_two_runs_of_one_unit_at_once_leave_one_clean_result(demo_dataset, ingested, tmp_path):
     """The runs provably overlap: the first is paused (SIGSTOP) as soon as its lease file names it, and
     the second starts then. The lease rule: the second exits 2 naming the first and touches nothing;
@@ -316,39 +398,3 @@ def test_two_runs_of_one_unit_at_once_leave_one_clean_result(demo_dataset, inges
     assert first.returncode == 0, err
     _same_as_clean(root, ingested)
     assert not list(src.glob(".*tmp*")) and not lease.exists()
-
-
-def test_a_run_that_lost_its_lease_does_not_publish(tmp_path):
-    from reelcache.catalog.lease import LostLease
-    from reelcache.catalog.shards import atomic_path, begin_unit, end_unit
-
-    sidecar = begin_unit(tmp_path, 5)
-    lease = tmp_path / "000005.lease"
-    taken = json.loads(lease.read_text()) | {"host": "gpu-node-3", "pid": 77, "token": "theirs"}
-    lease.write_text(json.dumps(taken))  # another node took the unit over while this run was frozen
-    with pytest.raises(LostLease, match="lost the lease"):
-        with atomic_path(sidecar) as tmp:
-            tmp.write_bytes(b"results")
-    assert not sidecar.exists() and json.loads(lease.read_text())["token"] == "theirs"
-    end_unit(sidecar)
-    assert json.loads(lease.read_text())["token"] == "theirs"  # releasing never removes another's lease
-
-
-def test_the_shard_writer_tells_a_bad_source_from_a_failed_write(tmp_path):
-    """Source problems are the sample's (SourceError, shard cut back); the writer goes on."""
-    import webdataset as wds
-
-    from reelcache.catalog.shards import ShardWriter, ShortRead, SourceError
-
-    src = tmp_path / "v.bin"
-    src.write_bytes(b"x" * 3000)
-    w = ShardWriter(tmp_path, "000000", 1 << 20, fsync=False)
-    w.write_sample("a", [("bin", str(src), 3000), ("txt", b"first", None)])
-    with pytest.raises(ShortRead, match="read 3000 of 5000 bytes"):
-        w.write_sample("b", [("bin", str(src), 5000), ("txt", b"second", None)])
-    with pytest.raises(SourceError, match="cannot open"):
-        w.write_sample("c", [("bin", str(tmp_path / "gone.bin"), 10)])
-    w.write_sample("d", [("bin", str(src), 3000), ("txt", b"fourth", None)])
-    shards = w.close()
-    got = [(s["__key__"], s["txt"]) for s in wds.WebDataset([str(p) for p in shards], shardshuffle=False)]
-    assert got == [("a", b"first"), ("d", b"fourth")]

@@ -41,6 +41,7 @@ def _plan(root: Path, data: Path, *extra: str) -> list[str]:
     return buf.getvalue().split()
 
 
+@pytest.mark.slow  # end to end over the ingested demo
 def test_replanned_source_merges_without_duplicates(fresh_root, demo_dataset):
     ((total,),) = sql(fresh_root, "SELECT count(*) FROM clips")
     units = _plan(fresh_root, demo_dataset, "--rows-per-unit", "5", "--replace")  # was 8 rows per unit
@@ -61,6 +62,7 @@ def test_replanned_source_merges_without_duplicates(fresh_root, demo_dataset):
     assert merge(fresh_root)["merged"] == 0 and sql(fresh_root, "SELECT * FROM clips ORDER BY clip_id") == snap
 
 
+@pytest.mark.slow  # end to end over the ingested demo
 def test_a_vanished_unit_leaves_the_catalog_but_an_unmounted_source_does_not(fresh_root, capsys):
     src = fresh_root / "raw/openvid"
     ((total,),) = sql(fresh_root, "SELECT count(*) FROM clips")
@@ -74,6 +76,7 @@ def test_a_vanished_unit_leaves_the_catalog_but_an_unmounted_source_does_not(fre
     assert sql(fresh_root, "SELECT count(*) FROM clips") == [(total - in_unit,)]
 
 
+@pytest.mark.slow  # end to end over the ingested demo
 def test_manifest_names_resolve_exactly(fresh_root):
     from reelcache.catalog.manifest import make_manifest, resolve_manifest
 
@@ -95,6 +98,7 @@ def test_manifest_names_resolve_exactly(fresh_root):
             resolve_manifest(fresh_root, path)
 
 
+@pytest.mark.slow  # end to end over the ingested demo
 def test_fingerprint_is_of_the_rows_not_of_the_file(fresh_root, tmp_path):
     import duckdb
 
@@ -221,6 +225,7 @@ def _demo_steps(root: Path, data: Path, out: Path) -> None:
         )
 
 
+@pytest.mark.slow  # end to end over the ingested demo
 def test_the_demo_data_steps_run_twice(demo_dataset, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the demo configs name each other relative to the repo
     root = tmp_path / "demo-root"
@@ -238,6 +243,7 @@ def test_the_demo_data_steps_run_twice(demo_dataset, tmp_path, monkeypatch):
     shutil.rmtree(root)
 
 
+@pytest.mark.slow  # end to end over the ingested demo
 def test_a_schema_1_catalog_is_migrated_and_merges(fresh_root):
     """A catalog made before schema 2 (no SAR, no stated size) gains the columns on open and merges."""
     import duckdb

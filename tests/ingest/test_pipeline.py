@@ -1,23 +1,21 @@
-"""End to end: every input row accounted for, shards readable by plain webdataset, idempotent
-merge, exports and manifests, SIGKILL mid-unit, GNU parallel with two slots."""
+"""End to end over the ingested demo: every input row accounted for, every reject reason from a real
+bad input, shards readable by plain webdataset, idempotent merge, exports and manifests (the unit runs
+themselves: tests/ingest/test_run.py)."""
 
 from __future__ import annotations
 
 import csv
 import json
 import shutil
-import signal
-import subprocess
-import sys
-import tarfile
-import time
 from pathlib import Path
 
 import pytest
-from support import ingest, sql
+from support import sql
 
 from reelcache.cli import main
 from reelcache.ingest.filters import Reason
+
+pytestmark = pytest.mark.slow  # every test reads the demo ingested end to end (conftest: ingested)
 
 EXPECTED_REJECTS = {
     "bad_row": "broken_row.mp4",
@@ -268,156 +266,3 @@ def test_replan_with_other_config_is_refused(fresh_root, demo_dataset, capsys):
     assert main(args + ["--rows-per-unit", "8"]) == 0  # same plan: a no-op
     assert main(args + ["--rows-per-unit", "5"]) == 2
     assert "--replace" in capsys.readouterr().err
-
-
-def _cli(*args, **kw):
-    return subprocess.Popen(
-        [sys.executable, "-m", "reelcache", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
-    )
-
-
-def test_sigkill_mid_unit_then_rerun_equals_clean_run(demo_dataset, ingested, tmp_path):
-    """Kill a unit right after it made its first shard visible, re-run it, compare with a clean run."""
-    root = tmp_path / "killed"
-    base = ["--root", str(root)]
-    plan = _cli(
-        "ingest",
-        "plan",
-        *base,
-        "--source",
-        "openvid",
-        "--meta",
-        str(demo_dataset / "OpenVid-demo.csv"),
-        "--videos",
-        str(demo_dataset / "videos"),
-        "--rows-per-unit",
-        "8",
-        "--max-file-mb",
-        "8",
-        "--shard-mb",
-        "0.3",
-        "--verify",
-        "decode",
-    )
-    units = plan.communicate()[0].split()
-    assert plan.returncode == 0
-    unit = units[0]
-    src = root / "raw" / "openvid"
-    proc = _cli("ingest", "run", *base, unit)
-    deadline = time.monotonic() + 60
-    while not (src / "000000-00.tar").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (src / "000000.parquet").exists(), "the unit finished before it could be killed"
-    assert (src / "000000-00.tar").exists()
-    from reelcache.catalog.merge import merge
-
-    assert merge(root)["orphans"]  # the half-done unit is reported, not merged
-    assert sql(root, "SELECT count(*) FROM clips") == [(0,)]
-    for u in units:
-        assert main(["ingest", "run", *base, u]) == 0
-    merge(root)
-    clean = tmp_path / "clean"
-    ingest(clean, demo_dataset, "--shard-mb", "0.3", "--verify", "decode")
-    q = "SELECT * FROM clips ORDER BY clip_id"
-    assert sql(root, q) == sql(clean, q)
-
-    def members(r):
-        return {p.name: [(m.name, m.size) for m in tarfile.open(p)] for p in sorted((r / "raw/openvid").glob("*.tar"))}
-
-    assert members(root) == members(clean)
-    assert not list(src.glob(".*tmp*"))
-
-
-def test_gnu_parallel_two_slots(demo_dataset, tmp_path):
-    if not shutil.which("parallel"):
-        pytest.skip("GNU parallel is not installed (apt-get install parallel)")
-    root = tmp_path / "par"
-    plan = _cli(
-        "ingest",
-        "plan",
-        "--root",
-        str(root),
-        "--source",
-        "openvid",
-        "--meta",
-        str(demo_dataset / "OpenVid-demo.csv"),
-        "--videos",
-        str(demo_dataset / "videos"),
-        "--rows-per-unit",
-        "6",
-        "--max-file-mb",
-        "8",
-    )
-    units = plan.communicate()[0]
-    (tmp_path / "units.txt").write_text(units)
-    assert len(units.split()) >= 4
-
-    def run(joblog):
-        cmd = [
-            "parallel",
-            "--will-cite",
-            "-j",
-            "2",
-            "--joblog",
-            str(joblog),
-            sys.executable,
-            "-m",
-            "reelcache",
-            "ingest",
-            "run",
-            "--root",
-            str(root),
-            "{}",
-            "::::",
-            str(tmp_path / "units.txt"),
-        ]
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
-        log = joblog.read_text().splitlines()[1:]
-        assert len(log) == len(units.split()) and all(line.split("\t")[6] == "0" for line in log)
-        return done.stderr
-
-    run(tmp_path / "joblog1")
-    assert run(tmp_path / "joblog2").count("already done") == len(units.split())  # finished units skip
-    assert main(["catalog", "merge", "--root", str(root)]) == 0
-    ((n,),) = sql(root, "SELECT count(*) FROM clips")
-    assert n == _csv_rows(demo_dataset)
-
-
-def test_a_file_past_its_deadline_is_a_timeout_reject_and_the_unit_goes_on(demo_dataset, tmp_path):
-    from reelcache.ingest.sources import OPENVID_COLUMNS
-
-    meta = tmp_path / "two.csv"
-    with open(meta, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(OPENVID_COLUMNS)
-        w.writerow(["long_take.mp4", "A long take of a city street.", 5, 1, 1, "static", "", "", ""])
-        w.writerow(["not_there.mp4", "A missing file.", 5, 1, 1, "static", "", "", ""])
-    root = tmp_path / "r"
-    assert (
-        main(
-            [
-                "ingest",
-                "plan",
-                "--root",
-                str(root),
-                "--source",
-                "openvid",
-                "--meta",
-                str(meta),
-                "--videos",
-                str(demo_dataset / "videos"),
-                "--verify",
-                "decode",
-                "--decode-timeout",
-                "0.005",
-            ]
-        )
-        == 0
-    )
-    assert main(["ingest", "run", "--root", str(root), "openvid/000000"]) == 0
-    assert main(["catalog", "merge", "--root", str(root)]) == 0
-    got = sql(root, 'SELECT relpath, reject_reason, reject_detail FROM clips ORDER BY "row"')
-    assert [(p, r) for p, r, _ in got] == [("long_take.mp4", "timeout"), ("not_there.mp4", "missing_file")]
-    assert "0.005 s" in got[0][2]

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
+from workers import allocate, work
 
 from reelcache.isolate import Failed, isolated_map
 
 
-def work(x):
-    if x == "hang":
-        time.sleep(60)
-    if x == "segv":
-        os.kill(os.getpid(), signal.SIGSEGV)
-    if x == "raise":
-        raise ValueError("bad item")
-    return x * 2
-
-
+@pytest.mark.slow  # a hang costs its deadline, a crash a new worker
 @pytest.mark.parametrize("workers", [1, 2])
 def test_results_in_order_despite_hangs_crashes_and_errors(workers):
     """Items queued behind a hang or a crash (each worker has two in flight) are redone, not failed."""
@@ -37,15 +27,12 @@ def test_results_in_order_despite_hangs_crashes_and_errors(workers):
 
 
 def test_memory_cap_turns_a_runaway_allocation_into_a_result():
-    out = list(isolated_map(_allocate, [10, 4000, 10], workers=1, timeout=30, memory_mb=1500))
+    out = list(isolated_map(allocate, [10, 4000, 10], workers=1, timeout=30, memory_mb=1500))
     assert out[0][1] == 10 and out[2][1] == 10
     assert isinstance(out[1][1], Failed) and out[1][1].reason == "crashed"
 
 
-def _allocate(mb):
-    return len(bytearray(mb * 1024 * 1024)) // (1024 * 1024)
-
-
+@pytest.mark.slow  # six runs of crashing workers
 def test_a_worker_dead_before_its_next_item_is_sent_costs_only_its_own_item():
     """A crash between two results: the parent's next send meets a dead worker (EPIPE). That item
     was never started, so it is redone elsewhere; only the crashing item fails. (A race: before the

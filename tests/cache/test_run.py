@@ -1,5 +1,7 @@
-"""The latent cache: bucket assignment, windowed decode, tiny encoders end to end, identity,
-SIGKILL, corrupt clips, GNU parallel."""
+"""`cache run UNIT` (cache/run.py): the cache's steps of the unit runner on real tiny inputs (fast; its
+outcome rows and reject vocabulary: test_outputs.py), and their slow twins end to end with tiny
+encoders: bit-exact latents, identity, corrupt clips and clips without a bucket recorded, SIGKILL, a
+failed write, two runs of one unit, GNU parallel."""
 
 from __future__ import annotations
 
@@ -12,134 +14,29 @@ import subprocess
 import sys
 import tarfile
 import time
-from fractions import Fraction
 from pathlib import Path
 
-import numpy as np
 import pytest
 from support import REPO, cache_config, cache_plan, sql
 
-from reelcache.catalog.buckets import BucketConfig, bucket_hw
+from reelcache.cache.outputs import Reason
+from reelcache.catalog.buckets import BucketConfig
 from reelcache.cli import main
 
-# -- buckets -------------------------------------------------------------------------------
-CFG = BucketConfig.from_dict({"720p": {51: [1.0, 2]}, "240p": {51: [1.0, 8], 102: [1.0, 4]}, "144p": {1: [1.0, 64]}})
 
+def test_the_finite_step_keeps_a_latent_and_rejects_nan_or_inf():
+    """A step of the unit runner: None keeps the row, (reason, detail) rejects it."""
+    import torch
 
-@pytest.mark.parametrize(
-    "h,w,frames,bucket,hw",
-    [
-        (720, 1280, 120, "720p/51/0.56", (720, 1280)),  # eligible at 720p, 120 > 51
-        (360, 640, 110, "240p/102/0.56", (240, 426)),  # 230,400 < 0.8 x 921,600: falls to 240p; 110 > 102
-        (1280, 720, 60, "720p/51/1.78", (1280, 720)),  # portrait: H/W = 1.78
-        (286, 286, 52, "240p/51/1.00", (320, 320)),  # 81,796 >= 0.8 x 102,240 = 81,792: eligible
-        (285, 286, 52, None, None),  # 81,510 < 81,792: too small for 240p; 144p is images only
-        (144, 256, 1, "144p/1/0.56", (144, 256)),  # a single frame goes to the image bucket
-    ],
-)
-def test_bucket_assignment_hand_computed(h, w, frames, bucket, hw):
-    a = CFG.assign("clip", h, w, frames)
-    assert a.bucket == bucket and (hw is None or (a.height, a.width) == hw)
-    if bucket is None:
-        assert a.reason == "too_short"  # eligible at 144p by size, but only single frames go there
+    from reelcache.cache.run import finite
 
-
-def test_bucket_reasons_interval_and_tables():
-    assert CFG.assign("c", 100, 100, 500).reason == "too_small"
-    slow = BucketConfig.from_dict({"240p": {51: [1.0, 8]}}, frame_interval=2)
-    assert slow.assign("c", 240, 426, 102).reason == "too_short" and slow.assign("c", 240, 426, 103).bucket
-    assert bucket_hw("240p", "0.56") == (240, 426) and bucket_hw("720p", "0.56") == (720, 1280)
-    assert CFG.batch_size("240p/102/0.56") == 4
-
-
-def test_keep_probability_is_deterministic_and_demotes():
-    cfg = BucketConfig.from_dict({"720p": {51: [0.3, 2]}, "240p": {51: [1.0, 8]}})
-    ids = [f"clip{i}" for i in range(4000)]
-    a = [cfg.assign(c, 720, 1280, 60, seed=1).bucket for c in ids]
-    assert a == [cfg.assign(c, 720, 1280, 60, seed=1).bucket for c in ids]  # pure function
-    top = sum(b.startswith("720p") for b in a) / len(a)
-    assert 0.27 < top < 0.33 and all(b.startswith(("720p", "240p")) for b in a)  # the rest demoted
-    assert a != [cfg.assign(c, 720, 1280, 60, seed=2).bucket for c in ids]
-
-
-def test_length_keep_probability_and_never_entries_demote_as_open_sora():
-    """Open-Sora's bucket.py: a (p_res, p_t) length is tried only when a draw passes p_t, else the
-    next shorter length; a (0.0, None) length that a clip reaches demotes it to the next resolution."""
-    cfg = BucketConfig.from_dict({"240p": {51: [1.0, 20], 102: [[1.0, 0.33], 10]}})
-    got = [cfg.assign(f"c{i}", 240, 426, 150).bucket for i in range(4000)]
-    share = sum(b == "240p/102/0.56" for b in got) / len(got)
-    assert 0.30 < share < 0.36 and set(got) == {"240p/51/0.56", "240p/102/0.56"}
-    assert cfg.assign("c", 240, 426, 60).bucket == "240p/51/0.56"  # 102 does not fit: no draw needed
-    never = BucketConfig.from_dict({"480p": {51: [1.0, 5], 102: [0.0, 0]}, "240p": {102: [1.0, 10]}})
-    assert never.assign("c", 480, 854, 150).bucket == "240p/102/0.56"  # reaches 480p x 102: demoted
-    assert never.assign("c", 480, 854, 60).bucket == "480p/51/0.56"  # stops at 480p x 51: kept
-    with pytest.raises(ValueError, match="no batch size"):
-        never.batch_size("480p/102/0.56")
-
-
-# -- decode --------------------------------------------------------------------------------
-def test_decoded_window_equals_frames_of_a_full_decode(tmp_path):
-    import av
-
-    from reelcache.cache.decode import FileSlice, decode_window
-    from reelcache.ingest.demo import ClipSpec, write_clip
-
-    path = tmp_path / "c.mp4"
-    write_clip(path, ClipSpec("c.mp4", 640, 360, Fraction(30), 4.0))
-    got = decode_window(str(path), frames=9, interval=3, height=144, width=240, start=70)
-    with av.open(str(path)) as c:
-        full = [f for f in c.decode(video=0)]
-    ref = []
-    for f in full[70 : 70 + 27 : 3]:
-        rgb = f.reformat(width=256, height=144, format="rgb24", interpolation="AREA").to_ndarray()
-        ref.append(rgb[:, 8:248])
-    assert got.dtype == np.uint8 and np.array_equal(got, np.stack(ref))
-    # the same bytes read in place from inside a tar give the same frames
-    tar = tmp_path / "s.tar"
-    with tarfile.open(tar, "w") as t:
-        t.add(path, "k.mp4")
-    with tarfile.open(tar) as t:
-        m = t.getmember("k.mp4")
-    inside = decode_window(
-        FileSlice(str(tar), m.offset_data, m.size), frames=9, interval=3, height=144, width=240, start=70
-    )
-    assert np.array_equal(inside, got)
-    with pytest.raises(ValueError, match="clip ended"):
-        decode_window(str(path), frames=9, interval=3, height=144, width=240, start=110)
-
-
-def test_closing_the_decode_stream_early_frees_every_block(tmp_path):
-    """A unit that stops early (an encoder error, a kill) closes the stream: the window handed out is
-    the consumer's to release; every other block (queued, finished out of order, or being written
-    by a worker when it was stopped) is gone from /dev/shm."""
-    from reelcache.cache.run import decode_clip, decoded
-    from reelcache.ingest.demo import ClipSpec, write_clip
-
-    jobs = []
-    for i in range(10):
-        write_clip(tmp_path / f"c{i}.mp4", ClipSpec(f"c{i}.mp4", 320, 180, Fraction(30), 2.0))
-        jobs.append(
-            dict(
-                clip_id=f"c{i}",
-                raw_shard=f"c{i}.mp4",
-                raw_offset=0,
-                file_size=(tmp_path / f"c{i}.mp4").stat().st_size,
-                num_frames=17,
-                interval=1,
-                height=144,
-                width=256,
-                window_start=0,
-                fps=30.0,
-            )
-        )
-    stream = decoded(jobs, str(tmp_path), workers=2, timeout=60, memory_mb=None, prefetch=2)
-    job, frames = next(stream)
-    assert np.array_equal(frames.array, decode_clip(job, str(tmp_path)))
-    time.sleep(1.0)  # the workers run ahead: queued, in the pipe, in flight
-    stream.close()
-    assert [p.name for p in Path("/dev/shm").glob(f"rc{os.getpid()}-*")] == [frames.shm.name.lstrip("/")]
-    frames.release()
-    assert not [p for p in Path("/dev/shm").glob(f"rc{os.getpid()}-*")]
+    mean = torch.randn(4, 5, 18, 32).bfloat16()
+    assert finite({"latents": {"mean": mean, "logvar": torch.zeros_like(mean)}}) is None
+    for bad in (float("nan"), float("inf")):
+        broken = mean.clone()
+        broken[1, 2, 3, 4] = bad
+        got = finite({"latents": {"mean": mean, "logvar": broken}})
+        assert got == (Reason.invalid_latent, "non-finite values in the encoder output") and got[0] == "invalid_latent"
 
 
 @pytest.fixture()
@@ -150,6 +47,7 @@ def cache_root(fresh_root):
     return fresh_root
 
 
+@pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
     import torch
 
@@ -185,13 +83,13 @@ def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
     assert got["mean"].dtype == torch.bfloat16 and bucket.startswith("144p/")
     # the loader reads the cache through a --cache manifest
     assert main(["catalog", "manifest", "--root", str(cache_root), "--name", "lat", "--cache", "t"]) == 0
-    from reelcache.catalog.buckets import BucketConfig
     from reelcache.train.loader import LatentLoader
 
     batches = list(LatentLoader(["lat"], BucketConfig.from_toml(REPO / "configs/buckets/demo.toml"), root=cache_root))
     assert sorted(c for b in batches for c in b["clip_id"]) == [r[0] for r in rows]
 
 
+@pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
     """Clips share two captions: the text encoder sees each caption once in the unit (across its VAE
     batches too), and every clip stores its caption's embedding."""
@@ -227,6 +125,7 @@ def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
         assert torch.equal(by_caption.setdefault(captions[r["clip_id"]], text), text)
 
 
+@pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_identity_mismatch_is_refused_with_the_difference(cache_root, tmp_path, capsys):
     cache_plan(cache_root, cache_config(tmp_path, "m"))
     assert main(["cache", "plan", "--root", str(cache_root), "--config", str(cache_config(tmp_path, "m", seed=1))]) == 2
@@ -240,6 +139,7 @@ def test_identity_mismatch_is_refused_with_the_difference(cache_root, tmp_path, 
     )
 
 
+@pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_clips_without_bucket_and_corrupt_clips_are_recorded(cache_root, tmp_path):
     ((clip, shard, off, size),) = sql(
         cache_root,
@@ -263,6 +163,7 @@ def test_clips_without_bucket_and_corrupt_clips_are_recorded(cache_root, tmp_pat
     assert n == m  # every planned clip has a row
 
 
+@pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_no_bucket_is_a_recorded_reason(cache_root, tmp_path):
     cfg = cache_config(tmp_path, "m", clips_per_unit=100)
     cfg.write_text(cfg.read_text().replace(str(REPO / "configs/buckets/demo.toml"), str(tmp_path / "b.toml")))
@@ -274,6 +175,7 @@ def test_no_bucket_is_a_recorded_reason(cache_root, tmp_path):
     assert set(reasons) <= {"no_bucket:too_small", None} and reasons["no_bucket:too_small"] > 0
 
 
+@pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path):
     cfg = cache_config(tmp_path, "m", clips_per_unit=100)
     (unit,) = cache_plan(cache_root, cfg)
@@ -320,6 +222,7 @@ def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path
     assert not list(cdir.glob(".*tmp*"))
 
 
+@pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_gnu_parallel_two_slots(cache_root, tmp_path):
     if not shutil.which("parallel"):
         pytest.skip("GNU parallel is not installed")
@@ -351,110 +254,6 @@ def test_gnu_parallel_two_slots(cache_root, tmp_path):
     assert n == m
 
 
-def test_opensora_vae_loads_the_public_key_layout_and_chunks_17_frames(tmp_path):
-    import torch
-    from safetensors.torch import save_file
-
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
-    from reelcache.cache.opensora_vae import OpenSoraVAE, latent_frames
-
-    assert [latent_frames(t) for t in (17, 51, 102, 204)] == [5, 15, 30, 60]  # DATASETS.md
-    torch.manual_seed(3)
-    model = OpenSoraVAE(tiny=True).eval()
-    # the file under the published prefixes; that the names under them are the published ones is
-    # test_opensora_vae_names_its_tensors_as_the_published_checkpoint's (against the written-out layout)
-    state = {f"spatial_vae.module.{k}": v for k, v in model.spatial.state_dict().items()}
-    state |= {f"temporal_vae.{k}": v for k, v in model.temporal.state_dict().items()}
-    state |= {"scale": model.scale.clone(), "shift": model.shift.clone()}  # the published buffers
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
-    from reelcache.cache import opensora_vae
-
-    loaded = OpenSoraVAE.from_checkpoint(
-        tmp_path, spatial=opensora_vae.TINY_SPATIAL, temporal=opensora_vae.TINY_TEMPORAL
-    ).eval()
-    x = torch.rand(1, 3, 51, 32, 48) * 2 - 1
-    a, b = model.encode(x), loaded.encode(x)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].shape == (1, 4, 15, 16, 24)
-    enc = VideoEncoder(EncoderSpec("opensora-v1.2", tiny=True, dtype="float32"))
-    out = enc.encode(np.random.default_rng(0).integers(0, 255, (2, 17, 32, 48, 3), dtype=np.uint8))
-    assert out["mean"].shape == (2, 4, 5, 16, 24) and out["mean"].dtype == torch.bfloat16
-
-
-def test_opensora_vae_names_its_tensors_as_the_published_checkpoint():
-    """At the published sizes (built on the meta device: no memory, no init), every tensor the public
-    dump lists has that name and shape here, and the per-prefix counts are the published file's, so
-    its model.safetensors loads strictly. The reference is the published layout written out
-    (tests/opensora_vae12_keys.txt, OPENSORA12.md section 10), not our module's own keys."""
-    import ast
-    from collections import Counter
-
-    import torch
-
-    from reelcache.cache.opensora_vae import OpenSoraVAE
-
-    with torch.device("meta"):
-        model = OpenSoraVAE()
-    ours = {f"spatial_vae.module.{k}": tuple(v.shape) for k, v in model.spatial.state_dict().items()}
-    ours |= {f"temporal_vae.{k}": tuple(v.shape) for k, v in model.temporal.state_dict().items()}
-    ours |= {"scale": tuple(model.scale.shape), "shift": tuple(model.shift.shape)}
-    published = dict(
-        line.split("#")
-        for line in (REPO / "tests/opensora_vae12_keys.txt").read_text().splitlines()
-        if not line.startswith("#")
-    )
-    published = {k: ast.literal_eval(v) for k, v in published.items()}
-    assert len(published) == 117 and {k: ours.get(k) for k in published} == published
-    attention = "spatial_vae.module.encoder.mid_block.attentions.0"
-    for name in ("group_norm", "to_q", "to_k", "to_v", "to_out.0"):
-        assert f"{attention}.{name}.weight" in ours and f"{attention}.{name}.bias" in ours
-    assert "spatial_vae.module.encoder.conv_norm_out.weight" in ours
-    assert any(k.startswith("spatial_vae.module.decoder.up_blocks.") for k in ours)
-
-    def part(k):
-        for prefix, what in (
-            ("spatial_vae.module.", "spatial"),
-            ("temporal_vae.encoder.", "encode"),
-            ("temporal_vae.quant_conv.", "encode"),
-            ("temporal_vae.decoder.", "decode"),
-            ("temporal_vae.post_quant_conv.", "decode"),
-        ):
-            if k.startswith(prefix):
-                return what
-        return k
-
-    assert Counter(map(part, ours)) == {"scale": 1, "shift": 1, "spatial": 248, "encode": 133, "decode": 134}
-
-
-def test_rotated_clips_decode_upright_like_ffmpeg_autorotate(tmp_path):
-    from reelcache.cache.decode import decode_window
-    from reelcache.ingest.demo import ClipSpec, write_clip
-
-    if not shutil.which("ffmpeg"):
-        pytest.skip("ffmpeg is not installed")
-    p = tmp_path / "rot.mp4"
-    write_clip(p, ClipSpec("rot.mp4", 128, 64, Fraction(25), 1.0, rotation=90, crf=0))
-    ours = decode_window(str(p), frames=1, interval=1, height=128, width=64)[0]
-    raw = subprocess.run(
-        ["ffmpeg", "-v", "error", "-i", str(p), "-frames:v", "1", "-f", "rawvideo", "-pix_fmt", "rgb24", "-"],
-        check=True,
-        capture_output=True,
-    ).stdout
-    assert np.array_equal(ours, np.frombuffer(raw, np.uint8).reshape(128, 64, 3))
-
-
-# -- issue 9: seeds, write failures, two runs of one unit -----------------------------------
-def test_seeds_use_the_whole_clip_id():
-    from reelcache.cache.decode import clip_seed, window_start
-
-    prefix = "openvid/videos/part-000123/" + "x" * 40
-    a, b = prefix + "_clip_00001.mp4", prefix + "_clip_00002.mp4"
-    assert clip_seed("sample", 0, a) != clip_seed("sample", 0, b)
-    assert clip_seed("sample", 0, a) != clip_seed("sample", 1, a) != clip_seed("window", 1, a)
-    starts = [window_start(f"{prefix}_clip_{i:05d}.mp4", 0, 100_000, 33) for i in range(200)]
-    assert len(set(starts)) > 190  # a prefix-only hash gives one start for all 200
-    assert 0 <= clip_seed("sample", 0, a) < 2**64 and window_start(a, 0, 40, 33) <= 7
-
-
 def _sidecar_rows(cdir):
     import pyarrow.parquet as pq
 
@@ -476,6 +275,7 @@ def run_until_writing(root, unit: str, cdir):
     return proc
 
 
+@pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_write_failure_fails_the_unit_loudly_and_its_rerun_is_clean(cache_root, tmp_path):
     """A real file-size limit (RLIMIT_FSIZE, as a quota or a full disk would) on the running unit.
 
@@ -505,6 +305,7 @@ def test_write_failure_fails_the_unit_loudly_and_its_rerun_is_clean(cache_root, 
         assert read_sample(str(cache_root / r["shard"]), r["shard_offset"])["mean"].shape == tuple(r["shape"])
 
 
+@pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path):
     from reelcache import UserError
     from reelcache.cache.run import run_unit
@@ -539,6 +340,7 @@ def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path
     assert not (cdir / "000000.lease").exists()
 
 
+@pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_decode_timeouts_are_rejects_the_unit_goes_on_and_no_frames_leak(cache_root, tmp_path):
     """The isolation survives the shared-memory path: killed workers are `timeout` rejects and
     leave no /dev/shm block behind (nor do the clips that made it)."""

@@ -61,6 +61,7 @@ def _members(root: Path, kind: str) -> int:
     return n
 
 
+@pytest.mark.slow  # end to end over the ingested demo
 def test_each_caption_is_stored_once_and_every_sample_reads_it(fresh_root, tmp_path):
     """A K = 2 cache over clips sharing captions across units: caption embeddings in the store = distinct
     captions of the clips it planned a latent for, counted from the catalog; each row reads its own."""
@@ -101,6 +102,7 @@ def test_each_caption_is_stored_once_and_every_sample_reads_it(fresh_root, tmp_p
         assert torch.equal(got["text"], want[caption]) and "mean" in got
 
 
+@pytest.mark.slow  # end to end over the ingested demo
 def test_growth_reuse_and_gc(fresh_root, ingested, tmp_path, counted):
     """A superset manifest encodes exactly the new clips and their new captions; a changed caption exactly
     one text; a new text encoder text only; a second cache reuses latents bit-equal to a fresh encode of
