@@ -117,7 +117,7 @@ CHANGES = {
     "warm-up one step longer": ["--optim.warmup_steps=5"],
     "AdamW eps 1e-8": ["--optim.adam_eps=1e-8"],
     "lr 1% higher": ["--optim.lr=1.616e-3"],
-    "no grad clip": ["--optim.grad_clip=0"],
+    "no grad clip": ["--parallel.grad_clip=0"],
 }
 
 

@@ -32,9 +32,9 @@ RC = str(Path(sys.executable).parent / "reelcache")  # the shared install every 
 # The two paths a run takes: ZeRO-2 (what GPU nodes run; here its CPU mode over gloo, bf16 working
 # weights and fp32 masters) and DDP (the CPU default).
 PLUGINS = {
-    "ddp": ["--run.plugin=ddp"],
-    "zero2-bf16": ["--run.plugin=zero2", "--model.dtype=bf16"],
-    "zero2-fp32": ["--run.plugin=zero2", "--model.dtype=fp32"],
+    "ddp": ["--parallel.plugin=ddp"],
+    "zero2-bf16": ["--parallel.plugin=zero2", "--parallel.dtype=bf16"],
+    "zero2-fp32": ["--parallel.plugin=zero2", "--parallel.dtype=fp32"],
 }
 
 TOL = 0.5 + 1e-3
@@ -466,7 +466,7 @@ def manifest_clips(manifest: Path) -> Counter:
 
 def ema_rule_error(before: Path, after: Path) -> float:
     """How far the EMA of checkpoint `after` (one optimizer step after `before`) is from
-    ema = d * ema_before + (1 - d) * w_after (w: model/, d: run.ema_decay), relative to the
+    ema = d * ema_before + (1 - d) * w_after (w: model/, d: ema.decay), relative to the
     update's size: ~1e-4 from float rounding; 0.9 with d = 0.9, 9 with 0.999, 1 with no update."""
     import torch
 

@@ -257,7 +257,7 @@ def test_debug_twin_has_the_full_stages_shape(name):
     assert twin.optim.schedule == full.optim.schedule
     assert list(twin.flow.mask_ratios) == list(full.flow.mask_ratios)
     assert twin.flow.mask_ratios == full.flow.mask_ratios
-    assert twin.run.loss_reduction == full.run.loss_reduction
+    assert twin.step.loss_reduction == full.step.loss_reduction
     assert (twin.flow.sample_method, twin.flow.use_timestep_transform) == (
         full.flow.sample_method,
         full.flow.use_timestep_transform,
@@ -265,7 +265,7 @@ def test_debug_twin_has_the_full_stages_shape(name):
     assert twin.model.freeze_y_embedder == full.model.freeze_y_embedder
     # Open-Sora's behaviours where the full stage asks for them (the opensora12-original configs)
     assert twin.model_config().pos_embed_bf16_freqs == full.model_config().pos_embed_bf16_freqs
-    assert (twin.data.image_fps, twin.checkpoint.at_start) == (full.data.image_fps, full.checkpoint.at_start)
+    assert (twin.conditioning.image_fps, twin.checkpoint.at_start) == (full.conditioning.image_fps, full.checkpoint.at_start)
     assert (twin.guard.spike_z, twin.guard.skip_nonfinite) == (full.guard.spike_z, full.guard.skip_nonfinite)
     # CPU-sized: the tiny model on the demo cache, a few steps of schedule, one or two epochs
     assert twin.model.preset == "tiny" and Path(twin.data.buckets).name == "demo.toml"

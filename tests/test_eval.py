@@ -437,7 +437,7 @@ def test_validation_loss_of_one_clip_from_its_definition(once_ref):
     res, frames, ar = clip["bucket"].split("/")
     height, width = bucket_hw(res, ar)
     interval = tomllib.loads((REPO / cfg.data.buckets).read_text()).get("frame_interval", 1)
-    fps = cfg.data.default_fps if math.isnan(clip["fps"]) else clip["fps"]
+    fps = cfg.conditioning.default_fps if math.isnan(clip["fps"]) else clip["fps"]
     y = latent["text"].float()[None]
     kwargs = {
         "y": y,

@@ -280,7 +280,7 @@ def test_every_stage_clips_gradients_at_1(path):
     """README: grad clip 1.0, in every stage (opensora12/, opensora12-original/) and its debug twin."""
     from reelcache.train.config import load_config
 
-    assert load_config(path).optim.grad_clip == 1.0
+    assert load_config(path).parallel.grad_clip == 1.0
 
 
 def adam_step_gradient(before: Path | None, after: Path) -> torch.Tensor:
@@ -374,7 +374,7 @@ def test_requeued_run_resumes_prunes_logs_one_wandb_run_and_clips_at_1(root):
 def test_step_gradient_and_clipped_step_match_plain_torch(root, plugin, dtypes):
     """2 ranks with different buckets, then with a padding rank, both loss reductions: the gradient
     (under ZeRO, gathered from ZeRO's grad store) equals plain single-process autograd of the
-    configured mean over the real samples only; two steps at ~100x optim.grad_clip move the fp32
+    configured mean over the real samples only; two steps at ~100x parallel.grad_clip move the fp32
     masters as torch's AdamW after clip_grad_norm_ does, and far from where the unclipped ones go."""
     r, manifest = root
     env = {**os.environ, "OMP_NUM_THREADS": "1", "REELCACHE_PROGRESS": "0"}

@@ -46,14 +46,14 @@ def test_original_configs_train_as_upstream(path):
     cfg = load_config(path)
     assert (cfg.guard.spike_z, cfg.guard.skip_nonfinite) == (0.0, False)
     assert cfg.model_config().pos_embed_bf16_freqs is True
-    assert cfg.data.image_fps == 120.0
+    assert cfg.conditioning.image_fps == 120.0
     assert cfg.checkpoint.at_start is True
 
 
 def test_defaults_keep_reelcaches_behaviour():
     cfg = _cfg("debug/stage1")
     assert (cfg.guard.spike_z, cfg.guard.skip_nonfinite) == (6.0, True)
-    assert (cfg.model_config().pos_embed_bf16_freqs, cfg.data.image_fps, cfg.checkpoint.at_start) == (False, 0.0, False)
+    assert (cfg.model_config().pos_embed_bf16_freqs, cfg.conditioning.image_fps, cfg.checkpoint.at_start) == (False, 0.0, False)
 
 
 # -- 1. the guard: a non-finite step that is not skipped -------------------------------------------
@@ -231,7 +231,7 @@ def test_the_step_gives_the_model_the_image_fps(image_fps, want):
     from reelcache.train.step import Step
 
     cfg = _cfg(
-        "debug/stage1", "model.overrides={caption_channels=8, model_max_length=300}", f"data.image_fps={image_fps}"
+        "debug/stage1", "model.overrides={caption_channels=8, model_max_length=300}", f"conditioning.image_fps={image_fps}"
     )
     model = STDiT3(cfg.model_config())
     seen = []
