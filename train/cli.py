@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 
 from reelcache import UserError
+from reelcache.args import arg, existing_dir, existing_file, option
 from reelcache.cluster import sbatch
-from reelcache.settings import arg, existing_dir, existing_file, option
 
 EXAMPLES = """\
 examples:
