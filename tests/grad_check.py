@@ -1,6 +1,6 @@
 """Run under torchrun (2 ranks): the trainer's gradients and clipped steps vs plain autograd on one process.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/grad_check.py CONFIG ROOT MANIFEST PLUGIN DTYPE...
+    python -m torch.distributed.run --nproc_per_node 2 tests/grad_check.py CONFIG --root ROOT MANIFEST PLUGIN DTYPE...
 
 For each working dtype (one trainer each, the plugin's real boosted model and optimizer):
 
@@ -226,5 +226,6 @@ def main(config, root, manifest, plugin, *dtypes):
     tr.par.close()
 
 
-if __name__ == "__main__":
-    main(*sys.argv[1:])
+if __name__ == "__main__":  # as support.torchrun starts it: CONFIG --root ROOT ...
+    config, _, root, *rest = sys.argv[1:]
+    main(config, root, *rest)

@@ -308,15 +308,17 @@ def torchrun(
     nproc: int = 1,
     entry: list[str] = ("-m", "reelcache.train"),
     env: dict | None = None,
+    config: Path = CONFIG,
     **kw,
 ) -> subprocess.Popen:
-    """The trainer on nproc ranks (torchrun beyond 1); entry: the program each rank runs."""
+    """The trainer on nproc ranks (torchrun beyond 1): ``entry CONFIG --root ROOT args``; entry: the
+    program each rank runs (the trainer, or a check script such as tests/grad_check.py)."""
     env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})}
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
     return subprocess.Popen(
-        cmd + [*entry, str(CONFIG), "--root", str(root), *args],
+        cmd + [*entry, str(config), "--root", str(root), *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -340,6 +342,11 @@ def train(root: Path, args: list[str], nproc: int = 1, ok: bool = True, timeout:
     else:
         assert p.returncode != 0, out[-4000:]
     return out
+
+
+def json_lines(out: str) -> list[dict]:
+    """The JSON objects a check script printed, one a line (its other lines are logs)."""
+    return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
 
 
 def stage_file(path: Path, manifest) -> Path:
