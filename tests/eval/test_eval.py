@@ -21,11 +21,14 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO, free_port, tiny_cache_config
+from support import REPO, tiny_cache_config, train
 from wandb_files import history, run_files
 
 from reelcache.cli import main
 from reelcache.log import LINE_PREFIX
+
+# Every test here evaluates the checkpoints of one real 2-process run (the module's fixture): slow.
+pytestmark = pytest.mark.slow
 
 PROMPTS = REPO / "configs/eval/debug-prompts.txt"
 RUN = "evalrun"
@@ -61,34 +64,8 @@ def trained(ingested, tmp_path_factory) -> Path:
     assert main(["cache", "run", "--root", str(root), "--device", "cpu", *out.stdout.split()]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0
     assert main(["catalog", "manifest", "--root", str(root), "--name", "lat", "--cache", "t"]) == 0
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "-m",
-            "reelcache.train",
-            "configs/train/debug/stage1.toml",
-            "--root",
-            str(root),
-            f"--run.name={RUN}",
-            '--data.manifests=[{name="lat"}]',
-            "--run.max_steps=4",
-            "--checkpoint.every=2",
-            "--checkpoint.keep_last=10",
-            "--run.epochs=20",
-        ],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    args = [f"--run.name={RUN}", '--data.manifests=[{name="lat"}]', "--run.max_steps=4", "--checkpoint.every=2"]
+    train(root, [*args, "--checkpoint.keep_last=10", "--run.epochs=20"], nproc=2, timeout=300, env=_env())
     assert sorted(c.name for c in (root / "runs" / RUN).glob("ckpt-*")) == ["ckpt-00000002", "ckpt-00000004"]
     return root
 
@@ -224,14 +201,6 @@ def test_serve_in_order_skips_partial_survives_kill_and_logs_to_the_run(trained)
             assert r[key + "_type"] == "video-file" and r[key + "caption"] == prompt
             assert r[key + "path"].endswith(".mp4") and r[key + "size"] > 0
     shutil.rmtree(bad)  # the other tests use the real checkpoints only
-
-
-def test_every_selects_a_stable_grid_of_saves():
-    from reelcache.eval.evaluate import select
-
-    ckpts = [Path(f"ckpt-{s:08d}") for s in (200, 300, 400, 600, 700, 1000, 1050)]  # 100 and 500 pruned
-    assert [int(c.name[5:]) for c in select(ckpts, 2, 100)] == [200, 400, 600, 1000, 1050]
-    assert select(ckpts, 1, 100) == ckpts
 
 
 def test_validation_loss_does_not_depend_on_batching(trained):

@@ -341,3 +341,15 @@ def test_ramp_through_the_real_planner():
     assert hard_counts[0] == 0
     assert all(a < b for a, b in zip(hard_counts, hard_counts[1:])) and hard_counts[-1] == level5.sum()
     assert sorted(plan.order.tolist()) == list(range(len(ids)))  # last epoch: every clip once
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((REPO / "configs/train").rglob("*.toml")),
+    ids=lambda p: str(p.relative_to(REPO / "configs/train").with_suffix("")),
+)
+def test_every_stage_clips_gradients_at_1(path):
+    """README: grad clip 1.0, in every stage (opensora12/, opensora12-original/) and its debug twin."""
+    from reelcache.train.config import load_config
+
+    assert load_config(path).parallel.grad_clip == 1.0

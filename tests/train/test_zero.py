@@ -30,6 +30,8 @@ from support import (
 
 WRITER = ["tests/writer_faults.py"]
 
+pytestmark = pytest.mark.slow  # every test runs ranks in processes of their own
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> tuple[Path, Path]:
