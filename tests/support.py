@@ -477,7 +477,9 @@ def ema_rule_error(before: Path, after: Path) -> float:
     update's size: ~1e-4 from float rounding; 0.9 with d = 0.9, 9 with 0.999, 1 with no update."""
     import torch
 
-    d = json.loads((after / "config.json").read_text())["run"]["ema_decay"]
+    from reelcache.train.config import from_dict
+
+    d = from_dict(json.loads((after / "config.json").read_text())).ema.decay
     e0, e1, w1 = weights(before, "ema"), weights(after, "ema"), weights(after, "model")
     assert e0.keys() == e1.keys() and 0 < d < 1
     moved = torch.cat([(e1[k] - e0[k]).flatten() for k in e1])
