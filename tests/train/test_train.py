@@ -484,7 +484,7 @@ def test_watchdog_limit_ends_a_stuck_run_with_a_message(root):
     not __import__("torch").cuda.is_available(), reason="needs CUDA (NCCL, CUDA streams, fused HybridAdam)"
 )
 def test_zero2_on_cuda_resumes_with_the_same_losses(root):
-    """What the CPU mode of ZeRO-2 (tests/test_zero.py) cannot run: NCCL, communication overlapped on
+    """What the CPU mode of ZeRO-2 (tests/train/test_zero.py) cannot run: NCCL, communication overlapped on
     CUDA streams, HybridAdam's fused CUDA kernel, bf16 kernels on the GPU. A resume from the step-2
     checkpoint (written by the background writer) repeats steps 2 and 3 with the same losses."""
     import torch

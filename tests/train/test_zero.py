@@ -1,7 +1,7 @@
 """The ZeRO-2 path GPU nodes run (ColossalAI's LowLevelZeroPlugin stage 2, HybridAdam, fp32 master
 shards, the optimizer checkpoint, the background checkpoint writer), executed on 2 CPU processes over
 gloo in its CPU mode (train/zero_cpu.py). The gradient check and the kill -9 resume of the ZeRO
-path are parametrized into tests/test_train.py beside their DDP twins; here: what only ZeRO has.
+path are parametrized into tests/train/test_train.py beside their DDP twins; here: what only ZeRO has.
 
 References: the checkpoint's own files read independently (safetensors + JSON), the consumed log
 against the manifest, the same run without a slow writer, the DDP and ZeRO runs of each other.
