@@ -41,17 +41,19 @@ def test_validation_loss_does_not_depend_on_batching(trained):
     assert all(a["buckets"][k]["loss"] == pytest.approx(b["buckets"][k]["loss"], rel=1e-5) for k in a["buckets"])
 
 
-def test_once_with_the_training_weights(trained):
+def test_once_with_the_training_weights(trained, run_copy):
     """`eval once --weights model`: its own tag and files; the non-EMA weights give another loss than
-    the EMA ones (after 4 steps at decay 0.99 the EMA is still near the initial weights)."""
-    out = trained / "runs" / RUN / "eval" / "ckpt-00000004"
+    the EMA ones (after 4 steps at decay 0.99 the EMA is still near the initial weights). On a copy of
+    the run: the server's test (test_serve.py) expects the run's own eval/ untouched."""
+    run = run_copy("once", steps=(4,))
+    out = trained / run / "eval" / "ckpt-00000004"
     args = [
         "eval",
         "once",
         "--root",
         str(trained),
         "--run",
-        f"runs/{RUN}",
+        run,
         "--checkpoint",
         "ckpt-00000004",
         "--preset",
