@@ -50,7 +50,7 @@ def main() -> None:
         out = tr.step(batch, tr.state)
         t1 = time.perf_counter()
         tr.state.global_step += 1
-        row = metrics_row(tr.par, tr.module, tr.model_cfg, out, step_s=t1 - t0, wait_s=0.0, peak=tr.peak)
+        row = metrics_row(tr.par, tr.module, tr.module.config, out, step_s=t1 - t0, wait_s=0.0, peak=tr.peak)
         tr.log.log({"step": tr.state.global_step - 1, "epoch": 0, "epoch_step": int(batch["step"]), **row})
         t2 = time.perf_counter()
         steps.append(t1 - t0)

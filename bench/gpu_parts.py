@@ -127,7 +127,7 @@ class Ctx:
         self.p, self.device, self.deadline = profile, device, deadline
         # bf16 on the GPU; on the CPU (--tiny) the encoders run in fp32, whose convolutions CPUs do fast
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.cfg = load_config(STAGE, [*profile.overrides, 'run.plugin="zero2"', 'log.wandb_mode="disabled"'])
+        self.cfg = load_config(STAGE, [*profile.overrides, 'parallel.plugin="zero2"', 'log.wandb_mode="disabled"'])
         table = BucketConfig.from_toml(B1)
         self.batch = {b: profile.batch.get(b) or table.batch_size(bucket_name(b)) for b in profile.buckets}
         self.model_cfg = self.cfg.model_config()

@@ -78,31 +78,32 @@ class Trainer:
     zero2 branch of Parallel.setup, HybridAdam, the boost), without its data root and run folder."""
 
     def __init__(self, ctx: Ctx, plugin: str = "zero2"):
-        from reelcache.catalog.buckets import BucketConfig
         from reelcache.train.model import STDiT3
         from reelcache.train.parallel import Parallel
-        from reelcache.train.step import EMA, Step
 
         cfg = ctx.cfg
         t0 = time.perf_counter()
-        self.par = par = Parallel.setup(plugin, cfg.model.dtype, cfg.optim.grad_clip)
+        self.par = par = Parallel.setup(plugin, cfg.parallel.dtype, cfg.parallel.grad_clip)
         torch.manual_seed(cfg.run.seed)
         with torch.device(par.device):  # random init where it trains: seconds, not minutes, for 1.1B
             model = STDiT3(ctx.model_cfg)
         model.set_grad_checkpointing(bool(cfg.model.grad_checkpoint))
-        o = cfg.optim
-        opt = par.optimizer(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            eps=o.adam_eps,
-            betas=o.betas,
-        )
+        opt = cfg.optim.build(par=par, params=[p for p in model.parameters() if p.requires_grad])
         self.model, self.optimizer = par.boost(model, opt)
         masters = par.master_chunks(self.model, self.optimizer)
-        ema = EMA(cfg.run.ema_decay, {n: c.detach().clone() for n, c in masters.items()}) if cfg.run.ema_decay else None
-        frame_interval = BucketConfig.from_toml(cfg.data.buckets).frame_interval
-        self.step = Step(cfg, par, self.model, self.optimizer, cfg.guard.build(), ema, frame_interval)
+        ema = cfg.ema.build(chunks=lambda: {n: c.detach().clone() for n, c in masters.items()})
+        self.step = cfg.step.build(
+            par=par,
+            model=self.model,
+            optimizer=self.optimizer,
+            guard=cfg.guard.build(),
+            ema=ema,
+            cond=cfg.conditioning.build(frame_interval=cfg.frame_interval()),
+            flow=cfg.flow,
+            optim=cfg.optim,
+            seed=cfg.run.seed,
+            grad_clip=cfg.parallel.grad_clip,
+        )
         self.state = SimpleNamespace(global_step=0, opt_steps=0)
         self.params = sum(p.numel() for p in model.parameters())
         self.build_s = time.perf_counter() - t0

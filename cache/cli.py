@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reelcache.settings import existing_dir, existing_file
+from reelcache.args import existing_dir, existing_file
 
 # cache.plan and cache.run (pyarrow, duckdb, av, torch) are imported by the command that runs them:
 # `reelcache --help` builds every stage's parser.

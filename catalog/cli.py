@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from reelcache.settings import arg, existing_dir
+from reelcache.args import arg, existing_dir
 
 # merge, query, stats and manifest (duckdb, pyarrow, matplotlib) are imported by the command that
 # runs them: `reelcache --help` builds every stage's parser.

@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from reelcache.args import arg
 from reelcache.cluster import clocks, gpus, procs
 from reelcache.cluster.slurm import array, options
-from reelcache.settings import arg
 
 EXAMPLES = """\
 examples:

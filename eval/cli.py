@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.args import arg, existing_dir, existing_file
 from reelcache.cluster.slurm import options as slurm_options
-from reelcache.settings import arg, existing_dir, existing_file
 
 # The evaluator, its samples and the checkpoint listing (torch, and cache/ and train/ modules) are imported
 # by the command that runs them: `reelcache --help` builds every stage's parser.

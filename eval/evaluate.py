@@ -259,7 +259,7 @@ class Evaluator:
         model = STDiT3(self._config(ckpt).model_config())
         used = self.weights
         if used == "ema" and not (ckpt / "ema").is_dir():
-            say(f"  {ckpt.name} has no ema/ (run.ema_decay = 0): using model/")
+            say(f"  {ckpt.name} has no ema/ (ema.decay = 0): using model/")
             used = "model"
         check_weights(ckpt, used)
         try:
@@ -297,9 +297,7 @@ class Evaluator:
             self.root,
             device=torch.device(self.device),
             dtype=self._torch_dtype(),
-            frame_interval=self._frame_interval(cfg),
-            default_fps=cfg.data.default_fps,
-            image_fps=cfg.data.image_fps,
+            cond=cfg.conditioning.build(frame_interval=self._frame_interval(cfg)),
             batch_size=self.val_batch,
             max_clips=self.val_max_clips,
             progress=_Progress(f"{ckpt.name} val loss batches"),

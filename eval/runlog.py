@@ -1,7 +1,8 @@
 """Evaluation results into the training run's own wandb run, from a second process.
 
-The run is the trainer's: its id is ``runs/<run>/wandb_id`` (or a checkpoint's state.json), its
-project and mode the run's config.json (``log.wandb_project``, ``log.wandb_mode``). Keys:
+The run is the trainer's: its id is ``runs/<run>/wandb_id`` (or, in a run directory of the old
+layout, a checkpoint's state.json), its project and mode the run's config.json
+(``log.wandb_project``, ``log.wandb_mode``). Keys:
 
     eval/global_step                   the checkpoint's global step: the x axis of everything below
     eval/<tag>/val_loss                overall validation loss
@@ -41,7 +42,7 @@ from pathlib import Path
 from reelcache.progress import say
 from reelcache.train.checkpoint import list_checkpoints, read_state
 from reelcache.train.config import from_dict
-from reelcache.train.runlog import wandb_settings
+from reelcache.train.runlog import read_run_id, wandb_settings
 
 __all__ = ["log_eval", "run_wandb"]
 
@@ -53,10 +54,8 @@ _last_init = 0.0
 def run_wandb(run_dir: Path) -> dict:
     """{id, project, mode} of the training run (id None when it never started wandb)."""
     run_dir = Path(run_dir)
-    run_id = None
-    if (run_dir / "wandb_id").exists():
-        run_id = (run_dir / "wandb_id").read_text().strip() or None
-    if run_id is None:
+    run_id = read_run_id(run_dir)
+    if run_id is None:  # a run directory of the old layout: its checkpoints' state.json held the id
         for c in reversed(list_checkpoints(run_dir)):
             if run_id := read_state(c).get("wandb_id"):
                 break

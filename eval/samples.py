@@ -18,7 +18,8 @@ down to the VAE's spatial multiple, as the cache crops.
 Randomness: prompt i starts from z ~ N(0, 1) drawn on CPU from a generator seeded with
 seed + i (seed 42), so a prompt's video does not depend on the batch it shares or the device.
 The model's size inputs are the preset's pixel size and frame count, as in training
-(``timestep_transform`` shifts the 30 timesteps by them); fps is 24 (Open-Sora's sampling fps).
+(``timestep_transform`` shifts the 30 timesteps by them); fps is 24 (Open-Sora's sampling fps),
+given to the model as it is (``Conditioning.inputs``, the tensors training builds for a bucket).
 Open-Sora appends " aesthetic score: 6.5." to every prompt because its captions carried scores;
 ours do not, so prompts are used as written.
 """
@@ -34,7 +35,7 @@ import torch
 
 from reelcache.cache.encoders import spatial_multiple, temporal_ratio
 from reelcache.settings import check, setting
-from reelcache.train.flow import euler_sample
+from reelcache.train.flow import Conditioning, euler_sample
 from reelcache.train.loader import pad_text
 
 __all__ = ["PRESETS", "Preset", "latent_shape", "read_prompts", "sample"]
@@ -115,10 +116,7 @@ def sample(
             z.to(device),
             y.to(device, dtype),
             mask.to(device),
-            height=[height] * b,
-            width=[width] * b,
-            num_frames=[frames] * b,
-            fps=[preset.fps] * b,
+            **Conditioning.inputs(b, frames, height, width, preset.fps),
             steps=preset.steps,
             cfg_scale=preset.cfg_scale,
             progress=sys.stderr.isatty(),

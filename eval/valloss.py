@@ -15,7 +15,7 @@ timesteps), made a pure function of (checkpoint, manifest):
   noise       drawn on CPU in fp32 from a generator seeded by blake2b(clip id, k), so the same on
               every device, batch size and checkpoint;
   loss        ``train.flow.training_losses`` (velocity MSE, mean over C, T, H, W), no frame mask,
-              no caption dropout; fps, height and width as the trainer feeds them.
+              no caption dropout; fps, height and width as the trainer feeds them (its ``Conditioning``).
 
 Reported: the mean over (clip, t) overall and per bucket (every clip counts once per t, so a
 bucket's share is its clip count), and per timestep (where in the noise range a model improves).
@@ -29,12 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reelcache.train.flow import NUM_TIMESTEPS, conditioning, stable_seed, training_losses
+from reelcache.train.flow import NUM_TIMESTEPS, Conditioning, stable_seed, training_losses
 from reelcache.train.loader import load_source, pad_text, source_row
 
 __all__ = ["TIMESTEPS", "eval_timesteps", "validation_loss"]
 
 TIMESTEPS = 10
+DEFAULT_CONDITIONING = Conditioning()  # frame interval 1, 24 fps: a manifest of videos without fps
 
 
 def eval_timesteps(k: int = TIMESTEPS) -> list[float]:
@@ -53,15 +54,14 @@ def validation_loss(
     *,
     device,
     dtype=torch.float32,
-    frame_interval: int = 1,
-    default_fps: float = 24.0,
-    image_fps: float = 0.0,
+    cond: Conditioning = DEFAULT_CONDITIONING,
     batch_size: int = 4,
     timesteps: int = TIMESTEPS,
     max_clips: int | None = None,
     progress=None,
 ) -> dict:
-    """The loss of ``model`` (eval mode) over a loader manifest: {overall, buckets, timesteps, clips}.
+    """The loss of ``model`` (eval mode) over a loader manifest: {overall, buckets, timesteps, clips};
+    ``cond``: the checkpoint's training conditioning (``ConditioningConfig.build``).
 
     ``progress(done, total)`` is called after each batch."""
     src = load_source(manifest, view=0)  # one fixed view per clip: a cache of K views holds K rows
@@ -84,10 +84,10 @@ def validation_loss(
                 samples.append(source_row(root, src, i))
             x0 = torch.stack([_latent(smp) for smp in samples]).to(device)
             y, mask, _ = pad_text([smp["text"] for smp in samples])
-            cond = conditioning(bucket, src.fps[part].astype(np.float32), frame_interval, default_fps, image_fps)
-            del cond["num_frames"]  # evaluated at fixed timesteps: no resolution shift
+            inputs = cond(bucket, src.fps[part].astype(np.float32))
+            del inputs["num_frames"]  # evaluated at fixed timesteps: no resolution shift
             b = len(part)
-            kwargs = {"y": y.to(device, dtype), "mask": mask.to(device), **{k: v.to(device) for k, v in cond.items()}}
+            kwargs = {"y": y.to(device, dtype), "mask": mask.to(device), **{k: v.to(device) for k, v in inputs.items()}}
             for k, t in enumerate(ts):
                 noise = torch.stack(
                     [

@@ -8,8 +8,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from reelcache.args import arg, existing_dir, existing_file, option
 from reelcache.ingest.filters import Thresholds
-from reelcache.settings import arg, build, existing_dir, existing_file, load_toml, option
+from reelcache.settings import build, load_toml
 
 # ingest.plan, ingest.run and ingest.demo (pyarrow, duckdb, av) are imported by the command that runs
 # them: `reelcache --help` builds every stage's parser.

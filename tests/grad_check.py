@@ -1,6 +1,6 @@
 """Run under torchrun (2 ranks): the trainer's gradients and clipped steps vs plain autograd on one process.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/grad_check.py CONFIG ROOT MANIFEST PLUGIN DTYPE...
+    python -m torch.distributed.run --nproc_per_node 2 tests/grad_check.py CONFIG --root ROOT MANIFEST PLUGIN DTYPE...
 
 For each working dtype (one trainer each, the plugin's real boosted model and optimizer):
 
@@ -10,7 +10,7 @@ For each working dtype (one trainer each, the plugin's real boosted model and op
   means ("rank"), with the same per-sample draws, on a copy of the module in fp32 (for a bf16 run,
   the bf16 weights exactly, computed in fp32). Under ZeRO the gradient is all-gathered from the
   shards ZeRO's grad store holds after its reduce-scatter.
-- clipping: two optimizer steps whose gradient norm is ~100x optim.grad_clip, against
+- clipping: two optimizer steps whose gradient norm is ~100x parallel.grad_clip, against
   torch.optim.AdamW with clip_grad_norm_ on the same reference (and without it, which must be far
   off): the trainer's fp32 master weights afterwards.
 
@@ -44,8 +44,8 @@ def debug_stage_config(config, manifest, plugin: str, dtype: str, *extra: str):
             "model.overrides={caption_channels=8, model_max_length=300}",
             "data.workers=0",
             'log.wandb_mode="disabled"',
-            f'run.plugin="{plugin}"',
-            f'model.dtype="{dtype}"',
+            f'parallel.plugin="{plugin}"',
+            f'parallel.dtype="{dtype}"',
             *extra,
         ],
     )
@@ -103,7 +103,7 @@ def check(config, root, manifest, plugin, dtype):
         plugin,
         dtype,
         f'run.name="grad-{plugin}-{dtype}"',
-        f"optim.grad_clip={CLIP}",
+        f"parallel.grad_clip={CLIP}",
         "model.grad_checkpoint=false",
         'optim.schedule="constant"',
         # eps 1e-15 (Open-Sora's) turns the key biases' float-noise gradients into
@@ -113,7 +113,7 @@ def check(config, root, manifest, plugin, dtype):
     tr = Trainer(cfg, root)
     rank = tr.par.rank
     # Two batches of different buckets, read by a one-rank loader over the same manifest.
-    single = LatentLoader([manifest], tr.buckets, root=root, seed=cfg.run.seed)
+    single = LatentLoader([manifest], tr.loader.buckets, root=root, seed=cfg.run.seed)
     batches = []
     for b in single:
         if not batches or b["bucket"] != batches[0]["bucket"]:
@@ -125,7 +125,7 @@ def check(config, root, manifest, plugin, dtype):
     masters0 = tr.par.gather_full(tr.par.master_chunks(tr.model, tr.optimizer), tr.shapes)
     results = []
     for reduction in ("sample", "rank"):
-        tr.cfg.run.loss_reduction = reduction
+        tr.cfg.step.loss_reduction = reduction
         for case in ("two buckets", "padding rank"):
             mine = dict(batches[rank])
             if case == "padding rank" and rank == 1:
@@ -152,7 +152,7 @@ def check(config, root, manifest, plugin, dtype):
     # Clipping: two steps of the trainer vs mixed-precision AdamW by hand on rank 0 (working weights
     # in the run's dtype for forward and backward, fp32 masters updated by torch's AdamW after
     # clip_grad_norm_ on the fp32 gradient), with and without the clip.
-    tr.cfg.run.loss_reduction = "sample"
+    tr.cfg.step.loss_reduction = "sample"
     o = cfg.optim
     refs = {}
     if rank == 0:
@@ -226,5 +226,6 @@ def main(config, root, manifest, plugin, *dtypes):
     tr.par.close()
 
 
-if __name__ == "__main__":
-    main(*sys.argv[1:])
+if __name__ == "__main__":  # as support.torchrun starts it: CONFIG --root ROOT ...
+    config, _, root, *rest = sys.argv[1:]
+    main(config, root, *rest)

@@ -1,7 +1,8 @@
 """Run under torchrun: build the trainer with ``--load CKPT`` and compare the optimizer state each rank
 now holds with the checkpoint's files, read independently (safetensors + JSON).
 
-    python -m torch.distributed.run --nproc_per_node N tests/optimizer_check.py CONFIG ROOT MANIFEST CKPT PLUGIN DTYPE
+    python -m torch.distributed.run --nproc_per_node N tests/optimizer_check.py \
+        CONFIG --root ROOT MANIFEST CKPT PLUGIN DTYPE
 
 Under ZeRO each rank must hold its 1/N share of every parameter's moments, cut as ZeRO cuts
 (flattened, zero-padded to a multiple of N, chunk r), whatever world size wrote them. Prints one
@@ -49,5 +50,6 @@ def main(config, root, manifest, ckpt, plugin, dtype):
     par.close()
 
 
-if __name__ == "__main__":
-    main(*sys.argv[1:])
+if __name__ == "__main__":  # as support.torchrun starts it: CONFIG --root ROOT ...
+    config, _, root, *rest = sys.argv[1:]
+    main(config, root, *rest)

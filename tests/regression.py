@@ -8,7 +8,7 @@ The reference run is configs/train/debug/stage1.toml as committed (its lr and wa
 torchrun for 8 steps: 24 samples of tests/latent_data.py (seed 0, 8-wide captions) in
 configs/buckets/tiny.toml make 5 steps an epoch, so the loader crosses into epoch 1. Every draw is
 seeded and each rank computes on one thread, so with the pinned torch (2.13.0) the losses are
-bit-identical from run to run on one machine; tests/test_train.py compares them within TOLERANCE.
+bit-identical from run to run on one machine; tests/train/test_train.py compares them within TOLERANCE.
 
 TOLERANCE: |loss - recorded| <= 5e-6 at every step (losses are ~3, float32: one ulp is 2.4e-7).
 Another processor rounds differently in its CPU kernels (vector width, MKL's code path), and that
@@ -117,7 +117,7 @@ CHANGES = {
     "warm-up one step longer": ["--optim.warmup_steps=5"],
     "AdamW eps 1e-8": ["--optim.adam_eps=1e-8"],
     "lr 1% higher": ["--optim.lr=1.616e-3"],
-    "no grad clip": ["--optim.grad_clip=0"],
+    "no grad clip": ["--parallel.grad_clip=0"],
 }
 
 

@@ -32,9 +32,9 @@ RC = str(Path(sys.executable).parent / "reelcache")  # the shared install every 
 # The two paths a run takes: ZeRO-2 (what GPU nodes run; here its CPU mode over gloo, bf16 working
 # weights and fp32 masters) and DDP (the CPU default).
 PLUGINS = {
-    "ddp": ["--run.plugin=ddp"],
-    "zero2-bf16": ["--run.plugin=zero2", "--model.dtype=bf16"],
-    "zero2-fp32": ["--run.plugin=zero2", "--model.dtype=fp32"],
+    "ddp": ["--parallel.plugin=ddp"],
+    "zero2-bf16": ["--parallel.plugin=zero2", "--parallel.dtype=bf16"],
+    "zero2-fp32": ["--parallel.plugin=zero2", "--parallel.dtype=fp32"],
 }
 
 TOL = 0.5 + 1e-3
@@ -308,15 +308,17 @@ def torchrun(
     nproc: int = 1,
     entry: list[str] = ("-m", "reelcache.train"),
     env: dict | None = None,
+    config: Path = CONFIG,
     **kw,
 ) -> subprocess.Popen:
-    """The trainer on nproc ranks (torchrun beyond 1); entry: the program each rank runs."""
+    """The trainer on nproc ranks (torchrun beyond 1): ``entry CONFIG --root ROOT args``; entry: the
+    program each rank runs (the trainer, or a check script such as tests/grad_check.py)."""
     env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})}
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
     return subprocess.Popen(
-        cmd + [*entry, str(CONFIG), "--root", str(root), *args],
+        cmd + [*entry, str(config), "--root", str(root), *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -340,6 +342,11 @@ def train(root: Path, args: list[str], nproc: int = 1, ok: bool = True, timeout:
     else:
         assert p.returncode != 0, out[-4000:]
     return out
+
+
+def json_lines(out: str) -> list[dict]:
+    """The JSON objects a check script printed, one a line (its other lines are logs)."""
+    return [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
 
 
 def stage_file(path: Path, manifest) -> Path:
@@ -466,11 +473,13 @@ def manifest_clips(manifest: Path) -> Counter:
 
 def ema_rule_error(before: Path, after: Path) -> float:
     """How far the EMA of checkpoint `after` (one optimizer step after `before`) is from
-    ema = d * ema_before + (1 - d) * w_after (w: model/, d: run.ema_decay), relative to the
+    ema = d * ema_before + (1 - d) * w_after (w: model/, d: ema.decay), relative to the
     update's size: ~1e-4 from float rounding; 0.9 with d = 0.9, 9 with 0.999, 1 with no update."""
     import torch
 
-    d = json.loads((after / "config.json").read_text())["run"]["ema_decay"]
+    from reelcache.train.config import from_dict
+
+    d = from_dict(json.loads((after / "config.json").read_text())).ema.decay
     e0, e1, w1 = weights(before, "ema"), weights(after, "ema"), weights(after, "model")
     assert e0.keys() == e1.keys() and 0 < d < 1
     moved = torch.cat([(e1[k] - e0[k]).flatten() for k in e1])

@@ -3,11 +3,11 @@
     ckpt-00002210/
       model/       fp32 master weights (trainable) + frozen ones and buffers, safetensors shards + index
       ema/         fp32 EMA of the trainable tensors beside model/'s frozen ones and buffers: a complete
-                   state dict, same layout (absent when run.ema_decay = 0)
+                   state dict, same layout (absent when ema.decay = 0)
       optimizer/   full Adam moments by parameter name (safetensors) + step counts (JSON), the
                    same for ZeRO and DDP at any world size (absent before the first optimizer step)
-      state.json   global and optimizer steps, the loader's state (epoch, position, data
-                   fingerprint), guard window, wandb run id, world size, library versions
+      state.json   train/state.py's TrainState: global and optimizer steps, the loader's state (epoch,
+                   position, data fingerprint), guard window, world size, library versions
       config.json  the resolved config that trained it
 
 Every rank takes part in gathering the state into host memory on rank 0 (weights, EMA and
@@ -91,6 +91,9 @@ class CheckpointConfig:
         False,
         "save ckpt-00000000 before the first step of a run that resumes nothing (Open-Sora's epoch0-global_step0)",
     )
+
+    def build(self, *, run_dir, par, snapshot, saved_step: int | None = None, lease=None) -> Checkpointer:
+        return Checkpointer(self, run_dir, par, snapshot=snapshot, saved_step=saved_step, lease=lease)
 
 
 def library_versions() -> dict:

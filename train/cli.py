@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 
 from reelcache import UserError
+from reelcache.args import arg, existing_dir, existing_file, option
 from reelcache.cluster.slurm import options as slurm_options
-from reelcache.settings import arg, existing_dir, existing_file, option
 
 EXAMPLES = """\
 examples:

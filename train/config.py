@@ -2,7 +2,8 @@
 
     cfg = load_config("configs/train/opensora12/stage1.toml", ["optim.lr=2e-4", "run.name=try2"])
 
-A stage file (``configs/train/**.toml``) has one table per dataclass below. Unknown keys are
+A stage file (``configs/train/**.toml``) has one table per section of ``TrainConfig`` (the sections
+and what each builds: train/sections.py and the components' own modules). Unknown keys are
 errors (a typo must not silently train with a default). Every field declares its type, range and
 meaning where it is declared (``reelcache.settings.setting``), and each value is checked as the
 file and the overrides are read, so a bad value is one line before any process group, model or
@@ -24,137 +25,76 @@ from pathlib import Path
 
 from reelcache import UserError
 from reelcache.catalog.buckets import BucketConfig
-from reelcache.settings import NAME, TEXT, Pattern, build, check, load_toml, read, setting
+from reelcache.settings import build, check, load_toml, read, setting
 from reelcache.train.checkpoint import CheckpointConfig
 from reelcache.train.guard import GuardConfig
 from reelcache.train.runlog import LogConfig
+from reelcache.train.sections import (  # noqa: F401 - Manifest, MODEL_PRESETS: read from here too
+    MODEL_PRESETS,
+    ConditioningConfig,
+    DataConfig,
+    EMAConfig,
+    FlowConfig,
+    Manifest,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    StepConfig,
+)
 from reelcache.train.watchdog import WatchdogConfig
 
 # train.flow and train.model (torch) are imported by the checks that build them: importing this module
-# loads no torch, pyarrow or wandb (nor do checkpoint, guard, runlog and watchdog, which it imports).
-# Reading a config does: validate() checks model.overrides and flow.mask_ratios by building them.
+# loads no torch, pyarrow or wandb (nor do the section modules it imports). Reading a config does:
+# validate() checks model.overrides and flow.mask_ratios by building them.
 
-# config.json's format. 1: one [run] table held the checkpoint, log, guard and watchdog settings
-# (MOVED says where each went); 2: they are sections of their own.
-VERSION = 2
+# config.json's format. 1: one [run] table held the checkpoint, log, guard and watchdog settings;
+# 2: they are sections of their own; 3: [run] keeps the run's own settings (name, seed, epochs,
+# max_steps), and the EMA, the step, the parallel plugin and the fps conditioning have sections.
+# MOVED says where each key went, by the version that moved it: a config.json of an older version is
+# migrated as it is read; a stage file or an override with an old key is one line naming its new place.
+VERSION = 3
 MOVED = {
-    "run.ckpt_every": "checkpoint.every",
-    "run.keep_last": "checkpoint.keep_last",
-    "run.keep_every": "checkpoint.keep_every",
-    "run.log_every": "log.every",
-    "run.wandb_project": "log.wandb_project",
-    "run.wandb_mode": "log.wandb_mode",
-    "run.spike_z": "guard.spike_z",
-    "run.spike_window": "guard.window",
-    "run.max_bad_steps": "guard.max_bad_steps",
-    "run.watchdog_factor": "watchdog.factor",
-    "run.watchdog_floor_s": "watchdog.floor_s",
-    "run.watchdog_limit_s": "watchdog.limit_s",
+    2: {
+        "run.ckpt_every": "checkpoint.every",
+        "run.keep_last": "checkpoint.keep_last",
+        "run.keep_every": "checkpoint.keep_every",
+        "run.log_every": "log.every",
+        "run.wandb_project": "log.wandb_project",
+        "run.wandb_mode": "log.wandb_mode",
+        "run.spike_z": "guard.spike_z",
+        "run.spike_window": "guard.window",
+        "run.max_bad_steps": "guard.max_bad_steps",
+        "run.watchdog_factor": "watchdog.factor",
+        "run.watchdog_floor_s": "watchdog.floor_s",
+        "run.watchdog_limit_s": "watchdog.limit_s",
+    },
+    3: {
+        "run.ema_decay": "ema.decay",
+        "run.loss_reduction": "step.loss_reduction",
+        "run.plugin": "parallel.plugin",
+        "run.compile": "model.compile",
+        "model.dtype": "parallel.dtype",
+        "optim.grad_clip": "parallel.grad_clip",
+        "data.default_fps": "conditioning.default_fps",
+        "data.image_fps": "conditioning.image_fps",
+    },
 }
-
-# train/model.py PRESETS (named here so that reading a config imports no torch; a test compares them)
-MODEL_PRESETS = ("STDiT3-XL/2", "STDiT3-3B/2", "tiny")
-
-
-@dataclass
-class ModelConfig:
-    preset: str = setting("STDiT3-XL/2", "train/model.py PRESETS", choices=MODEL_PRESETS)
-    overrides: dict = setting(doc="STDiT3Config fields over the preset (caption_channels, ...)", factory=dict)
-    freeze_y_embedder: bool = setting(True, "Open-Sora 1.2 stages freeze the caption projection")
-    grad_checkpoint: bool = setting(True, "recompute each block in backward (56 blocks at XL/2)")
-    dtype: str = setting(
-        "bf16", "zero2's working dtype: bf16 (fp32 masters) | fp32; ddp always trains fp32", choices=("bf16", "fp32")
-    )
-
-
-@dataclass
-class Manifest:
-    name: str = setting(doc="catalog manifest name (ROOT/manifests) or a path; made with --cache", pattern=TEXT)
-    weight: float | list[float] = setting(1.0, "mixing weight, or one per epoch (a ramp; the last value holds)", ge=0)
-
-
-@dataclass
-class DataConfig:
-    manifests: list[Manifest] = setting(doc="[{name, weight}] mixed per epoch by weight", factory=list)
-    buckets: str = setting("", "bucket config TOML: batch size per (resolution, frames)")
-    workers: int = setting(4, "DataLoader processes per rank (0: read in the training process)", ge=0)
-    prefetch: int = setting(2, "batches in flight per worker", ge=1)
-    block: int = setting(64, "block-shuffle size (samples read close together on disk)", ge=1)
-    default_fps: float = setting(24.0, "fps for clips whose manifest carries none", gt=0)
-    image_fps: float = setting(
-        0.0,
-        "the fps input of image buckets (T = 1); 0 = as a video's (manifest, else default_fps); Open-Sora: 120",
-        ge=0,
-    )
-
-
-@dataclass
-class OptimConfig:
-    lr: float = setting(1.6e-4, "base lr; with schedule=1cycle, the final lr (0: weights stay as loaded)", ge=0)
-    weight_decay: float = setting(0.01, "AdamW, one param group (biases and norms included, as Open-Sora)", ge=0)
-    adam_eps: float = setting(1e-15, "AdamW's epsilon", gt=0)
-    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW's moment decays", ge=0, lt=1)
-    grad_clip: float = setting(1.0, "global L2 norm; 0 = off", ge=0)
-    schedule: str = setting(
-        "warmup",
-        'constant | warmup (Open-Sora\'s LinearWarmupLR) | 1cycle (the "bump")',
-        choices=("constant", "warmup", "1cycle"),
-    )
-    warmup_steps: int = setting(0, "warmup: lr = (k+1)/(W+1)*lr for k < W. 1cycle: the rising phase", ge=0)
-    min_lr: float = setting(0.0, "1cycle: start", ge=0)
-    max_lr: float = setting(0.0, "1cycle: peak after warmup_steps", ge=0)
-    cooldown_steps: int = setting(0, "1cycle: cosine from max_lr down to lr", ge=0)
-
-
-@dataclass
-class FlowConfig:
-    sample_method: str = setting("logit-normal", "timestep draw", choices=("logit-normal", "uniform"))
-    use_timestep_transform: bool = setting(True, "Open-Sora 1.2's resolution/length shift")
-    caption_dropout: float = setting(
-        0.1,
-        "per-sample probability of the null caption (classifier-free guidance); below 1: at 1 the text never "
-        "reaches the model",
-        ge=0,
-        lt=1,
-    )
-    mask_ratios: dict[str, float] = setting(
-        doc="MaskGenerator ratios (train/flow.py); {} = no frame masks", factory=dict, ge=0, le=1
-    )
-
-
-@dataclass
-class RunConfig:
-    name: str = setting(
-        "",
-        "run directory ROOT/runs/<name>; default: the config file's stem",
-        pattern=Pattern(f"({NAME.regex})?", f"{NAME.text} (empty: the file's stem)"),
-    )
-    seed: int = setting(42, "data order, noise, timesteps, masks: all derived from it", ge=0)
-    epochs: int = setting(1, "passes over the manifests", ge=1)
-    max_steps: int = setting(0, "stop after this many optimizer steps in total (0 = all epochs)", ge=0)
-    ema_decay: float = setting(0.99, "fp32 EMA of the master weights; 0 = no EMA", ge=0, lt=1)
-    loss_reduction: str = setting(
-        "sample",
-        "sample: mean over all ranks' real samples | rank: mean of rank means (Open-Sora)",
-        choices=("sample", "rank"),
-    )
-    plugin: str = setting(
-        "auto",
-        "auto (zero2 on CUDA, ddp on CPU) | zero2 (on CPU: train/zero_cpu.py) | ddp",
-        choices=("auto", "zero2", "ddp"),
-    )
-    compile: bool = setting(False, "torch.compile the blocks (GPU)")
 
 
 @dataclass
 class TrainConfig:
     model: ModelConfig = setting(doc="[model]: which STDiT3 and how its weights train", factory=ModelConfig)
     data: DataConfig = setting(doc="[data]: the manifests, buckets and loader", factory=DataConfig)
+    conditioning: ConditioningConfig = setting(doc="[conditioning]: the fps input", factory=ConditioningConfig)
     optim: OptimConfig = setting(doc="[optim]: AdamW and the lr schedule", factory=OptimConfig)
     flow: FlowConfig = setting(
         doc="[flow]: rectified flow's timesteps, caption dropout, frame masks", factory=FlowConfig
     )
-    run: RunConfig = setting(doc="[run]: the run directory, its length, seed, EMA and parallelism", factory=RunConfig)
+    step: StepConfig = setting(doc="[step]: the loss over the ranks", factory=StepConfig)
+    ema: EMAConfig = setting(doc="[ema]: the EMA of the weights", factory=EMAConfig)
+    parallel: ParallelConfig = setting(doc="[parallel]: plugin, dtype, gradient clipping", factory=ParallelConfig)
+    run: RunConfig = setting(doc="[run]: the run directory, its seed and length", factory=RunConfig)
     checkpoint: CheckpointConfig = setting(doc="[checkpoint]: train/checkpoint.py", factory=CheckpointConfig)
     log: LogConfig = setting(doc="[log]: train/runlog.py", factory=LogConfig)
     guard: GuardConfig = setting(doc="[guard]: train/guard.py", factory=GuardConfig)
@@ -203,24 +143,21 @@ class TrainConfig:
         return {"version": VERSION, **dataclasses.asdict(self)}
 
     def model_config(self):
-        """The STDiT3Config this stage trains: the preset, its overrides, the frozen caption projection."""
-        from reelcache.train.model import STDiT3Config
-
-        return STDiT3Config.preset(
-            self.model.preset, **{**self.model.overrides, "freeze_y_embedder": self.model.freeze_y_embedder}
-        )
+        """The STDiT3Config this stage trains (``ModelConfig.stdit3``)."""
+        return self.model.stdit3()
 
     def frame_interval(self) -> int:
         """The bucket config's frame interval (what the model's fps input is divided by)."""
-        return BucketConfig.from_toml(self.data.buckets).frame_interval
+        return self.data.bucket_config().frame_interval
 
 
 def _build(doc: dict) -> TrainConfig:
     """A whole config table -> TrainConfig, every value checked (a manifest may be given by name alone)."""
-    for old, new in MOVED.items():
-        section, key = old.split(".")
-        if isinstance(doc.get(section), dict) and key in doc[section]:
-            raise UserError(f"{old} is now {new} (the [{new.split('.')[0]}] section): rename it")
+    for moved in MOVED.values():
+        for old, new in moved.items():
+            section, key = old.split(".")
+            if isinstance(doc.get(section), dict) and key in doc[section]:
+                raise UserError(f"{old} is now {new} (the [{new.split('.')[0]}] section): rename it")
     data = doc.get("data")
     if isinstance(data, dict) and isinstance(data.get("manifests"), list):
         data["manifests"] = [{"name": m} if isinstance(m, str) else m for m in data["manifests"]]
@@ -271,8 +208,8 @@ def from_dict(doc: dict) -> TrainConfig:
     version = doc.pop("version", 1)
     if version > VERSION:
         raise UserError(f"config.json has version {version}; this reelcache reads up to {VERSION}: upgrade it")
-    if version == 1:
-        for old, new in MOVED.items():
+    for v in range(version + 1, VERSION + 1):
+        for old, new in MOVED[v].items():
             section, key = old.split(".")
             if key in doc.get(section, {}):
                 to, name = new.split(".")

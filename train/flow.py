@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ __all__ = [
     "MASK_NAMES",
     "MaskGenerator",
     "add_noise",
-    "conditioning",
+    "Conditioning",
     "euler_sample",
     "sample_timesteps",
     "stable_seed",
@@ -57,28 +58,40 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(h, "big") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def conditioning(bucket: str, fps, frame_interval: int, default_fps: float, image_fps: float = 0.0) -> dict:
-    """The model's size and rate inputs for a batch of one bucket, as Open-Sora 1.2 builds them:
-    ``fps`` (NaN: ``default_fps``) divided by the bucket table's frame interval and floored,
-    ``height`` and ``width`` the bucket's pixel size, ``num_frames`` its pixel frame count (what
-    ``timestep_transform`` shifts by; not a model input). Float32 tensors of the batch size, on CPU.
+@dataclass(frozen=True)
+class Conditioning:
+    """The model's size and rate inputs, as Open-Sora 1.2 builds them; one object for training, the
+    validation loss (eval/valloss.py) and the sampler (eval/samples.py).
 
+    For a batch of one bucket (``__call__``): ``fps`` (NaN: ``default_fps``) divided by the bucket
+    table's ``frame_interval`` and floored, ``height`` and ``width`` the bucket's pixel size,
+    ``num_frames`` its pixel frame count (what ``timestep_transform`` shifts by; not a model input).
     ``image_fps`` > 0: the fps of an image bucket (T = 1, single-frame clips only), as given (not
     divided by the frame interval): Open-Sora's images carry IMG_FPS = 120. 0: an image's fps is
-    found as a video's."""
-    frames, height, width = bucket_geometry(bucket)
-    fps = torch.nan_to_num(torch.as_tensor(fps).float(), nan=default_fps)
-    b = fps.shape[0]
-    if frames == 1 and image_fps > 0:
-        rate = torch.full((b,), float(image_fps))
-    else:
-        rate = torch.floor(fps / frame_interval)
-    return {
-        "fps": rate,
-        "height": torch.full((b,), float(height)),
-        "width": torch.full((b,), float(width)),
-        "num_frames": torch.full((b,), float(frames)),
-    }
+    found as a video's. The sampler gives its sizes and fps as they are (``inputs``)."""
+
+    frame_interval: int = 1
+    default_fps: float = 24.0
+    image_fps: float = 0.0
+
+    def __call__(self, bucket: str, fps) -> dict:
+        frames, height, width = bucket_geometry(bucket)
+        fps = torch.nan_to_num(torch.as_tensor(fps).float(), nan=self.default_fps)
+        if frames == 1 and self.image_fps > 0:
+            fps = torch.full(fps.shape, float(self.image_fps))
+        else:
+            fps = torch.floor(fps / self.frame_interval)
+        return self.inputs(fps.shape[0], frames, height, width, fps)
+
+    @staticmethod
+    def inputs(b: int, frames: int, height: int, width: int, fps) -> dict:
+        """Float32 tensors of the batch size, on CPU: fps, height, width, num_frames."""
+        return {
+            "fps": torch.as_tensor(fps, dtype=torch.float32).expand(b).clone(),
+            "height": torch.full((b,), float(height)),
+            "width": torch.full((b,), float(width)),
+            "num_frames": torch.full((b,), float(frames)),
+        }
 
 
 def timestep_transform(

@@ -2,7 +2,7 @@
 
 Same computation and the same parameter names as Open-Sora's ``opensora/models/stdit/stdit3.py``
 (facts in docs/OPENSORA12.md §1), so an Open-Sora / published STDiT3 state dict loads with
-``strict=True`` and the fixture outputs of Open-Sora's own class are reproduced (tests/test_model.py).
+``strict=True`` and the fixture outputs of Open-Sora's own class are reproduced (tests/train/test_model.py).
 Here: the config, the block and the model that read it, and the FLOP count; the config-free
 building blocks (embedders, attention, RoPE, norms, patch embedding, positions) are train/layers.py.
 

@@ -3,7 +3,7 @@
 On CUDA the model is boosted with ColossalAI's ``LowLevelZeroPlugin`` (ZeRO stage 2: bf16 working
 weights on every rank, fp32 master weights and Adam moments sharded 1/R per rank, gradients
 reduce-scattered) and optimized by ``HybridAdam`` in AdamW mode. On CPU the default (the demo) is
-``TorchDDPPlugin`` over gloo with ``torch.optim.AdamW`` in fp32; ``run.plugin = "zero2"`` on CPU runs
+``TorchDDPPlugin`` over gloo with ``torch.optim.AdamW`` in fp32; ``parallel.plugin = "zero2"`` on CPU runs
 the same ZeRO-2 branch over gloo, with the few CUDA assumptions of ColossalAI lifted by
 ``train/zero_cpu.py`` (the tests run the users' path this way). The training loop sees only the
 ``Parallel`` object: backward, a global gradient norm, step, sums over ranks, and the fp32

@@ -19,7 +19,9 @@ Parts are written at every checkpoint (before its rename) and at the end, each t
 run's generation (resumes so far): after a resume, steps past the checkpoint are logged again
 and the newest generation of each step is the one that trained, as in the consumed log. wandb
 runs offline by default (``wandb sync runs/<run>/wandb/offline-run-*`` uploads later); the run
-id lives in ``runs/<run>/wandb_id`` and is reused on ``--load``, so a stage is one wandb run.
+id is stored once, in ``runs/<run>/wandb_id``, and every later start of the run (``--load``,
+``--resume``, a requeue) logs into it, so a stage is one wandb run. A run directory of an older
+layout without that file gives the id its checkpoint's state.json held (``TrainState.legacy_wandb_id``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,29 @@ class LogConfig:
     wandb_project: str = setting("reelcache", "wandb project", pattern=TEXT)
     wandb_mode: str = setting("offline", "offline | online | disabled", choices=("offline", "online", "disabled"))
 
+    def build(
+        self, *, run_dir, enabled: bool, name: str, config: dict, generation: int, total_steps: int, legacy_id=None
+    ):
+        """Rank 0's log (``enabled``; the others' log nothing), in the run's wandb run: the id in
+        ``runs/<run>/wandb_id``, else ``legacy_id`` (an old checkpoint's), else a new one, written there."""
+        run_id = read_run_id(run_dir) or legacy_id
+        return RunLog(
+            self,
+            run_dir,
+            enabled=enabled,
+            name=name,
+            config=config,
+            run_id=run_id,
+            generation=generation,
+            total_steps=total_steps,
+        )
+
+
+def read_run_id(run_dir) -> str | None:
+    """The run's wandb id (``runs/<run>/wandb_id``), or None before its first start with wandb."""
+    path = Path(run_dir) / ID_FILE
+    return (path.read_text().strip() or None) if path.exists() else None
+
 
 def wandb_settings(mode: str, *, label: str, primary: bool):
     """wandb.Settings for one writer of a run (the trainer, or an evaluator beside it), quiet.
@@ -64,14 +89,16 @@ def wandb_settings(mode: str, *, label: str, primary: bool):
     return wandb.Settings(mode=mode, **common)
 
 
+ID_FILE = "wandb_id"
+
+
 class RunLog:
     def __init__(
         self,
+        cfg: LogConfig,
         run_dir,
         *,
         enabled: bool,
-        project: str,
-        mode: str,
         name: str,
         config: dict,
         run_id: str | None,
@@ -86,20 +113,22 @@ class RunLog:
         if not enabled:
             return
         (self.run_dir / "metrics").mkdir(parents=True, exist_ok=True)
-        if mode != "disabled":
+        if cfg.wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")  # our console line says what matters
             import wandb
 
             self.run_id = run_id or uuid.uuid4().hex[:12]
             self.wandb = wandb.init(
-                project=project,
+                project=cfg.wandb_project,
                 name=name,
                 id=self.run_id,
                 resume="allow",
                 dir=str(self.run_dir),
                 config=config,
-                settings=wandb_settings(mode, label="train", primary=True),
+                settings=wandb_settings(cfg.wandb_mode, label="train", primary=True),
             )
+            if read_run_id(self.run_dir) != self.run_id:  # a new run, or one of the old layout (legacy_id)
+                (self.run_dir / ID_FILE).write_text(self.run_id)
             self.wandb.define_metric("global_step")
             for prefix in ("train/*", "buckets/*"):
                 self.wandb.define_metric(prefix, step_metric="global_step")

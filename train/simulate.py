@@ -50,7 +50,7 @@ def simulate(
         ]
 
     loaders = make(world_size)
-    rows = {k: [] for k in ("epoch", "step", "rank", "worker", "clip_id", "view", "bucket", "pad", "world_size")}
+    rows = {k: [] for k in COLUMNS}
     summary = []
     gstep = 0
     saved = None
@@ -70,19 +70,9 @@ def simulate(
         with bar(steps, f"epoch {epoch}", "step") as pbar:
             iters = [iter(ld) for ld in loaders]
             for k, batches in enumerate(zip(*iters)):
-                for r, b in enumerate(batches):
-                    n = len(b["clip_id"])
-                    rows["epoch"] += [epoch] * n
-                    # Each pass over a loader starts a new DataLoader whose worker w makes the w-th,
-                    # (w+W)-th, ... of the steps REMAINING in the epoch, not of all its steps.
-                    rows["worker"] += [k % max(1, workers)] * n
-                    rows["step"] += [b["step"]] * n
-                    rows["rank"] += [r] * n
-                    rows["clip_id"] += b["clip_id"]
-                    rows["view"] += b["view"]
-                    rows["bucket"] += [b["bucket"]] * n
-                    rows["pad"] += [b["weight"] == 0] * n
-                    rows["world_size"] += [len(loaders)] * n
+                # Each pass over a loader starts a new DataLoader whose worker w makes the w-th,
+                # (w+W)-th, ... of the steps REMAINING in the epoch, not of all its steps.
+                _record(rows, epoch, k % max(1, workers), batches)
                 gstep += 1
                 pbar.update(1)
                 if save_at is not None and saved is None and gstep == save_at:
@@ -105,15 +95,35 @@ def simulate(
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, out)
+    _report(summary, table, loaders[0])
+    return table, summary, saved
+
+
+COLUMNS = ("epoch", "step", "rank", "worker", "clip_id", "view", "bucket", "pad", "world_size")
+
+
+def _record(rows: dict, epoch: int, worker: int, batches) -> None:
+    """One step of every rank (batches[r] is rank r's) as rows of COLUMNS, one per sample."""
+    for r, b in enumerate(batches):
+        n = len(b["clip_id"])
+        for key, value in (("epoch", epoch), ("worker", worker), ("step", b["step"]), ("rank", r)):
+            rows[key] += [value] * n
+        rows["clip_id"] += b["clip_id"]
+        rows["view"] += b["view"]
+        rows["bucket"] += [b["bucket"]] * n
+        rows["pad"] += [b["weight"] == 0] * n
+        rows["world_size"] += [len(batches)] * n
+
+
+def _report(summary: list[dict], table: pa.Table, loader: LatentLoader) -> None:
     for s in summary:
         say(
             f"epoch {s['epoch']}: {s['samples']} samples in {s['micro_batches']} micro-batches, "
             f"{s['steps']} steps on {s['world_size']} ranks"
         )
-    if loaders[0].views > 1:
-        for line in view_summary(table, loaders[0]):
+    if loader.views > 1:
+        for line in view_summary(table, loader):
             say(line)
-    return table, summary, saved
 
 
 def view_summary(table: pa.Table, loader: LatentLoader) -> list[str]:

@@ -5,7 +5,7 @@ already VAE posteriors and T5 embeddings), per-sample draws seeded by (seed, ste
 (timestep, noise, frame mask, caption dropout), the rectified-flow loss, backward, the global
 gradient norm, the divergence guard, the optimizer step, the EMA update.
 
-The step's gradient is the mean over the real samples of all ranks (``loss_reduction =
+The step's gradient is the mean over the real samples of all ranks (``step.loss_reduction =
 "sample"``): rank r backpropagates R * sum(loss_i) / N, where N is the all-reduced count of real
 samples and the data-parallel average divides by R again. Ranks hold different buckets and
 batch sizes, and a rank with a padding batch (weight 0) contributes nothing, so it neither
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from reelcache.train.config import TrainConfig
 from reelcache.train.flow import (
+    Conditioning,
     MaskGenerator,
-    conditioning,
     sample_timesteps,
     stable_seed,
     timestep_transform,
@@ -63,13 +62,17 @@ class EMA:
 
 
 class Step:
-    """The step function; ``state`` (the trainer's TrainState) gives the global step the draws are
-    seeded by and counts optimizer steps (the lr schedule's position)."""
+    """The step function (``StepConfig.build``, train/sections.py); ``state`` (the trainer's
+    TrainState) gives the global step the draws are seeded by and counts optimizer steps (the lr
+    schedule's position). ``flow`` and ``optim`` are their [flow] and [optim] sections."""
 
-    def __init__(self, cfg: TrainConfig, par, model, optimizer, guard, ema: EMA | None, frame_interval: int):
+    def __init__(
+        self, cfg, *, par, model, optimizer, guard, ema: EMA | None, cond: Conditioning, flow, optim, seed, grad_clip
+    ):
         self.cfg, self.par, self.model, self.optimizer = cfg, par, model, optimizer
-        self.guard, self.ema, self.frame_interval = guard, ema, frame_interval
-        self.masks = MaskGenerator(cfg.flow.mask_ratios) if cfg.flow.mask_ratios else None
+        self.guard, self.ema, self.cond = guard, ema, cond
+        self.flow, self.optim, self.seed, self.grad_clip = flow, optim, seed, grad_clip
+        self.masks = MaskGenerator(flow.mask_ratios) if flow.mask_ratios else None
 
     def __call__(self, batch, state) -> StepResult:
         """One optimizer step on this rank's micro-batch (a collective: every rank calls it)."""
@@ -77,12 +80,12 @@ class Step:
 
     def draws(self, batch, global_step: int) -> dict:
         """The step's random draws, one generator per sample: (seed, step, clip id, index)."""
-        dev, flow = self.par.device, self.cfg.flow
+        dev, flow = self.par.device, self.flow
         x = batch["x"]
         t_lat = x.shape[2]
         ts, noise, drops, masks = [], [], [], []
         for i, clip in enumerate(batch["clip_id"]):
-            s = stable_seed(self.cfg.run.seed, global_step, clip, i)
+            s = stable_seed(self.seed, global_step, clip, i)
             g = torch.Generator().manual_seed(s)
             ts.append(sample_timesteps(1, g, method=flow.sample_method))
             drops.append(bool(torch.rand(1, generator=g).item() < flow.caption_dropout))
@@ -99,19 +102,17 @@ class Step:
 
     def forward_backward(self, batch, global_step: int) -> StepResult:
         """Loss and gradients of the step; gradients end up as the mean over all ranks' real samples."""
-        cfg, par, dev = self.cfg, self.par, self.par.device
+        par, dev = self.par, self.par.device
         x0 = batch["x"].to(dev, non_blocking=True).float()
         weight = float(batch["weight"])
         real = x0.shape[0] * weight
         # How many real samples (and real ranks) this step has: known before the forward.
         n_real, r_real = par.sum([real, 1.0 if weight > 0 else 0.0]).tolist()
         d = self.draws(batch, global_step)
-        cond = conditioning(
-            batch["bucket"], batch["fps"], self.frame_interval, cfg.data.default_fps, cfg.data.image_fps
-        )
+        cond = self.cond(batch["bucket"], batch["fps"])
         frames = cond.pop("num_frames")
         t = d["t"]
-        if cfg.flow.use_timestep_transform:
+        if self.flow.use_timestep_transform:
             t = timestep_transform(t, cond["height"], cond["width"], frames)
         kwargs = {
             "y": batch["text"].to(dev, non_blocking=True).to(x0.dtype),
@@ -121,7 +122,7 @@ class Step:
         }
         x_mask = d["x_mask"].to(dev) if d["x_mask"] is not None else None
         losses = training_losses(self.model, x0, kwargs, d["noise"], t.to(dev), x_mask=x_mask)
-        if cfg.run.loss_reduction == "sample":
+        if self.cfg.loss_reduction == "sample":
             loss = losses.sum() * (weight * par.world / max(n_real, 1.0))
         else:
             loss = losses.mean() * (weight * par.world / max(r_real, 1.0))
@@ -141,7 +142,7 @@ class Step:
         """Guard, optimizer step (unless the guard skips it), EMA; gradients cleared either way."""
         par = self.par
         guard = self.guard
-        out.grad_norm = float(par.grad_norm(self.model, self.optimizer, self.cfg.optim.grad_clip))
+        out.grad_norm = float(par.grad_norm(self.model, self.optimizer, self.grad_clip))
         reason = guard.verdict(out.loss, out.grad_norm)
         skip = reason is not None and guard.skips(out.loss, out.grad_norm)
         bad, skip = (par.max([1.0 if reason else 0.0, 1.0 if skip else 0.0]) > 0).tolist()
@@ -150,7 +151,7 @@ class Step:
         if skip:
             out.skipped = out.bad
         else:  # a good step, or a non-finite one with guard.skip_nonfinite off (Open-Sora steps on it)
-            out.lr = lr_at(state.opt_steps, self.cfg.optim)
+            out.lr = lr_at(state.opt_steps, self.optim)
             for group in self.optimizer.param_groups:
                 group["lr"] = out.lr
             self.optimizer.step()

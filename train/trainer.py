@@ -3,10 +3,11 @@
     reelcache train configs/train/opensora12/stage1.toml --root /data/rc --init-from PixArt-Sigma-XL-2-2K-MS.pth
     reelcache train configs/train/opensora12/stage1.toml --root /data/rc --resume
 
-The loop is short on purpose: each concern is a component built from its config section and
+The loop is short on purpose: each concern is a component built from its config section (one
+``build(**runtime)`` each, train/sections.py; ``_build`` is the list of them) and
 called once per step. ``Step`` (train/step.py) is the step itself; the ``Checkpointer``
 (train/checkpoint.py) decides when to save (its cadence, the last step, a stop request) and saves
-what ``snapshot`` gathers; ``TrainState`` is the one object a checkpoint's state.json restores;
+what ``snapshot`` gathers; ``TrainState`` (train/state.py) is all of a checkpoint's state.json;
 the ``Watchdog`` times each step, the ``Guard`` judges it, ``metrics_row`` (train/metrics.py)
 measures it on logged steps and the ``RunLog`` writes it. Rank records (cluster/ranks.py) say
 which process runs each rank, for ``reelcache cluster dump|stop``.
@@ -22,56 +23,24 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from reelcache import UserError
-from reelcache.catalog.buckets import BucketConfig
 from reelcache.cluster import ranks
 from reelcache.log import log_to_file
 from reelcache.progress import say
 from reelcache.train import checkpoint as ck
 from reelcache.train.config import TrainConfig, from_dict, resume_changes
-from reelcache.train.guard import DivergedError, Guard
-from reelcache.train.loader import ConsumedLog, LatentLoader
+from reelcache.train.guard import DivergedError
+from reelcache.train.loader import ConsumedLog
 from reelcache.train.metrics import metrics_row, peak_flops
-from reelcache.train.model import STDiT3
-from reelcache.train.parallel import Parallel
 from reelcache.train.runlease import take
-from reelcache.train.runlog import RunLog
-from reelcache.train.step import EMA, Step, StepResult
+from reelcache.train.state import TrainState
+from reelcache.train.step import StepResult
 from reelcache.train.watchdog import install_stack_signal
 from reelcache.train.weights import load_weights, read_sharded
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint's state.json restores: the loop's counters and its stateful parts (the
-    loader's position and the guard's window). The epoch and the data fingerprint are the loader's;
-    the learning rate follows from ``opt_steps`` and the config's [optim]."""
-
-    loader: LatentLoader
-    guard: Guard
-    global_step: int = 0
-    opt_steps: int = 0
-    wandb_id: str | None = None
-
-    def state_dict(self) -> dict:
-        return {
-            "global_step": self.global_step,
-            "opt_steps": self.opt_steps,
-            "loader": self.loader.state_dict(),
-            "guard": self.guard.state_dict(),
-            "wandb_id": self.wandb_id,
-        }
-
-    def load_state_dict(self, state: dict, reset_data: bool = False) -> None:
-        self.loader.load_state_dict(state["loader"], reset_data=reset_data)
-        self.global_step, self.opt_steps = int(state["global_step"]), int(state["opt_steps"])
-        self.guard.load_state_dict(state.get("guard", {}))
-        self.wandb_id = state.get("wandb_id")
 
 
 class Trainer:
@@ -93,7 +62,7 @@ class Trainer:
         ``wait``: wait for a live run of the same run directory to end instead of refusing."""
         self.cfg, self.root, self.init_weights = cfg, Path(root), init_weights
         self.run_dir = self.root / "runs" / cfg.run.name
-        self.par = Parallel.setup(cfg.run.plugin, cfg.model.dtype, cfg.optim.grad_clip)
+        self.par = cfg.parallel.build()
         self.rank0 = self.par.rank == 0
         self.lease = None
         try:
@@ -105,99 +74,112 @@ class Trainer:
                 self.lease.release()
             raise
 
-    # -- setup -----------------------------------------------------------------------------
+    # -- setup: every component from its section ------------------------------------------
     def _build(self, load, resume, init_from, reset_data):
         cfg, par = self.cfg, self.par
-        existing = ck.list_checkpoints(self.run_dir)
-        if resume and load is None and existing:
-            load = existing[-1]
-        self.ckpt_path = None
-        if load is not None:
-            try:
-                self.ckpt_path = ck.resolve(load, self.root, self.run_dir)
-            except FileNotFoundError as e:
-                raise UserError(str(e)) from None
-        elif existing:
-            raise UserError(
-                f"{self.run_dir} already has checkpoints up to {existing[-1].name}: continue it with --resume "
-                f"(= --load latest; or --load {existing[-1]}), or train under another run.name"
-            )
-        if self.ckpt_path is not None and (self.ckpt_path / "config.json").exists():
-            saved = from_dict(json.loads((self.ckpt_path / "config.json").read_text()))
-            changes = resume_changes(saved, cfg)  # a UserError if the model differs
-            if changes and self.rank0:
-                say(f"config changes since {self.ckpt_path.name}:\n  " + "\n  ".join(changes))
-
-        # Data (its consumed log starts below, once nothing can refuse the start).
-        self.buckets = BucketConfig.from_toml(cfg.data.buckets)
-        manifests = [(m.name, m.weight) for m in cfg.data.manifests]
-        try:
-            self.loader = LatentLoader(
-                manifests, self.buckets, root=self.root, rank=par.rank, world_size=par.world, seed=cfg.run.seed,
-                workers=cfg.data.workers, prefetch=cfg.data.prefetch, block=cfg.data.block,
-            )  # fmt: skip
-        except ValueError as e:
-            raise UserError(str(e)) from e
-        self.state = TrainState(self.loader, cfg.guard.build())
+        self.ckpt_path = self._checkpoint_to_load(load, resume)
+        self.loader = cfg.data.build(root=self.root, par=par, seed=cfg.run.seed)
+        self.state = TrainState(self.loader, cfg.guard.build(), cfg.run.name, par.world, cfg.model.preset)
         if self.ckpt_path is not None:
             try:
                 self.state.load_state_dict(ck.read_state(self.ckpt_path), reset_data=reset_data)
             except ValueError as e:
                 raise UserError(f"--load {self.ckpt_path}: {e}") from e
-
-        # Model, optimizer, EMA.
-        self.model_cfg = cfg.model_config()
-        torch.manual_seed(cfg.run.seed)  # the same fresh init on every rank
-        model = STDiT3(self.model_cfg)
-        if cfg.model.grad_checkpoint:
-            model.set_grad_checkpointing(True)
-        self.loaded_from = self.loaded_which = None
+        model = cfg.model.build(seed=cfg.run.seed)
         if self.ckpt_path is not None:
             self._load_weights(model, self.ckpt_path, strict=True)
         elif init_from is not None:
             self._load_weights(model, init_from, strict=None, which=self.init_weights)
-        self.shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
         self._open_run_dir()  # every check passed: from here on this start writes in the run directory
-        # fp32 values as initialised or loaded: ZeRO's boost casts the module to bf16 and would build
-        # the fp32 masters from those rounded values; frozen entries are saved from here too.
-        fp32 = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        self.frozen = {k: v for k, v in fp32.items() if k not in self.shapes}
-        o = cfg.optim
-        opt = par.optimizer(
-            [p for p in model.to(par.device).parameters() if p.requires_grad],
-            lr=o.lr, weight_decay=o.weight_decay, eps=o.adam_eps, betas=o.betas,
-        )  # fmt: skip
-        self.model, self.optimizer = par.boost(model, opt)
-        if par.zero:
-            for n, m in par.master_chunks(self.model, self.optimizer).items():
-                m.copy_(par.chunk(fp32[n].float().reshape(-1)))
-        del fp32
-        if cfg.run.compile:
-            for blk in list(self.module.spatial_blocks) + list(self.module.temporal_blocks):
-                blk.compile()
-
+        self.model, self.optimizer = self._boost(model)
         if self.ckpt_path is not None:
             self._resume(self.ckpt_path, reset_data)
-        self.ema = self._ema() if cfg.run.ema_decay > 0 else None
-        self.step = Step(cfg, par, self.model, self.optimizer, self.state.guard, self.ema, self.buckets.frame_interval)
-        saved = self.state.global_step if self.ckpt_path is not None else None
-        self.ckpt = ck.Checkpointer(
-            cfg.checkpoint, self.run_dir, par, snapshot=self.snapshot, saved_step=saved, lease=self.lease.lease
+        self.ema = cfg.ema.build(chunks=self._ema_chunks)
+        cond = cfg.conditioning.build(frame_interval=self.loader.buckets.frame_interval)
+        self.step = cfg.step.build(
+            par=par,
+            model=self.model,
+            optimizer=self.optimizer,
+            guard=self.state.guard,
+            ema=self.ema,
+            cond=cond,
+            flow=cfg.flow,
+            optim=cfg.optim,
+            seed=cfg.run.seed,
+            grad_clip=cfg.parallel.grad_clip,
         )
-        resolved = cfg.to_dict()
+        saved = self.state.global_step if self.ckpt_path is not None else None
+        self.ckpt = cfg.checkpoint.build(
+            run_dir=self.run_dir, par=par, snapshot=self.snapshot, saved_step=saved, lease=self.lease.lease
+        )
+        self.total_steps = self._total_steps()
+        self.log = cfg.log.build(
+            run_dir=self.run_dir,
+            enabled=self.rank0,
+            name=cfg.run.name,
+            config=self._write_config(),
+            generation=self.loader.generation,
+            total_steps=self.total_steps,
+            legacy_id=self._legacy_wandb_id(),
+        )
+        self.peak = peak_flops(par.device)
+        self._announce()
+
+    def _checkpoint_to_load(self, load, resume) -> Path | None:
+        """The checkpoint this start continues (``--load``, or the newest with ``--resume``), its config's
+        changes said; a UserError for a run directory with checkpoints that neither flag continues."""
+        existing = ck.list_checkpoints(self.run_dir)
+        if resume and load is None and existing:
+            load = existing[-1]
+        if load is None:
+            if existing:
+                raise UserError(
+                    f"{self.run_dir} already has checkpoints up to {existing[-1].name}: continue it with --resume "
+                    f"(= --load latest; or --load {existing[-1]}), or train under another run.name"
+                )
+            return None
+        try:
+            path = ck.resolve(load, self.root, self.run_dir)
+        except FileNotFoundError as e:
+            raise UserError(str(e)) from None
+        if (path / "config.json").exists():
+            saved = from_dict(json.loads((path / "config.json").read_text()))
+            changes = resume_changes(saved, self.cfg)  # a UserError if the model differs
+            if changes and self.rank0:
+                say(f"config changes since {path.name}:\n  " + "\n  ".join(changes))
+        return path
+
+    def _boost(self, model):
+        """The model on its device, its optimizer, both boosted by the plugin; ZeRO's fp32 masters set
+        from the fp32 values as initialised or loaded (its boost casts the module to bf16 and would
+        build them from the rounded values); frozen entries kept for the checkpoints."""
+        self.shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+        fp32 = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self.frozen = {k: v for k, v in fp32.items() if k not in self.shapes}
+        params = [p for p in model.to(self.par.device).parameters() if p.requires_grad]
+        model, optimizer = self.par.boost(model, self.cfg.optim.build(par=self.par, params=params))
+        if self.par.zero:
+            for n, m in self.par.master_chunks(model, optimizer).items():
+                m.copy_(self.par.chunk(fp32[n].float().reshape(-1)))
+        if self.cfg.model.compile:
+            for blk in list(model.unwrap().spatial_blocks) + list(model.unwrap().temporal_blocks):
+                blk.compile()
+        return model, optimizer
+
+    def _write_config(self) -> dict:
+        resolved = self.cfg.to_dict()
         if self.rank0:
             (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
-        self.total_steps = self._total_steps()
-        self.log = RunLog(
-            self.run_dir, enabled=self.rank0, project=cfg.log.wandb_project, mode=cfg.log.wandb_mode,
-            name=cfg.run.name, config=resolved, run_id=self.state.wandb_id, generation=self.loader.generation,
-            total_steps=self.total_steps,
-        )  # fmt: skip
-        self.state.wandb_id = self.log.run_id if self.rank0 else None
-        if self.rank0 and self.log.run_id:
-            (self.run_dir / "wandb_id").write_text(self.log.run_id)
-        self.peak = peak_flops(par.device)
+        return resolved
+
+    def _legacy_wandb_id(self) -> str | None:
+        """A checkpoint of this run from before the id had its file (config.json version 2) held it."""
+        same_run = self.ckpt_path is not None and self.ckpt_path.parent.resolve() == self.run_dir.resolve()
+        return self.state.legacy_wandb_id if same_run else None
+
+    def _announce(self) -> None:
         if self.rank0:
+            cfg, par = self.cfg, self.par
             n = sum(p.numel() for p in self.module.parameters())
             t = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
             say(
@@ -223,31 +205,28 @@ class Trainer:
             report = load_weights(model, path, strict=strict, which=which, chosen=set(self.cfg.model.overrides))
         except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
             raise UserError(f"cannot load weights from {path}: {e}") from e
-        self.loaded_from, self.loaded_which = str(path), which
+        self.state.init_from, self.state.init_weights = str(path), which
         if self.rank0:
             say(f"weights from {path}:\n{report.summary()}")
 
     def _resume(self, ckpt: Path, reset_data: bool):
-        o = self.cfg.optim
         if (ckpt / "optimizer").exists():  # absent when saved before the first optimizer step
             self.par.load_optimizer(self.optimizer, self.model, str(ckpt / "optimizer"))
             for group in self.optimizer.param_groups:  # the config's hyper-parameters, not the saved ones
-                group.update(weight_decay=o.weight_decay, eps=o.adam_eps, betas=tuple(o.betas))
+                group.update(**self.cfg.optim.hyper())
         if self.rank0:
             say(
                 f"resumed from {ckpt}: step {self.state.global_step}, epoch {self.loader.epoch}, position "
                 f"{self.loader.consumed}" + (" (data position reset)" if reset_data else "")
             )
 
-    def _ema(self) -> EMA:
-        """The checkpoint's EMA, or (fresh, or --init-from) the weights themselves."""
+    def _ema_chunks(self) -> dict:
+        """Where the EMA starts: the checkpoint's, or (fresh, or --init-from) the weights themselves."""
         par = self.par
         if self.ckpt_path is not None and (self.ckpt_path / "ema").exists():
             full = read_sharded(self.ckpt_path / "ema")
-            chunks = {n: par.chunk(full[n].float().reshape(-1)).clone().to(par.device) for n in self.shapes}
-        else:
-            chunks = {n: c.detach().clone() for n, c in par.master_chunks(self.model, self.optimizer).items()}
-        return EMA(self.cfg.run.ema_decay, chunks)
+            return {n: par.chunk(full[n].float().reshape(-1)).clone().to(par.device) for n in self.shapes}
+        return {n: c.detach().clone() for n, c in par.master_chunks(self.model, self.optimizer).items()}
 
     def _total_steps(self) -> int:
         """Optimizer steps of the whole stage: the rest of this epoch plus the remaining epochs.
@@ -268,7 +247,7 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def snapshot(self) -> tuple:
-        """A collective: (model, EMA, optimizer state on rank 0; the TrainState's dict, the config)."""
+        """A collective: (model, EMA, optimizer state on rank 0; the TrainState's dict: state.json, the config)."""
         par = self.par
         masters = par.gather_full(par.master_chunks(self.model, self.optimizer), self.shapes)
         ema = par.gather_full(self.ema.chunks, self.shapes) if self.ema is not None else None
@@ -277,22 +256,12 @@ class Trainer:
             # a complete state dict, as Open-Sora's ema.pt is: the frozen entries and buffers beside the
             # EMA tensors, so ema/ alone loads strictly anywhere (an upstream loader, inference tools)
             ema = {**self.frozen, **ema}
-        state = {
-            **self.state.state_dict(),
-            "run": self.cfg.run.name,
-            "world_size": par.world,
-            "model_preset": self.cfg.model.preset,
-            "init_from": self.loaded_from,
-            "init_weights": self.loaded_which,  # model or ema: which of init_from's weights
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "versions": ck.library_versions(),
-        }
         if self.rank0:
             self.log.flush()  # metrics up to this step exist before the checkpoint does
         if self.loader.log:
             self.loader.log.flush()
         optim = par.optimizer_state(self.optimizer, self.model) if self.state.opt_steps else None
-        return model_state, ema, optim, state, self.cfg.to_dict()
+        return model_state, ema, optim, self.state.state_dict(), self.cfg.to_dict()
 
     def _save(self, last: bool = False) -> None:
         path = self.ckpt.save(self.state.global_step, last=last)
@@ -373,7 +342,7 @@ class Trainer:
         return bool(self.cfg.run.max_steps) and self.state.global_step >= self.cfg.run.max_steps
 
     def _log(self, batch, out: StepResult, step_s: float, wait_s: float) -> None:
-        row = metrics_row(self.par, self.module, self.model_cfg, out, step_s=step_s, wait_s=wait_s, peak=self.peak)
+        row = metrics_row(self.par, self.module, self.module.config, out, step_s=step_s, wait_s=wait_s, peak=self.peak)
         head = {"step": self.state.global_step - 1, "epoch": self.loader.epoch, "epoch_step": int(batch["step"])}
         mean = sum(self._since_log) / len(self._since_log) if self._since_log else float("nan")
         self._since_log.clear()

@@ -327,7 +327,7 @@ def load_weights(
         strict = True if strict is None else strict
         if which == "ema":
             if not (path / "ema").is_dir():
-                raise FileNotFoundError(f"{path} has no ema/ (trained with ema_decay = 0?)")
+                raise FileNotFoundError(f"{path} has no ema/ (trained with ema.decay = 0?)")
             report = LoadReport(src, "reelcache checkpoint, ema/", notes=notes)
             ema = read_sharded(path / "ema")
             if rest := set(base) - set(ema):  # written before ema/ was complete: trainable tensors only

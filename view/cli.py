@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from reelcache.settings import arg, existing_dir
+from reelcache.args import arg, existing_dir
 
 # view/server.py (starlette, uvicorn, jinja2, duckdb) is imported by the command when it runs:
 # `reelcache --help` builds every stage's parser.

@@ -15,7 +15,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from reelcache.settings import arg
+from reelcache.args import arg
 
 KINDS = ("array", "train", "eval")
 DEFAULT_NAMES = {"array": "rc-<stage>-<command>, e.g. rc-ingest-run", "train": "train-<run>", "eval": "eval-<run>"}

@@ -112,7 +112,8 @@ def test_colossalai_run_hostfile_on_three_nodes_equals_one_node_zero2(cluster, r
     p = cluster.run(
         1, bindir / "colossalai", "run", "--nproc_per_node", "1", "--hostfile", hostfile,
         "--master_port", "29502", "-m", "reelcache.train", cfg, "--root", r, "--run.name=three-nodes-zero2",
-        "--run.plugin=zero2", "--model.dtype=fp32", "--run.epochs=1", "--data.workers=1", "--log.wandb_mode=disabled",
+        "--parallel.plugin=zero2", "--parallel.dtype=fp32", "--run.epochs=1", "--data.workers=1",
+        "--log.wandb_mode=disabled",
         env=env, cwd=REPO, timeout=300, check=False,
     )  # fmt: skip
     assert p.returncode == 0 and "failure" not in p.stdout, (p.stdout + p.stderr)[-4000:]

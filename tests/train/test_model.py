@@ -414,6 +414,7 @@ def test_pth_with_non_tensor_objects_loads_with_a_warning(tmp_path):
     assert len(report.loaded) == len(_pixart_state(16)) - 1
 
 
+@pytest.mark.slow  # ~2 s of training steps in two dtypes
 def test_bf16_matches_fp32_and_trains(tiny, cases):
     """The H100 path in miniature: bf16 weights (RMSNorm stats in fp32, output cast to fp32).
     Upstream rounds the timestep to the weight dtype too, so both get the bf16-rounded t."""

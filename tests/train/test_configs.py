@@ -182,10 +182,10 @@ def test_full_stage_matches_the_recipe(name):
     assert cfg.flow.mask_ratios == masks and list(cfg.flow.mask_ratios) == list(masks)
     o, r, m = cfg.optim, cfg.run, cfg.model
     assert (o.lr, o.schedule, o.warmup_steps, o.weight_decay) == (lr, schedule, warmup, wd)
-    assert (o.adam_eps, o.grad_clip, o.betas) == (1e-15, 1.0, (0.9, 0.999))
-    assert (r.epochs, r.seed, r.ema_decay) == (epochs, 42, 0.99)
+    assert (o.adam_eps, cfg.parallel.grad_clip, o.betas) == (1e-15, 1.0, (0.9, 0.999))
+    assert (r.epochs, r.seed, cfg.ema.decay) == (epochs, 42, 0.99)
     assert (cfg.checkpoint.every, cfg.log.wandb_mode) == (ckpt_every, "offline")
-    assert (m.preset, m.dtype, m.grad_checkpoint, m.freeze_y_embedder) == ("STDiT3-XL/2", "bf16", True, True)
+    assert (m.preset, cfg.parallel.dtype, m.grad_checkpoint, m.freeze_y_embedder) == ("STDiT3-XL/2", "bf16", True, True)
     upstream = {"pos_embed_bf16_freqs": True} if name.startswith("opensora12-original/") else {}
     assert m.overrides == {"caption_channels": 4096, "model_max_length": 300, **upstream}
     f = cfg.flow
@@ -257,7 +257,7 @@ def test_debug_twin_has_the_full_stages_shape(name):
     assert twin.optim.schedule == full.optim.schedule
     assert list(twin.flow.mask_ratios) == list(full.flow.mask_ratios)
     assert twin.flow.mask_ratios == full.flow.mask_ratios
-    assert twin.run.loss_reduction == full.run.loss_reduction
+    assert twin.step.loss_reduction == full.step.loss_reduction
     assert (twin.flow.sample_method, twin.flow.use_timestep_transform) == (
         full.flow.sample_method,
         full.flow.use_timestep_transform,
@@ -265,7 +265,8 @@ def test_debug_twin_has_the_full_stages_shape(name):
     assert twin.model.freeze_y_embedder == full.model.freeze_y_embedder
     # Open-Sora's behaviours where the full stage asks for them (the opensora12-original configs)
     assert twin.model_config().pos_embed_bf16_freqs == full.model_config().pos_embed_bf16_freqs
-    assert (twin.data.image_fps, twin.checkpoint.at_start) == (full.data.image_fps, full.checkpoint.at_start)
+    assert twin.conditioning.image_fps == full.conditioning.image_fps
+    assert twin.checkpoint.at_start == full.checkpoint.at_start
     assert (twin.guard.spike_z, twin.guard.skip_nonfinite) == (full.guard.spike_z, full.guard.skip_nonfinite)
     # CPU-sized: the tiny model on the demo cache, a few steps of schedule, one or two epochs
     assert twin.model.preset == "tiny" and Path(twin.data.buckets).name == "demo.toml"
@@ -342,66 +343,13 @@ def test_ramp_through_the_real_planner():
     assert sorted(plan.order.tolist()) == list(range(len(ids)))  # last epoch: every clip once
 
 
-# -- config.json: versions, and what a resumed run may change ---------------------------------------------------
+@pytest.mark.parametrize(
+    "path",
+    sorted((REPO / "configs/train").rglob("*.toml")),
+    ids=lambda p: str(p.relative_to(REPO / "configs/train").with_suffix("")),
+)
+def test_every_stage_clips_gradients_at_1(path):
+    """README: grad clip 1.0, in every stage (opensora12/, opensora12-original/) and its debug twin."""
+    from reelcache.train.config import load_config
 
-
-def test_config_json_is_versioned_and_reads_back():
-    from reelcache.train.config import VERSION, from_dict
-
-    cfg = _load("debug/stage1")
-    doc = cfg.to_dict()
-    assert doc["version"] == VERSION == 2
-    assert set(doc) == {"version", "model", "data", "optim", "flow", "run", "checkpoint", "log", "guard", "watchdog"}
-    assert from_dict(doc) == cfg
-
-
-def test_a_version_1_config_json_still_reads():
-    """A run trained before the sections split wrote one [run] table holding the checkpoint, log, guard
-    and watchdog keys, and no version. Written out here by hand, key by key, as that version did."""
-    from reelcache.train.config import from_dict
-
-    cfg = _load("debug/stage1")
-    doc = cfg.to_dict()
-    del doc["version"]
-    old_names = {
-        "checkpoint": {"every": "ckpt_every", "keep_last": "keep_last", "keep_every": "keep_every"},
-        "log": {"every": "log_every", "wandb_project": "wandb_project", "wandb_mode": "wandb_mode"},
-        "guard": {"spike_z": "spike_z", "window": "spike_window", "max_bad_steps": "max_bad_steps"},
-        "watchdog": {"factor": "watchdog_factor", "floor_s": "watchdog_floor_s", "limit_s": "watchdog_limit_s"},
-    }
-    for section, names in old_names.items():
-        table = doc.pop(section)
-        for new, old in names.items():
-            doc["run"][old] = table[new]
-    doc["run"]["ckpt_every"], doc["run"]["spike_window"] = 7, 50
-    got = from_dict(doc)
-    assert (got.checkpoint.every, got.guard.window, got.log.wandb_mode) == (7, 50, "offline")
-    assert (got.model, got.data, got.optim, got.flow) == (cfg.model, cfg.data, cfg.optim, cfg.flow)
-
-
-def test_a_newer_config_json_and_an_old_key_name_are_one_line():
-    from reelcache import UserError
-    from reelcache.train.config import from_dict
-
-    doc = _load("debug/stage1").to_dict()
-    with pytest.raises(UserError, match=r"^config.json has version 3; this reelcache reads up to 2: upgrade it$"):
-        from_dict({**doc, "version": 3})
-    with pytest.raises(UserError, match=r"^run.ckpt_every is now checkpoint.every \(the \[checkpoint\] section\)"):
-        load_config(TRAIN / "debug/stage1.toml", ["run.ckpt_every=5"])
-
-
-def test_resume_prints_what_changed_and_refuses_another_model():
-    from reelcache import UserError
-    from reelcache.train.config import resume_changes
-
-    saved = _load("debug/stage1")
-    now = load_config(TRAIN / "debug/stage1.toml", ["optim.lr=2e-3", "log.every=5", "data.workers=0"])
-    assert resume_changes(saved, now) == [
-        "data.workers: 1 -> 0",
-        "log.every: 1 -> 5",
-        "optim.lr: 0.0016 -> 0.002",
-    ]
-    assert resume_changes(saved, _load("debug/stage1")) == []
-    other = load_config(TRAIN / "debug/stage1.toml", ["model.overrides={caption_channels=32, input_sq_size=256}"])
-    with pytest.raises(UserError, match=r"^model.overrides = .*input_sq_size.*: a resumed run keeps its model"):
-        resume_changes(saved, other)
+    assert load_config(path).parallel.grad_clip == 1.0

@@ -22,12 +22,13 @@ import pytest
 from support import REPO
 
 from reelcache import UserError
+from reelcache.args import Arg
 from reelcache.cache.plan import CacheConfig
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.cli import build_parser, main
 from reelcache.eval.samples import PRESETS, Preset
 from reelcache.ingest.plan import IngestConfig
-from reelcache.settings import Arg, build, check, hints, rule_of
+from reelcache.settings import build, check, hints, rule_of
 from reelcache.train import config as train_config
 from reelcache.train.config import TrainConfig, load_config
 
@@ -247,12 +248,12 @@ def test_the_bounds_themselves_are_allowed(leaf):
 # here; the generated cases above only prove that *a* range is enforced. A new ranged number must add
 # its row (test_every_ranged_number_states_its_edges).
 EDGES = {
-    ("train", "run.ema_decay"): ([1.0, 1, 1.5, -0.1], [0.0, 0.5, 0.9999]),  # 1: never moves; 0: no EMA
+    ("train", "ema.decay"): ([1.0, 1, 1.5, -0.1], [0.0, 0.5, 0.9999]),  # 1: never moves; 0: no EMA
     ("train", "optim.betas"): ([1.0, -0.1], [0.0, 0.9, 0.999]),  # 1: a moment that never moves
     ("train", "optim.adam_eps"): ([0.0, -1e-8], [1e-15, 1e-8]),  # 0: divides by 0 where the 2nd moment is 0
     ("train", "optim.lr"): ([-1e-4], [0.0, 1e-4]),  # 0: weights stay as loaded (documented)
     ("train", "optim.weight_decay"): ([-0.01], [0.0, 0.1]),
-    ("train", "optim.grad_clip"): ([-1.0], [0.0, 1.0]),  # 0: off
+    ("train", "parallel.grad_clip"): ([-1.0], [0.0, 1.0]),  # 0: off
     ("train", "optim.warmup_steps"): ([-1], [0, 1000]),
     ("train", "optim.min_lr"): ([-1e-5], [0.0, 1e-5]),
     ("train", "optim.max_lr"): ([-1e-5], [0.0, 1e-4]),
@@ -263,8 +264,8 @@ EDGES = {
     ("train", "data.workers"): ([-1], [0, 4]),  # 0: read in the training process
     ("train", "data.prefetch"): ([0], [1, 2]),
     ("train", "data.block"): ([0], [1, 64]),
-    ("train", "data.default_fps"): ([0.0, -24.0], [24.0]),  # 0 fps: no frame interval
-    ("train", "data.image_fps"): ([-1.0], [0.0, 120.0]),  # 0: as a video's
+    ("train", "conditioning.default_fps"): ([0.0, -24.0], [24.0]),  # 0 fps: no frame interval
+    ("train", "conditioning.image_fps"): ([-1.0], [0.0, 120.0]),  # 0: as a video's
     ("train", "run.seed"): ([-1], [0, 42]),
     ("train", "run.epochs"): ([0], [1]),
     ("train", "run.max_steps"): ([-1], [0, 1]),  # 0: all epochs
@@ -355,7 +356,7 @@ def test_the_issue_examples_say_exactly_what_is_allowed():
         error('data.manifests=[{name="a", weight=[0.5, -1]}]')
         == "data.manifests[0].weight = [0.5, -1]: expected a number >= 0 or a list of numbers >= 0"
     )
-    assert error("run.compile=1") == "run.compile = 1: expected true or false"
+    assert error("model.compile=1") == "model.compile = 1: expected true or false"
     assert error("optim=3") == "optim = 3: expected a table"
     assert error("optim.lr=inf") == "optim.lr = inf: expected a number >= 0"
     assert error("guard.spike_z=2") == "guard.spike_z = 2: expected a number >= 3 (or 0: off)"
@@ -409,7 +410,7 @@ ACTIONS = list(_actions(build_parser()))
 
 def test_no_option_takes_an_unranged_number():
     bare = [f"{prog} {a.option_strings or a.dest}" for prog, a in ACTIONS if a.type in (int, float)]
-    assert not bare, f"use reelcache.settings.arg(int, ge=...) or option(...): {bare}"
+    assert not bare, f"use reelcache.args.arg(int, ge=...) or option(...): {bare}"
 
 
 TYPED = [(prog, a) for prog, a in ACTIONS if isinstance(a.type, Arg)]

@@ -12,6 +12,7 @@ from opensora_fixtures import FIX
 
 from reelcache.train.flow import (
     MASK_NAMES,
+    Conditioning,
     MaskGenerator,
     add_noise,
     euler_sample,
@@ -225,3 +226,27 @@ def test_sampler_cfg_one_equals_unguided_and_holds_condition_frames(tiny):
     z = euler_sample(tiny, **inp, steps=3, cfg_scale=4.0, x_mask=x_mask)
     assert torch.equal(z[0, :, 0], inp["z"][0, :, 0]) and torch.equal(z[1, :, 4], inp["z"][1, :, 4])
     assert (z[0, :, 1] - inp["z"][0, :, 1]).abs().max() > 0.1
+
+
+def test_image_fps_replaces_an_image_buckets_fps_only():
+    nan = float("nan")
+    image, video = "144p/1/0.56", "144p/17/0.56"
+    assert Conditioning(1, 24.0)(image, [nan, 25.0])["fps"].tolist() == [24.0, 25.0]  # default: as videos
+    assert Conditioning(2, 24.0, image_fps=120.0)(image, [nan, 25.0])["fps"].tolist() == [120.0, 120.0]
+    assert Conditioning(1, 24.0, image_fps=120.0)(video, [nan, 25.0])["fps"].tolist() == [24.0, 25.0]
+    assert Conditioning(2, 24.0, image_fps=120.0)(video, [30.0])["fps"].tolist() == [15.0]
+
+
+def test_conditioning_gives_the_buckets_pixel_size_and_the_sampler_its_own():
+    """A bucket's inputs are its pixel geometry (144p 9:16 = 144 x 256, 17 frames), fps floored by the frame
+    interval (30000/1001 / 2 = 14.98 -> 14); the sampler's are the sizes and fps it asks for, as given."""
+    got = Conditioning(frame_interval=2)("144p/17/0.56", [30000 / 1001, float("nan")])
+    want = {"fps": [14.0, 12.0], "height": [144.0] * 2, "width": [256.0] * 2, "num_frames": [17.0] * 2}
+    assert {k: v.tolist() for k, v in got.items()} == want and all(v.dtype == torch.float32 for v in got.values())
+    sampled = Conditioning.inputs(3, 102, 360, 640, 24.0)
+    assert {k: v.tolist() for k, v in sampled.items()} == {
+        "fps": [24.0] * 3,
+        "height": [360.0] * 3,
+        "width": [640.0] * 3,
+        "num_frames": [102.0] * 3,
+    }

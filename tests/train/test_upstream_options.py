@@ -5,27 +5,24 @@ References are independent of the code under test: upstream's PositionEmbedding2
 from its source (opensora/models/layers/blocks.py) and cast the way ``model.to(bf16)`` casts it,
 Open-Sora's own state-dict keys (the fixture's ``stdit3_tiny.safetensors``), plain
 ``load_state_dict(strict=True)`` as an upstream loader calls it, and the checkpoint files on disk.
-The components are driven alone (a fake one-process ``Parallel``); one single-process run checks
-the trainer's snapshot and the options together, one more a NaN step that is not skipped.
+The guard, the step and the checkpointer alone are in test_guard.py, test_step.py and
+test_checkpoint.py; here one single-process run (slow) checks the trainer's snapshot and the
+options together, one more a NaN step that is not skipped.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from opensora_fixtures import FIX
-from support import REPO, FakePar, poisoned_manifest
+from support import REPO, data_args, poisoned_manifest, train
 from torch import nn
 
 from reelcache import UserError
 from reelcache.train.config import load_config
-from reelcache.train.flow import conditioning
-from reelcache.train.guard import Guard, GuardConfig
 from reelcache.train.layers import pos_embed_2d
 from reelcache.train.model import STDiT3, STDiT3Config
 
@@ -46,94 +43,21 @@ def test_original_configs_train_as_upstream(path):
     cfg = load_config(path)
     assert (cfg.guard.spike_z, cfg.guard.skip_nonfinite) == (0.0, False)
     assert cfg.model_config().pos_embed_bf16_freqs is True
-    assert cfg.data.image_fps == 120.0
+    assert cfg.conditioning.image_fps == 120.0
     assert cfg.checkpoint.at_start is True
 
 
 def test_defaults_keep_reelcaches_behaviour():
     cfg = _cfg("debug/stage1")
     assert (cfg.guard.spike_z, cfg.guard.skip_nonfinite) == (6.0, True)
-    assert (cfg.model_config().pos_embed_bf16_freqs, cfg.data.image_fps, cfg.checkpoint.at_start) == (False, 0.0, False)
+    assert (cfg.model_config().pos_embed_bf16_freqs, cfg.conditioning.image_fps, cfg.checkpoint.at_start) == (
+        False,
+        0.0,
+        False,
+    )
 
 
 # -- 1. the guard: a non-finite step that is not skipped -------------------------------------------
-
-
-def _step(skip_nonfinite: bool):
-    from reelcache.train.step import EMA, Step
-
-    cfg = _cfg("debug/original-stage1", f"guard.skip_nonfinite={str(skip_nonfinite).lower()}", "optim.lr=0.1")
-    torch.manual_seed(0)
-    model = nn.Linear(3, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    par = FakePar()
-    ema = EMA(0.9, {n: c.clone() for n, c in par.master_chunks(model, opt).items()})
-    return Step(cfg, par, model, opt, cfg.guard.build(), ema, 1), model, ema
-
-
-def _nan_grads(model):
-    for p in model.parameters():
-        p.grad = torch.full_like(p, float("nan"))
-
-
-@pytest.mark.parametrize("skip", [True, False])
-def test_a_non_finite_step_is_skipped_or_stepped_as_configured(skip):
-    from reelcache.train.step import StepResult
-
-    step, model, ema = _step(skip)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state = SimpleNamespace(global_step=7, opt_steps=3)
-    out = StepResult(
-        loss=float("nan"), samples=4, local_samples=4, bucket="b", latent_shape=(1, 1, 1), text_len=1, losses=None
-    )
-    _nan_grads(model)
-    out = step.update(out, state)
-    assert out.bad == "loss is nan" and step.guard.bad == 1
-    after = dict(model.named_parameters())
-    if skip:
-        assert out.skipped == out.bad and out.lr is None and state.opt_steps == 3
-        assert all(torch.equal(before[n], after[n]) for n in before)
-        assert step.guard.stepped_from is None
-    else:  # Open-Sora's step: AdamW on NaN gradients, the EMA following the NaN masters
-        assert out.skipped is None and out.lr is not None and state.opt_steps == 4
-        assert all(after[n].isnan().all() for n in before)
-        assert all(c.isnan().all() for c in ema.chunks.values())
-        assert step.guard.stepped_from == 7
-    assert all(p.grad is None or not p.grad.isnan().any() for p in model.parameters())  # cleared either way
-
-
-def test_a_spike_is_skipped_even_when_non_finite_steps_are_not():
-    g = Guard(spike_z=4.0, window=4, max_bad=3, skip_nonfinite=False)
-    for v in (1.0, 1.1, 0.9, 1.0):
-        g.record(v, False)
-    assert "spike" in g.verdict(5.0, 1.0) and g.skips(5.0, 1.0)
-    assert g.verdict(float("inf"), 1.0) and not g.skips(float("inf"), 1.0)
-    assert g.verdict(1.0, float("nan")) and not g.skips(1.0, float("nan"))
-    # the streak's first stepped step survives a resume and ends with the next good step
-    g.record(float("nan"), True, stepped_at=11)
-    g.record(float("nan"), True, stepped_at=12)
-    h = GuardConfig(skip_nonfinite=False).build()
-    h.load_state_dict(json.loads(json.dumps(g.state_dict())))
-    assert (h.bad, h.stepped_from) == (2, 11)
-    h.record(1.0, False)
-    assert (h.bad, h.stepped_from) == (0, None)
-
-
-def test_the_diverged_message_names_a_checkpoint_from_before_the_stepped_nan(tmp_path):
-    from reelcache.train.trainer import Trainer
-
-    run = tmp_path / "runs/r"
-    for step in (0, 5, 10, 15):
-        (run / f"ckpt-{step:08d}").mkdir(parents=True)
-        (run / f"ckpt-{step:08d}/state.json").write_text("{}")
-    g = Guard(max_bad=2, skip_nonfinite=False)
-    g.record(float("nan"), True, stepped_at=12)  # ckpt-15 holds the NaN weights
-    fake = SimpleNamespace(run_dir=run, root=tmp_path, state=SimpleNamespace(global_step=17, guard=g))
-    assert f"--load {run / 'ckpt-00000010'}" in Trainer._diverged_message(fake)
-    g = Guard(max_bad=2)  # skipped bad steps left the weights alone: the newest checkpoint is good
-    g.record(float("nan"), True)
-    fake.state.guard = g
-    assert f"--load {run / 'ckpt-00000015'}" in Trainer._diverged_message(fake)
 
 
 # -- 2. the position embedding's frequencies, rounded to bf16 as upstream's buffer is ---------------
@@ -217,65 +141,7 @@ def test_the_model_option_adds_the_rounded_embedding(monkeypatch):
 # -- 3. images conditioned on upstream's IMG_FPS ---------------------------------------------------
 
 
-def test_image_fps_replaces_an_image_buckets_fps_only():
-    nan = float("nan")
-    image, video = "144p/1/0.56", "144p/17/0.56"
-    assert conditioning(image, [nan, 25.0], 1, 24.0)["fps"].tolist() == [24.0, 25.0]  # default: as videos
-    assert conditioning(image, [nan, 25.0], 2, 24.0, image_fps=120.0)["fps"].tolist() == [120.0, 120.0]
-    assert conditioning(video, [nan, 25.0], 1, 24.0, image_fps=120.0)["fps"].tolist() == [24.0, 25.0]
-    assert conditioning(video, [30.0], 2, 24.0, image_fps=120.0)["fps"].tolist() == [15.0]
-
-
-@pytest.mark.parametrize("image_fps,want", [(0.0, [24.0, 25.0]), (120.0, [120.0, 120.0])])
-def test_the_step_gives_the_model_the_image_fps(image_fps, want):
-    from reelcache.train.step import Step
-
-    cfg = _cfg(
-        "debug/stage1", "model.overrides={caption_channels=8, model_max_length=300}", f"data.image_fps={image_fps}"
-    )
-    model = STDiT3(cfg.model_config())
-    seen = []
-    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["fps"].tolist()), with_kwargs=True)
-    step = Step(cfg, FakePar(), model, torch.optim.AdamW(model.parameters()), cfg.guard.build(), None, 1)
-    batch = {
-        "x": torch.randn(2, 4, 1, 4, 6),
-        "weight": 1.0,
-        "clip_id": ["a", "b"],
-        "bucket": "144p/1/0.56",
-        "fps": torch.tensor([float("nan"), 25.0]),
-        "text": torch.randn(2, 3, 8),
-        "text_mask": torch.ones(2, 3, dtype=torch.bool),
-    }
-    out = step.forward_backward(batch, 0)
-    assert seen == [want] and math.isfinite(out.loss)
-
-
 # -- 4. a checkpoint before the first step --------------------------------------------------------
-
-
-def _checkpointer(tmp_path, at_start: bool, saved_step=None):
-    from reelcache.train.checkpoint import CheckpointConfig, Checkpointer
-
-    def snapshot():
-        w = {"w": torch.ones(2)}
-        return w, dict(w), None, {"global_step": 0}, {"version": 2}
-
-    cfg = CheckpointConfig(every=5, at_start=at_start)
-    return Checkpointer(cfg, tmp_path / "run", FakePar(), snapshot=snapshot, saved_step=saved_step)
-
-
-def test_at_start_saves_step_0_of_a_run_that_resumes_nothing(tmp_path):
-    from reelcache.train.checkpoint import list_checkpoints
-
-    ck = _checkpointer(tmp_path, True)
-    assert ck.start(3) is None  # not at step 0
-    path = ck.start(0)
-    ck.wait()
-    assert path.name == "ckpt-00000000" and list_checkpoints(tmp_path / "run") == [path]
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "ema", "model", "state.json"]  # no optimizer yet
-    assert ck.start(0) is None and not ck.due(0)  # saved once
-    assert _checkpointer(tmp_path, True, saved_step=0).start(0) is None  # a resumed run: never
-    assert _checkpointer(tmp_path / "b", False).start(0) is None  # the default
 
 
 # -- checkpoints both ways: Open-Sora folders in, complete ema/ out ---------------------------------
@@ -351,28 +217,13 @@ def test_init_from_weights_goes_with_init_from(tmp_path):
         run(a, rest)
 
 
-def _run(root: Path, args: list[str], config: str, ok: bool) -> str:
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-    cmd = [sys.executable, "-m", "reelcache.train", str(REPO / f"configs/train/{config}.toml"), "--root", str(root)]
-    p = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    out = p.stdout + p.stderr
-    assert (p.returncode == 0) == ok, out[-4000:]
-    return out
+ORIGINAL_STAGE1 = REPO / "configs/train/debug/original-stage1.toml"
 
 
 def _data_args(manifest: Path, *extra: str) -> list[str]:
-    return [
-        f'--data.manifests=[{{name="{manifest}"}}]',
-        '--data.buckets="configs/buckets/tiny.toml"',
-        "--model.overrides={caption_channels=8, model_max_length=300, pos_embed_bf16_freqs=true}",
-        "--data.workers=0",
-        "--log.wandb_mode=disabled",
-        *extra,
-    ]
+    """support.data_args with Open-Sora's rounded position embedding (the original stages' model)."""
+    overrides = "--model.overrides={caption_channels=8, model_max_length=300, pos_embed_bf16_freqs=true}"
+    return data_args(manifest, overrides, "--data.workers=0", *extra)
 
 
 def _read(folder: Path) -> dict:
@@ -381,6 +232,7 @@ def _read(folder: Path) -> dict:
     return read_sharded(folder)
 
 
+@pytest.mark.slow
 def test_an_original_run_saves_at_start_and_a_complete_ema_that_travels(tmp_path):
     """One run of the original stage-1 twin: ckpt-0 before the first step; every ema/ a complete state
     dict with Open-Sora's keys that loads strictly into a fresh STDiT3; a new run starts from it."""
@@ -390,11 +242,10 @@ def test_an_original_run_saves_at_start_and_a_complete_ema_that_travels(tmp_path
     from reelcache.train.config import from_dict
 
     manifest = write_latents(tmp_path, 12, name="t")
-    _run(
+    train(
         tmp_path,
         _data_args(manifest, "--run.name=o", "--run.max_steps=2", "--checkpoint.every=2"),
-        "debug/original-stage1",
-        True,
+        config=ORIGINAL_STAGE1,
     )
     run = tmp_path / "runs/o"
     c0, c2 = run / "ckpt-00000000", run / "ckpt-00000002"
@@ -414,15 +265,10 @@ def test_an_original_run_saves_at_start_and_a_complete_ema_that_travels(tmp_path
     assert any(not torch.equal(e2[k], m2[k]) for k in e2)
 
     # --init-from-weights ema: a new run starts from the EMA (lr 0: the weights stay as loaded)
-    out = _run(
-        tmp_path,
-        _data_args(
-            manifest, "--run.name=from-ema", "--run.max_steps=1", "--optim.lr=0.0", "--checkpoint.at_start=false"
-        )
-        + ["--init-from", str(c2), "--init-from-weights", "ema"],
-        "debug/original-stage1",
-        True,
+    args = _data_args(
+        manifest, "--run.name=from-ema", "--run.max_steps=1", "--optim.lr=0.0", "--checkpoint.at_start=false"
     )
+    out = train(tmp_path, args + ["--init-from", str(c2), "--init-from-weights", "ema"], config=ORIGINAL_STAGE1)
     assert "reelcache checkpoint, ema/" in out
     c1 = tmp_path / "runs/from-ema/ckpt-00000001"
     assert json.loads((c1 / "state.json").read_text())["init_weights"] == "ema"
@@ -437,6 +283,7 @@ def test_an_original_run_saves_at_start_and_a_complete_ema_that_travels(tmp_path
         load_weights(plain, c2, which="ema")
 
 
+@pytest.mark.slow
 def test_an_original_run_steps_on_a_nan_like_upstream_and_stops_naming_the_checkpoint_before_it(tmp_path):
     from latent_data import write_latents
 
@@ -445,7 +292,7 @@ def test_an_original_run_steps_on_a_nan_like_upstream_and_stops_naming_the_check
     args = _data_args(
         bad, "--run.name=poisoned", "--checkpoint.every=1", "--checkpoint.keep_last=0", "--guard.max_bad_steps=2"
     )
-    out = _run(tmp_path, args, "debug/original-stage1", False)
+    out = train(tmp_path, args, ok=False, config=ORIGINAL_STAGE1)
     run = tmp_path / "runs/poisoned"
     recs = [json.loads(ln) for ln in (run / "bad_steps.jsonl").read_text().splitlines()]
     assert len(recs) == 2 and clip in recs[0]["clip_ids"] and not any(r["skipped"] for r in recs)

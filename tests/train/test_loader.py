@@ -297,6 +297,7 @@ def test_streamed_url_reads_the_same_sample(data):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # a reader process started and killed
 def test_sigkill_mid_epoch_then_resume_continues_exactly(data, tmp_path):
     root, manifest = data
     script = tmp_path / "train.py"

@@ -1,7 +1,7 @@
 """The ZeRO-2 path GPU nodes run (ColossalAI's LowLevelZeroPlugin stage 2, HybridAdam, fp32 master
 shards, the optimizer checkpoint, the background checkpoint writer), executed on 2 CPU processes over
 gloo in its CPU mode (train/zero_cpu.py). The gradient check and the kill -9 resume of the ZeRO
-path are parametrized into tests/test_train.py beside their DDP twins; here: what only ZeRO has.
+path are parametrized into tests/train/test_train.py beside their DDP twins; here: what only ZeRO has.
 
 References: the checkpoint's own files read independently (safetensors + JSON), the consumed log
 against the manifest, the same run without a slow writer, the DDP and ZeRO runs of each other.
@@ -10,23 +10,18 @@ against the manifest, the same run without a slow writer, the DDP and ZeRO runs 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from latent_data import write_latents
 from support import (
-    CONFIG,
     PLUGINS,
-    REPO,
     complete,
     consumed,
     data_args,
     ema_rule_error,
-    free_port,
+    json_lines,
     manifest_clips,
     metrics,
     train,
@@ -34,6 +29,8 @@ from support import (
 )
 
 WRITER = ["tests/writer_faults.py"]
+
+pytestmark = pytest.mark.slow  # every test runs ranks in processes of their own
 
 
 @pytest.fixture(scope="module")
@@ -43,32 +40,8 @@ def root(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def check_optimizer(r: Path, manifest: Path, ckpt: Path, nproc: int, plugin: str = "zero2", dtype: str = "fp32"):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "REELCACHE_PROGRESS": "0"}
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-            "tests/optimizer_check.py",
-            str(CONFIG),
-            str(r),
-            str(manifest),
-            str(ckpt),
-            plugin,
-            dtype,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    (out,) = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+    args = [str(manifest), str(ckpt), plugin, dtype]
+    (out,) = json_lines(train(r, args, nproc=nproc, entry=["tests/optimizer_check.py"]))
     return out
 
 

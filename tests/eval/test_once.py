@@ -1,237 +1,26 @@
-"""The evaluation server on CPU with the debug configs, against a real run.
-
-The run is real end to end: the ingested demo root, a tiny-encoder latent cache made by the real
-`cache plan/run` (tiny LTX VAE, tiny T5), a `--cache` loader manifest, and 2-process torchrun
-training of the debug stage writing checkpoints. The server runs as a real subprocess and is
-killed with SIGKILL. References are independent of the code under test: PyAV reads the mp4s,
-wandb's own offline file format holds the logged rows. (The VAE decoder is tested beside the
-encoders, in test_encoders.py.)
-"""
+"""`reelcache eval once` of one checkpoint of a real run (conftest.py): the validation loss and the
+sampled videos against references computed from their definitions (not from eval/'s helpers), and
+one-line refusals of broken checkpoints. The model is built from the checkpoint's config.json and
+weights; the clip's latent is read straight from its shard with tarfile + safetensors. (The VAE
+decoder is tested beside the encoders, in test_encoders.py.)"""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from support import REPO, free_port, tiny_cache_config
-from wandb_files import history, run_files
+from support import REPO
 
 from reelcache.cli import main
-from reelcache.log import LINE_PREFIX
+
+# Every test here evaluates the checkpoints of the session's real 2-process run (conftest.py): slow.
+pytestmark = pytest.mark.slow
 
 PROMPTS = REPO / "configs/eval/debug-prompts.txt"
-RUN = "evalrun"
-
-
-def _env() -> dict:
-    return {
-        **os.environ,
-        "REELCACHE_PROGRESS": "0",
-        "OMP_NUM_THREADS": "1",
-        "WANDB_SILENT": "true",
-        "HF_HUB_OFFLINE": "1",
-    }
-
-
-@pytest.fixture(scope="module")
-def trained(ingested, tmp_path_factory) -> Path:
-    """A data root with a tiny cache over 10 clips, its loader manifest `lat`, and runs/evalrun with
-    checkpoints at steps 2 and 4 from a 2-process run (wandb offline)."""
-    from reelcache.catalog.manifest import make_manifest
-
-    root = tmp_path_factory.mktemp("eval") / "root"
-    shutil.copytree(ingested, root)
-    make_manifest(root, "m", "clip_id IN (SELECT clip_id FROM clips WHERE status = 'ok' ORDER BY clip_id LIMIT 10)")
-    cfg = tiny_cache_config(root / "cache.toml", "m")
-    out = subprocess.run(
-        [sys.executable, "-m", "reelcache", "cache", "plan", "--root", str(root), "--config", str(cfg)],
-        check=True,
-        capture_output=True,
-        text=True,
-        env=_env(),
-    )
-    assert main(["cache", "run", "--root", str(root), "--device", "cpu", *out.stdout.split()]) == 0
-    assert main(["catalog", "merge", "--root", str(root)]) == 0
-    assert main(["catalog", "manifest", "--root", str(root), "--name", "lat", "--cache", "t"]) == 0
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "-m",
-            "reelcache.train",
-            "configs/train/debug/stage1.toml",
-            "--root",
-            str(root),
-            f"--run.name={RUN}",
-            '--data.manifests=[{name="lat"}]',
-            "--run.max_steps=4",
-            "--checkpoint.every=2",
-            "--checkpoint.keep_last=10",
-            "--run.epochs=20",
-        ],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    assert sorted(c.name for c in (root / "runs" / RUN).glob("ckpt-*")) == ["ckpt-00000002", "ckpt-00000004"]
-    return root
-
-
-def _serve(root: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "reelcache",
-            "eval",
-            "serve",
-            "--root",
-            str(root),
-            "--run",
-            f"runs/{RUN}",
-            "--prompts",
-            str(PROMPTS),
-            "--val-manifest",
-            "lat",
-            "--preset",
-            "debug",
-            "--device",
-            "cpu",
-            "--poll",
-            "0.2",
-            "--val-max-clips",
-            "5",
-            *extra,
-        ],
-        cwd=REPO,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def wandb_files_rows(run_dir: Path) -> list[dict]:
-    """History rows of every offline run file under the run's wandb/ folder (training's and eval's)."""
-    return [row for f in run_files(run_dir) for row in history(f)]
-
-
-def _corrupt_copy(run_dir: Path, src: str, step: int) -> Path:
-    """A complete-looking checkpoint (state.json present) whose model shard is garbage."""
-    dst = run_dir / f"ckpt-{step:08d}"
-    shutil.copytree(run_dir / src, dst)
-    for f in (dst / "model").glob("*.safetensors"):
-        f.write_bytes(b"not a safetensors file")
-    return dst
-
-
-def test_serve_in_order_skips_partial_survives_kill_and_logs_to_the_run(trained):
-    import av
-
-    run = trained / "runs" / RUN
-    out = run / "eval"
-    # a checkpoint being written (never renamed): must be ignored; a corrupt one: logged, the server goes on
-    partial = run / ".tmp-ckpt-00000006"
-    shutil.copytree(run / "ckpt-00000004", partial)
-    (partial / "state.json").unlink()
-    bad = _corrupt_copy(run, "ckpt-00000002", 3)
-
-    p = _serve(trained, "--max-attempts", "1")
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "ckpt-00000002/debug/done.json").exists():
-            assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:]
-            time.sleep(0.05)
-        p.send_signal(signal.SIGKILL)  # mid-run: it is on ckpt-00000003 or -4 now
-        p.wait()
-    finally:
-        if p.poll() is None:
-            p.kill()
-    first = (out / "ckpt-00000002/debug/done.json").stat().st_mtime_ns
-
-    p = _serve(trained, "--max-attempts", "1", "--exit-idle", "1")
-    log, _ = p.communicate(timeout=180)
-    assert p.returncode == 0, log[-4000:]
-    assert (out / "ckpt-00000002/debug/done.json").stat().st_mtime_ns == first  # not redone
-    assert "eval: ckpt-00000002" not in log
-    assert not (out / ".tmp-ckpt-00000006").exists() and not (out / "ckpt-00000006").exists()
-    assert (out / "ckpt-00000003/debug/error-1.txt").exists() and not (out / "ckpt-00000003/debug/done.json").exists()
-    assert "ckpt-00000003 FAILED" in log or "ckpt-00000003 failed" in log
-    done = {s: json.loads((out / f"ckpt-0000000{s}/debug/done.json").read_text()) for s in (2, 4)}
-    assert (
-        done[2]["seconds"] > 0
-        and (out / "ckpt-00000002/debug/done.json").stat().st_mtime_ns
-        < (out / "ckpt-00000004/debug/done.json").stat().st_mtime_ns
-    )  # step order
-
-    # videos: decodable H.264 with the preset's frame count and (even) size, one per prompt
-    for s in (2, 4):
-        vids = sorted((out / f"ckpt-0000000{s}/debug").glob("sample_*.mp4"))
-        assert [v.name for v in vids] == ["sample_0.mp4", "sample_1.mp4"]
-        for v in vids:
-            with av.open(str(v)) as c:
-                st = c.streams.video[0]
-                frames = [f.to_ndarray(format="rgb24") for f in c.decode(st)]
-                assert st.codec_context.name == "h264" and st.codec_context.pix_fmt == "yuv420p"
-            assert len(frames) == 17 and frames[0].shape == (72, 128, 3)
-
-    # validation loss: finite, per bucket, and the parquet holds both checkpoints
-    import duckdb
-
-    vl = {s: json.loads((out / f"ckpt-0000000{s}/val_loss.json").read_text()) for s in (2, 4)}
-    for v in vl.values():
-        assert v["clips"] == 5 and math.isfinite(v["overall"]) and v["buckets"]
-        assert sum(b["clips"] for b in v["buckets"].values()) == v["clips"]
-        assert len(v["timesteps"]) == 10
-    assert vl[2]["overall"] != vl[4]["overall"]
-    rows = duckdb.sql(
-        f"SELECT global_step, loss FROM '{out / 'val_loss.parquet'}' WHERE bucket = 'all' AND t IS NULL ORDER BY 1"
-    ).fetchall()
-    assert rows == [(2, vl[2]["overall"]), (4, vl[4]["overall"])]
-
-    # wandb: the training run's offline files (same run id) hold the trainer's rows and the eval rows
-    run_id = (run / "wandb_id").read_text()
-    assert all(run_id in d.name for d in run.glob("wandb/offline-run-*"))
-    hist = wandb_files_rows(run)
-    assert [r["global_step"] for r in hist if "train/loss" in r] == [0, 1, 2, 3]
-    ev = {}
-    for r in hist:
-        if "eval/debug/val_loss" in r:
-            ev[r["eval/global_step"]] = r
-    assert sorted(ev) == [2, 4]
-    for s, r in ev.items():
-        assert r["eval/debug/val_loss"] == vl[s]["overall"]
-        for b, x in vl[s]["buckets"].items():
-            assert r[f"eval/debug/val_loss/{b}"] == x["loss"]
-        for i, prompt in enumerate(PROMPTS.read_text().splitlines()[1:]):
-            key = f"eval/debug/video_{i}/"  # media items are stored as nested keys
-            assert r[key + "_type"] == "video-file" and r[key + "caption"] == prompt
-            assert r[key + "path"].endswith(".mp4") and r[key + "size"] > 0
-    shutil.rmtree(bad)  # the other tests use the real checkpoints only
-
-
-def test_every_selects_a_stable_grid_of_saves():
-    from reelcache.eval.evaluate import select
-
-    ckpts = [Path(f"ckpt-{s:08d}") for s in (200, 300, 400, 600, 700, 1000, 1050)]  # 100 and 500 pruned
-    assert [int(c.name[5:]) for c in select(ckpts, 2, 100)] == [200, 400, 600, 1000, 1050]
-    assert select(ckpts, 1, 100) == ckpts
+RUN = "evalrun"  # the run conftest.py's `trained` writes
 
 
 def test_validation_loss_does_not_depend_on_batching(trained):
@@ -252,17 +41,19 @@ def test_validation_loss_does_not_depend_on_batching(trained):
     assert all(a["buckets"][k]["loss"] == pytest.approx(b["buckets"][k]["loss"], rel=1e-5) for k in a["buckets"])
 
 
-def test_once_with_the_training_weights(trained):
+def test_once_with_the_training_weights(trained, run_copy):
     """`eval once --weights model`: its own tag and files; the non-EMA weights give another loss than
-    the EMA ones (after 4 steps at decay 0.99 the EMA is still near the initial weights)."""
-    out = trained / "runs" / RUN / "eval" / "ckpt-00000004"
+    the EMA ones (after 4 steps at decay 0.99 the EMA is still near the initial weights). On a copy of
+    the run: the server's test (test_serve.py) expects the run's own eval/ untouched."""
+    run = run_copy("once", steps=(4,))
+    out = trained / run / "eval" / "ckpt-00000004"
     args = [
         "eval",
         "once",
         "--root",
         str(trained),
         "--run",
-        f"runs/{RUN}",
+        run,
         "--checkpoint",
         "ckpt-00000004",
         "--preset",
@@ -324,21 +115,6 @@ def test_once_of_a_checkpoint_whose_index_is_cut_short_is_one_line(trained, caps
     shutil.rmtree(run)
 
 
-# -- references computed from the definitions, not from eval/'s helpers ---------------------------
-#
-# These tests own a copy of the run (runs/<name>, checkpoints copied) so their eval/ files never meet
-# the server test's. The model is built from the checkpoint's config.json and weights; the clip's
-# latent is read straight from its shard with tarfile + safetensors.
-
-
-def _run_copy(root: Path, name: str, steps=(2, 4)) -> str:
-    dst = root / "runs" / name
-    shutil.rmtree(dst, ignore_errors=True)
-    for s in steps:
-        shutil.copytree(root / "runs" / RUN / f"ckpt-{s:08d}", dst / f"ckpt-{s:08d}")
-    return f"runs/{name}"
-
-
 def _stdit(ckpt: Path, which: str = "model"):
     from reelcache.train.config import from_dict
     from reelcache.train.model import STDiT3
@@ -368,10 +144,10 @@ def _luma_psnr(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def once_ref(trained) -> tuple[Path, str]:
+def once_ref(trained, run_copy) -> tuple[Path, str]:
     """`eval once` of ckpt-00000002's training weights on a run copy: the first clip's validation
     loss and the debug preset's two sample videos. Returns (root, run)."""
-    run = _run_copy(trained, "evalref", steps=(2,))
+    run = run_copy("evalref", steps=(2,))
     assert (
         main(
             [
@@ -437,7 +213,7 @@ def test_validation_loss_of_one_clip_from_its_definition(once_ref):
     res, frames, ar = clip["bucket"].split("/")
     height, width = bucket_hw(res, ar)
     interval = tomllib.loads((REPO / cfg.data.buckets).read_text()).get("frame_interval", 1)
-    fps = cfg.data.default_fps if math.isnan(clip["fps"]) else clip["fps"]
+    fps = cfg.conditioning.default_fps if math.isnan(clip["fps"]) else clip["fps"]
     y = latent["text"].float()[None]
     kwargs = {
         "y": y,
@@ -508,93 +284,6 @@ def test_sample_video_is_the_guided_euler_sampler_decoded(once_ref):
     assert psnr > 32, f"sample_{i}.mp4 vs the reference: luma PSNR {psnr:.1f} dB"
 
 
-# -- README "Evaluation beside training": --latest-only, pruned checkpoints, presets ----------------
-
-
-def _serve_in_process(root: Path, run: str, *extra: str) -> int:
-    """`eval serve` (validation loss of the first clip, debug tag) in this process, until idle."""
-    return main(
-        [
-            "eval",
-            "serve",
-            "--root",
-            str(root),
-            "--run",
-            run,
-            "--val-manifest",
-            "lat",
-            "--val-max-clips",
-            "1",
-            "--preset",
-            "debug",
-            "--device",
-            "cpu",
-            "--wandb-mode",
-            "disabled",
-            "--poll",
-            "0.05",
-            "--exit-idle",
-            "0.3",
-            *extra,
-        ]
-    )
-
-
-def _started(log: str) -> list[str]:
-    """The checkpoints the server took up, in order (its "eval: ckpt-... (N pending)" lines)."""
-    lines = LINE_PREFIX.sub("", log).splitlines()  # each line starts with the logger's time
-    return [ln.split()[1] for ln in lines if ln.startswith("eval: ckpt-") and "pending)" in ln]
-
-
-@pytest.mark.parametrize("latest_only", [True, False])
-def test_serve_latest_only_takes_the_newest_pending_first(trained, capsys, monkeypatch, latest_only):
-    """--latest-only: each poll takes only the newest pending checkpoint, so ckpt-4 goes before ckpt-2,
-    and ckpt-6, written while ckpt-4 is evaluated, goes next; ckpt-2, still pending, comes last
-    (it is not skipped). Without the flag: step order. Only the choice is under test here, so
-    evaluate() is a recorder that finishes the checkpoint as the real one does (done.json last)."""
-    from reelcache.eval.evaluate import Evaluator
-
-    run = _run_copy(trained, f"latest-{latest_only}")
-
-    def evaluate(self, ckpt):
-        if ckpt.name == "ckpt-00000004":  # the trainer saves step 6 meanwhile
-            shutil.copytree(ckpt, ckpt.with_name("ckpt-00000006"), dirs_exist_ok=True)
-        (self.out / ckpt.name / self.tag).mkdir(parents=True)
-        (self.out / ckpt.name / self.tag / "done.json").write_text("{}")
-
-    monkeypatch.setattr(Evaluator, "evaluate", evaluate)
-    assert _serve_in_process(trained, run, *(["--latest-only"] if latest_only else [])) == 0
-    log = capsys.readouterr().err
-    steps = [2, 4, 6] if not latest_only else [4, 6, 2]
-    assert _started(log) == [f"ckpt-{s:08d}" for s in steps], log[-3000:]
-    assert ("(2 pending)" in log) != latest_only
-
-
-def test_serve_skips_a_checkpoint_pruned_before_its_turn(trained, capsys, monkeypatch):
-    """The trainer's keep_last pruning removes ckpt-2 right after the server listed it: the real
-    evaluate() finds no checkpoint, and the server says so and skips it: no error file, no FAILED,
-    no retry, exit status 0."""
-    from reelcache.eval.evaluate import Evaluator
-
-    run = _run_copy(trained, "pruned", steps=(2,))
-    listed = Evaluator.pending
-
-    def pending_then_prune(self, *a, **k):
-        todo = listed(self, *a, **k)
-        if todo and todo[0].exists():
-            shutil.rmtree(todo[0])  # Checkpointer's pruning, between the listing and the read
-        return todo
-
-    monkeypatch.setattr(Evaluator, "pending", pending_then_prune)
-    assert _serve_in_process(trained, run) == 0
-    log = capsys.readouterr().err
-    assert "ckpt-00000002 was removed" in log and "skipped" in log, log[-3000:]
-    assert "FAILED" not in log and not list((trained / run / "eval").glob("**/error-*.txt"))
-    assert _started(log) == ["ckpt-00000002"]  # taken up once, never retried
-
-
-# Open-Sora 1.2's inference-server presets (OPENSORA12.md §8, README): frames, height, width, batch,
-# steps; all with guidance 7, fps 24, seed 42 + prompt index. debug is the CPU preset.
 PRESET_TABLE = {
     "low4s": (102, 360, 640, 8, 30),
     "high4s": (102, 720, 1280, 2, 30),
@@ -603,7 +292,7 @@ PRESET_TABLE = {
 }
 
 
-def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tmp_path):
+def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tmp_path, run_copy):
     """`eval once --preset P` for every preset, with the sampler, the VAE decoder and the mp4 writer
     replaced by recorders (720p x 102 frames does not sample on a CPU): each sampler batch gets the
     preset's batch size, steps, guidance, pixel size, frame count (rounded to 1 + k x the VAE's
@@ -616,7 +305,7 @@ def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tm
     from reelcache.cache.encoders import VideoEncoder
     from reelcache.catalog.manifest import resolve_manifest
 
-    run = _run_copy(trained, "presets", steps=(2,))
+    run = run_copy("presets", steps=(2,))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(PROMPTS.read_text() + "a dog and a cyclist on the beach\n")  # 3 prompts
     # the tiny VAE's ratios, from the cache: a 33-frame 192 x 192 clip has 17 x 24 x 24 latents

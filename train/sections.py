@@ -1,0 +1,221 @@
+"""The trainer's config sections, each with the one ``build(**runtime)`` that makes its component.
+
+Every component gets its settings one way: its section, and as keyword arguments only what is
+known at run time (the ``Parallel``, the model, the run directory, ...):
+
+    par = cfg.parallel.build()
+    loader = cfg.data.build(root=root, par=par, seed=cfg.run.seed)
+    model = cfg.model.build(seed=cfg.run.seed)
+
+``[run]`` holds what is the run's (name, seed, epochs, max_steps); the checkpointer, the log, the
+guard and the watchdog have their sections in their own modules (train/checkpoint.py, runlog.py,
+guard.py, watchdog.py), which are as light as this one. ``train/config.py`` composes them into
+``TrainConfig`` and reads files, overrides and old ``config.json`` versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reelcache import UserError
+from reelcache.settings import NAME, TEXT, Pattern, setting
+
+# Importing this module loads no torch, pyarrow or wandb (train/config.py imports it, and reading a
+# config stays light): each build() imports the module of what it builds (torch, the loader).
+
+# train/model.py PRESETS (named here so that reading a config imports no torch; a test compares them)
+MODEL_PRESETS = ("STDiT3-XL/2", "STDiT3-3B/2", "tiny")
+
+
+@dataclass
+class ModelConfig:
+    """[model]: which STDiT3, and how its weights train and run."""
+
+    preset: str = setting("STDiT3-XL/2", "train/model.py PRESETS", choices=MODEL_PRESETS)
+    overrides: dict = setting(doc="STDiT3Config fields over the preset (caption_channels, ...)", factory=dict)
+    freeze_y_embedder: bool = setting(True, "Open-Sora 1.2 stages freeze the caption projection")
+    grad_checkpoint: bool = setting(True, "recompute each block in backward (56 blocks at XL/2)")
+    compile: bool = setting(False, "torch.compile the blocks (GPU)")
+
+    def stdit3(self):
+        """The STDiT3Config this stage trains: the preset, its overrides, the frozen caption projection."""
+        from reelcache.train.model import STDiT3Config
+
+        return STDiT3Config.preset(self.preset, **{**self.overrides, "freeze_y_embedder": self.freeze_y_embedder})
+
+    def build(self, *, seed: int):
+        """A fresh STDiT3, the same on every rank (initialised from ``seed``)."""
+        import torch
+
+        from reelcache.train.model import STDiT3
+
+        torch.manual_seed(seed)
+        model = STDiT3(self.stdit3())
+        if self.grad_checkpoint:
+            model.set_grad_checkpointing(True)
+        return model
+
+
+@dataclass
+class Manifest:
+    name: str = setting(doc="catalog manifest name (ROOT/manifests) or a path; made with --cache", pattern=TEXT)
+    weight: float | list[float] = setting(1.0, "mixing weight, or one per epoch (a ramp; the last value holds)", ge=0)
+
+
+@dataclass
+class DataConfig:
+    """[data]: the manifests, buckets and loader."""
+
+    manifests: list[Manifest] = setting(doc="[{name, weight}] mixed per epoch by weight", factory=list)
+    buckets: str = setting("", "bucket config TOML: batch size per (resolution, frames)")
+    workers: int = setting(4, "DataLoader processes per rank (0: read in the training process)", ge=0)
+    prefetch: int = setting(2, "batches in flight per worker", ge=1)
+    block: int = setting(64, "block-shuffle size (samples read close together on disk)", ge=1)
+
+    def bucket_config(self):
+        from reelcache.catalog.buckets import BucketConfig
+
+        return BucketConfig.from_toml(self.buckets)
+
+    def build(self, *, root, par, seed: int):
+        """This rank's LatentLoader (its consumed log is opened by the trainer, once nothing can refuse
+        the start)."""
+        from reelcache.train.loader import LatentLoader
+
+        manifests = [(m.name, m.weight) for m in self.manifests]
+        kw = dict(root=root, rank=par.rank, world_size=par.world, seed=seed)
+        try:
+            return LatentLoader(
+                manifests, self.bucket_config(), **kw, workers=self.workers, prefetch=self.prefetch, block=self.block
+            )
+        except ValueError as e:
+            raise UserError(str(e)) from e
+
+
+@dataclass
+class ConditioningConfig:
+    """[conditioning]: the model's fps input; with the bucket file's frame interval, one
+    ``Conditioning`` (train/flow.py) that training, the validation loss and the sampler share."""
+
+    default_fps: float = setting(24.0, "fps for clips whose manifest carries none", gt=0)
+    image_fps: float = setting(
+        0.0,
+        "the fps input of image buckets (T = 1); 0 = as a video's (manifest, else default_fps); Open-Sora: 120",
+        ge=0,
+    )
+
+    def build(self, *, frame_interval: int):
+        from reelcache.train.flow import Conditioning
+
+        return Conditioning(frame_interval, self.default_fps, self.image_fps)
+
+
+@dataclass
+class OptimConfig:
+    """[optim]: AdamW and its lr schedule (train/schedule.py)."""
+
+    lr: float = setting(1.6e-4, "base lr; with schedule=1cycle, the final lr (0: weights stay as loaded)", ge=0)
+    weight_decay: float = setting(0.01, "AdamW, one param group (biases and norms included, as Open-Sora)", ge=0)
+    adam_eps: float = setting(1e-15, "AdamW's epsilon", gt=0)
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW's moment decays", ge=0, lt=1)
+    schedule: str = setting(
+        "warmup",
+        'constant | warmup (Open-Sora\'s LinearWarmupLR) | 1cycle (the "bump")',
+        choices=("constant", "warmup", "1cycle"),
+    )
+    warmup_steps: int = setting(0, "warmup: lr = (k+1)/(W+1)*lr for k < W. 1cycle: the rising phase", ge=0)
+    min_lr: float = setting(0.0, "1cycle: start", ge=0)
+    max_lr: float = setting(0.0, "1cycle: peak after warmup_steps", ge=0)
+    cooldown_steps: int = setting(0, "1cycle: cosine from max_lr down to lr", ge=0)
+
+    def hyper(self) -> dict:
+        """AdamW's hyper-parameters but the lr (which the schedule sets every step)."""
+        return dict(weight_decay=self.weight_decay, eps=self.adam_eps, betas=tuple(self.betas))
+
+    def build(self, *, par, params):
+        """The optimizer of this plugin (HybridAdam under ZeRO, torch's AdamW under DDP)."""
+        return par.optimizer(params, lr=self.lr, **self.hyper())
+
+
+@dataclass
+class FlowConfig:
+    """[flow]: rectified flow's timesteps, caption dropout and frame masks (read by the step)."""
+
+    sample_method: str = setting("logit-normal", "timestep draw", choices=("logit-normal", "uniform"))
+    use_timestep_transform: bool = setting(True, "Open-Sora 1.2's resolution/length shift")
+    caption_dropout: float = setting(
+        0.1,
+        "per-sample probability of the null caption (classifier-free guidance); below 1: at 1 the text never "
+        "reaches the model",
+        ge=0,
+        lt=1,
+    )
+    mask_ratios: dict[str, float] = setting(
+        doc="MaskGenerator ratios (train/flow.py); {} = no frame masks", factory=dict, ge=0, le=1
+    )
+
+
+@dataclass
+class ParallelConfig:
+    """[parallel]: the plugin, its working dtype and its gradient clipping (train/parallel.py)."""
+
+    plugin: str = setting(
+        "auto",
+        "auto (zero2 on CUDA, ddp on CPU) | zero2 (on CPU: train/zero_cpu.py) | ddp",
+        choices=("auto", "zero2", "ddp"),
+    )
+    dtype: str = setting(
+        "bf16", "zero2's working dtype: bf16 (fp32 masters) | fp32; ddp always trains fp32", choices=("bf16", "fp32")
+    )
+    grad_clip: float = setting(1.0, "global L2 norm; 0 = off", ge=0)
+
+    def build(self):
+        """Join the process group torchrun / ``colossalai run`` describe (or a 1-process one)."""
+        from reelcache.train.parallel import Parallel
+
+        return Parallel.setup(self.plugin, self.dtype, self.grad_clip)
+
+
+@dataclass
+class EMAConfig:
+    """[ema]: the fp32 EMA of the master weights, sharded as ZeRO shards them (train/step.py)."""
+
+    decay: float = setting(0.99, "ema = decay x ema + (1 - decay) x master after each step; 0 = no EMA", ge=0, lt=1)
+
+    def build(self, *, chunks):
+        """The EMA of this rank's master chunks, starting from ``chunks()`` (a checkpoint's EMA, or the
+        weights themselves; called only with an EMA); None when decay = 0."""
+        from reelcache.train.step import EMA
+
+        return EMA(self.decay, chunks()) if self.decay > 0 else None
+
+
+@dataclass
+class StepConfig:
+    """[step]: how one optimizer step averages its loss over the ranks (train/step.py)."""
+
+    loss_reduction: str = setting(
+        "sample",
+        "sample: mean over all ranks' real samples | rank: mean of rank means (Open-Sora)",
+        choices=("sample", "rank"),
+    )
+
+    def build(self, **runtime):
+        """``Step(self, par=, model=, optimizer=, guard=, ema=, cond=, flow=, optim=, seed=, grad_clip=)``."""
+        from reelcache.train.step import Step
+
+        return Step(self, **runtime)
+
+
+@dataclass
+class RunConfig:
+    """[run]: what is the run's: its directory, seed and length."""
+
+    name: str = setting(
+        "",
+        "run directory ROOT/runs/<name>; default: the config file's stem",
+        pattern=Pattern(f"({NAME.regex})?", f"{NAME.text} (empty: the file's stem)"),
+    )
+    seed: int = setting(42, "data order, noise, timesteps, masks: all derived from it", ge=0)
+    epochs: int = setting(1, "passes over the manifests", ge=1)
+    max_steps: int = setting(0, "stop after this many optimizer steps in total (0 = all epochs)", ge=0)

@@ -1,0 +1,114 @@
+"""A loader manifest as a ``Source`` (train/plan.py), and the reads of its rows.
+
+A manifest (``catalog manifest --cache``) has a row per clip, or per (clip, view) for a cache of K
+views, naming the shard and offset of the clip's latent and, for a cache in the content-addressed
+store (cache/store.py), of its caption embedding. ``load_source`` keeps the rows that have latents
+(loudly, when many lack them), in clip-id order, with the columns the plan and the reads need;
+``read_row`` reads one row with ranged reads (catalog/latents.py's ``read_latent``). The loader
+(train/loader.py) and the validation loss (eval/valloss.py) read through these.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from reelcache import UserError
+from reelcache.catalog.buckets import bucket_geometry
+from reelcache.catalog.latents import MANIFEST_COLUMNS, TEXT_COLUMNS, VIEW_COLUMNS, decode, read_latent, read_member
+from reelcache.catalog.manifest import fingerprint
+from reelcache.train.plan import Source, clip_keys
+
+
+def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | None = None) -> Source:
+    """A loader manifest -> Source. Rows without latents (no bucket/shard) are dropped, loudly.
+
+    A manifest of a cache of K views has a row per (clip, view) and the columns ``view`` and ``views``
+    (catalog/latents.py); `view` keeps one view's rows only (e.g. 0: a fixed set for validation)."""
+    table = pq.read_table(path)
+    missing = [c for c in MANIFEST_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path} is not a loader manifest: missing {missing} (needs {list(MANIFEST_COLUMNS)})")
+    columns = list(MANIFEST_COLUMNS) + [c for c in VIEW_COLUMNS if c in table.column_names]
+    # a store's manifest names each caption's shard; format 1 (captions in the samples) has none, or all null
+    if all(c in table.column_names for c in TEXT_COLUMNS) and table["text_shard"].null_count < table.num_rows:
+        columns += list(TEXT_COLUMNS)
+        table = table.filter(pc.is_valid(table["text_shard"]))
+    table = table.select(columns + (["fps"] if "fps" in table.column_names else []))
+    total = table.num_rows
+    table = table.filter(pc.and_(pc.is_valid(table["bucket"]), pc.is_valid(table["shard"])))
+    views = _views(path, table)
+    if view is not None:
+        table = table.filter(pc.equal(table["view"], view)) if "view" in table.column_names else table
+        views = 1
+    table = table.sort_by([("clip_id", "ascending")] + ([("view", "ascending")] if "view" in columns else []))
+    for bucket in pc.unique(table["bucket"]).to_pylist():  # a cache planned before Open-Sora's bucket tables
+        try:
+            bucket_geometry(bucket)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
+    if table.num_rows == 0:
+        raise ValueError(f"{path}: none of its {total} clips has latents (bucket and shard are empty)")
+    if table.num_rows < min_kept * total:
+        warnings.warn(
+            f"{path}: only {table.num_rows} of {total} clips have latents "
+            f"({100 * table.num_rows / total:.1f}%); the rest are skipped",
+            stacklevel=2,
+        )
+    # fps is what the model conditions on, not what selects samples: it stays out of the fingerprint.
+    fps = (
+        table["fps"].to_numpy(zero_copy_only=False).astype(np.float64)
+        if "fps" in table.column_names
+        else np.full(table.num_rows, np.nan)
+    )
+    table = table.select(columns)
+    clip_id = np.asarray(table["clip_id"].to_pylist(), dtype=object)
+    several = views > 1
+    return Source(
+        fingerprint(table),
+        clip_id,
+        np.asarray(table["bucket"].to_pylist(), dtype=object),
+        np.asarray(table["shard"].to_pylist(), dtype=object),
+        table["shard_offset"].to_numpy().astype(np.int64),
+        float(weight),
+        fps,
+        table["view"].to_numpy().astype(np.int32) if several else None,
+        views,
+        clip_keys(clip_id) if several else None,
+        np.asarray(table["text_shard"].to_pylist(), dtype=object) if "text_shard" in columns else None,
+        table["text_offset"].to_numpy().astype(np.int64) if "text_shard" in columns else None,
+    )
+
+
+def _views(path, table) -> int:
+    """K of a manifest: its ``views`` column, else 1 + its largest ``view``, else 1; rows checked."""
+    if "view" not in table.column_names:
+        return 1
+    view = table["view"].fill_null(-1).to_numpy(zero_copy_only=False)
+    k = int(pc.max(table["views"]).as_py() or 0) if "views" in table.column_names else int(view.max(initial=-1)) + 1
+    if len(view) and (view.min() < 0 or view.max() >= max(k, 1)):
+        raise ValueError(f"{path}: column view holds values outside 0..{k - 1} (views = {k})")
+    if "views" in table.column_names and len(pc.unique(table["views"])) > 1:
+        raise ValueError(f"{path}: column views is not one number: {pc.unique(table['views']).to_pylist()}")
+    return max(k, 1)
+
+
+def read_sample(path: str, offset: int) -> dict:
+    """One tar member decoded: a ranged read at its offset (files), or a scan of the stream (URLs)."""
+    return decode(read_member(path, offset))
+
+
+def read_row(root, shard, offset, text_shard=None, text_offset=None) -> dict:
+    """A manifest row's sample with its ``text`` (catalog/latents.py: read_latent)."""
+    return read_latent(
+        root, {"shard": shard, "shard_offset": offset, "text_shard": text_shard, "text_offset": text_offset}
+    )
+
+
+def source_row(root, src: Source, i: int) -> dict:
+    """Row i of a Source as a sample with its ``text`` (the validation loss reads it so)."""
+    ts = src.text_shard[i] if src.text_shard is not None else None
+    return read_row(root, src.shard[i], int(src.offset[i]), ts, int(src.text_offset[i]) if ts is not None else None)
