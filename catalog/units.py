@@ -160,7 +160,8 @@ def _through_work(unit: Unit) -> None:
                 _through(unit.steps, row, 0, pending)
                 if unit.postfix:
                     pbar.set_postfix(**unit.postfix())
-            for key in list(pending):  # what is left of each batch, in the order the keys came
+            # what is left of each batch, in the order the keys came (a flush may fill a later batch)
+            while key := next((k for k, rows in pending.items() if rows), None):
                 _flush(unit.steps, key, pending)
     finally:
         if hasattr(results, "close"):

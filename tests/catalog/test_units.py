@@ -157,6 +157,22 @@ def test_rows_left_in_a_batch_run_at_the_end_in_the_order_their_keys_came(tmp_pa
     assert {r["batch"] for r in pq.read_table(sidecar).to_pylist()} == {2}
 
 
+def test_rows_a_last_flush_hands_to_a_later_batch_are_run_too(tmp_path):
+    """Two batches in a row: the end's flush of the first fills the second after the loop began; every
+    row still reaches the last step (none is left waiting in the second batch)."""
+    rows = [{"clip_id": f"c{i}", "x": x, "status": "ok"} for i, x in enumerate([3, 1, 2])]  # y % 4: 2 2 0
+    with claimed(tmp_path, 0) as sidecar:
+
+        def steps(writer):
+            first = Batch(key=lambda r: r["y"] % 4, size=5, run=lambda rs: None)
+            second = Batch(key=lambda r: 0, size=5, run=lambda rs: [r.update(batch=len(rs)) for r in rs])
+            return [first, second, _store(writer)]
+
+        units.run(_unit(tmp_path, rows, sidecar, steps))
+    assert [m.name for m in tarfile.open(tmp_path / "000000-00.tar")] == ["c0.bin", "c1.bin", "c2.bin"]
+    assert [r["batch"] for r in pq.read_table(sidecar).to_pylist()] == [3, 3, 3]
+
+
 def test_a_workers_answer_is_a_reason_of_the_stage():
     class Refused(Exception):  # as a probe's Rejected: the reason it found
         def __init__(self, reason, detail):
