@@ -88,40 +88,27 @@ def proc_alive(pid: int, start: int) -> bool:
 # --- ingest and the catalog -------------------------------------------------------------------
 
 
-def ingest(root: Path, data: Path, *extra: str, name: str = "openvid") -> list[str]:
-    """plan + run every unit (in-process, like one parallel slot) + merge; returns the units."""
+def plan_ingest(root: Path, meta: Path, videos: Path, *extra: str) -> list[str]:
+    """`ingest plan` of an OpenVid-format table in this process; returns the units it printed."""
     import contextlib
     import io
 
     from reelcache.cli import main
 
+    args = ["ingest", "plan", "--root", str(root), "--source", "openvid", "--meta", str(meta), "--videos", str(videos)]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert (
-            main(
-                [
-                    "ingest",
-                    "plan",
-                    "--root",
-                    str(root),
-                    "--source",
-                    "openvid",
-                    "--name",
-                    name,
-                    "--meta",
-                    str(data / "OpenVid-demo.csv"),
-                    "--videos",
-                    str(data / "videos"),
-                    "--rows-per-unit",
-                    "8",
-                    "--max-file-mb",
-                    "8",
-                    *extra,
-                ]
-            )
-            == 0
-        )
-    units = buf.getvalue().split()
+        assert main([*args, *extra]) == 0
+    return buf.getvalue().split()
+
+
+def ingest(root: Path, data: Path, *extra: str, name: str = "openvid") -> list[str]:
+    """plan + run every unit (in-process, like one parallel slot) + merge of a generated demo dataset
+    (8 rows a unit); returns the units."""
+    from reelcache.cli import main
+
+    meta, videos = data / "OpenVid-demo.csv", data / "videos"
+    units = plan_ingest(root, meta, videos, "--name", name, "--rows-per-unit", "8", "--max-file-mb", "8", *extra)
     assert main(["ingest", "run", "--root", str(root), *units]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0
     return units

@@ -10,35 +10,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from support import REPO, sql
+from support import REPO, plan_ingest, sql
 
 from reelcache.cli import main
 
 
 def _plan(root: Path, data: Path, *extra: str) -> list[str]:
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert (
-            main(
-                [
-                    "ingest",
-                    "plan",
-                    "--root",
-                    str(root),
-                    "--source",
-                    "openvid",
-                    "--meta",
-                    str(data / "OpenVid-demo.csv"),
-                    "--videos",
-                    str(data / "videos"),
-                    "--max-file-mb",
-                    "8",
-                    *extra,
-                ]
-            )
-            == 0
-        )
-    return buf.getvalue().split()
+    return plan_ingest(root, data / "OpenVid-demo.csv", data / "videos", "--max-file-mb", "8", *extra)
 
 
 @pytest.mark.slow  # end to end over the ingested demo

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from support import sql
+from support import plan_ingest, sql
 from workers import work
 
 from reelcache.catalog import units
@@ -38,15 +38,8 @@ UNIT = "openvid/000000"
 
 
 def _plan(root: Path, data: Path, meta: Path | None = None) -> list[str]:
-    import contextlib
-    import io
-
-    args = ["ingest", "plan", "--root", str(root), "--source", "openvid", "--rows-per-unit", "8", "--max-file-mb", "8"]
-    args += ["--meta", str(meta or data / "OpenVid-demo.csv"), "--videos", str(data / "videos")]
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert main(args) == 0
-    return buf.getvalue().split()
+    meta = meta or data / "OpenVid-demo.csv"
+    return plan_ingest(root, meta, data / "videos", "--rows-per-unit", "8", "--max-file-mb", "8")
 
 
 def _file_size_limit(nbytes: int):

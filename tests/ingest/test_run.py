@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import ingest, sql
+from support import ingest, plan_ingest, sql
 
 from reelcache.catalog.shards import ShardWriter
 from reelcache.catalog.units import worker_reject
@@ -219,27 +219,7 @@ def test_a_file_past_its_deadline_is_a_timeout_reject_and_the_unit_goes_on(demo_
         w.writerow(["long_take.mp4", "A long take of a city street.", 5, 1, 1, "static", "", "", ""])
         w.writerow(["not_there.mp4", "A missing file.", 5, 1, 1, "static", "", "", ""])
     root = tmp_path / "r"
-    assert (
-        main(
-            [
-                "ingest",
-                "plan",
-                "--root",
-                str(root),
-                "--source",
-                "openvid",
-                "--meta",
-                str(meta),
-                "--videos",
-                str(demo_dataset / "videos"),
-                "--verify",
-                "decode",
-                "--decode-timeout",
-                "0.005",
-            ]
-        )
-        == 0
-    )
+    plan_ingest(root, meta, demo_dataset / "videos", "--verify", "decode", "--decode-timeout", "0.005")
     assert main(["ingest", "run", "--root", str(root), "openvid/000000"]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0
     got = sql(root, 'SELECT relpath, reject_reason, reject_detail FROM clips ORDER BY "row"')
