@@ -21,7 +21,7 @@ ARGS ?=
 # make cache ROOT=/data/rc CONFIG=configs/cache/wan-stage1.toml [JOBS=<GPUs>]
 CONFIG ?=
 
-# make install-gpu [VENV=.venv-gpu]: the venv for CUDA nodes (README, "GPU nodes"). torch 2.5.1 is the
+# make install-gpu [VENV=.venv-gpu]: the venv for CUDA nodes (docs/GPU.md, "GPU nodes"). torch 2.5.1 is the
 # newest ColossalAI 0.5.0 declares (torch<=2.5.1); PyPI's Linux wheel of it is CUDA 12.4. transformers is
 # ColossalAI's own pin; diffusers 0.39.0 is the newest that has AutoencoderKLWan (>= 0.33) and still
 # allows huggingface-hub < 1.0, which transformers 4.51.3 needs. diffusers >= 0.35 refuses to import
@@ -129,7 +129,7 @@ gpu-kernels:
 	@$(BIN)/python -c "$$GPU_KERNELS_PY"
 
 # make gpu-check [GPU_CHECK_OUT=bench-out]: the real-size GPU paths measured on this machine's GPU in under
-# 8 minutes (bench/gpu_check.py; README, "GPU check"); without a GPU it says so and measures nothing.
+# 8 minutes (bench/gpu_check.py; README and docs/GPU.md, "GPU check"); without a GPU it says so and measures nothing.
 # A lent GPU machine has no venv and no network: `make gpu-wheels` here fetches what it lacks into
 # bench/gpu-wheels/ (git-ignored, 38 MiB), `make gpu-check-device` prints the device run to paste.
 GPU_CHECK_OUT ?= bench-out

@@ -3,7 +3,8 @@
 Ranks hold different buckets, so tokens and FLOPs are summed over every rank's own shapes (one
 small all-gather of (bucket, samples, latent shape, caption length) per logged step). The
 weight norm reads every parameter once. Both run only on logged steps (``log.every``); what they
-cost per step on the debug model is in the README ("Metrics and their cost").
+cost per step on the debug model is measured by bench/bench_log.py (make bench;
+docs/TRAIN.md, "Logging").
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ the GPU nodes do:
    is a pure-torch one that runs ColossalAI's own ``CPUAdam.torch_adam_update`` (the path HybridAdam
    already takes for bf16 gradients), so ``HybridAdam.step`` itself is unchanged.
 
-What this cannot show (README, "ZeRO-2 on CPU"): overlapped communication and stream ordering,
+What this cannot show (docs/TRAIN.md, "ZeRO-2 on CPU"): overlapped communication and stream ordering,
 NCCL, HybridAdam's fused CUDA kernel and its build, bf16 GPU numerics, memory.
 
 ``enable()`` is called by ``Parallel.setup`` only when the run asks for ``zero2`` and trains on the

@@ -3,7 +3,7 @@ clips each step trained on, and the loader's plan of the run's stage per epoch.
 
 Parquet logs are read by an in-memory DuckDB of their own (the catalog's connection has file access
 off, store.py), with paths built here from a run name confined to ROOT/runs. The clips of a step are
-the README's post-mortem join of the metrics and consumed logs: per step, the rows of the newest
+docs/TRAIN.md's post-mortem join of the metrics and consumed logs: per step, the rows of the newest
 generation (the one that trained after a resume), padding excluded. The stage's per-epoch contents
 come from the loader itself (train/loader.py's LatentLoader with ``read=False``, its ``plan(epoch)``):
 mixing weights that ramp over epochs are applied exactly as training applies them.
@@ -85,7 +85,7 @@ def eval_samples(root: Path, d: Path) -> list[dict]:
 
 
 def step_clips(d: Path, step: int) -> list[dict]:
-    """The clips global step ``step`` trained on, every rank's, padding excluded (README's join)."""
+    """The clips global step ``step`` trained on, every rank's, padding excluded (docs/TRAIN.md's join)."""
     metrics, consumed = _files(d, "metrics"), _files(d, "consumed")
     if not metrics or not consumed:
         return []

@@ -60,7 +60,7 @@ def parallel(cluster, nodes: Path, joblog: Path, command: list[str], units: Path
 
 
 def retry_failed(cluster, nodes: Path, joblog: Path) -> None:
-    """The README's retry: `parallel --retry-failed --joblog J` (the commands come from the joblog)."""
+    """docs/INGEST.md's retry: `parallel --retry-failed --joblog J` (the commands come from the joblog)."""
     cluster.run(
         1,
         "parallel",

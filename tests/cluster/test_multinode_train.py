@@ -2,7 +2,7 @@
 started over real ssh from the head, by ``torchrun --nnodes`` and by ``colossalai run --hostfile``.
 
 Reference: the same debug stage on one node with the same world size (torchrun --nproc_per_node 3,
-tests/test_train.py's launcher). The ranks see the same data and gloo reduces in the same order
+tests/support.py's torchrun). The ranks see the same data and gloo reduces in the same order
 whatever host a rank sits on, so losses and final weights are compared exactly.
 """
 
@@ -329,7 +329,7 @@ def test_slurm_train_on_three_nodes_equals_one_node(node_slurm, root):
 
 
 def test_slurm_ingest_array_spreads_over_the_nodes_and_equals_one_machine(node_slurm, demo_dataset, ingested, tmp_path):
-    """README: `reelcache ingest plan ... | reelcache slurm submit ... -- reelcache ingest run --root R --wait`
+    """docs/CLUSTER.md: `reelcache ingest plan ... | reelcache slurm submit ... -- reelcache ingest run --root R --wait`
     with `--then` merge: the array's tasks run on several nodes; the catalog and shards are the one-machine run's."""
 
     root = tmp_path / "r"
@@ -349,7 +349,7 @@ def test_slurm_ingest_array_spreads_over_the_nodes_and_equals_one_machine(node_s
 
 
 def test_slurm_requeues_a_job_that_lost_a_node_onto_the_nodes_that_remain(node_slurm, root):
-    """README: `--slurm --nodes 2-3`. node3's slurmd and rank are SIGKILLed after checkpoint 2; Slurm
+    """docs/CLUSTER.md: `--slurm --nodes 2-3`. node3's slurmd and rank are SIGKILLed after checkpoint 2; Slurm
     cancels the job for the node failure and requeues it (`#SBATCH --requeue`), the next attempt starts
     on node1 and node2 (world 2: SLURM_NNODES), resumes from the newest checkpoint, and every epoch
     trains every clip once. With `--nodes 3` it would stay pending while node3 is down."""

@@ -274,7 +274,7 @@ def test_a_failed_unit_is_retried_and_the_then_job_waits_and_names_what_failed(s
     assert (work / "then").exists() and (jobdir / "failed.txt").read_text() == "b\n"
     said = (jobdir / f"logs/then-{then}.out").read_text()
     assert "1 of 3 units did not finish" in said
-    again = said.split("and merge after them:\n")[1].rstrip("\n")  # the README's failed-units row, filled in
+    again = said.split("and merge after them:\n")[1].rstrip("\n")  # docs/CLUSTER.md's failed-units row, filled in
     assert shlex.split(again) == [
         *("reelcache", "slurm", "submit", "--partition", slurm.partition, "--gpus-per-task", "1"),
         *(

@@ -7,7 +7,7 @@ A 2-rank CPU training of the debug stage is requeued mid-run (`scontrol requeue`
 newest checkpoint in the same run directory, ending loss for loss and weight for weight where an
 uninterrupted run (torchrun, no Slurm) ends, while `eval serve --slurm --after` follows it and ends
 once it has ended and every checkpoint is evaluated; a job that reaches its time limit checkpoints at
-the warning signal and requeues itself; each documented way to stop does what the README says
+the warning signal and requeues itself; each documented way to stop does what docs/CLUSTER.md says
 (`scancel --signal=USR2` and the stop file stop, `scancel --batch --signal=USR2` stops and requeues);
 bad resources and inputs are refused in one line before anything is submitted; `reelcache cluster`
 expands the allocation's node list as `scontrol show hostnames` does.

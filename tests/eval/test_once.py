@@ -183,7 +183,7 @@ def once_ref(trained, run_copy) -> tuple[Path, str]:
 
 
 def test_validation_loss_of_one_clip_from_its_definition(once_ref):
-    """README / eval/valloss.py: the first clip in clip-id order, t = 50, 150, ..., 950 WITHOUT the
+    """docs/EVAL.md / eval/valloss.py: the first clip in clip-id order, t = 50, 150, ..., 950 WITHOUT the
     resolution shift, the posterior MEAN, noise from blake2b("val-noise|<clip id>|<k>"), loss =
     mean over C, T, H, W of (v - (x0 - eps))^2 with x_t = (1 - t/1000) x0 + t/1000 eps."""
     import hashlib

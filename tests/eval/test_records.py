@@ -1,7 +1,7 @@
 """The evaluator's small parts alone, in milliseconds, on files written here (no model, no cache run):
 its val_loss.parquet against rows written out by hand, which cache a manifest was made from, and a
 checkpoint whose shards are not all there refused before any work. The server end to end is in
-tests/test_eval.py."""
+tests/eval/test_serve.py."""
 
 from __future__ import annotations
 

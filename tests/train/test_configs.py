@@ -349,7 +349,7 @@ def test_ramp_through_the_real_planner():
     ids=lambda p: str(p.relative_to(REPO / "configs/train").with_suffix("")),
 )
 def test_every_stage_clips_gradients_at_1(path):
-    """README: grad clip 1.0, in every stage (opensora12/, opensora12-original/) and its debug twin."""
+    """docs/TRAIN.md: grad clip 1.0, in every stage (opensora12/, opensora12-original/) and its debug twin."""
     from reelcache.train.config import load_config
 
     assert load_config(path).parallel.grad_clip == 1.0

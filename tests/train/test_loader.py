@@ -284,7 +284,7 @@ def test_consumed_log_answers_which_clips_a_step_saw(data, tmp_path):
         f"SELECT step, list(clip_id ORDER BY clip_id) FROM '{log}/*.parquet' GROUP BY step ORDER BY step"
     ).fetchall()
     assert [sorted(b["clip_id"]) for b in batches] == [r[1] for r in rows]
-    # a manifest of one view per clip: every row is view 0 (tests/test_views.py: caches of several)
+    # a manifest of one view per clip: every row is view 0 (tests/cache/test_views.py: caches of several)
     assert duckdb.sql(f"SELECT DISTINCT view FROM '{log}/*.parquet'").fetchall() == [(0,)]
     assert all(set(b["view"]) == {0} for b in batches)
 

@@ -48,7 +48,7 @@ pytestmark = pytest.mark.slow
 
 
 def spike_clips(run_dir: Path, step: int) -> set[str]:
-    """README's metrics x consumed join (without the catalog), for one global step."""
+    """docs/TRAIN.md's metrics x consumed join (without the catalog), for one global step."""
     import duckdb
 
     return {
@@ -115,7 +115,7 @@ def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root, plugin):
     assert [resumed[s]["loss"] for s in steps] == [whole[s]["loss"] for s in steps]
     assert {resumed[s]["generation"] for s in steps if s >= 8} == {1}
     assert consumed(run) == consumed(r / f"runs/whole-{plugin}")
-    # The README's join: which clips did global step 12 (epoch 2) train on, after the kill and resume.
+    # docs/TRAIN.md's join: which clips did global step 12 (epoch 2) train on, after the kill and resume.
     assert (
         spike_clips(run, 12)
         == spike_clips(r / f"runs/whole-{plugin}", 12)
@@ -297,7 +297,7 @@ CONSOLE = re.compile(
 
 def console_lines(out: str, rows: dict[int, dict], total: int) -> list[int]:
     """The steps of the console lines in a run's output, each checked field by field against its
-    metrics row (README: loss, lr, grad norm, samples/s, step time, data-wait share, ETA; no MFU on CPU)."""
+    metrics row (docs/TRAIN.md: loss, lr, grad norm, samples/s, step time, data-wait share, ETA; no MFU on CPU)."""
     steps = []
     for m in CONSOLE.finditer(out):
         step, t, ep, loss, lr, gnorm, sps, step_s, share, _ = m.groups()
@@ -316,7 +316,7 @@ def console_lines(out: str, rows: dict[int, dict], total: int) -> list[int]:
 
 def test_requeued_run_resumes_prunes_logs_one_wandb_run_and_clips_at_1(root):
     """A job started with --resume, stopped after step 2 and started again the same way, as the
-    README's requeued job (with --init-from /nowhere: used only while the run has no checkpoint):
+    docs/TRAIN.md's requeued job (with --init-from /nowhere: used only while the run has no checkpoint):
     keep-last 2 plus keep-every 3 pruning, one wandb run across both launches, the console line's
     fields, and the debug stage's own grad clip 1.0: every step's gradient norm is logged before
     clipping (observed 3.8-6.3) while AdamW's moments show it stepped with norm 1."""
