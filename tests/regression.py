@@ -28,8 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -48,44 +47,18 @@ def run(work: Path, env: dict | None = None, args: tuple = ()) -> dict:
     import pyarrow.parquet as pq
     import torch
     from latent_data import write_latents  # tests/ is on the path: the script's folder, or pytest's
+    from support import data_args, torchrun  # the suite's one launch of the trainer
 
     manifest = write_latents(work, 24, name="train", seed=0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "REELCACHE_PROGRESS": "0", **(env or {})}
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(RANKS),
-            "--master_port",
-            str(port),
-            "-m",
-            "reelcache.train",
-            str(CONFIG),
-            "--root",
-            str(work),
-            f'--data.manifests=[{{name="{manifest}"}}]',
-            '--data.buckets="configs/buckets/tiny.toml"',
-            "--model.overrides={caption_channels=8, model_max_length=300}",
-            "--data.workers=0",
-            "--log.wandb_mode=disabled",
-            "--run.name=regression",
-            f"--run.max_steps={STEPS}",
-            "--checkpoint.every=0",
-            *args,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    extra = ["--data.workers=0", "--run.name=regression", f"--run.max_steps={STEPS}", "--checkpoint.every=0", *args]
+    p = torchrun(work, data_args(manifest, *extra), nproc=RANKS, config=CONFIG, env=env)
+    try:
+        out, _ = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:  # the launcher and every rank
+            os.killpg(p.pid, signal.SIGKILL)
     if p.returncode != 0:
-        raise RuntimeError(f"the reference run failed:\n{(p.stdout + p.stderr)[-4000:]}")
+        raise RuntimeError(f"the reference run failed:\n{out[-4000:]}")
     parts = sorted((work / "runs/regression/metrics").glob("*.parquet"))
     rows = sorted((r for f in parts for r in pq.read_table(f).to_pylist()), key=lambda r: r["step"])
     assert [r["step"] for r in rows] == list(range(STEPS)), [r["step"] for r in rows]
