@@ -168,10 +168,6 @@ def _check_inputs(a) -> None:
     if a.val_manifest:
         from reelcache.catalog.manifest import resolve_manifest
 
-        if "/" in a.val_manifest or a.val_manifest.endswith(".parquet"):
-            if not Path(a.val_manifest).is_file():
-                raise UserError(f"--val-manifest: no manifest file {a.val_manifest}")
-            return
         try:
             resolve_manifest(a.root, a.val_manifest)
         except ValueError as e:

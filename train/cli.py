@@ -223,16 +223,11 @@ def _submit(a, cfg, overrides: list[str]) -> None:
 
 
 def _check_manifests(cfg, root) -> None:
-    """Each of data.manifests exists, found as the loader finds it (a file, or a name under ROOT)."""
-    from pathlib import Path
-
+    """Each of data.manifests exists, found as the loader finds it (catalog/manifest.py: a file, or a name
+    under ROOT)."""
     from reelcache.catalog.manifest import resolve_manifest
 
     for m in cfg.data.manifests:
-        if "/" in m.name or m.name.endswith(".parquet"):
-            if not Path(m.name).is_file():
-                raise UserError(f"data.manifests: no manifest file {m.name}")
-            continue
         try:
             resolve_manifest(root, m.name)
         except ValueError as e:
