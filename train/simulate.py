@@ -50,6 +50,13 @@ def simulate(
         ]
 
     loaders = make(world_size)
+    if save_at is not None:  # refused before any simulating: every epoch's plan says its steps
+        total = sum(len(loaders[0].plan(e).rank_batches(0, 0, world_size)) for e in range(epochs))
+        if save_at > total:
+            raise UserError(
+                f"--save-at {save_at} is past the end: {epochs} epoch(s) on {world_size} ranks are {total} steps; "
+                f"give a step from 1 to {total} (or more --epochs)"
+            )
     rows = {k: [] for k in COLUMNS}
     summary = []
     gstep = 0
@@ -86,11 +93,6 @@ def simulate(
                 for it in iters:  # let every loader close its epoch
                     for _ in it:
                         pass
-    if save_at is not None and saved is None:  # before --out is written: a refused run leaves nothing
-        raise UserError(
-            f"--save-at {save_at} is past the end: {epochs} epoch(s) on {world_size} ranks are {gstep} steps; "
-            f"give a step from 1 to {gstep} (or more --epochs)"
-        )
     table = pa.table(rows)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
