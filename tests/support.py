@@ -66,6 +66,13 @@ esac
 # --- processes and ports ----------------------------------------------------------------------
 
 
+def quiet_env(**extra: str) -> dict:
+    """This process's environment for a reelcache subprocess: no progress bars, one thread a rank, a
+    silent wandb, no hub lookups; ``extra`` on top."""
+    quiet = {"REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1"}
+    return {**os.environ, **quiet, **extra}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -300,7 +307,7 @@ def torchrun(
 ) -> subprocess.Popen:
     """The trainer on nproc ranks (torchrun beyond 1): ``entry CONFIG --root ROOT args``; entry: the
     program each rank runs (the trainer, or a check script such as tests/grad_check.py)."""
-    env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})}
+    env = quiet_env(**(env or {}))
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from cluster_fakes import cli, record
 from latent_data import write_latents
-from support import REPO, free_port, proc_alive, proc_stat
+from support import REPO, free_port, proc_alive, proc_stat, quiet_env
 
 from reelcache.cluster import ranks
 
@@ -108,7 +108,7 @@ def training(tmp_path_factory):
         "--checkpoint.every=0",
         "--run.name=live",
     ]
-    env = {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    env = quiet_env()
     p = subprocess.Popen(
         [
             sys.executable,

@@ -5,28 +5,17 @@ test that takes it is marked so)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support import tiny_cache_config, train
+from support import quiet_env, tiny_cache_config, train
 
 from reelcache.cli import main
 
 RUN = "evalrun"
-
-
-def _env() -> dict:
-    return {
-        **os.environ,
-        "REELCACHE_PROGRESS": "0",
-        "OMP_NUM_THREADS": "1",
-        "WANDB_SILENT": "true",
-        "HF_HUB_OFFLINE": "1",
-    }
 
 
 @pytest.fixture(scope="session")
@@ -44,13 +33,13 @@ def trained(ingested, tmp_path_factory) -> Path:
         check=True,
         capture_output=True,
         text=True,
-        env=_env(),
+        env=quiet_env(),
     )
     assert main(["cache", "run", "--root", str(root), "--device", "cpu", *out.stdout.split()]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0
     assert main(["catalog", "manifest", "--root", str(root), "--name", "lat", "--cache", "t"]) == 0
     args = [f"--run.name={RUN}", '--data.manifests=[{name="lat"}]', "--run.max_steps=4", "--checkpoint.every=2"]
-    train(root, [*args, "--checkpoint.keep_last=10", "--run.epochs=20"], nproc=2, timeout=300, env=_env())
+    train(root, [*args, "--checkpoint.keep_last=10", "--run.epochs=20"], nproc=2, timeout=300, env=quiet_env())
     assert sorted(c.name for c in (root / "runs" / RUN).glob("ckpt-*")) == ["ckpt-00000002", "ckpt-00000004"]
     return root
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import REPO
+from support import REPO, quiet_env
 from wandb_files import history, run_files
 
 from reelcache.cli import main
@@ -28,16 +27,6 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = REPO / "configs/eval/debug-prompts.txt"
 RUN = "evalrun"  # the run conftest.py's `trained` writes
-
-
-def _env() -> dict:
-    return {
-        **os.environ,
-        "REELCACHE_PROGRESS": "0",
-        "OMP_NUM_THREADS": "1",
-        "WANDB_SILENT": "true",
-        "HF_HUB_OFFLINE": "1",
-    }
 
 
 def _serve(root: Path, *extra: str) -> subprocess.Popen:
@@ -67,7 +56,7 @@ def _serve(root: Path, *extra: str) -> subprocess.Popen:
             *extra,
         ],
         cwd=REPO,
-        env=_env(),
+        env=quiet_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -32,6 +32,7 @@ from support import (
     json_lines,
     metrics,
     poisoned_manifest,
+    quiet_env,
     stage_file,
     torchrun,
     train,
@@ -231,7 +232,7 @@ def test_colossalai_run_launches_and_wandb_logs_offline(root, tmp_path):
     r, manifest = root
     cfg = stage_file(tmp_path / "stage.toml", manifest)
     bindir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+    env = quiet_env(PATH=f"{bindir}:{os.environ['PATH']}")
     p = subprocess.run(
         [
             str(bindir / "colossalai"),

@@ -10,7 +10,6 @@ and write statements are refused with the catalog and every file outside view-ca
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support import REPO, tiny_cache_config
+from support import REPO, quiet_env, tiny_cache_config
 
 pytestmark = pytest.mark.browser
 
@@ -41,13 +40,9 @@ FLAGS = [
 HAVE_ENOUGH_DATA = 4
 
 
-def _env() -> dict:
-    return {**os.environ, "REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-
-
 def _main(*args: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "reelcache", *args], cwd=REPO, env=_env(), capture_output=True, text=True
+        [sys.executable, "-m", "reelcache", *args], cwd=REPO, env=quiet_env(), capture_output=True, text=True
     )
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     return out.stdout
@@ -70,7 +65,7 @@ def demo_root(ingested, tmp_path_factory) -> Path:
         [sys.executable, "-m", "reelcache.train", "configs/train/debug/stage1.toml", "--root", str(root),
          "--run.name=r", '--data.manifests=[{name="lat"}]', "--run.max_steps=3", "--run.epochs=2",
          "--data.workers=0", "--log.wandb_mode=disabled", "--log.every=1", "--checkpoint.every=3"],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     return root
@@ -91,7 +86,7 @@ def server(demo_root, demo_dataset):
     p = subprocess.Popen(
         [sys.executable, "-m", "reelcache", "view", "--root", str(demo_root), "--port", "0",
          "--videos", str(demo_dataset / "videos")],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     line = p.stdout.readline()
     m = re.search(r"(http://127\.0\.0\.1:\d+)/", line)
