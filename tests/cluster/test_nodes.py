@@ -14,8 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from cluster_fakes import cli
-from support import APPS_CSV, FAKE_NVIDIA_SMI
+from support import APPS_CSV, FAKE_NVIDIA_SMI, cluster_cli
 
 pytestmark = pytest.mark.slow  # each runs the command, or GNU parallel and an agent, as processes
 
@@ -44,20 +43,20 @@ def test_clocks_against_this_machine(tmp_path):
     else:
         assert r["daemon"]["tool"] is None and cell.startswith("unavailable")
     (tmp_path / "nodes").write_text(":\n")
-    p = cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000)
+    p = cluster_cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000)
     assert p.returncode == 0, p.stdout + p.stderr
     assert f": ({socket.gethostname()})" in p.stdout and "0 error(s)" in p.stdout
     # a threshold no bracket can meet (its round trip is > 0): a warning, fatal only with --strict
-    p = cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000, "--warn-ms", 0)
+    p = cluster_cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000, "--warn-ms", 0)
     assert p.returncode == 0 and "WARNING" in p.stdout and "1 warning(s)" in p.stdout, p.stdout
-    p = cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000, "--warn-ms", 0, "--strict")
+    p = cluster_cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000, "--warn-ms", 0, "--strict")
     assert p.returncode == 1, p.stdout
 
 
 def test_unreachable_node_fails_the_check(tmp_path):
     (tmp_path / "nodes").write_text(":\nno-such-node.invalid\n")
     for cmd in ("gpus", "clocks"):
-        p = cli(cmd, "--hostfile", tmp_path / "nodes", "--timeout", 30)
+        p = cluster_cli(cmd, "--hostfile", tmp_path / "nodes", "--timeout", 30)
         assert p.returncode == 1, p.stdout + p.stderr
         assert "no-such-node.invalid" in p.stdout and ("UNREACHABLE" in p.stdout or "unreachable" in p.stdout)
 
@@ -65,7 +64,7 @@ def test_unreachable_node_fails_the_check(tmp_path):
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
 def test_gpus_without_nvidia_smi_says_no_gpu(tmp_path):
     (tmp_path / "nodes").write_text(":\n")
-    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle")
+    p = cluster_cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "no GPU" in p.stdout
 
@@ -77,15 +76,15 @@ def test_gpus_expect_idle_fails_on_a_gpu_process(tmp_path):
     (bin_ / "nvidia-smi").chmod(0o755)
     (tmp_path / "nodes").write_text(":\n")
     env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"}
-    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle", "--reads", 2, env=env)
+    p = cluster_cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle", "--reads", 2, env=env)
     assert p.returncode == 0 and "2 x NVIDIA H100 80GB HBM3" in p.stdout and "ERROR" not in p.stdout, (
         p.stdout + p.stderr
     )
 
     (bin_ / "apps.csv").write_text(APPS_CSV.splitlines()[0] + "\n")  # pid 40213 on GPU 0
-    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle", "--reads", 2, env=env)
+    p = cluster_cli("gpus", "--hostfile", tmp_path / "nodes", "--expect-idle", "--reads", 2, env=env)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "ERROR: 1 GPU process(es) running (--expect-idle)" in p.stdout
     assert any(ln.split()[:3] == ["0", "40213", "71220"] for ln in p.stdout.splitlines()), p.stdout
-    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--reads", 2, env=env)  # listed, not an error
+    p = cluster_cli("gpus", "--hostfile", tmp_path / "nodes", "--reads", 2, env=env)  # listed, not an error
     assert p.returncode == 0 and "40213" in p.stdout and "ERROR" not in p.stdout, p.stdout

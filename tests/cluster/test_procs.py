@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_fakes import cli, record
 from latent_data import write_latents
-from support import REPO, free_port, proc_alive, proc_stat, quiet_env
+from support import REPO, cluster_cli, free_port, proc_alive, proc_stat, quiet_env, record
 
 from reelcache.cluster import ranks
 
@@ -52,7 +51,9 @@ waiting_for_the_collective()
         assert rank.stdout.readline().strip() == "ready"
         run = tmp_path / "run"
         record(run, 0, rank.pid, socket.gethostname(), stacks)
-        p = cli("dump", "--run", run, "--timeout", 10, env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"})
+        p = cluster_cli(
+            "dump", "--run", run, "--timeout", 10, env={**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"}
+        )
         assert p.returncode == 0, p.stdout + p.stderr
         assert "rank 0: py-spy: Error: Permission denied (os error 13); used the SIGUSR1 stacks instead" in p.stdout
         (dump,) = (run / "dumps").iterdir()
@@ -80,7 +81,7 @@ def test_stop_escalates_to_sigkill_after_the_grace(tmp_path):
         stubborn.stdout.readline()  # SIGTERM is ignored from here on
         record(tmp_path, 0, stubborn.pid, socket.gethostname())
         record(tmp_path, 1, polite.pid, socket.gethostname())
-        p = cli("stop", "--run", tmp_path, "--grace", 1)
+        p = cluster_cli("stop", "--run", tmp_path, "--grace", 1)
         assert p.returncode == 0, p.stdout + p.stderr
         assert f"pid {stubborn.pid}: stopped by SIGKILL" in p.stdout
         assert f"pid {polite.pid}: stopped by SIGTERM" in p.stdout
@@ -169,7 +170,7 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
         # a stale record: the decoy's pid, but another process's start time (the pid was reused)
         dataclasses.replace(recs[1], rank=2, pid=decoy.pid, proc_start=decoy_start - 1).save(run)
 
-        p = cli("dump", "--run", run)
+        p = cluster_cli("dump", "--run", run)
         assert p.returncode == 0, p.stdout + p.stderr
         (out,) = (run / "dumps").iterdir()
         assert sorted(f.name for f in out.iterdir()) == ["rank00000.txt", "rank00001.txt", "summary.txt"]
@@ -183,7 +184,7 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
         assert "rank 2: pid gone or reused" in p.stdout
 
         time.sleep(1.1)  # a new dump folder (they are named by the second)
-        p = cli("dump", "--run", run, "--method", "signal")
+        p = cluster_cli("dump", "--run", run, "--method", "signal")
         assert p.returncode == 0, p.stdout + p.stderr
         newest = sorted((run / "dumps").iterdir())[-1]
         for r in recs:
@@ -191,7 +192,7 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
             assert "(most recent call first)" in text and "trainer.py" in text
         assert proc_alive(decoy.pid, decoy_start)
 
-        p = cli("stop", "--run", run, "--grace", 10)
+        p = cluster_cli("stop", "--run", run, "--grace", 10)
         assert p.returncode == 0, p.stdout + p.stderr
         for r in recs:
             assert f"rank {r.rank:05d} host {r.host} pid {r.pid}: stopped by SIG" in p.stdout
@@ -200,7 +201,7 @@ def test_dump_and_stop_act_on_exactly_the_recorded_ranks(training, tmp_path):
         assert proc_alive(decoy.pid, decoy_start), "the decoy with the same command line was stopped"
         launcher.wait(timeout=60)  # its workers gone, the launcher gives up by itself
 
-        p = cli("stop", "--run", run, "--grace", 1)  # again: nothing left to stop
+        p = cluster_cli("stop", "--run", run, "--grace", 1)  # again: nothing left to stop
         assert p.returncode == 0 and p.stdout.count("already gone") == 2, p.stdout
     finally:
         decoy.kill()

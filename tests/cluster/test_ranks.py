@@ -11,8 +11,7 @@ import socket
 import time
 
 import pytest
-from cluster_fakes import boot_id
-from support import proc_stat
+from support import boot_id, proc_stat
 
 from reelcache import UserError
 from reelcache.cluster import agent, ranks

@@ -1,4 +1,4 @@
-"""Nodes reached through ssh: a stand-in ssh (cluster_fakes.FAKE_SSH) that does what sshd does with a
+"""Nodes reached through ssh: a stand-in ssh (support.FAKE_SSH) that does what sshd does with a
 command, so GNU parallel's ssh wrapper, our held session and the agent's quoting run without an ssh
 server; a node's clock of its own, ahead or stepping back; a node that never answers.
 """
@@ -13,12 +13,12 @@ import sys
 import time
 
 import pytest
-from cluster_fakes import FAKE_SSH, cli, record
+from support import FAKE_SSH, cluster_cli, record
 
 pytestmark = pytest.mark.slow  # GNU parallel, ssh stand-ins and agents as processes
 
 
-# A node's own clock, set by the stand-in ssh (cluster_fakes.FAKE_SSH) from a per-host env file:
+# A node's own clock, set by the stand-in ssh (support.FAKE_SSH) from a per-host env file:
 # `time.time_ns` (what the agent reads) runs RC_FAKE_CLOCK_AHEAD_NS ahead of this machine's, and after
 # RC_FAKE_CLOCK_BACK_AFTER reads it is stepped back once by RC_FAKE_CLOCK_BACK_NS (an NTP step, as on
 # the replication's node).
@@ -68,7 +68,7 @@ def test_clocks_measure_a_node_ahead_and_catch_one_that_steps_back(tmp_path, mon
     assert s["backwards"]["back"] == 1 and step - 1e6 < s["backwards"]["worst_ns"] <= step, s["backwards"]
 
     (tmp_path / "nodes").write_text("node-ahead\nnode-steps\n")
-    p = cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 20_000)
+    p = cluster_cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 20_000)
     assert p.returncode == 1, p.stdout + p.stderr
     rows = {ln.split()[0]: ln for ln in p.stdout.splitlines() if ln.startswith("node-")}
     off, _, unc = rows["node-ahead"].split()[1:4]  # "node-ahead  +250.002 +- 0.004 ms  0 ..."
@@ -87,7 +87,9 @@ def test_a_node_that_never_answers_costs_its_timeout_not_more(tmp_path):
     ssh.chmod(0o755)
     (tmp_path / "nodes").write_text("node-hung\n")
     t0 = time.monotonic()
-    p = cli("gpus", "--hostfile", tmp_path / "nodes", "--timeout", 2, env={**os.environ, "PARALLEL_SSH": str(ssh)})
+    p = cluster_cli(
+        "gpus", "--hostfile", tmp_path / "nodes", "--timeout", 2, env={**os.environ, "PARALLEL_SSH": str(ssh)}
+    )
     assert time.monotonic() - t0 < 30, "the command waited for the hung ssh"
     assert p.returncode == 1 and "no answer within 2 s" in p.stdout, p.stdout + p.stderr
 
@@ -99,10 +101,10 @@ def test_remote_nodes_go_through_ssh(tmp_path):
     env = {**os.environ, "PARALLEL_SSH": str(ssh)}
     nodes = tmp_path / "nodes"
     nodes.write_text(f"node-a\n4/{ssh} -p 2222 user@node-b\n")
-    p = cli("gpus", "--hostfile", nodes, env=env)
+    p = cluster_cli("gpus", "--hostfile", nodes, env=env)
     assert p.returncode == (1 if shutil.which("nvidia-smi") else 0), p.stdout + p.stderr
     assert "node node-a" in p.stdout and f"node {ssh} -p 2222 user@node-b" in p.stdout
-    p = cli("clocks", "--hostfile", nodes, "--reads", 1000, env=env)
+    p = cluster_cli("clocks", "--hostfile", nodes, "--reads", 1000, env=env)
     assert p.returncode == 0 and "0 error(s)" in p.stdout, p.stdout + p.stderr
     log = (tmp_path / "ssh.log").read_text()
     assert log.count("node-a") == 2 and log.count("node-b") == 2  # parallel passes user@ as -l user
@@ -113,11 +115,11 @@ def test_remote_nodes_go_through_ssh(tmp_path):
         time.sleep(0.3)
         run = tmp_path / "run"
         record(run, 0, sleeper.pid, "node-a.cluster.example")
-        p = cli("dump", "--run", run, "--hostfile", nodes, env=env)
+        p = cluster_cli("dump", "--run", run, "--hostfile", nodes, env=env)
         assert p.returncode == 0, p.stdout + p.stderr
         (dump,) = (run / "dumps").iterdir()
         assert f"Process {sleeper.pid}:" in (dump / "rank00000.txt").read_text()
-        p = cli("stop", "--run", run, "--hostfile", nodes, "--grace", 5, env=env)
+        p = cluster_cli("stop", "--run", run, "--hostfile", nodes, "--grace", 5, env=env)
         assert p.returncode == 0 and "stopped by SIGTERM" in p.stdout, p.stdout + p.stderr
         assert sleeper.wait(timeout=10) == -signal.SIGTERM
         assert (tmp_path / "ssh.log").read_text().count("node-a") == 4
