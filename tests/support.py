@@ -540,3 +540,26 @@ def ema_rule_error(before: Path, after: Path) -> float:
     rule = torch.cat([((1 - d) * (w1[k] - e0[k])).flatten() for k in e1])
     assert rule.norm() > 1e-3  # lr > 0: the weights moved away from the EMA
     return float((moved - rule).norm() / rule.norm())
+
+
+def ids(path) -> list[str]:
+    """A manifest's clip ids, in its order."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=["clip_id"]).column("clip_id").to_pylist()
+
+
+def run_ranks(loaders, steps=None):
+    """Iterate rank loaders in lockstep; returns per-rank lists of batches."""
+    out = [[] for _ in loaders]
+    iters = [iter(ld) for ld in loaders]
+    for k, batches in enumerate(zip(*iters)):
+        for r, b in enumerate(batches):
+            out[r].append(b)
+        if steps is not None and k + 1 == steps:
+            break
+    else:
+        for it in iters:  # finish the epoch bookkeeping of every rank
+            for _ in it:
+                pass
+    return out

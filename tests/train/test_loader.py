@@ -1,6 +1,6 @@
 """The streaming loader: permutation, disjoint equal shares, exact and elastic resume, refusal,
 loud small data, seeded noise (checked against shards read with tarfile + safetensors), mixing,
-consumed log, SIGKILL, simulator (its worker column against the real DataLoader workers)."""
+consumed log, SIGKILL (the simulator: test_simulate.py)."""
 
 from __future__ import annotations
 
@@ -20,22 +20,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from latent_data import write_latents
-from support import REPO
+from support import REPO, ids, run_ranks
 
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.train.loader import LatentLoader, read_sample
 
 SIZES = BucketConfig.from_toml(REPO / "configs/buckets/tiny.toml")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("latents")
-    return root, write_latents(root, 97)
-
-
-def ids(path):
-    return pq.read_table(path, columns=["clip_id"]).column("clip_id").to_pylist()
 
 
 def bucket_of(path) -> dict:
@@ -66,22 +56,6 @@ def expected_x(sample: dict, seed: int, epoch: int, position: int) -> torch.Tens
 
 def eps_of(x: torch.Tensor, sample: dict) -> torch.Tensor:
     return (x.float() - sample["mean"].float()) / torch.exp(sample["logvar"].float() / 2)
-
-
-def run_ranks(loaders, steps=None):
-    """Iterate rank loaders in lockstep; returns per-rank lists of batches."""
-    out = [[] for _ in loaders]
-    iters = [iter(ld) for ld in loaders]
-    for k, batches in enumerate(zip(*iters)):
-        for r, b in enumerate(batches):
-            out[r].append(b)
-        if steps is not None and k + 1 == steps:
-            break
-    else:
-        for it in iters:  # finish the epoch bookkeeping of every rank
-            for _ in it:
-                pass
-    return out
 
 
 @pytest.mark.parametrize("seed", [0, 7])
@@ -344,91 +318,6 @@ def test_sigkill_mid_epoch_then_resume_continues_exactly(data, tmp_path):
     assert got == ref
 
 
-def test_simulator_cli_with_save_and_elastic_resume(data, tmp_path):
-    root, manifest = data
-    out = tmp_path / "consumed.parquet"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "reelcache",
-            "loader",
-            "simulate",
-            "--root",
-            str(root),
-            "--manifest",
-            str(manifest),
-            "--buckets",
-            str(REPO / "configs/buckets/tiny.toml"),
-            "--world-size",
-            "4",
-            "--workers",
-            "3",
-            "--seed",
-            "42",
-            "--epochs",
-            "2",
-            "--out",
-            str(out),
-            "--save-at",
-            "3",
-            "--resume-world-size",
-            "6",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    t = pq.read_table(out).to_pylist()
-    for epoch in (0, 1):
-        real = [r["clip_id"] for r in t if r["epoch"] == epoch and not r["pad"]]
-        assert Counter(real) == Counter(ids(manifest))
-    assert {r["world_size"] for r in t if r["epoch"] == 1} == {6}
-    assert {r["world_size"] for r in t if r["epoch"] == 0} == {4, 6}
-
-
-@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 3 workers on a 2-core CI box
-def test_simulator_worker_column_names_the_real_dataloader_worker_after_a_resume(data, monkeypatch):
-    from torch.utils.data import get_worker_info
-
-    import reelcache.train.loader as loader_module
-    from reelcache.train.simulate import simulate
-
-    real_collate = loader_module.collate
-
-    def collate_and_say_who(*args):  # runs in the forked DataLoader worker that makes the batch
-        out = real_collate(*args)
-        out["made_by"] = get_worker_info().id
-        return out
-
-    monkeypatch.setattr(loader_module, "collate", collate_and_say_who)
-    root, manifest = data
-    workers = 3
-    truth = {}
-
-    def record(per_rank, world):
-        for r, batches in enumerate(per_rank):
-            for b in batches:
-                truth[b["epoch"], b["step"], r, world] = b["made_by"]
-
-    two = [LatentLoader([manifest], SIZES, root=root, rank=r, world_size=2, seed=4, workers=workers) for r in range(2)]
-    record(run_ranks(two, steps=5), 2)
-    state = two[0].state_dict()
-    three = [
-        LatentLoader([manifest], SIZES, root=root, rank=r, world_size=3, seed=4, workers=workers) for r in range(3)
-    ]
-    for ld in three:
-        ld.load_state_dict(state)
-    record(run_ranks(three), 3)  # the rest of epoch 0, from step 5
-    record(run_ranks(three), 3)  # epoch 1, from step 0
-    table, _, _ = simulate(
-        [manifest], SIZES, root=root, world_size=2, workers=workers, seed=4, epochs=2, save_at=5, resume_world_size=3
-    )
-    sim = {(r["epoch"], r["step"], r["rank"], r["world_size"]): r["worker"] for r in table.to_pylist()}
-    assert sim == truth
-    # the resumed part is where `step % workers` was wrong: worker 0 makes the first resumed step
-    assert truth[0, 5, 0, 3] == 0 and any(w != s % workers for (e, s, _, _), w in truth.items() if e == 0 and s >= 5)
-
-
 def test_a_state_from_another_plan_version_is_refused(data):
     root, manifest = data
     ld = LatentLoader([manifest], SIZES, root=root, seed=0, read=False)
@@ -476,23 +365,3 @@ def test_a_weight_schedule_sets_each_epochs_shares_and_is_part_of_the_position(t
     flat = LatentLoader([(a, 0.9), (b, 0.1)], SIZES, root=tmp_path, read=False)
     with pytest.raises(ValueError, match="reset_data"):
         flat.load_state_dict(ref.state_dict())
-
-
-def test_simulator_save_at_past_the_end_is_refused_and_writes_nothing(data, tmp_path, capsys):
-    from reelcache.cli import main
-    from reelcache.train.simulate import simulate
-
-    root, manifest = data
-    _, summary, _ = simulate([manifest], SIZES, root=root, world_size=2, seed=1, epochs=2)
-    total = sum(s["steps"] for s in summary)  # the steps the same run makes, counted without --save-at
-    args = ["loader", "simulate", "--root", str(root), "--manifest", str(manifest), "--world-size", "2", "--seed", "1",
-            "--buckets", str(REPO / "configs/buckets/tiny.toml"), "--epochs", "2"]  # fmt: skip
-    out = tmp_path / "consumed.parquet"
-    for at in (total + 1, 0):
-        assert main([*args, "--out", str(out), "--save-at", str(at)]) == 2
-        err = [e for e in capsys.readouterr().err.splitlines() if "error" in e]
-        assert len(err) == 1 and f"--save-at {at}" in err[0], err
-        assert not out.exists()
-    assert main([*args, "--save-at", str(total + 1)]) == 2
-    assert f"are {total} steps; give a step from 1 to {total}" in capsys.readouterr().err
-    assert main([*args, "--out", str(out), "--save-at", str(total)]) == 0 and out.exists()  # the last step is fine
