@@ -184,18 +184,29 @@ class LocalCluster:
 
     def kill_node(self, i: int, spare_sshd: bool = False) -> list[int]:
         """SIGKILL every process of node i (its sshd too, unless spared); returns the pids killed."""
-        keep = {self.pids[i]} if spare_sshd else set()
-        killed = []
+        return self._signal_node(i, signal.SIGKILL, {self.pids[i]} if spare_sshd else set(), again=True)
+
+    def freeze_node(self, i: int) -> list[int]:
+        """SIGSTOP every process of node i but its sshd (as processes hang on storage mounted over a cut
+        link); returns the pids stopped, for SIGCONT later."""
+        return self._signal_node(i, signal.SIGSTOP, {self.pids[i]}, again=False)
+
+    def _signal_node(self, i: int, sig: int, keep: set[int], again: bool) -> list[int]:
+        """Send sig to node i's processes but ``keep`` until no process it should reach is listed: one
+        not yet signalled may start another (listed on the next pass), and one may end before its signal
+        (nothing to do). ``again``: a process still listed is signalled again (a killed one until it is
+        gone); otherwise once (a stopped process stays listed)."""
+        sent: list[int] = []
         for _ in range(50):
-            pids = [p for p in self.node_pids(i) if p not in keep]
+            pids = [p for p in self.node_pids(i) if p not in keep and (again or p not in sent)]
             if not pids:
                 break
             for p in pids:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGKILL)
-                killed.append(p)
+                    os.kill(p, sig)
+                sent.append(p)
             time.sleep(0.02)
-        return sorted(set(killed))
+        return sorted(set(sent))
 
     def restart(self, i: int) -> None:
         """Start node i's sshd again after ``kill_node`` (its namespaces went with its last process)."""

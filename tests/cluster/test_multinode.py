@@ -138,16 +138,7 @@ def freeze_and_cut_node_mid_unit(cluster, d: Path, node: int, frozen: list):
     def fault(p):
         wait_for(lambda: lease_of(d, f"node{node}"), f"lease of node{node}", p)
         cluster.cut(node)
-        # until no new process shows up: a process may end between the listing and its SIGSTOP (gone:
-        # nothing to freeze), and one not yet stopped may start another (listed on the next pass)
-        for _ in range(50):
-            new = [q for q in cluster.node_pids(node) if q != cluster.pids[node] and q not in frozen]
-            if not new:
-                break
-            for pid in new:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGSTOP)
-                    frozen.append(pid)
+        frozen.extend(cluster.freeze_node(node))
         return [n for n in cluster.names if n != f"node{node}"]
 
     return fault

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 from latent_data import write_latents
-from support import REPO, cluster_cli, free_port, proc_alive, proc_stat, quiet_env, record
+from support import cluster_cli, data_args, proc_alive, proc_stat, record, torchrun
 
 from reelcache.cluster import ranks
 
 pytestmark = pytest.mark.slow  # ranks, stand-ins and the command as processes
-CONFIG = REPO / "configs/train/debug/stage1.toml"
 
 
 def test_dump_falls_back_to_the_signal_stacks_when_py_spy_fails(tmp_path):
@@ -99,40 +98,7 @@ def test_stop_escalates_to_sigkill_after_the_grace(tmp_path):
 def training(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster-root")
     manifest = write_latents(root, 16, name="train")
-    args = [
-        f'--data.manifests=[{{name="{manifest}"}}]',
-        '--data.buckets="configs/buckets/tiny.toml"',
-        "--model.overrides={caption_channels=8, model_max_length=300}",
-        "--data.workers=1",
-        "--log.wandb_mode=disabled",
-        "--run.epochs=1000",
-        "--checkpoint.every=0",
-        "--run.name=live",
-    ]
-    env = quiet_env()
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "-m",
-            "reelcache.train",
-            str(CONFIG),
-            "--root",
-            str(root),
-            *args,
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    p = torchrun(root, data_args(manifest, "--run.epochs=1000", "--checkpoint.every=0", "--run.name=live"), nproc=2)
     run = root / "runs/live"
     deadline = time.monotonic() + 120
     while not all((run / f"ranks/rank{r:05d}.json").exists() for r in (0, 1)):

@@ -102,27 +102,10 @@ def test_sigkill_mid_unit_then_rerun_equals_clean_run(demo_dataset, ingested, tm
     """Kill a unit right after it made its first shard visible, re-run it, compare with a clean run."""
     root = tmp_path / "killed"
     base = ["--root", str(root)]
-    plan = _cli(
-        "ingest",
-        "plan",
-        *base,
-        "--source",
-        "openvid",
-        "--meta",
-        str(demo_dataset / "OpenVid-demo.csv"),
-        "--videos",
-        str(demo_dataset / "videos"),
-        "--rows-per-unit",
-        "8",
-        "--max-file-mb",
-        "8",
-        "--shard-mb",
-        "0.3",
-        "--verify",
-        "decode",
+    meta, videos = demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos"
+    units = plan_ingest(
+        root, meta, videos, "--rows-per-unit", "8", "--max-file-mb", "8", "--shard-mb", "0.3", "--verify", "decode"
     )
-    units = plan.communicate()[0].split()
-    assert plan.returncode == 0
     unit = units[0]
     src = root / "raw" / "openvid"
     proc = _cli("ingest", "run", *base, unit)
@@ -157,23 +140,8 @@ def test_gnu_parallel_two_slots(demo_dataset, tmp_path):
     if not shutil.which("parallel"):
         pytest.skip("GNU parallel is not installed (apt-get install parallel)")
     root = tmp_path / "par"
-    plan = _cli(
-        "ingest",
-        "plan",
-        "--root",
-        str(root),
-        "--source",
-        "openvid",
-        "--meta",
-        str(demo_dataset / "OpenVid-demo.csv"),
-        "--videos",
-        str(demo_dataset / "videos"),
-        "--rows-per-unit",
-        "6",
-        "--max-file-mb",
-        "8",
-    )
-    units = plan.communicate()[0]
+    meta, videos = demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos"
+    units = "\n".join(plan_ingest(root, meta, videos, "--rows-per-unit", "6", "--max-file-mb", "8")) + "\n"
     (tmp_path / "units.txt").write_text(units)
     assert len(units.split()) >= 4
 
