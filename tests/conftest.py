@@ -23,12 +23,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 SLOW_KINDS = ("multinode", "slurm", "browser", "gpu")
 
 
+# Tests that share one machine-wide thing run in one xdist worker, one after another: the namespace
+# cluster (its namespaces, bridge and addresses) and the one-node Slurm (munge, slurmctld).
+SHARED_KINDS = ("multinode", "slurm")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(items):
     """A test on a namespace cluster, a Slurm, a browser or a GPU is a slow one (`make test-fast`
-    deselects `slow`): one marker to filter on, whatever made the test slow."""
+    deselects `slow`): one marker to filter on, whatever made the test slow.
+
+    `make test` runs the suite in xdist workers with --dist loadgroup; every test gets a group: the
+    machine-wide kind it needs (SHARED_KINDS), else its file, so a module's fixtures (a training run
+    several tests read) are built once, in one worker. Much of the suite waits on timers (lease TTLs,
+    watchdog limits, Slurm's node timeouts), so more workers than cores keep the processors busy."""
     for item in items:
         if any(item.get_closest_marker(k) for k in SLOW_KINDS) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        if not item.get_closest_marker("xdist_group"):
+            kind = next((k for k in SHARED_KINDS if item.get_closest_marker(k)), None)
+            item.add_marker(pytest.mark.xdist_group(kind or item.path.parent.name + "/" + item.path.name))
 
 
 @pytest.fixture(scope="session")
