@@ -235,6 +235,46 @@ def assert_readable(root: Path, rows: list[dict]) -> None:
         assert name == f"{r['text_key']}.safetensors" and got["text"].shape[0] == r["text_len"], r
 
 
+def test_a_run_that_lost_its_lease_publishes_and_deletes_nothing_in_the_store(tmp_path):
+    """Each way a unit writes or deletes in the store, once another run took its lease over and wrote
+    its own shards and indexes under the same names: closing a shard and publishing an index raise
+    LostLease; aborting the writer and clearing the unit's store files delete nothing but the run's own
+    temporary. The store is byte-equal to a copy taken after the takeover."""
+    import json
+
+    from reelcache.cache.store import clear_store_unit, store_dir, write_index
+    from reelcache.catalog.lease import LostLease
+    from reelcache.catalog.shards import ShardWriter, begin_unit, end_unit
+
+    (tmp_path / "latents" / "t").mkdir(parents=True)
+    claim = begin_unit(tmp_path / "latents" / "t", 0)
+    stem, dirs = "000000-abcd1234", [store_dir(tmp_path, k, "t") for k in ("video", "text")]
+    for d in dirs:
+        d.mkdir(parents=True)
+    writer = ShardWriter(dirs[0], stem, 1, fsync=False, lease=claim.lease)  # a shard a sample
+    for key in ("k0", "k1"):  # shard 00 published, 01 in progress
+        writer.write_sample(key, [("safetensors", b"ours", None)])
+    lease = claim.sidecar.with_suffix(".lease")  # another node takes the unit over and publishes its own
+    lease.write_text(json.dumps(json.loads(lease.read_text()) | {"host": "gpu-node-3", "token": "theirs"}))
+    theirs = ShardWriter(dirs[0], stem, 1 << 20, fsync=False)
+    theirs.write_sample("k1", [("safetensors", b"theirs", None)])  # their shard 00
+    theirs.close()
+    row = {"video_key": "k1", "shard": f"store/video/t/{stem}-00.tar", "shard_offset": 512, "shape": [1]}
+    write_index(dirs[0] / f"{stem}.parquet", [row | {"bytes": 6}], "video", None)
+    (dirs[1] / f"{stem}-00.tar").write_bytes(b"their captions")
+    files = lambda: {p: p.read_bytes() for p in (tmp_path / "store").rglob("*") if p.is_file()}  # noqa: E731
+    before = {p: data for p, data in files().items() if p != writer.tmp}  # all but our shard in progress
+    with pytest.raises(LostLease, match="gpu-node-3"):
+        writer.close()
+    writer.abort()
+    with pytest.raises(LostLease, match="lost the lease"):
+        write_index(dirs[0] / f"{stem}.parquet", [row | {"video_key": "k0"}], "video", claim.lease)
+    clear_store_unit(tmp_path, "t", stem, claim.lease)
+    end_unit(claim)
+    assert files() == before  # and our temporary is gone
+    assert json.loads(lease.read_text())["token"] == "theirs"
+
+
 @pytest.fixture(scope="module")
 def one_clip(ingested, tmp_path_factory):
     """A root with cache "a" (one clip, two views in one bucket, other windows) and cache "b", the same
