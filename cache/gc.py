@@ -7,6 +7,24 @@ none of them names is garbage, and so is a store shard no index lists (a killed 
 removes each shard whose entries are all garbage and drops those entries from the indexes; a shard
 that still holds a live entry is kept (counted in the report). Units that are running (their lease
 exists) are skipped.
+
+Units run while gc runs (a reference scan reads every sidecar, plan and manifest of the root: minutes on
+a big one). gc never deletes what a unit published after gc started, by the order of its reads:
+
+1. the store first: its shards are listed (name and identity: inode, size, mtime), the leases of their
+   units checked, then the indexes read, and the leases checked again. A unit that held its lease at
+   either check is left alone. A unit publishes its shards and indexes while it holds its lease and its
+   sidecar before it lets the lease go, so a unit that held none at the second check has its sidecar in
+   place before step 2 reads it (or failed, and removed its files itself);
+2. then the references;
+3. only what step 1 listed can be deleted, and only while it is the file step 1 saw (same inode, size
+   and mtime): a shard or index published after the listing, also one under a listed name (a re-run
+   of a killed unit writes the same names), is not touched. An index is rewritten only if unchanged.
+
+Why not an age cutoff: a shard's mtime is its last write, which may come before gc starts while its
+rename into place comes after. Why not gc and units excluding each other: a big cache job always has
+units running, so gc would never start (or every unit would wait for a scan of minutes). A plan made
+while gc runs may reuse an entry gc then deletes: run ``cache plan`` and ``cache gc --delete`` apart.
 """
 
 from __future__ import annotations
@@ -40,34 +58,55 @@ def references(root: Path) -> set:
     return refs
 
 
-def _running(root: Path, index: Path) -> bool:
-    """The index's unit holds a lease (it is being written)."""
-    return (root / "latents" / index.parent.name / f"{index.stem.split('-')[0]}.lease").exists()
+def _unit(path: Path) -> tuple[str, str]:
+    """(cache, unit) of a store shard ``<unit>-<plan>-KK.tar`` or index ``<unit>-<plan>.parquet``."""
+    return path.parent.name, path.name.split("-", 1)[0]
+
+
+def _running(root: Path, units) -> set:
+    """The units among `units` that hold a lease now (they are being written)."""
+    return {(c, u) for c, u in set(units) if (root / "latents" / c / f"{u}.lease").exists()}
+
+
+def _identity(path: Path):
+    """Which file `path` names now (None: none): a file renamed over it is another one."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def collect(root) -> dict:
-    """{'garbage': [(kind, index, shard, offset, bytes)], 'orphans': [paths], 'kept_bytes': n, 'live': n}."""
+    """{'garbage': [(kind, index, shard, offset, bytes)], 'orphans': [paths], 'live': n, 'seen': {path:
+    identity}}: the store as listed before the references were read (module docstring)."""
     root = Path(root)
-    refs = references(root)
-    garbage, live, listed = [], 0, set()
+    seen = {p: _identity(p) for p in sorted((root / "store").glob("*/*/*.tar"))}
+    running = _running(root, map(_unit, seen))
+    tables = []
     for kind in ("video", "text"):
         for index in sorted((root / "store" / kind).glob("*/*.parquet")):
-            if _running(root, index):
-                listed |= {str(p.relative_to(root)) for p in index.parent.glob(f"{index.stem}-*.tar")}
+            seen[index] = _identity(index)
+            try:
+                tables.append((kind, index, pq.read_table(index, columns=["shard", "shard_offset", "bytes"])))
+            except FileNotFoundError:  # removed since listed (a failed unit's): nothing of it to collect
                 continue
-            t = pq.read_table(index, columns=["shard", "shard_offset", "bytes"])
-            for s, o, n in zip(*(t[c].to_pylist() for c in t.column_names)):
-                listed.add(s)
-                if (s, o) in refs:
-                    live += 1
-                else:
-                    garbage.append((kind, index, s, o, n))
+    running |= _running(root, map(_unit, seen))  # after the indexes were read: see 1. above
+    refs = references(root)
+    garbage, live, listed = [], 0, set()
+    for kind, index, t in tables:
+        if _unit(index) in running:
+            continue
+        for s, o, n in zip(*(t[c].to_pylist() for c in t.column_names)):
+            listed.add(s)
+            if (s, o) in refs:
+                live += 1
+            elif root / s in seen:  # an entry whose shard came after the listing is new: not garbage
+                garbage.append((kind, index, s, o, n))
     orphans = [
-        p
-        for p in sorted((root / "store").glob("*/*/*.tar"))
-        if str(p.relative_to(root)) not in listed and not _running(root, p.with_name(p.name.rsplit("-", 1)[0]))
+        p for p in seen if p.suffix == ".tar" and str(p.relative_to(root)) not in listed and _unit(p) not in running
     ]
-    return {"garbage": garbage, "orphans": orphans, "live": live}
+    return {"garbage": garbage, "orphans": orphans, "live": live, "seen": seen}
 
 
 def gc(root, delete: bool = False) -> dict:
@@ -87,12 +126,20 @@ def gc(root, delete: bool = False) -> dict:
         say(f"cache gc: {kept:,} of those bytes share shards with live entries and stay until those go")
     if not delete:
         return {"entries": len(found["garbage"]), "bytes": total, "orphans": len(found["orphans"]), "deleted": 0}
-    gone = {s for s in by_shard if s not in live_shards}
-    for s in sorted(gone):
-        (root / s).unlink(missing_ok=True)
-    for p in found["orphans"]:
+    seen = found["seen"]
+
+    def remove(p: Path) -> bool:
+        """Delete `p` if it is still the file the listing saw (a re-run may have published its name since)."""
+        if _identity(p) != seen.get(p):
+            return False
         p.unlink(missing_ok=True)
+        return True
+
+    gone = {s for s in sorted(by_shard) if s not in live_shards and remove(root / s)}
+    orphans = sum(remove(p) for p in found["orphans"])
     for index in {g[1] for g in found["garbage"] if g[2] in gone}:
+        if _identity(index) != seen.get(index):
+            continue  # published again since the listing: it names the new shards, not those deleted
         t = pq.read_table(index)
         t = t.filter(pa.array([s not in gone for s in t["shard"].to_pylist()]))
         if t.num_rows == 0:
@@ -100,7 +147,7 @@ def gc(root, delete: bool = False) -> dict:
         else:
             with atomic_path(index) as tmp:
                 pq.write_table(t.cast(VIDEO_INDEX if "video_key" in t.column_names else TEXT_INDEX), tmp)
-    say(f"cache gc: deleted {len(gone) + len(found['orphans'])} shards")
+    say(f"cache gc: deleted {len(gone) + orphans} shards")
     return {"entries": len(found["garbage"]), "bytes": total, "orphans": len(found["orphans"]), "deleted": len(gone)}
 
 

@@ -181,12 +181,12 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
             + "\n  ".join(d[:12])
         )
     cdir = cache_dir(root, name)
-    with claimed(cdir, index, wait=wait) as sidecar:
-        if sidecar is None:
+    with claimed(cdir, index, wait=wait) as claim:
+        if claim is None:
             say(f"{unit}: already done, skipped")
             return {"unit": unit, "skipped": True}
-        clear_store_unit(root, name, f"{index:06d}-{plan['plan_id']}")  # what a killed run left
-        return _run(root, unit, plan, cfg, buckets, cdir, index, sidecar, device or default_device())
+        clear_store_unit(root, name, f"{index:06d}-{plan['plan_id']}", claim.lease)  # what a killed run left
+        return _run(root, unit, plan, cfg, buckets, cdir, index, claim, device or default_device())
 
 
 def finite(row: dict) -> Reject | None:
@@ -199,17 +199,21 @@ def finite(row: dict) -> Reject | None:
 class Latents:
     """The cache's steps in the parent, once a clip's window is decoded: encode a bucket's batch, draw
     (``store = "sample"``), check (``finite``), store; and ``finish``, the sidecar. Holds the unit's video
-    shard writer, the store index rows it wrote and its counts."""
+    shard writer, the store index rows it wrote and its counts; every file it publishes is checked
+    against the unit's lease (``claim``) first."""
 
-    def __init__(self, root, cfg: CacheConfig, cdir: Path, stem: str, device: str, encode: bool, captions: tuple):
+    def __init__(
+        self, root, cfg: CacheConfig, cdir: Path, stem: str, device: str, encode: bool, captions: tuple, claim
+    ):
         self.root, self.cfg, self.device, self.name, self.stem = root, cfg, device, cdir.name, stem
+        self.lease = claim.lease
         self.text_index, self.text = captions  # what encode_captions wrote, and its counts
         self.t0 = time.monotonic()
         self.vdig = video_digest(json.loads((cdir / "cache.json").read_text()))
         self.video = VideoEncoder(cfg.video_encoder, device) if encode else None
         vdir = store_dir(root, "video", self.name)
         vdir.mkdir(parents=True, exist_ok=True)
-        self.writer = ShardWriter(vdir, stem, int(cfg.shard_mb * 1e6))
+        self.writer = ShardWriter(vdir, stem, int(cfg.shard_mb * 1e6), lease=self.lease)
         self.index: list[dict] = []
         self.stats = {"clips": 0, "frames": 0, "bytes": 0, "encode_s": 0.0, "pixels": 0}
 
@@ -263,9 +267,11 @@ class Latents:
         written, and the sidecar's table is made (its metadata: what was encoded, in how long)."""
         repeat_views(rows)
         if self.index:
-            write_index(store_dir(self.root, "video", self.name) / f"{self.stem}.parquet", self.index, "video")
+            vindex = store_dir(self.root, "video", self.name) / f"{self.stem}.parquet"
+            write_index(vindex, self.index, "video", self.lease)
         if self.text_index:
-            write_index(store_dir(self.root, "text", self.name) / f"{self.stem}.parquet", self.text_index, "text")
+            tindex = store_dir(self.root, "text", self.name) / f"{self.stem}.parquet"
+            write_index(tindex, self.text_index, "text", self.lease)
         s = self.stats
         done = {"encode_seconds": s["encode_s"], "encoded_clips": s["clips"], "encoded_pixels": s["pixels"]}
         return outputs.sidecar(rows, done | self.text)
@@ -280,22 +286,24 @@ def _to_encode(row: dict) -> bool:
     return row["plan"]["same_as"] is None and row["plan"]["reuse_shard"] is None
 
 
-def _run(root, unit, plan, cfg: CacheConfig, buckets, cdir: Path, index: int, sidecar: Path, device: str) -> dict:
+def _run(root, unit, plan, cfg: CacheConfig, buckets, cdir: Path, index: int, claim, device: str) -> dict:
     name, stem = cdir.name, f"{index:06d}-{plan['plan_id']}"
     t0 = time.monotonic()
     rows = planned_rows(unit_rows(cdir, index), name, unit)
     t = time.monotonic()
     try:
-        captions, text_index, tokens = encode_captions(root, [r["plan"] for r in rows], cfg, device, name, stem)
+        captions, text_index, tokens = encode_captions(
+            root, [r["plan"] for r in rows], cfg, device, name, stem, claim.lease
+        )
     except BaseException:
-        clear_store_unit(root, name, stem)
+        clear_store_unit(root, name, stem, claim.lease)
         raise
     text = {"text_seconds": time.monotonic() - t, "encoded_texts": len(captions), "text_tokens": tokens}
     for r in rows:
         if r["text_shard"] is None and r["text_key"] in captions:
             r["text_shard"], r["text_offset"], r["text_len"] = captions[r["text_key"]]
     encode = any(r["bucket"] and _to_encode(r) for r in rows)
-    enc = Latents(root, cfg, cdir, stem, device, encode, (text_index, text))
+    enc = Latents(root, cfg, cdir, stem, device, encode, (text_index, text), claim)
     decode = functools.partial(
         decoded,
         root=str(root),
@@ -316,10 +324,10 @@ def _run(root, unit, plan, cfg: CacheConfig, buckets, cdir: Path, index: int, si
                 take=lambda row, frames: row.update(frames=frames),
                 steps=enc.steps(),
                 writer=enc.writer,
-                sidecar=sidecar,
+                claim=claim,
                 finish=enc.finish,
                 reasons=Reason,
-                abort=lambda: clear_store_unit(root, name, stem),  # its caption shards and indexes too
+                abort=lambda: clear_store_unit(root, name, stem, claim.lease),  # its caption shards and indexes too
                 what="clip",
                 postfix=enc.postfix,
             )

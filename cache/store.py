@@ -36,7 +36,8 @@ without a caption location is not loaded.
 Garbage. ``gc`` lists the store's entries that no cache (unit sidecar or frozen plan) and no manifest
 references, with their bytes; ``--delete`` removes each shard all of whose entries are garbage (and
 their index rows); a shard that still holds live entries is kept and counted. Shards of a unit that
-is running (its lease exists) are left alone. Today's format (``ROOT/latents/<cache>/*.tar``) is not
+is running (its lease exists) are left alone, and so is what a unit publishes while gc runs
+(cache/gc.py: the order of its reads). Today's format (``ROOT/latents/<cache>/*.tar``) is not
 part of the store and is never touched.
 """
 
@@ -51,7 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache.catalog.buckets import bucket_geometry
-from reelcache.catalog.shards import atomic_path
+from reelcache.catalog.shards import atomic_path, clear_unit, unlink_held
 
 VIDEO_INDEX = pa.schema(
     [
@@ -144,8 +145,9 @@ def read_index(root, kind: str, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def write_index(path: Path, rows: list[dict], kind: str) -> None:
-    with atomic_path(path) as tmp:
+def write_index(path: Path, rows: list[dict], kind: str, lease) -> None:
+    """A unit's store index, renamed into place while `lease` (the unit's) is still its run's."""
+    with atomic_path(path, lease=lease) as tmp:
         pq.write_table(pa.Table.from_pylist(rows, schema=VIDEO_INDEX if kind == "video" else TEXT_INDEX), tmp)
 
 
@@ -159,12 +161,12 @@ def known_content(root) -> dict:
     }
 
 
-def clear_store_unit(root, cache: str, stem: str) -> None:
-    """What a killed run of a unit left in the store: its shards and their indexes (not yet referenced)."""
-    from reelcache.catalog.shards import clear_unit
-
+def clear_store_unit(root, cache: str, stem: str, lease) -> None:
+    """What a killed or failed run of a unit left in the store: its shards and their indexes (not yet
+    referenced), each removed only while `lease`, the unit's, is still this run's (a run that lost it
+    leaves these names to the run that took the unit over)."""
     for kind in ("video", "text"):
         d = store_dir(root, kind, cache)
         if d.is_dir():
-            clear_unit(d, stem)
-            (d / f"{stem}.parquet").unlink(missing_ok=True)
+            clear_unit(d, stem, lease)
+            unlink_held([d / f"{stem}.parquet"], lease)

@@ -20,8 +20,10 @@ A lease is *stale* (its holder is gone) when:
 A stale lease is taken over under a short-lived guard file (``.<stem>.lease.takeover``, itself
 stale after ``GUARD_S``), re-read under the guard, so that two runs finding the same stale lease
 cannot both take it. The trade-off of the age rule: a holder on another node frozen for longer
-than ``TTL_S`` loses its lease; it checks that the lease is still its own (``Lease.verify``)
-before it publishes its sidecar, so the loser fails instead of overwriting the winner.
+than ``TTL_S`` loses its lease; it checks that the lease is still its own (``Lease.verify``,
+``Lease.held``) before each file it publishes (a shard, a store index, its sidecar) and each it deletes,
+wherever the unit writes (catalog/shards.py: ``Claim``), so the loser fails, saying it lost the lease,
+instead of overwriting or deleting the winner's files.
 """
 
 from __future__ import annotations
@@ -179,10 +181,21 @@ class Lease:
     def verify(self) -> None:
         """Raise LostLease unless the lease file is still ours (checked before publishing results)."""
         if not self.held():
-            raise LostLease(
-                f"lost the lease {self.path} (its heartbeat stopped for longer than {TTL_S:g} s and "
-                "another run took over): not publishing this run's results"
-            )
+            raise self.lost()
+
+    def lost(self, failure: BaseException | None = None) -> LostLease:
+        """The error of a run whose lease is no longer its own (`failure`: what then failed in it)."""
+        try:
+            holder = read_holder(self.path)
+        except OSError:
+            holder = None
+        now = f"{holder.describe()} holds it now" if holder is not None else "its file is gone"
+        then = f"; this run then failed: {str(failure).splitlines()[0][:300]}" if failure is not None else ""
+        return LostLease(
+            f"lost the lease {self.path} ({now}; a run whose heartbeat stops for longer than {TTL_S:g} s, "
+            f"frozen or cut off, is taken over{then}): not publishing this run's results, and leaving the "
+            "files under its names to the run that holds the lease now"
+        )
 
     def release(self) -> None:
         if os.getpid() != self.owner:

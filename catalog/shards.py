@@ -19,17 +19,25 @@ the unit fails loudly, writes no sidecar, removes its shards, and its re-run aft
 gives the clean result. A full disk must never turn good clips into rejects.
 
 The unit protocol (``begin_unit`` ... sidecar via ``atomic_path`` ... ``end_unit``) also takes the
-unit's lease (catalog/lease.py), so two runs of one unit never delete each other's files.
+unit's lease (catalog/lease.py), so two runs of one unit never delete each other's files. The lease is
+handed, as the ``Claim`` ``begin_unit`` returns, to whatever writes or deletes for the unit, wherever
+its files live (its own directory, the latent store): ``ShardWriter(..., lease=)``, ``atomic_path(...,
+lease=)``, ``clear_unit(..., lease)``. Each checks the lease is still this run's before it renames a
+file into place or deletes one, so a run that lost its lease (frozen past the TTL on another node, its
+unit taken over) neither publishes over nor deletes the new holder's files, and fails saying so.
+Temporary names are unique to the writer (pid and a random tag), so a run only ever removes its own.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import secrets
 import signal
 import tarfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
@@ -106,11 +114,23 @@ def _copy_fd(src: int, dst: int, n: int) -> int:
     return done
 
 
-class ShardWriter:
-    """Writes members into ``<stem>-KK.tar`` files of at most ``max_bytes`` each."""
+def _tmp_name(path: Path) -> Path:
+    """A hidden temporary name beside `path`, unique to this writer: ``.<name>.tmp<pid>-<tag>``."""
+    return path.parent / f".{path.name}.tmp{os.getpid()}-{secrets.token_hex(4)}"
 
-    def __init__(self, directory: Path, stem: str, max_bytes: int, fsync: bool = True):
+
+class ShardWriter:
+    """Writes members into ``<stem>-KK.tar`` files of at most ``max_bytes`` each.
+
+    ``lease``: the lease of the unit the shards belong to (``Claim.lease``), checked before each shard
+    is renamed into place and before ``abort`` removes one; None outside a unit."""
+
+    def __init__(
+        self, directory: Path, stem: str, max_bytes: int, fsync: bool = True, lease: leases.Lease | None = None
+    ):
         self.dir, self.stem, self.max_bytes, self.fsync = Path(directory), stem, max_bytes, fsync
+        self.lease = lease
+        self.tmp: Path | None = None
         self.index = -1
         self.fd = None
         self.pos = 0
@@ -121,16 +141,14 @@ class ShardWriter:
     def name(self) -> str:
         return f"{self.stem}-{self.index:02d}.tar"
 
-    def _tmp(self) -> Path:
-        return self.dir / f".{self.name}.tmp{os.getpid()}"
-
     def _open_next(self):
         self._close_current()
         self.index += 1
+        self.tmp = _tmp_name(self.dir / self.name)
         try:
-            self.fd = os.open(self._tmp(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as e:
-            raise OutputError(self._tmp(), e) from e
+            raise OutputError(self.tmp, e) from e
         self.pos = 0
 
     def _close_current(self):
@@ -142,11 +160,12 @@ class ShardWriter:
                 os.fsync(self.fd)
             os.close(self.fd)
             self.fd = None
-            if (lease := self._lease()) is not None:
-                lease.verify()  # a run frozen past its lease's TTL must not replace the new holder's shard
-            os.replace(self._tmp(), self.dir / self.name)
+            if self.lease is not None:
+                self.lease.verify()  # a run frozen past its lease's TTL must not replace the new holder's shard
+            os.replace(self.tmp, self.dir / self.name)
         except OSError as e:
-            raise OutputError(self._tmp(), e) from e
+            raise OutputError(self.tmp, e) from e
+        self.tmp = None
         self.finished.append(self.dir / self.name)
 
     def _header(self, name: str, size: int) -> bytes:
@@ -201,7 +220,7 @@ class ShardWriter:
             except OSError:
                 pass  # the unit fails anyway; its shards go with it
             if isinstance(e, OSError) and not isinstance(e, SourceError):
-                raise OutputError(self._tmp(), e) from e
+                raise OutputError(self.tmp, e) from e
             raise
         finally:
             for src in srcs:
@@ -214,36 +233,43 @@ class ShardWriter:
         self._close_current()
         return self.finished
 
-    def _lease(self):
-        """The lease of the unit these shards belong to, where this process runs it."""
-        return _UNITS.get(self.dir / f"{self.stem}.parquet")
-
     def abort(self):
-        """Give up: remove the shard being written and the finished ones (no sidecar will name them),
-        unless another run took the unit's lease over: the finished names are then its shards."""
+        """Give up: remove the shard being written (its temporary name is this writer's own) and the
+        finished ones (no sidecar will name them), while the unit's lease is still this run's: once
+        another run took it over, the finished names are that run's shards."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        if self.index >= 0:
-            self._tmp().unlink(missing_ok=True)
-        lease = self._lease()
-        if lease is None or lease.held():
-            for p in self.finished:
-                p.unlink(missing_ok=True)
+        if self.tmp is not None:
+            self.tmp.unlink(missing_ok=True)
+            self.tmp = None
+        unlink_held(self.finished, self.lease)
         self.finished = []
 
 
+def unlink_held(paths, lease: leases.Lease | None) -> int:
+    """Remove `paths` while `lease` (None: no unit) is still this run's, checked before each removal;
+    the first time it is not, stop: the files under those names are the new holder's. Returns how many
+    were removed."""
+    n = 0
+    for p in paths:
+        if lease is not None and not lease.held():
+            break
+        Path(p).unlink(missing_ok=True)
+        n += 1
+    return n
+
+
 @contextmanager
-def atomic_path(path):
+def atomic_path(path, lease: leases.Lease | None = None):
     """Yield a temporary name beside `path`; once the body wrote it, fsync and rename it into place.
 
     Readers see the old file or the complete new one, never a partial one; a failure leaves nothing,
-    and an OSError while writing is an OutputError naming `path`. When `path` is the sidecar of a
-    unit this process runs, the lease is checked before the rename and released after it.
+    and an OSError while writing is an OutputError naming `path`. ``lease``: the lease of the unit
+    `path` belongs to (a sidecar, a store index), checked just before the rename (LostLease).
     """
     path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
-    lease = _UNITS.get(path)
+    tmp = _tmp_name(path)
     try:
         try:
             yield tmp
@@ -259,8 +285,6 @@ def atomic_path(path):
             raise OutputError(path, e, unit=lease is not None) from e
     finally:
         tmp.unlink(missing_ok=True)
-    if lease is not None:
-        end_unit(path)
 
 
 def parse_unit(unit: str) -> tuple[str, int]:
@@ -272,17 +296,22 @@ def parse_unit(unit: str) -> tuple[str, int]:
         raise UserError(f"{unit!r} is not a unit: expected '<name>/<NNNNNN>' as printed by `plan`") from None
 
 
-# sidecar path -> lease, for the units this process is running
-_UNITS: dict[Path, leases.Lease] = {}
+@dataclass
+class Claim:
+    """A unit this process runs, holding its lease: the sidecar to write last (``atomic_path(sidecar,
+    lease=claim.lease)``), and the lease every write, rename and delete of the unit checks first."""
+
+    sidecar: Path
+    lease: leases.Lease
 
 
-def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Path | None:
+def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Claim | None:
     """The unit protocol shared by every stage: None when the unit finished (its sidecar exists),
-    else the sidecar path to write last (with `atomic_path`), once this process holds the unit's
-    lease and has removed whatever a killed run left behind.
+    else the unit's Claim, once this process holds the unit's lease and has removed whatever a
+    killed run left behind in `directory`.
 
     Another live run holding the lease is a UserError naming it, or with `wait`, waited for. The
-    lease is released when the sidecar is renamed into place, by `end_unit`, or at exit.
+    lease is released by `end_unit`, or at exit.
     """
     from reelcache.progress import say
 
@@ -314,15 +343,14 @@ def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Path | Non
     if sidecar.exists():  # the run we waited for finished it
         lease.release()
         return None
-    _UNITS[sidecar] = lease
-    clear_unit(directory, stem)
-    return sidecar
+    clear_unit(directory, stem, lease)
+    return Claim(sidecar, lease)
 
 
-def end_unit(sidecar: Path | None) -> None:
-    """Release the unit's lease (idempotent): after its sidecar is in place, or when the run failed."""
-    if sidecar is not None and (lease := _UNITS.pop(Path(sidecar), None)) is not None:
-        lease.release()
+def end_unit(claim: Claim | None) -> None:
+    """Release the unit's lease (idempotent; never another run's): when the run ended, whichever way."""
+    if claim is not None:
+        claim.lease.release()
 
 
 def unit_rows(directory: Path, index: int) -> list[dict]:
@@ -332,14 +360,13 @@ def unit_rows(directory: Path, index: int) -> list[dict]:
     return pq.ParquetFile(Path(directory) / "_plan" / "input.parquet").read_row_group(index).to_pylist()
 
 
-def clear_unit(directory: Path, stem: str) -> int:
-    """Remove what a killed run of this unit may have left: temporaries and unclaimed shards."""
-    n = 0
-    for p in (
-        list(directory.glob(f".{stem}-*.tar.tmp*"))
-        + list(directory.glob(f"{stem}-*.tar"))
-        + list(directory.glob(f".{stem}.parquet.tmp*"))
-    ):
-        p.unlink(missing_ok=True)
-        n += 1
-    return n
+def clear_unit(directory: Path, stem: str, lease: leases.Lease | None) -> int:
+    """Remove what a killed run of this unit may have left in `directory` (temporaries and unclaimed
+    shards), while `lease`, the unit's, is still this run's (``unlink_held``)."""
+    directory = Path(directory)
+    found = [
+        *directory.glob(f".{stem}-*.tar.tmp*"),
+        *directory.glob(f"{stem}-*.tar"),
+        *directory.glob(f".{stem}.parquet.tmp*"),
+    ]
+    return unlink_held(found, lease)

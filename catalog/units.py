@@ -4,7 +4,9 @@ A unit is a slice of a frozen plan (``plan`` wrote it; ``run UNIT`` runs it anyw
 times). Ingest and cache run their units the same way; only their steps differ:
 
 1. ``claimed``: the unit's lease is taken and what a killed run left is removed (catalog/shards.py:
-   ``begin_unit``); a unit whose sidecar exists is skipped;
+   ``begin_unit``); a unit whose sidecar exists is skipped. The ``Claim`` (sidecar and lease) is handed
+   to everything that writes or deletes for the unit (its shard writers, store indexes, ``abort``),
+   which check the lease first: a run that lost it publishes and deletes nothing, and says so;
 2. the unit's rows are its sidecar's rows, one per planned row; the ``before`` steps run on each, touching
    no file (a malformed row, a clip that fits no bucket);
 3. the rows still kept that need it (``todo``) go through the stage's isolated map (reelcache/isolate.py:
@@ -38,7 +40,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from reelcache.catalog.shards import ShardWriter, atomic_path, begin_unit, end_unit
+from reelcache.catalog.lease import LostLease
+from reelcache.catalog.shards import Claim, ShardWriter, atomic_path, begin_unit, end_unit
 from reelcache.isolate import Failed
 
 # reelcache.progress (tqdm) and pyarrow are imported where used, as catalog/shards.py does.
@@ -67,13 +70,13 @@ class Unit:
     work: Callable[[list[dict]], Iterator[tuple[Any, Any]]]  # the isolated map: rows -> (item, result), in order
     take: Callable[[dict, Any], None]  # a worker's result that is no reject, into its row
     steps: list  # Step | Batch, in order, on each row after its work
-    writer: ShardWriter  # the unit's shards: closed before the sidecar, removed when the unit fails
-    sidecar: Path  # written last, by `run`
+    writer: ShardWriter  # the unit's shards (given claim.lease): closed before the sidecar, removed when the unit fails
+    claim: Claim  # the unit's sidecar, written last by `run` under its lease
     finish: Callable[[list[dict]], Any]  # every row done -> the sidecar's pyarrow table
     reasons: type[Enum]  # the stage's reject vocabulary; it names timeout, crashed, undecodable
     before: list = field(default_factory=list)  # Steps on every row before any work (no file touched)
     todo: Callable[[dict], bool] = lambda row: True  # which kept rows need the work
-    abort: Callable[[], None] = lambda: None  # the unit failed: remove what else it wrote
+    abort: Callable[[], None] = lambda: None  # the unit failed: remove what else it wrote (under claim.lease)
     compression: str = "snappy"  # of the sidecar parquet
     what: str = "row"  # what the progress bar counts
     postfix: Callable[[], dict] | None = None  # the progress bar's extra fields
@@ -111,12 +114,18 @@ def worker_reject(result, reasons: type[Enum]) -> Reject | None:
 
 @contextmanager
 def claimed(directory: Path, index: int, *, wait: bool = False):
-    """The unit's sidecar path while this process holds its lease (None: finished already, skip it)."""
-    sidecar = begin_unit(directory, index, wait=wait)
+    """The unit's Claim while this process holds its lease (None: finished already, skip it). A run that
+    fails after another run took its lease over fails with LostLease, whatever broke first (a shard
+    whose temporary file the new holder removed, say): the message says the lease was lost."""
+    claim = begin_unit(directory, index, wait=wait)
     try:
-        yield sidecar
+        yield claim
+    except Exception as e:
+        if claim is not None and not isinstance(e, LostLease) and not claim.lease.held():
+            raise claim.lease.lost(e) from e
+        raise
     finally:
-        end_unit(sidecar)
+        end_unit(claim)
 
 
 def run(unit: Unit) -> dict:
@@ -132,10 +141,10 @@ def run(unit: Unit) -> dict:
         _through_work(unit)
         unit.writer.close()
         table = unit.finish(unit.rows)
-        with atomic_path(unit.sidecar) as tmp:  # last: the unit is now visible as finished
+        with atomic_path(unit.claim.sidecar, lease=unit.claim.lease) as tmp:  # last: the unit is now finished
             pq.write_table(table, tmp, compression=unit.compression)
     except BaseException:
-        unit.writer.abort()  # no sidecar will name its shards: remove them
+        unit.writer.abort()  # no sidecar will name its shards: remove them (while the lease is ours)
         unit.abort()
         raise
     reasons = Counter(r["reject_reason"] for r in unit.rows if r["status"] != "ok")

@@ -73,11 +73,11 @@ def run_unit(root: str, unit: str, wait: bool = False) -> dict:
     if not 0 <= index < plan["num_units"]:
         raise UserError(f"{unit}: the plan for {source!r} has units 0..{plan['num_units'] - 1}")
     sdir = source_dir(root, source)
-    with claimed(sdir, index, wait=wait) as sidecar:
-        if sidecar is None:
+    with claimed(sdir, index, wait=wait) as claim:
+        if claim is None:
             say(f"{unit}: already done, skipped")
             return {"unit": unit, "skipped": True}
-        return _run(unit, cfg, plan, sdir, index, sidecar)
+        return _run(unit, cfg, plan, sdir, index, claim)
 
 
 def take_probe(row: dict, probed: dict) -> None:
@@ -119,14 +119,14 @@ def tagged_table(rows: list[dict], tagger: str):
     return clips_table(rows)
 
 
-def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, sidecar: Path) -> dict:
+def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim) -> dict:
     rows = unit_rows(sdir, index)
     for r in rows:
         r.update(source=sdir.name, unit=unit, status="ok")
     fn = functools.partial(probe, max_file_mb=cfg.thresholds.max_file_mb, verify=cfg.verify)
     timeout = cfg.decode_timeout if cfg.verify == "decode" else cfg.probe_timeout
     limits = {"workers": cfg.workers, "timeout": timeout, "memory_mb": cfg.worker_memory_mb}
-    writer = ShardWriter(sdir, f"{index:06d}", int(cfg.shard_mb * 1e6))
+    writer = ShardWriter(sdir, f"{index:06d}", int(cfg.shard_mb * 1e6), lease=claim.lease)
     done = units.run(
         Unit(
             name=unit,
@@ -137,7 +137,7 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, sidecar: Path) -> d
             steps=[functools.partial(f, t=cfg.thresholds) for f in PROBE_FILTERS]
             + [functools.partial(write, writer=writer, sdir=sdir)],
             writer=writer,
-            sidecar=sidecar,
+            claim=claim,
             finish=functools.partial(tagged_table, tagger=cfg.tagger),
             reasons=Reason,
             compression="zstd",

@@ -37,10 +37,10 @@ def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
     assert (tmp_path / "000003-00.tar").exists()
     old = time.time() - leases.TTL_S - 60
     os.utime(lease, (old, old))  # no heartbeat for longer than the TTL: the node is gone
-    sidecar = begin_unit(tmp_path, 3)
-    assert sidecar == tmp_path / "000003.parquet" and not (tmp_path / "000003-00.tar").exists()
+    claim = begin_unit(tmp_path, 3)
+    assert claim.sidecar == tmp_path / "000003.parquet" and not (tmp_path / "000003-00.tar").exists()
     assert json.loads(lease.read_text())["pid"] == os.getpid()
-    end_unit(sidecar)
+    end_unit(claim)
     assert not lease.exists()
 
 
@@ -65,13 +65,13 @@ def test_a_run_that_lost_its_lease_does_not_publish(tmp_path):
     from reelcache.catalog.lease import LostLease
     from reelcache.catalog.shards import atomic_path, begin_unit, end_unit
 
-    sidecar = begin_unit(tmp_path, 5)
+    claim = begin_unit(tmp_path, 5)
     lease = tmp_path / "000005.lease"
     taken = json.loads(lease.read_text()) | {"host": "gpu-node-3", "pid": 77, "token": "theirs"}
     lease.write_text(json.dumps(taken))  # another node took the unit over while this run was frozen
     with pytest.raises(LostLease, match="lost the lease"):
-        with atomic_path(sidecar) as tmp:
+        with atomic_path(claim.sidecar, lease=claim.lease) as tmp:
             tmp.write_bytes(b"results")
-    assert not sidecar.exists() and json.loads(lease.read_text())["token"] == "theirs"
-    end_unit(sidecar)
+    assert not claim.sidecar.exists() and json.loads(lease.read_text())["token"] == "theirs"
+    end_unit(claim)
     assert json.loads(lease.read_text())["token"] == "theirs"  # releasing never removes another's lease

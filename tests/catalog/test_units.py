@@ -82,9 +82,9 @@ class Why(str, Enum):
     undecodable = "undecodable"
 
 
-def _unit(directory, rows, sidecar, steps, **kw) -> Unit:
+def _unit(directory, rows, claim, steps, **kw) -> Unit:
     """Rows {"clip_id", "x"} through a real isolated map of tests/workers.py's `work` (doubles x)."""
-    writer = kw.pop("writer", None) or ShardWriter(directory, "000000", 10_000, fsync=False)
+    writer = kw.pop("writer", None) or ShardWriter(directory, "000000", 10_000, fsync=False, lease=claim.lease)
     return Unit(
         name="t/000000",
         rows=rows,
@@ -93,7 +93,7 @@ def _unit(directory, rows, sidecar, steps, **kw) -> Unit:
         take=lambda r, y: r.update(y=y),
         steps=steps(writer),
         writer=writer,
-        sidecar=sidecar,
+        claim=claim,
         finish=lambda rows: pa.Table.from_pylist([{k: r.get(k) for k in COLUMNS} for r in rows]),
         reasons=Why,
         **kw,
@@ -122,9 +122,9 @@ def _steps(writer):
 def test_steps_keep_or_reject_in_order_and_a_batch_runs_its_rows_together(tmp_path):
     xs = [1, None, 2, "raise", 5, 3, 4]  # y = 2x: 2, -, 4, -, 10, 6, 8
     rows = [{"clip_id": f"c{i}", "x": x, "status": "ok"} for i, x in enumerate(xs)]
-    with claimed(tmp_path, 0) as sidecar:
-        done = units.run(_unit(tmp_path, rows, sidecar, _steps))
-    got = {r["clip_id"]: r for r in pq.read_table(sidecar).to_pylist()}
+    with claimed(tmp_path, 0) as claim:
+        done = units.run(_unit(tmp_path, rows, claim, _steps))
+    got = {r["clip_id"]: r for r in pq.read_table(claim.sidecar).to_pylist()}
     assert [got[f"c{i}"]["status"] for i in range(7)] == ["ok", "rejected", "ok", "rejected", "rejected", "ok", "ok"]
     assert got["c1"]["reject_reason"] == "no_value" and got["c1"]["y"] is None  # never given to a worker
     assert got["c3"]["reject_reason"] == "undecodable" and got["c3"]["reject_detail"] == "ValueError: bad item"
@@ -139,31 +139,31 @@ def test_steps_keep_or_reject_in_order_and_a_batch_runs_its_rows_together(tmp_pa
 
 def test_rows_left_in_a_batch_run_at_the_end_in_the_order_their_keys_came(tmp_path):
     rows = [{"clip_id": f"c{i}", "x": x, "status": "ok"} for i, x in enumerate([3, 1, 2, 4])]  # y % 4: 2 2 0 0
-    with claimed(tmp_path, 0) as sidecar:
+    with claimed(tmp_path, 0) as claim:
 
         def steps(writer):
             batch = Batch(key=lambda r: r["y"] % 4, size=3, run=lambda rs: [r.update(batch=len(rs)) for r in rs])
             return [batch, _store(writer)]
 
-        units.run(_unit(tmp_path, rows, sidecar, steps))
+        units.run(_unit(tmp_path, rows, claim, steps))
     assert [m.name for m in tarfile.open(tmp_path / "000000-00.tar")] == ["c0.bin", "c1.bin", "c2.bin", "c3.bin"]
-    assert {r["batch"] for r in pq.read_table(sidecar).to_pylist()} == {2}
+    assert {r["batch"] for r in pq.read_table(claim.sidecar).to_pylist()} == {2}
 
 
 def test_rows_a_last_flush_hands_to_a_later_batch_are_run_too(tmp_path):
     """Two batches in a row: the end's flush of the first fills the second after the loop began; every
     row still reaches the last step (none is left waiting in the second batch)."""
     rows = [{"clip_id": f"c{i}", "x": x, "status": "ok"} for i, x in enumerate([3, 1, 2])]  # y % 4: 2 2 0
-    with claimed(tmp_path, 0) as sidecar:
+    with claimed(tmp_path, 0) as claim:
 
         def steps(writer):
             first = Batch(key=lambda r: r["y"] % 4, size=5, run=lambda rs: None)
             second = Batch(key=lambda r: 0, size=5, run=lambda rs: [r.update(batch=len(rs)) for r in rs])
             return [first, second, _store(writer)]
 
-        units.run(_unit(tmp_path, rows, sidecar, steps))
+        units.run(_unit(tmp_path, rows, claim, steps))
     assert [m.name for m in tarfile.open(tmp_path / "000000-00.tar")] == ["c0.bin", "c1.bin", "c2.bin"]
-    assert [r["batch"] for r in pq.read_table(sidecar).to_pylist()] == [3, 3, 3]
+    assert [r["batch"] for r in pq.read_table(claim.sidecar).to_pylist()] == [3, 3, 3]
 
 
 def test_a_workers_answer_is_a_reason_of_the_stage():
@@ -198,10 +198,10 @@ def test_a_failed_write_of_our_output_fails_the_unit_and_leaves_nothing(tmp_path
     unit fails with no sidecar, no shard, no lease, and its rerun gives the clean result."""
     rows = lambda: [{"clip_id": f"c{i}", "x": x, "status": "ok"} for i, x in enumerate([1, 3, 2, 4])]  # noqa: E731
     aborted = []
-    with claimed(tmp_path, 0) as sidecar:
+    with claimed(tmp_path, 0) as claim:
         # shards of 10 kB at most: c0's 2 kB finish the first, c1's 6 kB open a second and pass the 5 kB limit
         big = lambda writer: [_store(writer)]  # noqa: E731
-        unit = _unit(tmp_path, rows(), sidecar, big, abort=lambda: aborted.append(True))
+        unit = _unit(tmp_path, rows(), claim, big, abort=lambda: aborted.append(True))
         unit.take = lambda r, y: r.update(y=y * 1000)
         with _file_size_limit_here(5000), pytest.raises(OutputError, match="File too large"):
             units.run(unit)
@@ -209,8 +209,8 @@ def test_a_failed_write_of_our_output_fails_the_unit_and_leaves_nothing(tmp_path
     clean = tmp_path / "clean"
     for d in (tmp_path, clean):
         d.mkdir(exist_ok=True)
-        with claimed(d, 0) as sidecar:
-            unit = _unit(d, rows(), sidecar, big)
+        with claimed(d, 0) as claim:
+            unit = _unit(d, rows(), claim, big)
             unit.take = lambda r, y: r.update(y=y * 1000)
             units.run(unit)
     assert pq.read_table(tmp_path / "000000.parquet").equals(pq.read_table(clean / "000000.parquet"))
@@ -261,11 +261,11 @@ HOLDER = """
 import os, sys
 from pathlib import Path
 from reelcache.catalog.shards import begin_unit, end_unit
-sidecar = begin_unit(Path(sys.argv[1]), 0)
+claim = begin_unit(Path(sys.argv[1]), 0)
 Path(sys.argv[1], f".000000-00.tar.tmp{os.getpid()}").write_bytes(b"half a shard")   # work in progress
 print("held", flush=True)
 sys.stdin.readline()
-end_unit(sidecar)
+end_unit(claim)
 """
 
 

@@ -455,6 +455,55 @@ def test_debug_stage_losses_equal_the_regression_record(tmp_path):
     assert not diff, "\n".join(["the debug stage's losses moved (tests/regression.py):", *diff])
 
 
+# The trainer (python -m reelcache.train) with its first checkpoint call held until a hang report
+# exists: a rank stuck in the collectives after a step (the log, checkpoint and stop agreement), there
+# on purpose. Gives up after 60 s, saying so: the watchdog never reported that window.
+HELD_AFTER_STEP = """
+import sys, time
+from reelcache.train import trainer
+save = trainer.Trainer._save
+def held(self, last=False):
+    if not getattr(self, "held", False):
+        self.held = True
+        deadline = time.monotonic() + 60
+        while not list((self.run_dir / "hangs").glob("step-*/rank*.txt")):
+            if time.monotonic() > deadline:
+                print("no hang report while held after the step", flush=True)
+                break
+            time.sleep(0.05)
+    return save(self, last)
+trainer.Trainer._save = held
+from reelcache.train.cli import main
+sys.exit(main())
+"""
+
+
+def test_the_watchdog_watches_the_collectives_after_a_step(root):
+    """A rank held in the window after its first step, where the log, checkpoint and stop-agreement
+    collectives run (a frozen peer hangs it there as surely as in the step): the watchdog reports it, as
+    that step's after-step span, not as the step, and the run then ends normally."""
+    r, manifest = root
+    out = train(
+        r,
+        data_args(
+            manifest,
+            "--run.name=held",
+            "--run.max_steps=1",
+            "--data.workers=0",
+            "--checkpoint.every=0",
+            "--watchdog.floor_s=1",
+            "--watchdog.factor=1.5",
+        ),  # fmt: skip
+        entry=["-c", HELD_AFTER_STEP],
+    )
+    assert "no hang report" not in out and "WATCHDOG" in out, out[-3000:]
+    (report,) = (r / "runs/held/hangs").glob("step-*/rank*.txt")
+    info = json.loads(report.read_text().splitlines()[0])
+    assert report.parent.name == "step-00000001" and info["after_step"] is True, info
+    stacks = report.read_text()
+    assert "in held" in stacks and "trainer.py" in stacks  # the stack of a rank held in that window
+
+
 def test_watchdog_limit_ends_a_stuck_run_with_a_message(root):
     """watchdog.limit_s: a step that lasts longer (every read sleeps 8 s) ends the run after the
     limit, not when the read returns, saying why and where the stacks are."""

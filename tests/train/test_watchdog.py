@@ -1,5 +1,6 @@
 """train/watchdog.py alone: what it watches and what it counts. A hang in a real two-rank run:
-test_train.py::test_watchdog_writes_every_ranks_stack_when_a_read_hangs (slow)."""
+test_train.py::test_watchdog_writes_every_ranks_stack_when_a_read_hangs (slow); the trainer keeping it
+armed after a step: test_train.py::test_the_watchdog_watches_the_collectives_after_a_step (slow)."""
 
 from __future__ import annotations
 
