@@ -143,6 +143,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nproc",
         type=arg(int, ge=1),
+        metavar="N",
         help="start N ranks on this machine (torch's elastic launch, as torchrun), a failed start said in one "
         "line (train/launch.py); without it: one rank of a launcher's, or a run of its own",
     )
