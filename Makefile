@@ -30,20 +30,23 @@ GPU_TORCH ?= 2.5.1
 GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.17.1
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: sysdeps install install-gpu gpu-kernels gpu-check gpu-wheels gpu-check-device demo ingest cache lint format test test-fast bench clean
+.PHONY: sysdeps test-sysdeps install install-gpu gpu-kernels gpu-check gpu-wheels gpu-check-device demo ingest cache lint format test test-fast bench clean
 
 # The programs the pipeline runs besides Python: ffmpeg (the tests' reference decoder) and GNU parallel
-# (ingest and cache units, cluster checks). Installed once, with apt-get as root or through sudo;
-# anywhere else, one line says what to install. As root also Debian's Slurm and munge, for the suite's
-# one-node Slurm (tests/slurm_local.py, which runs only as root: elsewhere its tests skip, so no sudo
-# for them); each name is a package and the command that shows it installed (slurmctld brings sbatch),
-# or package:command. As root also Debian's Chromium and its driver, for the viewer's browser tests
-# (tests/view/test_server.py, skipped where they are missing); and OpenSSH's server and iproute2, for the
-# suite's namespace cluster (tests/cluster_local.py; root only, else its tests skip).
-SYSDEPS := ffmpeg parallel $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd chromium chromium-driver:chromedriver \
+# (ingest and cache units, cluster checks): all `make demo` (and ingest, cache) installs. Installed once, with
+# apt-get as root or through sudo; anywhere else, one line says what to install. `make test` also installs
+# (test-sysdeps, as root only) what only the suite uses: Debian's Slurm and munge, for its one-node Slurm
+# (tests/slurm_local.py, which runs only as root: elsewhere its tests skip, so no sudo for them); Chromium and
+# its driver, for the viewer's browser tests (tests/view/test_server.py, skipped where they are missing);
+# OpenSSH's server and iproute2, for its namespace cluster (tests/cluster_local.py; root only, else they
+# skip). Each name is a package and the command that shows it installed (slurmctld brings sbatch), or
+# package:command.
+SYSDEPS := ffmpeg parallel
+TEST_SYSDEPS := $(SYSDEPS) $(if $(filter 0,$(shell id -u)),munge slurmctld slurmd chromium chromium-driver:chromedriver \
     openssh-server:sshd iproute2:ip)
-sysdeps:
-	@missing=""; for c in $(SYSDEPS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $${c#*:} >/dev/null || missing="$$missing $${c%%:*}"; done; \
+sysdeps test-sysdeps:
+	@missing=""; for c in $(if $(filter test-sysdeps,$@),$(TEST_SYSDEPS),$(SYSDEPS)); do \
+	    PATH="$$PATH:/usr/sbin:/sbin" command -v $${c#*:} >/dev/null || missing="$$missing $${c%%:*}"; done; \
 	[ -z "$$missing" ] && exit 0; \
 	if ! command -v apt-get >/dev/null; then \
 	    echo "reelcache needs$$missing: install them with your system's package manager, then run make again"; exit 2; fi; \
@@ -203,7 +206,7 @@ format: install
 # The suite in TEST_WORKERS xdist workers (tests/conftest.py groups what must share a worker). Three on
 # two cores: much of the suite waits on timers (lease TTLs, watchdog limits, Slurm), not on a processor.
 TEST_WORKERS ?= 3
-test: sysdeps install lint
+test: test-sysdeps install lint
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # The unit tests alone: every component in milliseconds, no multi-process or end-to-end run (those

@@ -35,6 +35,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from reelcache import UserError
 from reelcache.cache.store import TEXT_INDEX, VIDEO_INDEX
 from reelcache.catalog.shards import atomic_path
 from reelcache.progress import say
@@ -46,13 +47,36 @@ def _pairs(table, shard: str, offset: str) -> set:
     return {(s, int(o)) for s, o in zip(table[shard].to_pylist(), table[offset].to_pylist()) if s is not None}
 
 
+def _read(root: Path, path: Path, read):
+    """`read(path)`, or a UserError naming a file gc cannot read (before it deletes anything), and how
+    that file is written again: gc must know every reference and every index entry to delete safely."""
+    try:
+        return read(path)
+    except FileNotFoundError:
+        raise  # gone since it was listed: the caller knows what that means
+    except (OSError, pa.ArrowException) as e:
+        rel = path.relative_to(root)
+        if rel.parts[0] == "manifests":
+            again = "make that manifest again (`reelcache catalog manifest`) or delete it"
+        else:  # a store index (store/<kind>/<cache>/NNNNNN-<plan>.parquet), a unit sidecar or a frozen plan
+            cache, unit = rel.parts[-2] if rel.parts[-2] != "_plan" else rel.parts[-3], rel.stem[:6]
+            again = (
+                f"restore it, or write it again: delete latents/{cache}/{unit}.parquet and run "
+                f"`reelcache cache run --root {root} {cache}/{unit}`"
+                if unit.isdigit()
+                else f"restore it, or re-plan cache {cache!r} (`reelcache cache plan`)"
+            )
+        reason = str(e).split(": ", 1)[-1].split(". ")[0] if isinstance(e, pa.ArrowException) else e.strerror or e
+        raise UserError(f"cache gc: {rel} is not readable parquet ({reason}); nothing was deleted: {again}") from None
+
+
 def references(root: Path) -> set:
     """(shard, offset) of every store entry a cache, a plan or a manifest names."""
     refs: set = set()
     files = [*root.glob("latents/*/[0-9]*.parquet"), *root.glob("latents/*/_plan/input.parquet")]
     wanted = {"shard", "shard_offset", "text_shard", "text_offset", "reuse_shard", "reuse_offset"}
     for p in files + sorted(root.glob("manifests/*.parquet")):
-        t = pq.read_table(p, columns=[c for c in pq.read_schema(p).names if c in wanted])
+        t = _read(root, p, lambda p: pq.read_table(p, columns=[c for c in pq.read_schema(p).names if c in wanted]))
         refs |= _pairs(t, "shard", "shard_offset") | _pairs(t, "text_shard", "text_offset")
         refs |= _pairs(t, "reuse_shard", "reuse_offset")
     return refs
@@ -88,7 +112,8 @@ def collect(root) -> dict:
         for index in sorted((root / "store" / kind).glob("*/*.parquet")):
             seen[index] = _identity(index)
             try:
-                tables.append((kind, index, pq.read_table(index, columns=["shard", "shard_offset", "bytes"])))
+                t = _read(root, index, lambda p: pq.read_table(p, columns=["shard", "shard_offset", "bytes"]))
+                tables.append((kind, index, t))
             except FileNotFoundError:  # removed since listed (a failed unit's): nothing of it to collect
                 continue
     running |= _running(root, map(_unit, seen))  # after the indexes were read: see 1. above

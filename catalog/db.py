@@ -57,21 +57,39 @@ def _busy(path: Path, e: Exception, want: str) -> UserError:
     )
 
 
-def open_catalog(root: str | Path, *, write: bool = False):
-    """Open ROOT/catalog.duckdb; create it when writing, refuse a foreign schema version."""
+# A read-only connection touches no other file: no COPY TO, ATTACH, read_csv, extension download
+# (catalog/sql.py), and the setting is locked, so no statement can turn it back on.
+NO_FILES = {"enable_external_access": False, "lock_configuration": True}
+
+
+def open_error(path: Path, e: Exception, want: str) -> UserError:
+    """One line for a catalog file DuckDB cannot open: not a DuckDB file at all, or busy (``_busy``)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if "not a valid DuckDB database" in text:
+        return UserError(
+            f"{path} is not a DuckDB catalog ({text.removeprefix('IO Error: ')}): --root must be a reelcache data "
+            f"root; if it is one, move {path.name} away and run `reelcache catalog merge --root {path.parent}` "
+            "to build it again from the units' sidecars"
+        )
+    return _busy(path, e, want)
+
+
+def open_catalog(root: str | Path, *, write: bool = False, files: bool = False):
+    """Open ROOT/catalog.duckdb; create it when writing, refuse a foreign schema version. Read-only, it
+    reaches no other file unless `files` (``catalog sql``, whose one SELECT may read parquet files)."""
     path = db_path(root)
     if not write:
         if not path.exists():
             raise UserError(f"no catalog at {path}: run `reelcache catalog merge --root {root}` first")
         try:
-            return duckdb.connect(str(path), read_only=True)
+            return duckdb.connect(str(path), read_only=True, config={} if files else NO_FILES)
         except duckdb.IOException as e:
-            raise _busy(path, e, "read it") from e
+            raise open_error(path, e, "read it") from e
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         con = duckdb.connect(str(path))
     except duckdb.IOException as e:
-        raise _busy(path, e, "write it") from e
+        raise open_error(path, e, "write it") from e
     con.execute(schema_sql())
     row = next(iter(con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()), None)
     want = schema_version()

@@ -85,6 +85,30 @@ def read_member(path: str, offset: int) -> bytes:
         return os.pread(f.fileno(), size, offset)
 
 
+def shard_problem(path: str, last_offset: int) -> str | None:
+    """Why a local shard cannot serve a member whose data starts at `last_offset` (None: it can): missing,
+    or too short to hold that member (its header says how long it is). URLs and pipes are not checked."""
+    if "://" in path or path.startswith("pipe:"):
+        return None
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = os.pread(f.fileno(), 512, last_offset - 512) if last_offset >= 512 else b""
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if size < last_offset:
+        return f"is short: {size} bytes, but a member starts at byte {last_offset}"
+    try:
+        need = last_offset + tarfile.TarInfo.frombuf(head, tarfile.ENCODING, "surrogateescape").size
+    except tarfile.HeaderError:
+        return f"holds no tar member at byte {last_offset} (rewritten since the manifest was made?)"
+    if size < need:
+        return f"is short: {size} bytes, but its member at byte {last_offset} ends at byte {need}"
+    return None
+
+
 def read_latent(root, row: dict) -> dict:
     """One latent sample of a manifest or ``latents`` row (``shard``, ``shard_offset`` and, for a store
     sample, ``text_shard``, ``text_offset``): {'mean', 'logvar'} or {'sample'}, and 'text' [L, D]."""

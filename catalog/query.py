@@ -29,23 +29,32 @@ def _sql_error(e, query):
 
 
 def copy_to(con, query: str, out: str) -> int:
+    """`query`'s rows written to `out`: read as Arrow batches on `con` (which may reach no file), written
+    by a connection of its own that sees only those batches, never the user's text; the row count."""
     ext = Path(out).suffix.lower()
     if ext not in WRITERS:
         raise UserError(f"--out {out}: use a .csv, .json or .parquet file name")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-
-    with atomic_path(out) as tmp:
-        try:
-            con.execute(f"COPY (\n{query}\n) TO '{tmp}' {WRITERS[ext]}")  # own lines: a trailing -- comment ends there
-        except duckdb.Error as e:
-            raise _sql_error(e, query) from e
-    return con.execute(f"SELECT count(*) FROM (\n{query}\n)").fetchall()[0][0]
+    try:
+        rows = con.sql(f"SELECT * FROM (\n{query}\n)").to_arrow_reader()  # own lines: a trailing -- comment ends there
+    except duckdb.Error as e:
+        raise _sql_error(e, query) from e
+    writer = duckdb.connect()
+    try:
+        writer.register("result", rows)
+        with atomic_path(out) as tmp:
+            try:
+                return writer.execute(f"COPY result TO '{tmp}' {WRITERS[ext]}").fetchall()[0][0]
+            except duckdb.Error as e:
+                raise _sql_error(e, query) from e
+    finally:
+        writer.close()
 
 
 def run_sql(root, query: str, out: str | None = None, limit: int = 50) -> None:
     """One SELECT (catalog/sql.py checks it) on a read-only connection: printed, or written to `out`."""
     query = check_query(query)
-    con = open_catalog(root)
+    con = open_catalog(root, files=True)  # its one SELECT may read parquet files (docs/TRAIN.md's join)
     try:
         if out:
             n = copy_to(con, query, out)

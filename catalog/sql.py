@@ -15,7 +15,11 @@ to break out:
   ``INSERT``, ``SET``, ``CALL``; ``--out`` writes a file.
 - it runs on a read-only connection (``read_only_connection``), so even a statement the parser
   let through could not change the catalog file (DuckDB also refuses to ``COPY`` onto a file it
-  has attached).
+  has attached); and that connection reaches no other file (``enable_external_access = false``,
+  locked: catalog/db.py), so such a statement could not write one either (``COPY ... TO``,
+  ``ATTACH``). ``--out`` and ``export`` write the result's rows through a connection of their own
+  that never sees the user's text (catalog/query.py). ``catalog sql`` alone keeps file access: its
+  one SELECT may read parquet files (a run's metrics and consumed log, docs/TRAIN.md).
 
 ``catalog manifest`` writes one row into the ``manifests`` table: it selects on a read-only
 connection, closes it, and opens the catalog for writing only to record the manifest it made.

@@ -68,6 +68,12 @@ def add_commands(top) -> None:
     )
     nodes(c)
     c.add_argument("--warn-ms", type=arg(float, ge=0), default=50.0, help="warn above this offset (50)")
+    c.add_argument(
+        "--error-ms",
+        type=arg(float, ge=0),
+        default=clocks.ERROR_MS,
+        help=f"an error above this offset ({clocks.ERROR_MS:g}: beyond it a sync daemon steps the clock)",
+    )
     c.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     c.add_argument("--samples", type=arg(int, ge=1), default=16, help="round trips per node; the shortest counts (16)")
     c.add_argument("--reads", type=arg(int, ge=1), default=200_000, help="tight-loop clock reads per node (200000)")

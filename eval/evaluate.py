@@ -60,7 +60,7 @@ from reelcache.eval.video import write_mp4
 from reelcache.progress import fmt_eta, say
 from reelcache.train.checkpoint import list_checkpoints, read_state
 from reelcache.train.config import from_dict
-from reelcache.train.loader import load_source
+from reelcache.train.loader import check_shards, load_source
 from reelcache.train.model import STDiT3
 from reelcache.train.weights import load_weights
 
@@ -144,9 +144,11 @@ class Evaluator:
             raise UserError("nothing to evaluate: give --prompts and/or --val-manifest")
         if self.val_manifest:
             try:
-                load_source(self.manifest())
+                src = load_source(self.manifest(), view=0)  # what valloss reads: view 0, the first max_clips
             except ValueError as e:
                 raise UserError(f"--val-manifest {self.val_manifest}: {e}") from e
+            rows = range(min(len(src.clip_id), self.val_max_clips or len(src.clip_id)))
+            check_shards(self.root, src, self.manifest(), rows)  # a missing shard: one line, before any checkpoint
         if self.prompts:
             self._cache()
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
 import textwrap
+import time
 
 from reelcache import UserError, __version__
 
@@ -53,6 +56,11 @@ def run_command(fn) -> int:
     try:
         return fn() or 0
     except UserError as e:
+        if os.environ.get("REELCACHE_LAUNCH") and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            # a rank of `reelcache train --nproc` (train/launch.py): its launcher says each distinct line once
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": str(e), "timestamp": int(time.time())}, f)
+            return 2
         print(f"reelcache: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -26,7 +26,8 @@ examples:
   reelcache train configs/train/opensora12/stage3.toml --root /data/rc --load runs/stage3/ckpt-00007099 --reset-data
   reelcache train configs/train/opensora12-original/stage3.toml --root /data/rc \\
       --init-from outputs/010-STDiT3-XL-2/epoch4-global_step14778 --init-from-weights ema    # an Open-Sora run's EMA
-  torchrun --nproc_per_node 2 -m reelcache.train configs/train/debug/stage1.toml --root demo-root   # CPU
+  reelcache train configs/train/debug/stage1.toml --root demo-root --nproc 2     # CPU, 2 ranks here
+  torchrun --nproc_per_node 2 -m reelcache.train configs/train/debug/stage1.toml --root demo-root   # the same
 
 Any config field can be overridden after the file: --optim.lr=2e-4 --run.name=stage1-try2 --run.epochs=3
 """
@@ -139,6 +140,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run name (= run.name; default: the config file's stem)",
     )
     p.add_argument("--wandb-mode", choices=["offline", "online", "disabled"], help="= log.wandb_mode")
+    p.add_argument(
+        "--nproc",
+        type=arg(int, ge=1),
+        metavar="N",
+        help="start N ranks on this machine (torch's elastic launch, as torchrun), a failed start said in one "
+        "line (train/launch.py); without it: one rank of a launcher's, or a run of its own",
+    )
     slurm_options.add_arguments(p, "train")
 
 
@@ -163,6 +171,7 @@ def run(a, overrides: list[str]) -> None:
         raise UserError("--reset-data goes with --load (it keeps the optimizer and restarts the data)")
     if a.init_from_weights and not a.init_from:
         raise UserError("--init-from-weights goes with --init-from (which weights of that checkpoint to start from)")
+    raw_overrides = list(overrides)
     overrides = [o[2:] for o in overrides]
     if a.run:
         overrides.append(f'run.name="{a.run}"')
@@ -170,7 +179,13 @@ def run(a, overrides: list[str]) -> None:
         overrides.append(f'log.wandb_mode="{a.wandb_mode}"')
     cfg = load_config(a.config, overrides)
     if a.slurm:
+        if a.nproc:
+            raise UserError("--nproc starts ranks here; a Slurm job takes --nproc-per-node (ranks per node)")
         return _submit(a, cfg, overrides)
+    if a.nproc:
+        from reelcache.train.launch import launch
+
+        return launch(_rank_args(a, raw_overrides), a.nproc)
 
     from reelcache.train.guard import DivergedError
     from reelcache.train.trainer import Trainer
@@ -188,6 +203,22 @@ def run(a, overrides: list[str]) -> None:
         ).train()
     except DivergedError as e:
         raise UserError(str(e)) from None
+
+
+def _rank_args(a, overrides: list[str]) -> list[str]:
+    """This command's arguments for each rank of ``--nproc`` (``python -m reelcache.train ...``), without it."""
+    args = [a.config, "--root", str(a.root)]
+    for flag, value in (("--load", a.load), ("--init-from", a.init_from), ("--init-from-weights", a.init_from_weights)):
+        if value:
+            args += [flag, str(value)]
+    for flag, on in (("--resume", a.resume), ("--wait", a.wait), ("--reset-data", a.reset_data)):
+        if on:
+            args.append(flag)
+    if a.run:
+        args += ["--run", a.run]
+    if a.wandb_mode:
+        args += ["--wandb-mode", a.wandb_mode]
+    return args + overrides
 
 
 def _submit(a, cfg, overrides: list[str]) -> None:

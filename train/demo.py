@@ -1,8 +1,8 @@
 """``reelcache demo train``: the end of ``make demo``. Two tiny stages on CPU, a crash on purpose.
 
-1. stage 1 (configs/train/debug/stage1.toml) on 2 processes under torchrun; once its second
-   checkpoint exists, rank 1 is killed with SIGKILL (torchrun then stops the job, as a node
-   failure would);
+1. stage 1 (configs/train/debug/stage1.toml) on 2 processes (``reelcache train --nproc 2``: torch's
+   elastic launch, as torchrun); once its second checkpoint exists, rank 1 is killed with SIGKILL (the
+   launch then stops the job, as a node failure would, and says so in one line);
 2. ``--load latest`` resumes it and runs it to the end;
 3. stage 2 starts from stage 1's last weights (``--init-from``, weights only);
 4. ``ROOT/runs/demo-loss.png`` plots both stages' loss per step, with the kill marked.
@@ -28,29 +28,18 @@ from reelcache.cluster import ranks
 from reelcache.progress import say
 from reelcache.train.checkpoint import ckpt_step, list_checkpoints
 from reelcache.train.config import load_config
-from reelcache.train.parallel import free_port
 
 STAGES = ("configs/train/debug/stage1.toml", "configs/train/debug/stage2.toml")
 
 
 def _launch(config: str, root: Path, nproc: int, *extra: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "reelcache.train",
-        config,
-        "--root",
-        str(root),
-        *extra,
-    ]
-    say("$ torchrun --nproc_per_node {} -m reelcache.train {}".format(nproc, " ".join(cmd[cmd.index(config) :])))
-    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """``reelcache train CONFIG --root ROOT --nproc N``: the ranks through torch's elastic launch
+    (train/launch.py), so the stage killed on purpose ends in one line, not torchrun's report."""
+    args = [config, "--root", str(root), "--nproc", str(nproc), *extra]
+    say(f"$ reelcache train {' '.join(args)}")
+    return subprocess.Popen(
+        [sys.executable, "-m", "reelcache", "train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
 
 def _wait(p: subprocess.Popen, what: str) -> None:

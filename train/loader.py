@@ -39,6 +39,7 @@ from reelcache.catalog.manifest import resolve_manifest
 from reelcache.catalog.shards import atomic_path
 from reelcache.train.plan import PLAN_VERSION, Plan, Source, epoch_plan, stage_fingerprint
 from reelcache.train.source import (  # noqa: F401 - read_sample, source_row: tests and eval import them from here
+    check_shards,
     load_source,
     read_row,
     read_sample,
@@ -83,7 +84,11 @@ class LatentLoader:
         pairs = [m if isinstance(m, tuple) else (m, 1.0) for m in manifests]
         self.root = Path(root) if root else None
         self.schedules = [weight_schedule(w) for _, w in pairs]
-        self.sources = [load_source(resolve_manifest(root, m), ws[0]) for (m, _), ws in zip(pairs, self.schedules)]
+        paths = [resolve_manifest(root, m) for m, _ in pairs]
+        self.sources = [load_source(path, ws[0]) for path, ws in zip(paths, self.schedules)]
+        if read:  # a shard deleted or cut short is said now, not by a data worker mid-epoch
+            for path, src in zip(paths, self.sources):
+                check_shards(root, src, path)
         self.buckets, self.block = buckets, block
         self.rank, self.world_size, self.seed = rank, world_size, int(seed)
         self.workers, self.prefetch, self.read, self.pin_memory = workers, prefetch, read, pin_memory

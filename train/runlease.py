@@ -21,10 +21,12 @@ until every check has passed, and the folders made for the lease are removed whe
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.catalog import lease as leases
 from reelcache.catalog.lease import Busy, Lease, acquire
 from reelcache.progress import say
 
@@ -62,7 +64,7 @@ def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0) -> RunL
                 run_dir.mkdir(parents=True, exist_ok=True)
                 lease = acquire(run_dir / NAME)
             except Busy as e:
-                outcome = ("busy", _busy(run_dir, e))
+                outcome = ("busy", _busy(run_dir, e) if not wait else f"{e}: waiting for it to end (--wait)")
             except OSError as e:
                 outcome = ("error", f"cannot write in {run_dir}: {e.strerror or e}")
         state, message = par.gather_objects(outcome)[0]
@@ -71,17 +73,36 @@ def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0) -> RunL
         RunLease(None, made).release()
         if state == "busy" and wait:
             if par.rank == 0 and not told:
-                say(f"{message.split(': wait', 1)[0]}: waiting for it to end (--wait)")
+                say(message)
                 told = True
             time.sleep(poll_s)
             continue
-        if par.rank == 0:
+        if par.rank == 0 or os.environ.get("REELCACHE_LAUNCH"):  # that launcher says each distinct line once
             raise UserError(message)
         raise SystemExit(2)  # rank 0 says why, once
 
 
 def _busy(run_dir: Path, e: Busy) -> str:
+    """Why the start is refused, and what ends the wait: a holder on this machine can be stopped; one
+    on another node may be dead, so its lease's age and when it turns stale are said; a lease file that
+    is not one is abandoned a short while after it was last written (catalog/lease.py)."""
+    path, h = run_dir / NAME, e.holder
+    if h.token == "unreadable":
+        return (
+            f"run {run_dir.name}: {path} is not a lease (not the JSON reelcache writes: another program's "
+            f"file, or a write cut off); it counts as abandoned {leases.GUARD_S:g} s after it was last written, "
+            f"in {max(0.0, leases.GUARD_S - h.age_s):.0f} s: run this again then (--wait does), or delete it "
+            "if no start of this run is running"
+        )
+    here = h.host == socket.gethostname() and h.boot_id == leases.boot_id()
+    if here:
+        return (
+            f"run {run_dir.name} is running: {path} is held by {h.describe()}: wait for it "
+            f"with --wait, or stop it first (touch {run_dir / 'stop'}), or train under another run.name"
+        )
     return (
-        f"run {run_dir.name} is running: {run_dir / NAME} is held by {e.holder.describe()}: wait for it "
-        f"with --wait, or stop it first (touch {run_dir / 'stop'}), or train under another run.name"
+        f"run {run_dir.name} is running on another node: {path} is held by {h.describe()}; if that node is "
+        f"gone, the lease turns stale when its heartbeat is {leases.TTL_S:g} s old (REELCACHE_LEASE_TTL_S), in "
+        f"{max(0.0, leases.TTL_S - h.age_s):.0f} s, and --wait starts then; if it runs, stop it "
+        f"(touch {run_dir / 'stop'}), or train under another run.name"
     )

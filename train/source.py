@@ -10,15 +10,27 @@ store (cache/store.py), of its caption embedding. ``load_source`` keeps the rows
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from reelcache import UserError
 from reelcache.catalog.buckets import bucket_geometry
-from reelcache.catalog.latents import MANIFEST_COLUMNS, TEXT_COLUMNS, VIEW_COLUMNS, decode, read_latent, read_member
+from reelcache.catalog.latents import (
+    MANIFEST_COLUMNS,
+    TEXT_COLUMNS,
+    VIEW_COLUMNS,
+    decode,
+    read_latent,
+    read_member,
+    shard_path,
+    shard_problem,
+)
 from reelcache.catalog.manifest import fingerprint
 from reelcache.train.plan import Source, clip_keys
 
@@ -80,6 +92,43 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | No
         clip_keys(clip_id) if several else None,
         np.asarray(table["text_shard"].to_pylist(), dtype=object) if "text_shard" in columns else None,
         table["text_offset"].to_numpy().astype(np.int64) if "text_shard" in columns else None,
+    )
+
+
+# A shard a cache unit wrote: store/<kind>/<cache>/<unit>-<plan>-KK.tar (cache/store.py), or format 1's
+# latents/<cache>/<unit>-KK.tar; the unit is <cache>/<NNNNNN>, its sidecar latents/<cache>/<NNNNNN>.parquet.
+_UNIT_SHARD = re.compile(r"(?:^|/)(?:store/(?:video|text)|latents)/([^/]+)/(\d{6})[^/]*\.tar$")
+
+
+def check_shards(root, src: Source, manifest, rows=None) -> None:
+    """Every shard the rows `rows` of `src` (default all) name, latents and captions, exists and reaches
+    past its last member, checked before a run reads any (one header read a shard): else a UserError
+    naming the shard, the cache unit that wrote it, and how to write it again."""
+    idx = np.arange(len(src.clip_id)) if rows is None else np.asarray(rows, dtype=np.int64)
+    pairs = [(src.shard, src.offset)]
+    if src.text_shard is not None:
+        pairs.append((src.text_shard, src.text_offset))
+    for shards, offsets in pairs:
+        table = pa.table({"shard": pa.array(shards[idx].tolist(), pa.string()), "offset": offsets[idx]})
+        last = table.group_by("shard").aggregate([("offset", "max"), ("offset", "count")])
+        for shard, offset, n in zip(*(last[c].to_pylist() for c in ("shard", "offset_max", "offset_count"))):
+            problem = shard_problem(shard_path(root, shard), offset)
+            if problem:
+                raise UserError(f"{shard_named(root, shard, problem)} (named by {n} of {Path(manifest).name}'s rows)")
+
+
+def shard_named(root, shard: str, problem: str) -> str:
+    """`shard` and its problem, with the cache unit that wrote it and how to write it again."""
+    m = _UNIT_SHARD.search(shard)
+    if not m:
+        return f"latent shard {shard} {problem}: write it again, or make the manifest from a cache that has it"
+    cache, index = m.groups()
+    r = f" --root {root}" if root is not None else ""
+    return (
+        f"latent shard {shard} {problem}: it was written by unit {cache}/{index} of cache {cache!r}; write it "
+        f"again: delete latents/{cache}/{index}.parquet (the unit's sidecar), run `reelcache cache run{r} "
+        f"{cache}/{index}` and `reelcache catalog merge{r}`, then make the manifest again (or re-plan the cache: "
+        f"`reelcache cache plan`)"
     )
 
 

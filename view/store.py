@@ -25,7 +25,7 @@ from pathlib import Path
 import duckdb
 
 from reelcache import UserError
-from reelcache.catalog.db import db_path
+from reelcache.catalog.db import db_path, open_error
 from reelcache.catalog.sql import check_where, where_sql
 
 USER_SQL_S = 10.0
@@ -93,7 +93,7 @@ class Store:
                     raise UserError(f"cannot open {self.path} read-only: {_one_line(e)}") from e
                 time.sleep(0.05)
             except duckdb.IOException as e:
-                raise UserError(f"cannot open {self.path} read-only ({_one_line(e)}); is a merge running?") from e
+                raise open_error(self.path, e, "read it") from e  # not a catalog, or a merge holds it
 
     def _release(self) -> None:
         with self._guard:

@@ -57,8 +57,20 @@ def check(res: Resources, *, signal_s: int | None = None, tasks: int | None = No
 
 
 def check_controller(done: subprocess.CompletedProcess) -> None:
-    """A UserError when a client's answer says that no controller answered (not what the client asked about)."""
+    """A UserError when a client's answer says that no controller answered, or that it found no Slurm
+    configuration to ask one (not what the client asked about)."""
     text = done.stderr + done.stdout
+    if done.returncode and (
+        "Could not establish a configuration source" in text or "Unable to process configuration" in text
+    ):
+        conf = os.environ.get("SLURM_CONF")
+        where = (
+            f"SLURM_CONF={conf} is not a readable slurm.conf" if conf else "no slurm.conf here and SLURM_CONF is unset"
+        )
+        raise UserError(
+            f"no Slurm configuration ({said(done)}): {where}; run this on a node of the cluster (a login node), "
+            "or export SLURM_CONF=<the cluster's slurm.conf>"
+        )
     if done.returncode and ("Unable to contact slurm controller" in text or "Unable to establish" in text):
         conf = os.environ.get("SLURM_CONF", "the default slurm.conf")
         raise UserError(f"no Slurm controller answers ({said(done)}): is slurmctld up, and is {conf} this cluster's?")

@@ -209,3 +209,38 @@ def test_cache_plan_naming_a_missing_manifest_is_one_line(root, tmp_path):
         f"{root / 'manifests' / 'nosuch-<16 hex>.parquet'}"
     ]
     assert not (root / "latents").exists()
+
+
+def test_the_read_only_connection_writes_no_file_even_past_the_parse_check(root, tmp_path, monkeypatch, capsys):
+    """Issue 30.4: the parse check is not the only guard. A clause that closes the query and copies the
+    catalog out, run past the check, writes nothing: the read-only connection reaches no file."""
+    from reelcache.catalog import manifest, query
+    from reelcache.catalog.sql import read_only_connection
+
+    leak = tmp_path / "leak.csv"
+    clause = f"true); COPY clips TO '{leak}'; --"
+    with read_only_connection(root) as con:  # the statement list itself, straight to the connection
+        with pytest.raises(duckdb.Error, match="disabled by configuration"):
+            con.execute(f"SELECT 1 FROM clips WHERE (true); COPY clips TO '{leak}'")
+        with pytest.raises(duckdb.Error, match="locked"):
+            con.execute("SET enable_external_access = true")
+    assert not leak.exists()
+    before = _snapshot(root)
+    monkeypatch.setattr(manifest, "check_where", lambda w, option="--where": w)  # the parse check, disabled
+    monkeypatch.setattr(query, "check_where", lambda w, option="--where": w)
+    for command, extra in [("manifest", ["--name", "x"]), ("export", ["--out", str(tmp_path / "out.csv")])]:
+        rc = main(["catalog", command, "--root", str(root), "--where", clause, *extra])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and "Traceback" not in err, (command, err)
+        assert not leak.exists(), command
+    assert _snapshot(root) == before and not (tmp_path / "out.csv").exists()
+    # what the connection may still do: export and `sql --out` write their result through a writer of their own
+    out = tmp_path / "ok.parquet"
+    assert (
+        main(["catalog", "export", "--root", str(root), "--where", "height >= 240", "--out", str(tmp_path / "e.csv")])
+        == 0
+    )
+    assert main(["catalog", "sql", "--root", str(root), "FROM clips WHERE status = 'ok'", "--out", str(out)]) == 0
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(out).num_rows == 9 and len((tmp_path / "e.csv").read_text().splitlines()) == 1 + 9

@@ -9,7 +9,11 @@ the same scripts to a real Slurm).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import shutil
+import subprocess
+import sys
 
 import pytest
 from support import REPO
@@ -219,3 +223,23 @@ def test_without_a_time_the_partitions_default_time_is_checked_against_the_signa
         checks.check_default_time("short", no_default, 3600)
     unlimited = PARTITION.replace("DefaultTime=00:04:00", "DefaultTime=NONE").replace("01:00:00", "UNLIMITED")
     checks.check_default_time("short", partition_fields(unlimited), 10**6)
+
+
+@pytest.mark.skipif(
+    not shutil.which("scontrol") or os.path.exists("/etc/slurm/slurm.conf"), reason="needs Slurm's clients, no config"
+)
+def test_no_slurm_configuration_is_said_as_that(tmp_path):
+    """Issue 30.5: where scontrol finds no slurm.conf ("Could not establish a configuration source"), submit says
+    so in one line, not that partition 'debug' does not exist."""
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    cmd = [sys.executable, "-m", "reelcache", "slurm", "submit", "--partition", "debug", "--dir", str(tmp_path / "j")]
+    p = subprocess.run(
+        [*cmd, "--", "true"], env=env, cwd=REPO, input="a\n", capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.splitlines() == [
+        "reelcache: error: no Slurm configuration (scontrol: fatal: Could not establish a configuration source): no "
+        "slurm.conf here and SLURM_CONF is unset; run this on a node of the cluster (a login node), or export "
+        "SLURM_CONF=<the cluster's slurm.conf>"
+    ], p.stderr
+    assert not (tmp_path / "j").exists()

@@ -79,6 +79,31 @@ def test_clocks_measure_a_node_ahead_and_catch_one_that_steps_back(tmp_path, mon
     assert "1 error(s)" in p.stdout
 
 
+def test_a_node_seconds_ahead_is_an_error_by_default(tmp_path, monkeypatch):
+    """Issue 30.6: a node 7 s ahead (the replication's case) fails the check without --strict, naming the
+    bound (--error-ms, 1000) and why; one 300 ms ahead stays a warning. Reference: the offsets the nodes'
+    clocks were given."""
+    from reelcache.cluster.clocks import ERROR_MS, WHY_ERROR
+
+    ssh = tmp_path / "ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    _fake_node(tmp_path, "node-7s", RC_FAKE_CLOCK_AHEAD_NS=7_000_000_000)
+    _fake_node(tmp_path, "node-300ms", RC_FAKE_CLOCK_AHEAD_NS=300_000_000)
+    monkeypatch.setenv("PARALLEL_SSH", str(ssh))
+    (tmp_path / "nodes").write_text("node-7s\nnode-300ms\n")
+    p = cluster_cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000)
+    assert p.returncode == 1, p.stdout + p.stderr
+    ahead, slight = p.stdout.split("node-300ms", 1)
+    lines = [ln.strip() for ln in ahead.split("node-7s", 1)[1].splitlines() if "ERROR" in ln]
+    assert len(lines) == 1 and ERROR_MS == 1000, p.stdout
+    off = float(lines[0].split()[2])
+    assert abs(off - 7000) < 50 and lines[0] == f"ERROR: offset {off:+.3f} ms is beyond --error-ms 1000: {WHY_ERROR}"
+    assert "ERROR" not in slight and "WARNING: offset +3" in slight and "1 error(s), 1 warning(s)" in p.stdout
+    p = cluster_cli("clocks", "--hostfile", tmp_path / "nodes", "--reads", 1000, "--error-ms", 10_000)
+    assert p.returncode == 0 and "0 error(s), 2 warning(s)" in p.stdout, p.stdout
+
+
 def test_a_node_that_never_answers_costs_its_timeout_not_more(tmp_path):
     """An ssh that hangs (a dead node behind a live jump host) holds parallel's pipes: the node is
     reported unreachable after --timeout, with parallel and its ssh killed together."""

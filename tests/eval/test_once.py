@@ -376,3 +376,39 @@ def test_each_preset_reaches_the_sampler_and_the_videos(trained, monkeypatch, tm
         assert decoded == [n] * 3 and written == [(f"sample_{j}.mp4", 24.0) for j in range(3)], name
         done = json.loads((trained / run / f"eval/ckpt-00000002/{name}/done.json").read_text())
         assert (done["preset"], done["frames"], len(done["videos"])) == (name, n, 3)
+
+
+def test_once_over_a_val_manifest_whose_store_shard_is_gone_is_one_line(trained, capsys):
+    """Issue 30.5: a store shard the validation manifest names, deleted after caching: one line naming the
+    shard, its cache unit and how to write it again, exit 2, no eval/ folder (was a traceback)."""
+    import pyarrow.parquet as pq
+
+    from reelcache.catalog.manifest import resolve_manifest
+
+    manifest = resolve_manifest(trained, "lat")
+    rows = sorted(pq.read_table(manifest).to_pylist(), key=lambda r: (r["clip_id"], r.get("view") or 0))
+    shard = rows[0]["shard"]  # the first clip's video latent: in every --val-max-clips
+    unit = shard.split("/")[3][:6]
+    assert shard.startswith("store/video/t/")
+    run = trained / "runs" / "lostshard"
+    shutil.copytree(trained / "runs" / RUN / "ckpt-00000004", run / "ckpt-00000004")
+    saved = (trained / shard).read_bytes()
+    (trained / shard).unlink()
+    try:
+        args = ["eval", "once", "--root", str(trained), "--run", str(run), "--checkpoint", "latest",
+                "--preset", "debug", "--val-manifest", "lat", "--val-max-clips", "1", "--device", "cpu",
+                "--wandb-mode", "disabled"]  # fmt: skip
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+    finally:
+        (trained / shard).write_bytes(saved)
+    r = trained
+    assert err == [
+        f"reelcache: error: latent shard {shard} is missing: it was written by unit t/{unit} of cache 't'; write it "
+        f"again: delete latents/t/{unit}.parquet (the unit's sidecar), run `reelcache cache run --root {r} "
+        f"t/{unit}` and `reelcache catalog merge --root {r}`, then make the manifest again (or re-plan the cache: "
+        f"`reelcache cache plan`) (named by 1 of {manifest.name}'s rows)"  # --val-max-clips 1: one row checked
+    ], err
+    assert not (run / "eval").exists()
+    shutil.rmtree(run)

@@ -1,0 +1,77 @@
+"""``reelcache train CONFIG --root R --nproc N``: N ranks of one training on this machine, started through
+torch's elastic launch API (``torch.distributed.launcher.api``: ``LaunchConfig`` and ``elastic_launch``,
+what ``torchrun`` itself runs), with a failed start said in one line.
+
+Under ``torchrun`` every one-line refusal of a rank (a run already running, a missing shard, a refused
+resume) is followed by torchrun's own ``ChildFailedError`` report: a wall of traceback and a table of the
+failed ranks after the line that mattered. Here the ranks run the same ``python -m reelcache.train`` with
+the same arguments and their output goes straight to this terminal, but for their refusals:
+
+- a rank that refused (a one-line UserError, exit 2) hands its line to the launcher (the error file torch's
+  agent gives each rank, ``TORCHELASTIC_ERROR_FILE``; reelcache/cli.py's ``run_command``), which says each
+  distinct line once: N ranks refusing alike are one line; exit 2;
+- a rank that died (a signal, or a crash whose traceback it printed) is one line naming it, its pid and
+  how it ended, and that the launch stopped the others; exit 1.
+
+The rendezvous is torchrun's single-node one (``static``, rank 0 of one node, a free local port); no
+restarts (a failed training is resumed with ``--resume``, not replayed by the launcher). For many nodes
+use ``torchrun``/``colossalai run`` or ``train --slurm`` (docs/CLUSTER.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+# torch is imported by `launch`, when a launch runs: `reelcache train --help` builds without it.
+
+
+def launch(rank_args: list[str], nproc: int) -> int:
+    """Run ``python -m reelcache.train *rank_args`` on `nproc` local ranks; the exit status (0, 2: a rank
+    refused and said why, 1: a rank died, said here in one line)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from reelcache.train.parallel import free_port
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # its per-rank warnings: the line below says it
+    if nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks share the cores
+    os.environ["REELCACHE_LAUNCH"] = "1"  # a rank's refusal goes to its error file, said here once
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"reelcache-{os.getpid()}",
+        rdzv_backend="static",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"rank": 0},
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "reelcache.train", *rank_args)
+    except SignalException as e:  # Ctrl-C or a TERM to this launcher: the ranks were stopped with it
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        said = []  # each distinct refusal once, in rank order (every rank may refuse alike)
+        for _, failure in sorted(e.failures.items()):
+            if os.path.isfile(failure.error_file) and failure.message not in said:
+                said.append(failure.message)
+        for message in said:
+            print(f"reelcache: error: {message}", file=sys.stderr)
+        rank, failure = e.get_first_failure()
+        if said and failure.exitcode == 2:  # the first to end refused: the others were stopped after it
+            return 2
+        if failure.exitcode < 0:
+            how = f"was killed by {signal.Signals(-failure.exitcode).name}"
+        else:
+            how = f"exited with status {failure.exitcode}" + ("" if said else " (its output is above)")
+        others = f"; the launch stopped the other {nproc - 1} rank(s)" if nproc > 1 else ""
+        print(f"reelcache: error: rank {rank} (pid {failure.pid}) {how}{others}", file=sys.stderr)
+        return 1
+    return 0
