@@ -274,9 +274,9 @@ def render(items: list[dict]) -> str:
                 f"window {_short(lat['window_start'])} key {_short(lat['video_key'])} {where}"
             )
         for cap in it["captions"]:
+            where = f"{cap['text_shard']} @ {cap['text_offset']}" if cap["text_shard"] else "removed"
             lines.append(
-                f"  caption    key {_short(cap['text_key'])} {cap['text_shard']} @ {cap['text_offset']} "
-                f"(shared by {cap['text_shared_by']} clip(s))"
+                f"  caption    key {_short(cap['text_key'])} {where} (shared by {cap['text_shared_by']} clip(s))"
             )
         for mf in it["manifests"]:
             lines.append(f"  manifest   {mf['name']} {_short(mf['fingerprint'])} {mf['path']} ({mf['rows']} row(s))")

@@ -305,10 +305,10 @@ def takedown(root, clip_ids: list[str], reason: str, apply: bool = False) -> dic
             finish(root, old)
     with read_only_connection(root) as con:
         j = plan(con, root, clip_ids, reason)
-    print(summary(j), flush=True)
     if not j["clips"]:
-        say("nothing to withdraw: every selected clip is withdrawn already")
+        say(f"nothing to withdraw: every selected clip is withdrawn already ({', '.join(j['already'])})")
         return j
+    print(summary(j), flush=True)
     if not apply:
         say("dry run: nothing was changed; --apply withdraws them")
         return j
