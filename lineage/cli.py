@@ -64,7 +64,7 @@ def _lineage(a) -> None:
     from reelcache.lineage.lineage import lineage, render
 
     with read_only_connection(a.root) as con:
-        items = lineage(con, a.root, _ids(a, con))
+        items = lineage(con, a.root, _ids(a, con), update_index=True)
     print(json.dumps(items, indent=1, default=str) if a.json else render(items))
 
 

@@ -16,8 +16,10 @@ For each selected clip (lineage/select.py):
   past the step: the first weights it reached, and every later checkpoint of the run holds them too) and
   that checkpoint's eval samples (ROOT/runs/<run>/eval/ckpt-*/<preset>/sample_*.mp4, eval/).
 
-Everything is a query over the catalog and the parquet files, the selection a registered table, so one
-clip and 10k clips cost a scan of the logs each, not a Python loop over their rows.
+Everything is a query over the catalog and the parquet files, the selection a registered table, never a
+Python loop over log rows. A run's consumed log is read through its index (lineage/index.py: the same rows
+sorted by clip id, so one clip reads a few row groups, not every part), which `reelcache lineage` brings up to
+date first; parts it does not cover yet are read from the log itself.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from reelcache import UserError
+from reelcache.lineage import index
 from reelcache.train.checkpoint import list_checkpoints, read_state
 
 SAME_CAPTION_SHOWN = 20  # clips listed per shared caption (the count is always given)
@@ -67,15 +71,13 @@ GROUP BY ALL ORDER BY 2, 1
 """
 # Per (epoch, step) the newest generation trained; global step = the log's steps before it (epochs' lengths
 # from the log itself); the first checkpoint after it: the smallest global step among checkpoints of a
-# generation >= the row's whose loader position (epoch, step) is past it.
+# generation >= the row's whose loader position (epoch, step) is past it. {hits} and {steps}: the index's
+# segments and the parts no segment covers (lineage/index.py).
 STEPS_SQL = """
-WITH log AS (SELECT * FROM read_parquet($files)),
-hit AS (SELECT generation, epoch, step, rank, clip_id, view FROM log
-        WHERE NOT pad AND clip_id IN (SELECT clip_id FROM _sel)),
-keys AS (SELECT DISTINCT epoch, step FROM hit),
-newest AS (SELECT l.epoch, l.step, max(l.generation) AS generation FROM log l SEMI JOIN keys k
-           ON l.epoch = k.epoch AND l.step = k.step GROUP BY ALL),
-lens AS (SELECT epoch, max(step) + 1 AS n FROM log GROUP BY epoch),
+WITH hit AS ({hits}),
+steps AS ({steps}),
+newest AS (SELECT epoch, step, max(generation) AS generation FROM steps GROUP BY ALL),
+lens AS (SELECT epoch, max(step) + 1 AS n FROM steps GROUP BY epoch),
 base AS (SELECT epoch, coalesce(sum(n) OVER (ORDER BY epoch ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
          AS before FROM lens)
 SELECT h.clip_id, h.generation, h.epoch, h.step, b.before + h.step AS global_step, h.rank, h.view,
@@ -84,6 +86,7 @@ SELECT h.clip_id, h.generation, h.epoch, h.step, b.before + h.step AS global_ste
 FROM hit h JOIN newest n USING (epoch, step, generation) JOIN base b USING (epoch)
 ORDER BY h.clip_id, global_step, h.rank
 """
+HIT_COLUMNS = "clip_id, generation, epoch, step, rank, view"
 
 
 def _rows(rel) -> list[dict]:
@@ -136,17 +139,30 @@ def checkpoints(run_dir: Path) -> list[dict]:
     return out
 
 
-def runs_of(con, root: Path) -> list[Path]:
+def runs_of(root: Path) -> list[Path]:
     d = root / "runs"
     return sorted(p for p in d.iterdir() if (p / "consumed").is_dir()) if d.is_dir() else []
 
 
-def run_steps(con, run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(the selected clips' trained steps in this run, its checkpoints)."""
-    files = sorted(str(p) for p in (run_dir / "consumed").glob("*.parquet") if not p.name.startswith("."))
+def run_steps(con, run_dir: Path) -> tuple[list[dict], list[dict]]:  # con: one that may read files
+    """(the selected clips' trained steps in this run, its checkpoints): from the run's index where it covers
+    the log (lineage/index.py), from the log's parts where it does not."""
+    segs, cov = index.covered(run_dir)
+    raw = [str(run_dir / "consumed" / n) for n in index.parts(run_dir) if n not in cov]
     ckpts = checkpoints(run_dir)
-    if not files:
+    if not segs and not raw:
         return [], ckpts
+    sel = "clip_id IN (SELECT clip_id FROM _sel)"
+    hits, steps, params = [], [], {}
+    if segs:
+        params |= {"segs": [f"{s}.parquet" for s in segs], "seg_steps": [f"{s}.steps.parquet" for s in segs]}
+        hits.append(f"SELECT {HIT_COLUMNS} FROM read_parquet($segs) WHERE {sel}")
+        steps.append("SELECT generation, epoch, step FROM read_parquet($seg_steps)")
+    if raw:
+        params["raw"] = raw
+        hits.append(f"SELECT {HIT_COLUMNS} FROM read_parquet($raw) WHERE NOT pad AND {sel}")
+        steps.append("SELECT generation, epoch, step FROM read_parquet($raw)")
+    sql = STEPS_SQL.format(hits=" UNION ALL ".join(hits), steps=" UNION ALL ".join(steps))
     con.register(
         "_ckpts",
         pa.table(
@@ -154,22 +170,44 @@ def run_steps(con, run_dir: Path) -> tuple[list[dict], list[dict]]:
         ),
     )
     try:
-        return _rows(con.execute(STEPS_SQL, {"files": files})), ckpts
+        return _rows(con.execute(sql, params)), ckpts
     finally:
         con.unregister("_ckpts")
 
 
-def lineage(con, root, clip_ids: list[str]) -> list[dict]:
-    """The lineage of each clip (module docstring), in clip-id order."""
+def check_schema(con, root) -> None:
+    """Lineage reads `clips.content_hash` and `withdrawn` (schema 3): an older catalog is said in one line."""
+    have = {r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = 'clips'")
+            .fetchall()}  # fmt: skip
+    tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    if "content_hash" not in have or "withdrawn" not in tables:
+        raise UserError(
+            f"the catalog of {root} predates lineage (no clips.content_hash, no table withdrawn): "
+            f"run `reelcache catalog merge --root {root}` once to migrate it"
+        )
+
+
+def lineage(con, root, clip_ids: list[str], files=None, update_index: bool = False) -> list[dict]:
+    """The lineage of each clip (module docstring), in clip-id order. `con`: the catalog; `files`: a connection
+    that reads the manifests and consumed logs (default `con`; the viewer's catalog connection may not read
+    files, view/store.py); `update_index`: first index each run's parts written since (lineage/index.py)."""
     root = Path(root)
-    con.register("_sel", pa.table({"clip_id": pa.array(sorted(set(clip_ids)), pa.string())}))
+    check_schema(con, root)
+    files = files if files is not None else con
+    if update_index:  # `reelcache lineage` keeps each run's index current; the viewer only reads
+        for run_dir in runs_of(root):
+            index.update(run_dir)
+    sel = pa.table({"clip_id": pa.array(sorted(set(clip_ids)), pa.string())})
+    for c in {id(con): con, id(files): files}.values():
+        c.register("_sel", sel)
     try:
-        return _lineage(con, root)
+        return _lineage(con, files, root)
     finally:
-        con.unregister("_sel")
+        for c in {id(con): con, id(files): files}.values():
+            c.unregister("_sel")
 
 
-def _lineage(con, root: Path) -> list[dict]:
+def _lineage(con, files_con, root: Path) -> list[dict]:
     clips = {r["clip_id"]: r for r in _rows(con.execute(CLIP_SQL))}
     out = {}
     for cid, r in clips.items():
@@ -212,13 +250,13 @@ def _lineage(con, root: Path) -> list[dict]:
     files = sorted(p for p in (root / "manifests").glob("*.parquet") if not p.name.startswith("."))
     if files:
         names = _manifest_names(con, root, files)
-        for r in _rows(con.execute(MANIFESTS_SQL, {"files": [str(f) for f in files]})):
+        for r in _rows(files_con.execute(MANIFESTS_SQL, {"files": [str(f) for f in files]})):
             info = names.get(r["file"], {"name": Path(r["file"]).stem, "fingerprint": None})
             out[r["clip_id"]]["manifests"].append(
                 {**info, "path": str(Path(r["file"]).relative_to(root)), "rows": r["rows"]}
             )
-    for run_dir in runs_of(con, root):
-        steps, ckpts = run_steps(con, run_dir)
+    for run_dir in runs_of(root):
+        steps, ckpts = run_steps(files_con, run_dir)
         by_step = {c["global_step"]: c for c in ckpts}
         per_clip = defaultdict(list)
         for s in steps:

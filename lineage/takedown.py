@@ -221,12 +221,13 @@ def _set(table: pa.Table, mask, values: dict) -> pa.Table:
 
 
 def _rewrite_sidecar(root: Path, rel: str, j: dict, text_removed: set) -> None:
-    """An ingest or cache sidecar with the withdrawn clips' rows marked (idempotent: written only when changed)."""
+    """An ingest or cache sidecar with the withdrawn clips' ok rows marked (idempotent: written only when changed)."""
     path = root / rel
     if not path.exists():
         return
     t = pq.read_table(path)
     mask = pc.is_in(t["clip_id"], pa.array([c["clip_id"] for c in j["clips"]], pa.string()))
+    mask = pc.and_(mask, pc.equal(t["status"], "ok"))  # a rejected row keeps its reason (the record has the rest)
     detail = f"takedown {j['id']}: {j['reason']}"
     new = _set(t, mask, {"status": "rejected", "reject_reason": "withdrawn", "reject_detail": detail})
     new = _set(new, mask, {"shard": None, "shard_offset": None, "video_key": None})

@@ -102,6 +102,10 @@ def test_lineage_matches_shards_logs_manifests_and_checkpoints(root):
     (root / "ids.txt").write_text("\n".join(ids) + "\n")
     items = {it["clip_id"]: it for it in _lineage(root, "--file", root / "ids.txt")}
     assert sorted(items) == ids
+    (index,) = (root / "runs/r/lineage").glob("seg-*.json")  # the CLI indexed the log (lineage/index.py)
+    assert sorted(json.loads(index.read_text())["parts"]) == sorted(
+        p.name for p in (root / "runs/r/consumed").iterdir()
+    )
     log = pq.read_table(root / "runs/r/consumed").to_pylist()
     states = {c: json.loads((root / "runs/r" / c / "state.json").read_text())["global_step"] for c in CKPTS}
     manifests = {p: set(pq.read_table(p, columns=["clip_id"])["clip_id"].to_pylist())
@@ -217,6 +221,18 @@ def test_takedown_removes_the_clip_everywhere_and_nothing_else(taken):
     (it,) = [x for x in _lineage(after, *sorted(gone)) if x["runs"]]
     assert it["withdrawn"]["takedown"] == plan["id"] and it["runs"][0]["checkpoints"] == CKPTS
     assert plan["runs"] == {"r": CKPTS}
+    # the viewer's Clip page says so too (view/templates/lineage.html), without writing anything
+    from starlette.testclient import TestClient
+
+    from reelcache.view.server import build_app
+
+    app = build_app(after)
+    try:
+        page = TestClient(app).get("/clip", params={"id": it["clip_id"]}).text
+    finally:
+        app.state.store.close()
+    assert f"WITHDRAWN by takedown {plan['id']}: removal request #1234" in page
+    assert f"Checkpoints that saw it: {', '.join(CKPTS)}" in page
     # again: nothing to do, nothing changes
     snap = _snapshot(after)
     out = _rc("takedown", "--root", after, "--like", video, "--reason", "again", "--apply")
