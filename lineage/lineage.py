@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from reelcache import UserError
 from reelcache.lineage import index
+from reelcache.progress import say
 from reelcache.train.checkpoint import list_checkpoints, read_state
 
 SAME_CAPTION_SHOWN = 20  # clips listed per shared caption (the count is always given)
@@ -196,7 +197,10 @@ def lineage(con, root, clip_ids: list[str], files=None, update_index: bool = Fal
     files = files if files is not None else con
     if update_index:  # `reelcache lineage` keeps each run's index current; the viewer only reads
         for run_dir in runs_of(root):
-            index.update(run_dir)
+            try:
+                index.update(run_dir)
+            except (OSError, UserError) as e:  # a run folder we may not write: read its log as it is
+                say(f"warning: {run_dir.name}: its consumed log is read unindexed ({str(e).splitlines()[0]})")
     sel = pa.table({"clip_id": pa.array(sorted(set(clip_ids)), pa.string())})
     for c in {id(con): con, id(files): files}.values():
         c.register("_sel", sel)
@@ -250,25 +254,24 @@ def _lineage(con, files_con, root: Path) -> list[dict]:
     files = sorted(p for p in (root / "manifests").glob("*.parquet") if not p.name.startswith("."))
     if files:
         names = _manifest_names(con, root, files)
+        rel = {str(f): str(f.relative_to(root)) for f in files}
         for r in _rows(files_con.execute(MANIFESTS_SQL, {"files": [str(f) for f in files]})):
-            info = names.get(r["file"], {"name": Path(r["file"]).stem, "fingerprint": None})
-            out[r["clip_id"]]["manifests"].append(
-                {**info, "path": str(Path(r["file"]).relative_to(root)), "rows": r["rows"]}
-            )
+            out[r["clip_id"]]["manifests"].append({**names[r["file"]], "path": rel[r["file"]], "rows": r["rows"]})
     for run_dir in runs_of(root):
         steps, ckpts = run_steps(files_con, run_dir)
         by_step = {c["global_step"]: c for c in ckpts}
-        per_clip = defaultdict(list)
+        per_clip, first = defaultdict(list), {}
         for s in steps:
-            ck = by_step.get(s.pop("checkpoint_step"))
+            cid, at = s.pop("clip_id"), s.pop("checkpoint_step")
+            ck = by_step.get(at)
             s["checkpoint"] = ck["checkpoint"] if ck else None
             s["samples"] = ck["samples"] if ck else []
-            per_clip[s.pop("clip_id")].append(s)
+            per_clip[cid].append(s)
+            if at is not None:
+                first[cid] = min(first.get(cid, at), at)
         for cid, ss in per_clip.items():
             # the first checkpoint it reached, and every later one of the run (its weights descend from it)
-            first = min((c["global_step"] for c in ckpts if any(x["checkpoint"] == c["checkpoint"] for x in ss)),
-                        default=None)  # fmt: skip
-            reached = [c["checkpoint"] for c in ckpts if first is not None and c["global_step"] >= first]
+            reached = [c["checkpoint"] for c in ckpts if cid in first and c["global_step"] >= first[cid]]
             out[cid]["runs"].append(
                 {
                     "run": run_dir.name,

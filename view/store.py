@@ -235,8 +235,8 @@ class Store:
             with self._cursor() as cur:
                 (item,) = lineage(cur, self.root, [clip_id], files=files)
             return item
-        except UserError as e:
-            return {"error": str(e)}
+        except (UserError, duckdb.Error, OSError) as e:  # an old catalog, an unreadable log part: one line
+            return {"error": _one_line(e)}
         finally:
             files.close()
 
