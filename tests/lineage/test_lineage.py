@@ -134,6 +134,15 @@ def test_lineage_matches_shards_logs_manifests_and_checkpoints(root):
     (copy,) = items[first]["same_content"]
     assert _clip(root, copy)["source"] == "copies"
     assert [it["clip_id"] for it in _lineage(root, "--like", _video(root, first))] == sorted([first, copy])
+    # a catalog ingested before clips had a content hash (migrated: NULL): --like hashes the raw members
+    import duckdb
+
+    old = root.parent / "pre-hash"
+    shutil.copytree(root, old)
+    with duckdb.connect(str(old / "catalog.duckdb")) as db:
+        db.execute("UPDATE clips SET content_hash = NULL")
+    assert [it["clip_id"] for it in _lineage(old, "--like", _video(root, first))] == sorted([first, copy])
+    shutil.rmtree(old)
     # bad input: one line, exit 2, nothing else
     p = _rc("lineage", "--root", root, "no-such-clip", ok=False)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
