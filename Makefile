@@ -221,6 +221,7 @@ bench: install
 	$(BIN)/python bench/bench_loader.py
 	$(BIN)/python bench/bench_cache.py
 	$(BIN)/python bench/bench_view.py
+	$(BIN)/python bench/bench_lineage.py
 	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/python bench/bench_train.py
 	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/torchrun --nproc_per_node 2 bench/bench_log.py
 

@@ -29,6 +29,7 @@ class Reason(str, Enum):
     timeout = "timeout"  # decoding did not finish within decode_timeout; its worker was killed
     crashed = "crashed"  # the decode worker died on it (a decoder crash, worker_memory_mb exceeded)
     invalid_latent = "invalid_latent"  # the VAE gave non-finite values (NaN, inf): nothing stored
+    withdrawn = "withdrawn"  # its clip was withdrawn by a takedown (lineage/takedown.py): latent removed
 
 
 def no_bucket(row: dict):

@@ -59,7 +59,6 @@ from reelcache.cache.outputs import Reason, encode_captions, no_bucket, planned_
 from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, projection
 from reelcache.cache.store import (
     clear_store_unit,
-    content_hash,
     raw_stamp,
     store_dir,
     video_digest,
@@ -69,7 +68,7 @@ from reelcache.cache.store import (
 from reelcache.catalog import units
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.catalog.latents import LATENT_EXT, encode
-from reelcache.catalog.shards import OutputError, ShardWriter, parse_unit, unit_rows
+from reelcache.catalog.shards import OutputError, ShardWriter, content_hash, parse_unit, unit_rows
 from reelcache.catalog.units import Batch, Reject, Unit, claimed
 from reelcache.isolate import Failed, isolated_map
 from reelcache.progress import say

@@ -116,20 +116,6 @@ def video_key(digest: str, content: str, draw: dict, resize: str, store: str, se
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
 
 
-def content_hash(path, offset: int, size: int) -> str:
-    """blake2b-256 of a clip's raw bytes (a member of a raw shard)."""
-    h = hashlib.blake2b(digest_size=32)
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < size:
-            chunk = os.pread(f.fileno(), min(1 << 24, size - done), offset + done)
-            if not chunk:
-                raise OSError(f"{path}: short read at {offset + done}")
-            h.update(chunk)
-            done += len(chunk)
-    return h.hexdigest()
-
-
 def raw_stamp(path) -> str:
     st = os.stat(path)
     return f"{st.st_size}:{st.st_mtime_ns}"

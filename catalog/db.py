@@ -27,6 +27,8 @@ MIGRATIONS: dict[int, str] = {
           ALTER TABLE clips ADD COLUMN sar_den INTEGER;
           ALTER TABLE clips ADD COLUMN stated_width INTEGER;
           ALTER TABLE clips ADD COLUMN stated_height INTEGER;""",
+    # 3: the content hash of a clip's raw bytes (lineage, takedown; the table `withdrawn` is new: schema.sql)
+    3: "ALTER TABLE clips ADD COLUMN content_hash VARCHAR;",
 }
 
 

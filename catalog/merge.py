@@ -18,7 +18,8 @@ inserted (``migrate``): ``latents.view`` (caches of several views), 0 for the ro
 and for sidecars written before it; the store's columns (``video_key``, ``reused``, ``text_key``,
 ``text_shard``, ``text_offset``), NULL for caches of format 1. Every merge reloads table
 ``captions`` from the store's caption indexes and fills the caption location of latent rows whose
-caption another unit of their plan encoded (``merge_captions``).
+caption another unit of their plan encoded (``merge_captions``), and table ``withdrawn`` from the
+takedowns' record (catalog/withdrawn.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import pyarrow as pa
 from reelcache import UserError
 from reelcache.catalog.db import open_catalog
 from reelcache.catalog.levels import recompute_levels
+from reelcache.catalog.withdrawn import reload as reload_withdrawn
 from reelcache.progress import bar, say
 
 
@@ -156,6 +158,7 @@ def merge(root: str | Path) -> dict:
                 merged[stage], removed[stage], orph = _merge_stage(con, root, stage, sidecars[stage], pbar)
                 orphans += orph
         captions = merge_captions(con, root)
+        reload_withdrawn(con, root)  # the takedowns' record (catalog/withdrawn.py)
         vanished = [u for stage in STAGES for u in removed[stage]]
         if merged["ingest"] or removed["ingest"]:
             dup = con.execute("SELECT clip_id, count(*) FROM clips GROUP BY 1 HAVING count(*) > 1 LIMIT 3").fetchall()

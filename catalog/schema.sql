@@ -1,5 +1,5 @@
 -- reelcache catalog schema.
--- schema_version: 2
+-- schema_version: 3
 --
 -- The one definition of the catalog. Sidecar parquets are cast to a table's columns below (ingest's
 -- to `clips`, the cache's to `latents`: catalog/db.py derives their Arrow schemas from this file), so
@@ -88,7 +88,11 @@ CREATE TABLE IF NOT EXISTS clips (
     sar_num        INTEGER,            -- sample (pixel) aspect ratio of the stored frames; 1:1 unless
     sar_den        INTEGER,            --   anamorphic. width = coded_width * sar_num / sar_den (rounded)
     stated_width   INTEGER,            -- the size the source table claims (csv/parquet width,height;
-    stated_height  INTEGER             --   MiraData), compared with the displayed size
+    stated_height  INTEGER,            --   MiraData), compared with the displayed size
+
+    -- schema version 3
+    content_hash   VARCHAR             -- blake2b-256 of the video's raw bytes (catalog/shards.py: content_hash),
+                                       --   the store's content hash too; NULL for clips ingested before it
 );
 
 -- One row per merged unit of a stage: what merge has seen, so merging again is a no-op.
@@ -158,4 +162,18 @@ CREATE TABLE IF NOT EXISTS manifests (
     num_clips   BIGINT NOT NULL,
     created_at  TIMESTAMP NOT NULL,
     PRIMARY KEY (name, fingerprint)
+);
+
+-- Withdrawn clips (`reelcache takedown --apply`, lineage/takedown.py): one row per clip a takedown removed,
+-- reloaded by every merge from ROOT/withdrawn/<takedown>.parquet (catalog/withdrawn.py), which ingest and
+-- the trainer read without the catalog. Ingest rejects a video whose content hash is here (`withdrawn`).
+CREATE TABLE IF NOT EXISTS withdrawn (
+    clip_id       VARCHAR NOT NULL,
+    content_hash  VARCHAR,             -- NULL only when the raw bytes were gone before the takedown
+    takedown      VARCHAR NOT NULL,    -- the takedown's id: ROOT/withdrawn/<takedown>.parquet
+    reason        VARCHAR NOT NULL,    -- the request, as given (--reason)
+    withdrawn_at  TIMESTAMP NOT NULL,
+    withdrawn_by  VARCHAR NOT NULL,    -- user@host that applied it
+    source        VARCHAR,             -- the clip's source and original path, kept for the record
+    path          VARCHAR
 );

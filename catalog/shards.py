@@ -31,6 +31,7 @@ Temporary names are unique to the writer (pid and a random tag), so a run only e
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import secrets
 import signal
@@ -71,6 +72,23 @@ class OutputError(UserError):
 
 class SourceError(OSError):
     """Reading a source file failed: that sample's problem, recorded as a reject by the caller."""
+
+
+def content_hash(path, offset: int = 0, size: int | None = None) -> str:
+    """blake2b-256 of a video's raw bytes: `size` bytes of `path` from `offset` (a member of a raw shard),
+    or the whole file. The one content hash of a root: the catalog's ``clips.content_hash`` (ingest),
+    the store's (cache/store.py) and a takedown's (lineage/)."""
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size - offset if size is None else size
+        done = 0
+        while done < size:
+            chunk = os.pread(f.fileno(), min(1 << 24, size - done), offset + done)
+            if not chunk:
+                raise ShortRead(f"{path}: short read at {offset + done} of {offset + size} bytes")
+            h.update(chunk)
+            done += len(chunk)
+    return h.hexdigest()
 
 
 def _write_all(fd: int, data: bytes) -> None:

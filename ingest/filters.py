@@ -28,6 +28,7 @@ class Reason(str, Enum):
     too_short = "too_short"  # fewer than --min-frames frames or --min-seconds
     timeout = "timeout"  # probe or decode did not finish within its time limit
     crashed = "crashed"  # the probe process died on this file (e.g. a decoder segfault)
+    withdrawn = "withdrawn"  # the same video (content hash) was withdrawn by a takedown (catalog/withdrawn.py)
 
 
 class Rejected(Exception):

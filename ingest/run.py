@@ -4,8 +4,9 @@ Ingest's part of the unit runner (catalog/units.py), for each row of the unit:
 
 1. before: the row filters (malformed row, duplicate, empty caption); no file is touched;
 2. work: the probe, in an isolated worker process with a deadline (ingest/probe.py, reelcache/isolate.py);
-3. steps: the probe filters (too short), then ``write``: the clip is appended to a size-capped tar
-   shard (catalog/shards.py).
+3. steps: the probe filters (too short), then ``write``: the file's content hash is taken (blake2b-256 of
+   its bytes, ``clips.content_hash``; a video a takedown withdrew is rejected here, ``withdrawn``, under any
+   name: catalog/withdrawn.py) and the clip is appended to a size-capped tar shard (catalog/shards.py).
 
 Then captions of accepted clips are tagged in one batch (noun_count), and the sidecar parquet,
 one row per input row with the `clips` schema, is written and renamed into place. A unit whose
@@ -26,8 +27,9 @@ from reelcache import UserError
 from reelcache.catalog import units
 from reelcache.catalog.db import clips_table
 from reelcache.catalog.levels import count_nouns, tagger_name
-from reelcache.catalog.shards import ShardWriter, ShortRead, SourceError, parse_unit, unit_rows
+from reelcache.catalog.shards import ShardWriter, ShortRead, SourceError, content_hash, parse_unit, unit_rows
 from reelcache.catalog.units import Reject, Unit, claimed
+from reelcache.catalog.withdrawn import withdrawn_hashes
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason
 from reelcache.ingest.plan import load_plan, source_dir
 from reelcache.ingest.probe import probe
@@ -48,6 +50,7 @@ _NOT_IN_JSON = {
     "noun_pct",
     "noun_count",
     "noun_tagger",
+    "content_hash",
 }
 
 
@@ -86,10 +89,20 @@ def take_probe(row: dict, probed: dict) -> None:
     row["stated_mismatch"] = mismatch(row, probed)
 
 
-def write(row: dict, *, writer: ShardWriter, sdir: Path) -> Reject | None:
-    """A step, the last: append the clip (video bytes, .json meta, .txt caption) to the unit's shard.
-    A source that cannot be read is the clip's reject; a failed write (OutputError) fails the unit."""
+def write(row: dict, *, writer: ShardWriter, sdir: Path, withdrawn: dict[str, str]) -> Reject | None:
+    """A step, the last: hash the video's bytes (a withdrawn one is rejected) and append the clip (video
+    bytes, .json meta, .txt caption) to the unit's shard. A source that cannot be read is the clip's
+    reject; a failed write (OutputError) fails the unit. The hash reads the file once, and the copy into
+    the shard then comes from the page cache."""
     ext = Path(row["path"]).suffix.lower().lstrip(".") or "video"
+    try:
+        row["content_hash"] = content_hash(row["path"], 0, row["file_size"])
+    except ShortRead as e:
+        return Reason.truncated, f"{e}; file changed during ingest"
+    except OSError as e:
+        return Reason.missing_file, f"cannot read for hashing: {e}"
+    if (td := withdrawn.get(row["content_hash"])) is not None:
+        return Reason.withdrawn, f"the same video was withdrawn by takedown {td}"
     meta = {k: v for k, v in row.items() if k not in _NOT_IN_JSON and v is not None}
     try:
         name, offsets = writer.write_sample(
@@ -135,7 +148,7 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim) -> dict:
             work=lambda todo: isolated_map(fn, [r["path"] for r in todo], **limits),
             take=take_probe,
             steps=[functools.partial(f, t=cfg.thresholds) for f in PROBE_FILTERS]
-            + [functools.partial(write, writer=writer, sdir=sdir)],
+            + [functools.partial(write, writer=writer, sdir=sdir, withdrawn=withdrawn_hashes(sdir.parent.parent))],
             writer=writer,
             claim=claim,
             finish=functools.partial(tagged_table, tagger=cfg.tagger),

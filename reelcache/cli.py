@@ -16,11 +16,11 @@ from reelcache import UserError, __version__
 # reelcache.log (tqdm) is imported by run_command, once a command runs: `reelcache --help` and a
 # mistyped command answer without it.
 
-# The stages, in pipeline order (cluster, the operator's checks, beside train): each has a ``cli``
-# module with ``add_commands(subparsers)`` (its commands and arguments) and may have
+# The stages, in pipeline order (cluster, the operator's checks, beside train; lineage, over all of
+# them): each has a ``cli`` module with ``add_commands(subparsers)`` (its commands and arguments) and may have
 # ``add_demo(subparsers)`` (its step of ``reelcache demo``). The modules import nothing heavy;
 # their commands import their stage when they run.
-STAGES = ("ingest", "catalog", "cache", "train", "cluster", "eval", "view")
+STAGES = ("ingest", "catalog", "cache", "train", "cluster", "eval", "lineage", "view")
 
 
 def build_parser() -> argparse.ArgumentParser:

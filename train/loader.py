@@ -77,8 +77,11 @@ class LatentLoader:
         consumed_log=None,
         log_every: int = 100,
         pin_memory: bool | None = None,
+        skip=None,
     ):
-        """manifests: paths or names (ROOT/manifests/NAME-*.parquet), or (path, weight) pairs."""
+        """manifests: paths or names (ROOT/manifests/NAME-*.parquet), or (path, weight) pairs. skip: clip ids
+        left out of the batches they are planned in (withdrawn clips: catalog/withdrawn.py); the plan, its
+        fingerprint and every other sample's position and noise stay as they were, so resume stays exact."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
         pairs = [m if isinstance(m, tuple) else (m, 1.0) for m in manifests]
@@ -110,6 +113,7 @@ class LatentLoader:
         self.views = max(s.views for s in self.sources)  # K (per manifest: Source.views)
         self.fps = np.concatenate([s.fps if s.fps is not None else np.full(len(s), np.nan) for s in self.sources])
         self.log = ConsumedLog(consumed_log, rank, log_every) if consumed_log else None
+        self.skip = frozenset(skip or ())
         self._check(self.plan())
 
     # -- plan and position ------------------------------------------------------------------
@@ -211,6 +215,7 @@ class _BatchMaker:
         self.clip_id, self.shard, self.offset, self.fps = loader.clip_id, loader.shard, loader.offset, loader.fps
         self.view, self.text_shard, self.text_offset = loader.view, loader.text_shard, loader.text_offset
         self.workers, self.prefetch, self.pin_memory = loader.workers, loader.prefetch, loader.pin_memory
+        self.skip = loader.skip
 
     def __iter__(self, worker: int = 0, nworkers: int = 1):
         for k in range(worker, len(self.sched), nworkers):
@@ -252,8 +257,28 @@ class _BatchMaker:
             worker_init_fn=_one_thread,
         )
 
-    def make(self, step: int, index: int, pad: bool) -> dict:
+    def kept(self, index: int, pad: bool):
+        """(rows, their positions in the epoch, is padding) of batch `index` without the skipped clips. A batch
+        all of whose clips are skipped is a padding batch (weight 0) of one row of its bucket that is not."""
         idx = self.plan.batch(index)
+        pos = self.plan.starts[index] + np.arange(len(idx))  # positions in the epoch: noise seeds
+        if not self.skip:
+            return idx, pos, pad
+        keep = np.array([self.clip_id[i] not in self.skip for i in idx], dtype=bool)
+        if keep.all():
+            return idx, pos, pad
+        if keep.any():
+            return idx[keep], pos[keep], pad
+        b = self.plan.bucket[index]
+        for j in range(self.plan.num_batches):
+            if self.plan.bucket[j] == b:
+                live = [k for k, i in enumerate(self.plan.batch(j)) if self.clip_id[i] not in self.skip]
+                if live:
+                    return self.plan.batch(j)[live[:1]], self.plan.starts[j] + np.array(live[:1]), True
+        raise ValueError(f"every clip of bucket {self.plan.buckets[b]} is skipped (withdrawn): nothing to pad with")
+
+    def make(self, step: int, index: int, pad: bool) -> dict:
+        idx, pos, pad = self.kept(index, pad)
         batch = {
             "epoch": self.epoch,
             "step": step,
@@ -266,7 +291,6 @@ class _BatchMaker:
         if self.read:
             import torch
 
-            pos = self.plan.starts[index] + np.arange(len(idx))  # positions in the epoch: noise seeds
             batch.update(
                 collate(
                     [self.sample(i) for i in idx],

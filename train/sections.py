@@ -71,6 +71,9 @@ class DataConfig:
     workers: int = setting(4, "DataLoader processes per rank (0: read in the training process)", ge=0)
     prefetch: int = setting(2, "batches in flight per worker", ge=1)
     block: int = setting(64, "block-shuffle size (samples read close together on disk)", ge=1)
+    skip_withdrawn: bool = setting(
+        False, "leave out clips a takedown withdrew (else a manifest holding one refuses to start); resume stays exact"
+    )
 
     def bucket_config(self):
         from reelcache.catalog.buckets import BucketConfig
@@ -85,11 +88,30 @@ class DataConfig:
         manifests = [(m.name, m.weight) for m in self.manifests]
         kw = dict(root=root, rank=par.rank, world_size=par.world, seed=seed)
         try:
-            return LatentLoader(
+            loader = LatentLoader(
                 manifests, self.bucket_config(), **kw, workers=self.workers, prefetch=self.prefetch, block=self.block
             )
         except ValueError as e:
             raise UserError(str(e)) from e
+        loader.skip = self.withdrawn(root, loader)
+        return loader
+
+    def withdrawn(self, root, loader) -> frozenset:
+        """The clips of the loader's manifests a takedown withdrew (catalog/withdrawn.py): with skip_withdrawn,
+        the ones to skip; without it, a start (new or resumed) over any of them is refused in one line."""
+        from reelcache.catalog.withdrawn import withdrawn_clips
+
+        gone = withdrawn_clips(root) if root else {}
+        hits = sorted(set(loader.clip_id.tolist()) & gone.keys()) if gone else []
+        if hits and not self.skip_withdrawn:
+            takedowns = sorted({gone[c] for c in hits})
+            names = ", ".join(m.name for m in self.manifests)
+            raise UserError(
+                f"manifest(s) {names} hold {len(hits)} clip(s) withdrawn by takedown {', '.join(takedowns)} "
+                f"(e.g. {hits[0]}; see ROOT/withdrawn/{takedowns[0]}.json): refusing to train on them. Pass "
+                "--data.skip_withdrawn=true to leave them out (the order of the rest and resume stay exact)"
+            )
+        return frozenset(hits)
 
 
 @dataclass

@@ -117,6 +117,7 @@ def clip(request: Request) -> Response:
         "clip.html",
         c=c,
         views=views,
+        lineage=_store(request).lineage(c["clip_id"]),
         nouns=_nouns(c),
         unplayable=playable(c["codec"], c["ext"]) if c["shard"] else "this clip has no raw shard (rejected at ingest)",
     )

@@ -224,6 +224,22 @@ class Store:
             [clip_id],
         )
 
+    def lineage(self, clip_id: str) -> dict:
+        """The clip's lineage (lineage/lineage.py): the catalog's part on this locked connection, the manifests
+        and consumed logs on an in-memory one of its own (as view/runs.py reads the logs). {"error": ...} when
+        the catalog predates it."""
+        from reelcache.lineage.lineage import lineage
+
+        files = duckdb.connect()
+        try:
+            with self._cursor() as cur:
+                (item,) = lineage(cur, self.root, [clip_id], files=files)
+            return item
+        except (UserError, duckdb.Error, OSError) as e:  # an old catalog, an unreadable log part: one line
+            return {"error": _one_line(e)}
+        finally:
+            files.close()
+
     def latent(self, cache: str, clip_id: str, view: int) -> dict | None:
         rows = self.dicts(
             "SELECT * FROM latents WHERE cache = ? AND clip_id = ? AND view = ? AND status = 'ok'",

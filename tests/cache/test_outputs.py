@@ -36,7 +36,7 @@ def test_the_reject_vocabulary_is_what_catalogs_already_hold():
     from reelcache.cache.outputs import Reason, no_bucket
 
     old = "no_bucket:too_small no_bucket:too_short no_bucket:not_kept undecodable timeout crashed invalid_latent"
-    assert sorted(r.value for r in Reason) == sorted(old.split())
+    assert sorted(r.value for r in Reason) == sorted([*old.split(), "withdrawn"])  # withdrawn: a takedown's
     cfg = BucketConfig.from_dict({"240p": {51: [0.0, 8]}})
     sizes = {"too_small": (100, 100, 60), "too_short": (240, 426, 30), "not_kept": (240, 426, 60)}
     for why, (h, w, t) in sizes.items():

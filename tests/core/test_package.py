@@ -40,7 +40,7 @@ def test_wheel_contains_only_the_reelcache_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops <= {"reelcache", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    for stage in ("ingest", "catalog", "cache", "train", "eval", "cluster", "view"):
+    for stage in ("ingest", "catalog", "cache", "train", "eval", "cluster", "view", "lineage"):
         assert f"reelcache/{stage}/__init__.py" in names
     assert "reelcache/catalog/schema.sql" in names
     assert "reelcache/view/templates/base.html" in names  # the viewer's pages
@@ -50,8 +50,8 @@ def test_wheel_contains_only_the_reelcache_namespace(tmp_path):
 def test_bare_stage_names_are_not_importable(tmp_path):
     code = (
         "import importlib.util as u, reelcache.catalog, reelcache.ingest, reelcache.cache, reelcache.train,"
-        " reelcache.eval, reelcache.cluster, reelcache.view;"
-        " print([n for n in ('train','cache','catalog','ingest','eval','cluster','view') if u.find_spec(n)])"
+        " reelcache.eval, reelcache.cluster, reelcache.view, reelcache.lineage;"
+        " print([n for n in ('train','cache','catalog','ingest','eval','cluster','view','lineage') if u.find_spec(n)])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
@@ -85,7 +85,8 @@ def test_who_may_import_whom():
     eval, the stage after train, composes cache's encoders with train's model and sampler; view, the
     read-only web app over a root, may read every stage's outputs through their code. cluster
     (operations over the hostfiles of every stage) depends on catalog only; train writes its rank
-    records through cluster.ranks, and eval may use cluster too."""
+    records through cluster.ranks, and eval may use cluster too. lineage joins the catalog with the runs
+    (train's checkpoints); view may show it."""
     import re
 
     allowed = {
@@ -95,7 +96,8 @@ def test_who_may_import_whom():
         "catalog": set(),
         "cluster": {"catalog"},
         "eval": {"catalog", "cache", "train", "cluster"},
-        "view": {"catalog", "cache", "train", "eval", "cluster"},
+        "view": {"catalog", "cache", "train", "eval", "cluster", "lineage"},
+        "lineage": {"catalog", "train"},
     }
     for stage, ok in allowed.items():
         for path in (REPO / stage).glob("*.py"):
@@ -112,11 +114,23 @@ def test_root_cli_only_assembles_the_stages():
     from reelcache.cli import STAGES, build_parser
 
     src = (REPO / "reelcache/cli.py").read_text()
-    assert not re.findall(r"reelcache\.(?:ingest|catalog|cache|train|eval|cluster|view)\b", src)
+    assert not re.findall(r"reelcache\.(?:ingest|catalog|cache|train|eval|cluster|view|lineage)\b", src)
     assert src.count("add_argument(") == 1  # --version
     assert set(STAGES) == {p.name for p in REPO.iterdir() if (p / "cli.py").exists()} - {"reelcache"}
     top = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert {"ingest", "catalog", "cache", "train", "loader", "cluster", "eval", "view", "demo"} <= set(top.choices)
+    assert {
+        "ingest",
+        "catalog",
+        "cache",
+        "train",
+        "loader",
+        "cluster",
+        "eval",
+        "view",
+        "demo",
+        "lineage",
+        "takedown",
+    } <= set(top.choices)
 
 
 def test_cluster_never_imports_torch_or_another_stage(tmp_path):

@@ -44,22 +44,30 @@ def _row(path: Path, **over) -> dict:
 
 
 def test_the_write_step_keeps_a_readable_clip_and_rejects_a_missing_or_shrunk_one(tmp_path):
-    """A step of the unit runner: None keeps the row (now in the shard), (reason, detail) rejects it and
-    leaves the shard as it was; the shard reads back with plain webdataset."""
+    """A step of the unit runner: None keeps the row (now in the shard, with its content hash), (reason, detail)
+    rejects it and leaves the shard as it was; the shard reads back with plain webdataset. A video whose bytes
+    a takedown withdrew is rejected under any name."""
+    import hashlib
+
     import webdataset as wds
 
     clip = tmp_path / "c0.mp4"
     clip.write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 8)
     writer = ShardWriter(tmp_path, "000000", 1 << 20, fsync=False)
     kept = _row(clip)
-    assert write(kept, writer=writer, sdir=tmp_path) is None
+    assert write(kept, writer=writer, sdir=tmp_path, withdrawn={}) is None
     assert (kept["shard"], kept["ext"]) == (f"raw/{tmp_path.name}/000000-00.tar", "mp4")
+    assert kept["content_hash"] == hashlib.blake2b(clip.read_bytes(), digest_size=32).hexdigest()
     gone = _row(tmp_path / "gone.mp4", clip_id="openvid-c1")
-    reason, detail = write(gone, writer=writer, sdir=tmp_path)
-    assert reason is Reason.missing_file and "cannot read for sharding" in detail and "shard" not in gone
+    reason, detail = write(gone, writer=writer, sdir=tmp_path, withdrawn={})
+    assert reason is Reason.missing_file and "cannot read" in detail and "shard" not in gone
     shrunk = _row(clip, clip_id="openvid-c2", file_size=clip.stat().st_size + 1000)  # smaller than probed
-    reason, detail = write(shrunk, writer=writer, sdir=tmp_path)
+    reason, detail = write(shrunk, writer=writer, sdir=tmp_path, withdrawn={})
     assert reason is Reason.truncated and "file changed during ingest" in detail
+    (tmp_path / "renamed.mp4").write_bytes(clip.read_bytes())
+    again = _row(tmp_path / "renamed.mp4", clip_id="openvid-c3")
+    reason, detail = write(again, writer=writer, sdir=tmp_path, withdrawn={kept["content_hash"]: "td-1"})
+    assert reason is Reason.withdrawn and "td-1" in detail and "shard" not in again
     (shard,) = writer.close()
     (sample,) = list(wds.WebDataset(str(shard), shardshuffle=False))
     assert sample["__key__"] == "openvid-c0" and sample["mp4"] == clip.read_bytes()

@@ -1,0 +1,79 @@
+"""``reelcache lineage`` and ``reelcache takedown``: the lineage stage's arguments (reelcache/cli.py only
+assembles). Nothing heavy is imported here: the parser builds without duckdb or pyarrow."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from reelcache.args import existing_dir, existing_file
+
+# lineage/lineage.py, select.py and takedown.py (duckdb, pyarrow) are imported by the command that runs them.
+
+EXAMPLES = """\
+examples:
+  reelcache lineage --root /data/rc 3f2a9c01d4e5b6a7c8d9
+  reelcache lineage --root /data/rc --like request-1234.mp4 --json
+  reelcache lineage --root /data/rc --where "source = 'openvid' AND relpath LIKE 'channel-x/%'"
+  reelcache takedown --root /data/rc --like request-1234.mp4 --reason "removal request #1234"
+  reelcache takedown --root /data/rc --like request-1234.mp4 --reason "removal request #1234" --apply
+"""
+
+
+def _selection(p: argparse.ArgumentParser, file: bool = True) -> None:
+    p.add_argument("--root", required=True, type=existing_dir)
+    p.add_argument("clip_ids", nargs="*", metavar="CLIP_ID", help="clip ids (or one of the options below)")
+    p.add_argument("--where", help="one SQL condition on clips (run read-only)")
+    if file:
+        p.add_argument("--file", type=existing_file, help="a text file of clip ids, one a line")
+    p.add_argument("--like", type=existing_file, metavar="VIDEO_FILE", help="the clips whose raw bytes are this file's")
+
+
+def add_commands(top) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    lin = top.add_parser(
+        "lineage",
+        help="a clip's shard member, same-video and same-caption clips, latents, manifests, runs, steps, checkpoints",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
+    _selection(lin)
+    lin.add_argument("--json", action="store_true", help="print JSON (a list, one object per clip)")
+    lin.set_defaults(fn=_lineage)
+    td = top.add_parser(
+        "takedown",
+        help="withdraw clips everywhere (dry run unless --apply) and name the checkpoints trained on them",
+        epilog=EXAMPLES,
+        formatter_class=fmt,
+    )
+    _selection(td, file=True)
+    td.add_argument("--reason", required=True, help="why (the request, a ticket): kept in the withdrawn record")
+    td.add_argument("--apply", action="store_true", help="withdraw them (default: a dry run that changes nothing)")
+    td.add_argument("--json", action="store_true", help="also print the plan (the journal) as JSON")
+    td.set_defaults(fn=_takedown)
+
+
+def _ids(a, con) -> list[str]:
+    from reelcache.lineage.select import select
+
+    return select(con, a.root, ids=a.clip_ids, where=a.where, file=a.file, like_file=a.like)
+
+
+def _lineage(a) -> None:
+    from reelcache.catalog.sql import read_only_connection
+    from reelcache.lineage.lineage import lineage, render
+
+    with read_only_connection(a.root) as con:
+        items = lineage(con, a.root, _ids(a, con), update_index=True)
+    print(json.dumps(items, indent=1, default=str) if a.json else render(items))
+
+
+def _takedown(a) -> None:
+    from reelcache.catalog.sql import read_only_connection
+    from reelcache.lineage.takedown import takedown
+
+    with read_only_connection(a.root) as con:
+        ids = _ids(a, con)
+    j = takedown(a.root, ids, a.reason, apply=a.apply)
+    if a.json:
+        print(json.dumps(j, indent=1, default=str))

@@ -1,0 +1,319 @@
+"""``reelcache takedown``: withdraw clips from a root, everywhere, and name the checkpoints that saw them.
+
+A dry run by default: what would be removed (the clips, with every other clip of the same video; their raw
+members and bytes; their latents; the caption embeddings no other live clip uses), and the manifests and runs
+that hold them. ``--apply``:
+
+1. the journal ``ROOT/withdrawn/<id>.json`` is written (atomically): the clips and every span to remove,
+   computed once, here, from the shards' headers;
+2. the record ``ROOT/withdrawn/<id>.parquet`` (catalog/withdrawn.py): from now on ingest rejects the video
+   under any name (its content hash), and training refuses manifests holding it;
+3. every shard holding one of them is rewritten with the samples as holes (lineage/holes.py: atomically, no
+   other byte moves, so every offset recorded anywhere stays right);
+4. the sidecars say so: the clips' ingest rows become ``rejected`` / ``withdrawn`` without a shard, their
+   latent rows ``rejected`` / ``withdrawn`` without a location, the store's indexes lose the removed entries;
+   then ``catalog merge`` loads them (so a merge later never brings the clips back), and new manifests,
+   which take ok clips only, leave them out;
+5. the journal is marked done.
+
+Killed at any point (SIGKILL), every shard is whole (the old file or the new one), and running ``takedown``
+again (any selection, or none) first finishes every journal not marked done: each step is idempotent.
+Checkpoints are reported, never touched: deleting weights is the user's call.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import socket
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from reelcache import UserError
+from reelcache.catalog.db import arrow_schema, open_catalog
+from reelcache.catalog.shards import atomic_path, content_hash
+from reelcache.catalog.withdrawn import read_record, withdrawn_dir
+from reelcache.lineage.holes import punch, sample_spans
+from reelcache.lineage.lineage import lineage
+from reelcache.progress import say
+
+JOURNAL_VERSION = 1
+
+
+def _holes(root: Path, where: dict[str, set[int]]) -> dict[str, list[list]]:
+    """shard -> [[start, end, key], ...] of the samples whose member data start at the given offsets."""
+    out = {}
+    for shard, offsets in sorted(where.items()):
+        if not (root / shard).exists():
+            continue
+        spans = sample_spans(root / shard, offsets)
+        out[shard] = sorted({tuple(v) for v in spans.values()})
+    return {k: [list(s) for s in v] for k, v in out.items() if v}
+
+
+def plan(con, root, clip_ids: list[str], reason: str) -> dict:
+    """What a takedown of `clip_ids` removes (nothing is changed): the journal of an --apply."""
+    root = Path(root)
+    already = set(read_record(root, ["clip_id"])["clip_id"].to_pylist())
+    con.register("_pick", pa.table({"clip_id": pa.array(sorted(set(clip_ids)), pa.string())}))
+    try:
+        rows = con.execute(
+            """SELECT clip_id, source, path, shard, shard_offset, file_size, content_hash FROM clips
+               WHERE clip_id IN (SELECT clip_id FROM _pick)
+                  OR content_hash IN (SELECT content_hash FROM clips WHERE clip_id IN (SELECT clip_id FROM _pick))
+               ORDER BY clip_id"""
+        ).fetchall()
+    finally:
+        con.unregister("_pick")
+    clips = {}
+    for cid, source, path, shard, off, size, h in rows:
+        if cid in already:
+            continue
+        if h is None and shard and (root / shard).exists():  # ingested before clips had a content hash
+            h = content_hash(root / shard, off, size)
+        clips[cid] = {"clip_id": cid, "source": source, "path": path, "shard": shard, "offset": off,
+                      "bytes": size or 0, "content_hash": h}  # fmt: skip
+    ids = sorted(clips)
+    con.register("_w", pa.table({"clip_id": pa.array(ids, pa.string())}))
+    try:
+        lat = con.execute(
+            """SELECT clip_id, cache, view, shard, shard_offset, video_key, text_key, text_shard, text_offset
+               FROM latents WHERE clip_id IN (SELECT clip_id FROM _w) AND status = 'ok'"""
+        ).fetchall()
+        live_video = {
+            (s, o)
+            for s, o in con.execute(
+                "SELECT shard, shard_offset FROM latents WHERE status = 'ok' AND shard IS NOT NULL "
+                "AND clip_id NOT IN (SELECT clip_id FROM _w)"
+            ).fetchall()
+        }
+        live_text = {
+            r[0]
+            for r in con.execute(
+                "SELECT DISTINCT text_key FROM latents WHERE status = 'ok' AND text_key IS NOT NULL "
+                "AND clip_id NOT IN (SELECT clip_id FROM _w) AND clip_id NOT IN (SELECT clip_id FROM withdrawn)"
+            ).fetchall()
+        }
+        sidecars = [
+            r[0]
+            for r in con.execute(
+                """SELECT DISTINCT u.sidecar FROM units u JOIN (
+                       SELECT 'ingest' AS stage, unit FROM clips WHERE clip_id IN (SELECT clip_id FROM _w)
+                       UNION SELECT 'cache', unit FROM latents WHERE clip_id IN (SELECT clip_id FROM _w)
+                   ) x ON x.stage = u.stage AND x.unit = u.unit ORDER BY 1"""
+            ).fetchall()
+        ]
+    finally:
+        con.unregister("_w")
+    where = defaultdict(set)
+    for c in clips.values():
+        if c["shard"]:
+            where[c["shard"]].add(c["offset"])
+    latents, kept_text, text_removed = [], set(), set()
+    for cid, cache, view, shard, off, vkey, tkey, tshard, toff in lat:
+        latents.append({"clip_id": cid, "cache": cache, "view": view, "shard": shard, "offset": off, "video_key": vkey})
+        if shard and (shard, off) not in live_video:
+            where[shard].add(off)
+        if tkey and tshard:
+            if tkey in live_text:
+                kept_text.add(tkey)
+            else:
+                text_removed.add(tkey)
+                where[tshard].add(toff)
+    holes = _holes(root, where)
+    info = lineage(con, root, ids) if ids else []
+    manifests = sorted({(m["name"], m["fingerprint"], m["path"]) for it in info for m in it["manifests"]})
+    runs = defaultdict(set)
+    for it in info:
+        for r in it["runs"]:
+            runs[r["run"]].update(r["checkpoints"])
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    digest = hashlib.sha256(json.dumps([ids, reason]).encode()).hexdigest()[:8]
+    return {
+        "version": JOURNAL_VERSION,
+        "id": f"{at.replace('-', '').replace(':', '')}-{digest}",
+        "reason": reason,
+        "at": at,
+        "by": f"{getpass.getuser()}@{socket.gethostname()}",
+        "selected": sorted(set(clip_ids)),
+        "already": sorted(set(clip_ids) & already),
+        "clips": [clips[c] for c in ids],
+        "latents": latents,
+        "text_removed": sorted(text_removed),
+        "text_kept": sorted(kept_text),
+        "holes": holes,
+        "sidecars": sidecars,
+        "manifests": [{"name": n, "fingerprint": f, "path": p} for n, f, p in manifests],
+        "runs": {r: sorted(c) for r, c in sorted(runs.items())},
+        "done": False,
+    }
+
+
+def summary(j: dict) -> str:
+    raw = [c for c in j["clips"] if c["shard"]]
+    hole_bytes = sum(e - s for spans in j["holes"].values() for s, e, _ in spans)
+    samples = sum(map(len, j["holes"].values()))
+    caches = ", ".join(sorted({x["cache"] for x in j["latents"]})) or "-"
+    lines = [
+        f"takedown {j['id']}: {len(j['clips'])} clip(s) ({j['reason']})"
+        + (f"; already withdrawn: {', '.join(j['already'])}" if j["already"] else ""),
+    ]
+    extra = sorted({c["clip_id"] for c in j["clips"]} - set(j["selected"]))
+    if extra:
+        lines.append(f"  the same video under other names, withdrawn too: {', '.join(extra)}")
+    lines += [
+        f"  raw members: {len(raw)}, {sum(c['bytes'] for c in raw)} video bytes",
+        f"  latents: {len(j['latents'])} row(s) in cache(s) {caches}",
+        f"  captions removed: {len(j['text_removed'])}; kept (other live clips use them): {len(j['text_kept'])}",
+        f"  shards rewritten: {len(j['holes'])}, {hole_bytes} bytes removed in {samples} sample(s)",
+    ]
+    for m in j["manifests"]:
+        fp = str(m["fingerprint"])[:16]
+        lines.append(
+            f"  manifest {m['name']} {fp} ({m['path']}) holds it: training over it refuses, unless told to skip"
+        )
+    for run, ckpts in j["runs"].items():
+        lines.append(f"  run {run} trained on it; checkpoints that saw it (not touched): {', '.join(ckpts) or '-'}")
+    return "\n".join(lines)
+
+
+def _journal(root: Path, j: dict) -> None:
+    d = withdrawn_dir(root)
+    d.mkdir(parents=True, exist_ok=True)
+    with atomic_path(d / f"{j['id']}.json") as tmp:
+        tmp.write_text(json.dumps(j, indent=1))
+
+
+def _record(root: Path, j: dict) -> None:
+    path = withdrawn_dir(root) / f"{j['id']}.parquet"
+    if path.exists():
+        return
+    at = _ts(j["at"])
+    rows = [
+        {"clip_id": c["clip_id"], "content_hash": c["content_hash"], "takedown": j["id"], "reason": j["reason"],
+         "withdrawn_at": at, "withdrawn_by": j["by"], "source": c["source"], "path": c["path"]}
+        for c in j["clips"]
+    ]  # fmt: skip
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema("withdrawn")), tmp)
+
+
+def _ts(text: str):
+    import datetime as dt
+
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ")
+
+
+def _set(table: pa.Table, mask, values: dict) -> pa.Table:
+    for name, value in values.items():
+        if name in table.column_names:
+            col = table[name]
+            table = table.set_column(
+                table.column_names.index(name), name, pc.if_else(mask, pa.scalar(value, col.type), col)
+            )
+    return table
+
+
+def _rewrite_sidecar(root: Path, rel: str, j: dict, text_removed: set) -> None:
+    """An ingest or cache sidecar with the withdrawn clips' ok rows marked (idempotent: written only when changed)."""
+    path = root / rel
+    if not path.exists():
+        return
+    t = pq.read_table(path)
+    mask = pc.is_in(t["clip_id"], pa.array([c["clip_id"] for c in j["clips"]], pa.string()))
+    mask = pc.and_(mask, pc.equal(t["status"], "ok"))  # a rejected row keeps its reason (the record has the rest)
+    detail = f"takedown {j['id']}: {j['reason']}"
+    new = _set(t, mask, {"status": "rejected", "reject_reason": "withdrawn", "reject_detail": detail})
+    new = _set(new, mask, {"shard": None, "shard_offset": None, "video_key": None})
+    if "text_key" in new.column_names and text_removed:
+        gone = pc.and_(mask, pc.is_in(new["text_key"], pa.array(sorted(text_removed), pa.string())))
+        new = _set(new, pc.fill_null(gone, False), {"text_shard": None, "text_offset": None})
+    if new.equals(t):
+        return
+    compression = pq.ParquetFile(path).metadata.row_group(0).column(0).compression.lower() if t.num_rows else "zstd"
+    with atomic_path(path) as tmp:
+        pq.write_table(new, tmp, compression=compression if compression != "uncompressed" else "none")
+
+
+def _rewrite_indexes(root: Path, j: dict) -> None:
+    """The store's indexes without the entries that are holes now (an entry whose data lie in a removed span)."""
+    folders = {str(Path(shard).parent) for shard in j["holes"] if shard.startswith("store/")}
+    for folder in sorted(folders):
+        for idx in sorted((root / folder).glob("[!.]*.parquet")):
+            t = pq.read_table(idx)
+            keep = [
+                not any(s <= o < e for s, e, _ in j["holes"].get(sh, []))
+                for sh, o in zip(t["shard"].to_pylist(), t["shard_offset"].to_pylist())
+            ]
+            if all(keep):
+                continue
+            with atomic_path(idx) as tmp:
+                pq.write_table(t.filter(pa.array(keep, pa.bool_())), tmp)
+
+
+def finish(root, j: dict) -> dict:
+    """Apply a journal's takedown, every step idempotent (module docstring)."""
+    from reelcache.catalog.merge import merge
+
+    root = Path(root)
+    _record(root, j)
+    removed = 0
+    for folder in sorted({(root / shard).parent for shard in j["holes"]}):  # what a killed rewrite left
+        for tmp in folder.glob(".*.takedown*"):
+            tmp.unlink(missing_ok=True)
+    for shard, spans in sorted(j["holes"].items()):
+        if (root / shard).exists():
+            removed += punch(root / shard, [(s, e) for s, e, _ in spans])
+    text_removed = set(j["text_removed"])
+    for rel in j["sidecars"]:
+        _rewrite_sidecar(root, rel, j, text_removed)
+    _rewrite_indexes(root, j)
+    merge(root)
+    j = {**j, "done": True}
+    _journal(root, j)
+    say(f"takedown {j['id']}: applied ({removed} bytes removed now); checkpoints were not touched")
+    return j
+
+
+def unfinished(root) -> list[dict]:
+    out = []
+    for p in sorted(withdrawn_dir(root).glob("*.json")) if withdrawn_dir(root).is_dir() else []:
+        try:
+            j = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if not j.get("done"):
+            out.append(j)
+    return out
+
+
+def takedown(root, clip_ids: list[str], reason: str, apply: bool = False) -> dict:
+    """Plan (and with `apply`, carry out) a takedown; every unfinished one is finished first when applying."""
+    from reelcache.catalog.sql import read_only_connection
+
+    root = Path(root)
+    if not reason.strip():
+        raise UserError("--reason is empty: say why (the request, a ticket), it is kept in the record")
+    if apply:
+        for old in unfinished(root):
+            say(f"finishing takedown {old['id']}, left unfinished")
+            finish(root, old)
+    with read_only_connection(root) as con:
+        j = plan(con, root, clip_ids, reason)
+    if not j["clips"]:
+        say(f"nothing to withdraw: every selected clip is withdrawn already ({', '.join(j['already'])})")
+        return j
+    print(summary(j), flush=True)
+    if not apply:
+        say("dry run: nothing was changed; --apply withdraws them")
+        return j
+    con = open_catalog(root, write=True)  # a merge running now is said here, before anything is written
+    con.close()
+    _journal(root, j)
+    return finish(root, j)
