@@ -28,6 +28,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 
 from reelcache import UserError
@@ -190,11 +191,12 @@ def check_schema(con, root) -> None:
 
 def lineage(con, root, clip_ids: list[str], files=None, update_index: bool = False) -> list[dict]:
     """The lineage of each clip (module docstring), in clip-id order. `con`: the catalog; `files`: a connection
-    that reads the manifests and consumed logs (default `con`; the viewer's catalog connection may not read
-    files, view/store.py); `update_index`: first index each run's parts written since (lineage/index.py)."""
+    that reads the manifests and consumed logs (default: a new in-memory one; a read-only catalog connection
+    reaches no file, catalog/db.py); `update_index`: first index each run's parts written since
+    (lineage/index.py)."""
     root = Path(root)
     check_schema(con, root)
-    files = files if files is not None else con
+    files = files if files is not None else duckdb.connect()
     if update_index:  # `reelcache lineage` keeps each run's index current; the viewer only reads
         for run_dir in runs_of(root):
             try:
