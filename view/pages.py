@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import html
 import json
 import math
+import threading
 from pathlib import Path
+from urllib.parse import quote
 
+import anyio
 import pyarrow.parquet as pq
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -15,12 +19,14 @@ from starlette.templating import Jinja2Templates
 
 from reelcache.catalog.levels import NOUN_TAGS
 from reelcache.view import preview, runs
-from reelcache.view.files import Refused, confined, file_response, playable, slice_response, within
-from reelcache.view.store import PAGE, REJECTS_PAGE, BadQuery
+from reelcache.view.files import Refused, confined, file_response, playable, served_as, slice_response, within
+from reelcache.view.store import PAGE, REJECTS_PAGE, BadQuery, Busy
 
 templates = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
 DEFAULT_WHERE = "status = 'ok'"
 MAX_POINTS, MAX_ROWS = 1500, 300  # a run's loss curve and table
+MAX_PAGE = 10**9  # a page number past this is a bad URL, not an OFFSET DuckDB cannot hold
+KNOWN = 4096  # clips whose raw member /media/raw still serves while a merge holds the catalog
 
 
 def _store(request: Request):
@@ -32,14 +38,23 @@ def _root(request: Request) -> Path:
 
 
 def _page(request: Request) -> int:
+    given = request.query_params.get("page", "0")
     try:
-        return max(0, int(request.query_params.get("page", 0)))
+        page = int(given)
     except ValueError:
-        raise ValueError(f"page = {request.query_params.get('page')!r}: expected a number >= 0") from None
+        page = -1
+    if not 0 <= page <= MAX_PAGE:
+        raise ValueError(f"page = {given[:40]!r}: expected a number from 0 to {MAX_PAGE}")
+    return page
 
 
 def _render(request: Request, template: str, status: int = 200, **ctx) -> Response:
     return templates.TemplateResponse(request, template, ctx, status_code=status)
+
+
+_known: collections.OrderedDict = collections.OrderedDict()  # clip_id -> its raw member (shard, offset, ...)
+_known_lock = threading.Lock()
+RAW_KEYS = ("clip_id", "shard", "shard_offset", "file_size", "ext")
 
 
 def _clip(request: Request, clip_id: str | None = None) -> dict:
@@ -49,7 +64,36 @@ def _clip(request: Request, clip_id: str | None = None) -> dict:
     clip = _store(request).clip(clip_id)
     if clip is None:
         raise NotFound(f"no clip {clip_id!r} in the catalog")
+    if clip.get("shard"):
+        with _known_lock:
+            _known[clip_id] = {k: clip.get(k) for k in RAW_KEYS}
+            _known.move_to_end(clip_id)
+            while len(_known) > KNOWN:
+                _known.popitem(last=False)
     return clip
+
+
+async def _user_queries(request: Request, fn):
+    """``fn(budget)`` in a worker thread with a slot of the user's queries (a Busy when none is free), its
+    queries interrupted if the client leaves before they end."""
+    with _store(request).user_queries() as budget:
+        result, error = None, None
+        async with anyio.create_task_group() as tg:
+
+            async def watch():
+                while not await request.is_disconnected():
+                    await anyio.sleep(0.2)
+                budget.interrupt("the client left")
+
+            tg.start_soon(watch)
+            try:
+                result = await anyio.to_thread.run_sync(fn, budget)
+            except Exception as e:  # noqa: BLE001 - raised below, outside the task group (not an ExceptionGroup)
+                error = e
+            tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return result
 
 
 # -- pages ---------------------------------------------------------------------------------
@@ -88,11 +132,12 @@ def reject(request: Request) -> Response:
     return _render(request, "reject.html", c=clip, refused=why, unplayable=why or playable(clip["codec"], ext))
 
 
-def clips(request: Request) -> Response:
+async def clips(request: Request) -> Response:
     where = request.query_params.get("where", DEFAULT_WHERE).strip() or "true"
     page = _page(request)
+    store = _store(request)
     try:
-        res, error = _store(request).clips(where, page), None
+        res, error = await _user_queries(request, lambda budget: store.clips(budget, where, page)), None
     except BadQuery as e:
         res, error = {"grid": [], "counts": {}, "total": 0}, str(e)
     return _render(
@@ -196,10 +241,18 @@ def _stream(request: Request, template: str, **ctx) -> Response:
 
 # -- media ---------------------------------------------------------------------------------
 def media_raw(request: Request) -> Response:
-    """The clip's video member, straight from its raw shard (byte ranges of the tar)."""
-    c = _clip(request)
+    """The clip's video member, straight from its raw shard (byte ranges of the tar); while a merge holds
+    the catalog, from what an earlier request learnt of it (shards never change once written)."""
+    try:
+        c = _clip(request)
+    except Busy:
+        with _known_lock:
+            c = _known.get(request.query_params.get("id", ""))
+        if c is None:
+            raise
     path = _raw_shard(request, c)
-    return slice_response(path, c["shard_offset"], c["file_size"], request.headers.get("range"), _type(c["ext"]))
+    kind, extra = served_as(f"{c['clip_id']}.{c['ext'] or 'mp4'}")  # an ext from the data: never an active type
+    return slice_response(path, c["shard_offset"], c["file_size"], request.headers.get("range"), kind, extra)
 
 
 def _input_path(request: Request, clip: dict) -> Path:
@@ -266,12 +319,6 @@ def files(request: Request) -> Response:
 
 
 # -- helpers -------------------------------------------------------------------------------
-def _type(ext: str | None) -> str:
-    from reelcache.view.files import content_type
-
-    return content_type(f"x.{ext or 'mp4'}")
-
-
 def _span(request: Request, v: dict) -> dict | None:
     """Where the view's window sits in the clip: (start, frames covered, duration s), from cache.json."""
     if v["status"] != "ok":
@@ -322,7 +369,13 @@ def _json(v) -> str:
     return json.dumps(v, default=str)
 
 
+def _urlpath(path: str) -> str:
+    """A path under ROOT as the path of a URL: every character but '/' that means something in a URL quoted."""
+    return quote(str(path), safe="/")
+
+
 templates.env.filters["tojson_plain"] = _json
+templates.env.filters["urlpath"] = _urlpath
 
 ROUTES = [
     ("/", overview),

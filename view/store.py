@@ -12,7 +12,13 @@ The connection is held only while pages are being answered: DuckDB lets one proc
 database file only while no other process has it open, even read-only, so a viewer holding it for
 its lifetime would make every ``catalog merge`` and ``catalog manifest`` (a Slurm array's ``--then``
 merge included) fail as "busy" for as long as it runs. It is closed once no request has used it for
-``IDLE_S`` seconds and opened again by the next one (about 10 ms).
+``IDLE_S`` seconds and opened again by the next one (about 10 ms). While a writer holds the file (or
+waits for it: catalog/db.py's ``WRITER`` file) a request is a ``Busy``, answered 503 with Retry-After.
+
+The user's queries are bounded as a whole: at most ``queries`` requests run them at once (another is a
+``Busy`` at once, not a wait), all of one request's together get ``request_s`` seconds, a request whose
+client has left is interrupted (``Budget.interrupt``), each query holds at most ``MEMORY_LIMIT`` and
+spills at most ``MAX_SPILL`` to ``ROOT/view-cache/duckdb-tmp/`` (never beside the catalog).
 """
 
 from __future__ import annotations
@@ -25,10 +31,14 @@ from pathlib import Path
 import duckdb
 
 from reelcache import UserError
-from reelcache.catalog.db import db_path
+from reelcache.catalog.db import db_path, writer_waiting
 from reelcache.catalog.sql import check_where, where_sql
 
-USER_SQL_S = 10.0
+USER_SQL_S = 10.0  # all the user's queries of one request together
+USER_QUERIES = 2  # requests running user queries at once
+MAX_SPILL = "1GB"  # what DuckDB may write to view-cache/duckdb-tmp/ for one connection
+TMP_DIR = "view-cache/duckdb-tmp"
+RETRY_S = 2  # Retry-After of a Busy
 # What one query may hold in memory (DuckDB's own limit; a query past it fails with one line): a
 # WHERE typed in the browser must not take the memory of the machine that serves the catalog.
 MEMORY_LIMIT = "2GB"
@@ -43,21 +53,92 @@ class BadQuery(ValueError):
     """A user's SQL fragment that is not one read-only SELECT, or that failed: one line for the page."""
 
 
+class Busy(Exception):
+    """Not now (a writer holds the catalog, the user's queries are at their limit): 503, retry after."""
+
+    def __init__(self, text: str, retry_after: int = RETRY_S):
+        super().__init__(text)
+        self.retry_after = retry_after
+
+
+class Budget:
+    """One request's user queries: a deadline for all of them, and ``interrupt`` (its client left)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.deadline = seconds, time.monotonic() + seconds
+        self.stopped: str | None = None
+        self._cur = None
+        self._lock = threading.Lock()
+
+    def interrupt(self, why: str) -> None:
+        with self._lock:
+            self.stopped = self.stopped or why
+            if self._cur is not None:
+                self._cur.interrupt()
+
+    def run(self, cur, fn):
+        """``fn()`` with ``cur`` interrupted at the deadline or by ``interrupt``."""
+        with self._lock:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                self.stopped = self.stopped or f"stopped after {self.seconds:g} s (what one page's queries may take)"
+            if self.stopped:
+                raise BadQuery(self.stopped)
+            self._cur = cur
+        timer = threading.Timer(
+            left, self.interrupt, [f"stopped after {self.seconds:g} s (what one page's queries may take)"]
+        )
+        timer.start()
+        try:
+            return fn()
+        except duckdb.InterruptException:
+            raise BadQuery(self.stopped or "interrupted") from None
+        finally:
+            timer.cancel()
+            with self._lock:
+                self._cur = None
+
+
 class Store:
-    def __init__(self, root: str | Path):
+    def __init__(
+        self,
+        root: str | Path,
+        queries: int = USER_QUERIES,
+        request_s: float = USER_SQL_S,
+        memory: str = MEMORY_LIMIT,
+        spill: str = MAX_SPILL,
+    ):
         self.root = Path(root).resolve()
         self.path = db_path(self.root)
         if not self.path.exists():
             raise UserError(f"no catalog at {self.path}: run `reelcache catalog merge --root {root}` first")
         self._con, self._users, self._used, self._timer = None, 0, 0.0, None
         self._guard = threading.Lock()
+        self.queries, self.request_s, self.memory, self.spill = queries, request_s, memory, spill
+        self._slots = threading.BoundedSemaphore(queries)
         self.tables = {r[0] for r in self.rows("SELECT table_name FROM information_schema.tables")}
+
+    @contextmanager
+    def user_queries(self):
+        """A slot for one request's user queries and its Budget; a Busy when all ``queries`` are taken."""
+        if not self._slots.acquire(blocking=False):
+            raise Busy(f"the viewer runs {self.queries} pages of queries already (its limit): retry in a few seconds")
+        try:
+            yield Budget(self.request_s)
+        finally:
+            self._slots.release()
 
     @contextmanager
     def _cursor(self):
         """A cursor of the shared read-only connection, opened if it was closed; closed again by
         ``_release`` once it has been idle for ``IDLE_S`` (a UserError while a merge holds the file)."""
         with self._guard:
+            waiting = writer_waiting(self.path)
+            if waiting:
+                if self._con is not None and self._users == 0:
+                    self._con.close()  # step aside: the writer gets the file as soon as nothing reads it
+                    self._con = None
+                raise Busy(f"the catalog is being written ({waiting}): retry in a few seconds")
             if self._con is None:
                 self._con = self._connect()
             self._users += 1
@@ -69,7 +150,10 @@ class Store:
             with self._guard:
                 self._users -= 1
                 self._used = time.monotonic()
-                if self._users == 0:
+                if self._users == 0 and writer_waiting(self.path):
+                    self._con.close()  # the last reader out lets a waiting writer in now
+                    self._con = None
+                elif self._users == 0:
                     if self._timer is not None:
                         self._timer.cancel()
                     self._timer = threading.Timer(IDLE_S, self._release)
@@ -81,19 +165,33 @@ class Store:
         another configuration while one is open: catalog/manifest.py's name lookup (a Stage page's loader)
         holds one for a moment, so that refusal is waited out (``OPEN_WAIT_S``), never a 500."""
         deadline = time.monotonic() + OPEN_WAIT_S
+        try:
+            (self.root / TMP_DIR).parent.mkdir(exist_ok=True)  # DuckDB makes duckdb-tmp/ in it, not its parent
+        except OSError:
+            pass  # a root this user cannot write: a query that would spill fails, in one line
         while True:
             try:
                 return duckdb.connect(
                     str(self.path),
                     read_only=True,
-                    config={"enable_external_access": False, "memory_limit": MEMORY_LIMIT, "lock_configuration": True},
+                    config={
+                        "enable_external_access": False,
+                        "memory_limit": self.memory,
+                        "temp_directory": str(self.root / TMP_DIR),
+                        "max_temp_directory_size": self.spill,
+                        "lock_configuration": True,
+                    },
                 )
             except duckdb.ConnectionException as e:
                 if time.monotonic() > deadline:
                     raise UserError(f"cannot open {self.path} read-only: {_one_line(e)}") from e
                 time.sleep(0.05)
             except duckdb.IOException as e:
-                raise UserError(f"cannot open {self.path} read-only ({_one_line(e)}); is a merge running?") from e
+                if "lock" in str(e).lower():
+                    raise Busy(
+                        f"the catalog is being written (a `catalog merge` or `catalog manifest`): {_one_line(e)}"
+                    ) from e
+                raise UserError(f"cannot open {self.path} read-only ({_one_line(e)})") from e
 
     def _release(self) -> None:
         with self._guard:
@@ -121,23 +219,18 @@ class Store:
             return _dicts(cur, sql, params)
 
     # -- the user's WHERE clause -------------------------------------------------------------
-    def user_rows(self, where: str, sql: str, params=None) -> list[dict]:
-        """``sql`` with ``{where}`` replaced by the user's clause, after checking it is one SELECT."""
+    def user_rows(self, budget: Budget, where: str, sql: str, params=None) -> list[dict]:
+        """``sql`` with ``{where}`` replaced by the user's clause, after checking it is one SELECT, within
+        the request's ``budget`` (``user_queries``)."""
         try:
             query = sql.replace("{where}", where_sql(check_where(where, option="WHERE")))
         except UserError as e:
             raise BadQuery(str(e)) from None
         with self._cursor() as cur:
-            timer = threading.Timer(USER_SQL_S, cur.interrupt)
-            timer.start()
             try:
-                return _dicts(cur, query, params)
-            except duckdb.InterruptException:
-                raise BadQuery(f"stopped after {USER_SQL_S:.0f} s: {where!r}") from None
+                return budget.run(cur, lambda: _dicts(cur, query, params))
             except duckdb.Error as e:
                 raise BadQuery(_one_line(e)) from None
-            finally:
-                timer.cancel()
 
     # -- pages -------------------------------------------------------------------------------
     def overview(self) -> dict:
@@ -188,22 +281,24 @@ class Store:
         )
         return rows, total
 
-    def clips(self, where: str, page: int) -> dict:
+    def clips(self, budget: Budget, where: str, page: int) -> dict:
         """One grid page of the clips matching ``where`` and its counts per level, source and bucket."""
         grid = self.user_rows(
+            budget,
             where,
             f"SELECT {CLIP_COLUMNS} FROM clips WHERE {{where}} ORDER BY clip_id LIMIT {PAGE} OFFSET ?",
             [page * PAGE],
         )
         counts = {
             "level": self.user_rows(
-                where, "SELECT level AS key, count(*) AS n FROM clips WHERE {where} GROUP BY 1 ORDER BY 1"
+                budget, where, "SELECT level AS key, count(*) AS n FROM clips WHERE {where} GROUP BY 1 ORDER BY 1"
             ),
             "source": self.user_rows(
-                where, "SELECT source AS key, count(*) AS n FROM clips WHERE {where} GROUP BY 1 ORDER BY 1"
+                budget, where, "SELECT source AS key, count(*) AS n FROM clips WHERE {where} GROUP BY 1 ORDER BY 1"
             ),
         }
         counts["bucket"] = self.user_rows(
+            budget,
             where,
             """SELECT l.cache || ' ' || l.bucket AS key, count(*) AS n FROM latents l
                WHERE l.status = 'ok' AND l.view = 0 AND l.clip_id IN (SELECT clip_id FROM clips WHERE {where})

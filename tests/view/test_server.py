@@ -24,19 +24,6 @@ from support import REPO, quiet_env, tiny_cache_config
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", "/usr/bin/chromedriver"
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--autoplay-policy=no-user-gesture-required",
-    "--window-size=1100,800",
-]
 HAVE_ENOUGH_DATA = 4
 
 
@@ -95,23 +82,6 @@ def server(demo_root, demo_dataset):
     p.terminate()
     p.wait(timeout=20)
     assert _snapshot(demo_root) == before  # nothing written outside view-cache/, the catalog included
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    if not (Path(CHROMIUM).exists() and Path(DRIVER).exists()):
-        pytest.skip("no Debian chromium + chromium-driver (make sysdeps installs them as root)")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM  # both paths given: Selenium Manager never runs, nothing is downloaded
-    for f in [*FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"]:
-        opts.add_argument(f)
-    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
-    driver.set_page_load_timeout(120)
-    yield driver
-    driver.quit()
 
 
 def _shot(driver, tmp_path: Path, name: str) -> None:
