@@ -46,7 +46,18 @@ IDLE_S = 2.0  # the catalog is closed after this long without a request (a write
 OPEN_WAIT_S = 10.0  # how long a request waits for this process's other connection to the catalog to close
 PAGE = 60  # clips per grid page
 REJECTS_PAGE = 50
-CLIP_COLUMNS = "clip_id, source, text, level, noun_count, width, height, fps, duration, num_frames, codec, file_size"
+CLIP_COLUMNS = (
+    "clip_id, source, text, level, noun_count, width, height, fps, duration, num_frames, codec, file_size, "
+    "status, reject_reason"
+)
+
+
+# The orders the grid offers: name in the URL -> column (a fixed list: no SQL from the URL here).
+SORTS = {
+    "clip_id": "clip_id", "duration": "duration", "fps": "fps", "size": "file_size", "level": "level",
+    "nouns": "noun_count", "resolution": "resolution", "aesthetic": "aesthetic_score", "motion": "motion_score",
+    "temporal": "temporal_consistency_score",
+}  # fmt: skip
 
 
 class BadQuery(ValueError):
@@ -219,14 +230,20 @@ class Store:
             return _dicts(cur, sql, params)
 
     # -- the user's WHERE clause -------------------------------------------------------------
-    def user_rows(self, budget: Budget, where: str, sql: str, params=None) -> list[dict]:
+    def user_rows(self, budget: Budget, where: str, sql: str, params=None, members=None) -> list[dict]:
         """``sql`` with ``{where}`` replaced by the user's clause, after checking it is one SELECT, within
-        the request's ``budget`` (``user_queries``)."""
+        the request's ``budget`` (``user_queries``); ``members``: an Arrow table of clip ids the clause is
+        narrowed to (a manifest's), registered as ``members`` on the query's cursor."""
         try:
-            query = sql.replace("{where}", where_sql(check_where(where, option="WHERE")))
+            cond = where_sql(check_where(where, option="WHERE"))
         except UserError as e:
             raise BadQuery(str(e)) from None
+        if members is not None:
+            cond = f"clip_id IN (SELECT clip_id FROM members) AND {cond}"
+        query = sql.replace("{where}", cond)
         with self._cursor() as cur:
+            if members is not None:
+                cur.register("members", members)
             try:
                 return budget.run(cur, lambda: _dicts(cur, query, params))
             except duckdb.Error as e:
@@ -251,9 +268,9 @@ class Store:
                 "FROM shards GROUP BY 1 ORDER BY 1"
             ),
             "caches": self.dicts(
-                "SELECT cache, count(DISTINCT clip_id) AS clips, count(*) FILTER (status = 'ok') AS latents, "
-                "count(*) FILTER (status = 'rejected') AS rejected, count(DISTINCT bucket) AS buckets "
-                "FROM latents GROUP BY 1 ORDER BY 1"
+                "SELECT cache, count(DISTINCT clip_id) FILTER (status = 'ok') AS clips, "
+                "count(*) FILTER (status = 'ok') AS views, count(*) FILTER (status = 'rejected') AS rejected, "
+                "count(DISTINCT bucket) AS buckets, max(view) + 1 AS views_per_clip FROM latents GROUP BY 1 ORDER BY 1"
             ),
             "manifests": self.manifests(),
         }
@@ -281,28 +298,43 @@ class Store:
         )
         return rows, total
 
-    def clips(self, budget: Budget, where: str, page: int) -> dict:
-        """One grid page of the clips matching ``where`` and its counts per level, source and bucket."""
+    def clips(
+        self, budget: Budget, where: str, page: int, sort: str = "clip_id", desc: bool = False, members=None
+    ) -> dict:
+        """One grid page of the clips matching ``where`` (among ``members``, if given), in the order of ``sort``
+        (a key of SORTS), and its counts per level, source, status (one query) and cache bucket (clips: their
+        view 0; views: all of their ok views)."""
+        order = f"{SORTS[sort]} {'DESC' if desc else 'ASC'} NULLS LAST, clip_id"
         grid = self.user_rows(
             budget,
             where,
-            f"SELECT {CLIP_COLUMNS} FROM clips WHERE {{where}} ORDER BY clip_id LIMIT {PAGE} OFFSET ?",
+            f"SELECT {CLIP_COLUMNS} FROM clips WHERE {{where}} ORDER BY {order} LIMIT {PAGE} OFFSET ?",
             [page * PAGE],
+            members,
         )
-        counts = {
-            "level": self.user_rows(
-                budget, where, "SELECT level AS key, count(*) AS n FROM clips WHERE {where} GROUP BY 1 ORDER BY 1"
-            ),
-            "source": self.user_rows(
-                budget, where, "SELECT source AS key, count(*) AS n FROM clips WHERE {where} GROUP BY 1 ORDER BY 1"
-            ),
-        }
+        sets = self.user_rows(
+            budget,
+            where,
+            """SELECT level, source, status, grouping(level) AS no_level, grouping(source) AS no_source,
+                      count(*) AS n
+               FROM clips WHERE {where} GROUP BY GROUPING SETS ((level), (source), (status))""",
+            None,
+            members,
+        )
+        counts: dict = {"level": [], "source": [], "status": []}
+        for r in sets:  # the grouping set of a row: the one column not aggregated away
+            what = "level" if not r["no_level"] else "source" if not r["no_source"] else "status"
+            counts[what].append({"key": r[what], "n": r["n"]})
+        for rows in counts.values():
+            rows.sort(key=lambda r: (r["key"] is None, r["key"]))
         counts["bucket"] = self.user_rows(
             budget,
             where,
-            """SELECT l.cache || ' ' || l.bucket AS key, count(*) AS n FROM latents l
-               WHERE l.status = 'ok' AND l.view = 0 AND l.clip_id IN (SELECT clip_id FROM clips WHERE {where})
-               GROUP BY 1 ORDER BY 1""",
+            """SELECT l.cache, l.bucket, count(DISTINCT l.clip_id) AS n, count(*) AS views FROM latents l
+               WHERE l.status = 'ok' AND l.clip_id IN (SELECT clip_id FROM clips WHERE {where})
+               GROUP BY 1, 2 ORDER BY 1, 2""",
+            None,
+            members,
         )
         total = sum(r["n"] for r in counts["source"])
         return {"grid": grid, "counts": counts, "total": total}

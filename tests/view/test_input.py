@@ -7,6 +7,7 @@ catalog/db.py (empty tables) and a run directory that never started (no config.j
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -158,7 +159,7 @@ def test_a_thumbnail_reads_no_shard_outside_the_root(tmp_path):
                 assert (r.status_code, r.text.startswith("refused:")) == (403, True), (clip, media, r.text[:200])
     finally:
         _close(c)
-    assert not (root / "view-cache").exists()
+    assert not (root / "view-cache" / "thumbs").exists()  # no thumbnail made
 
 
 def test_only_loopback_addresses_go_without_a_token():
@@ -166,3 +167,23 @@ def test_only_loopback_addresses_go_without_a_token():
 
     assert all(loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
     assert not any(loopback(h) for h in ("0.0.0.0", "::", "10.1.2.3", "head-node"))
+
+
+def test_the_loss_curve_marks_a_resume_and_has_round_ticks():
+    """A run killed after step 6 and resumed (generation 1 from step 5 on): one mark where generation 1's
+    steps begin, ticks at round values inside the axes, losses shown to 4 significant digits."""
+    from reelcache.view.pages import _loss_svg
+
+    losses = [{"step": s, "loss": 1 / (s + 1) + 0.123456789, "skipped": False, "generation": int(s >= 5)}
+              for s in range(12)]  # fmt: skip
+    svg = _loss_svg("r", losses, set())
+    assert [r["step"] for r in svg["resumes"]] == [5] and svg["resumes"][0]["generation"] == 1
+    assert [label for _, label in svg["xticks"]] == [0, 5, 10]  # steps 0..11: about 5 ticks of 1, 2 or 5 x 10^k
+    values = [float(label) for _, label in svg["yticks"]]
+    lo, hi = min(r["loss"] for r in losses), max(r["loss"] for r in losses)
+    assert len(values) >= 3 and all(lo <= v <= hi for v in values)
+    step = values[1] - values[0]
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    assert any(abs(mantissa - k) < 1e-9 for k in (1, 2, 5)), step
+    assert all(abs(v / step - round(v / step)) < 1e-6 for v in values)  # multiples of the step
+    assert {p[3] for p in svg["points"]} == {f"{r['loss']:.4g}" for r in losses}
