@@ -313,7 +313,7 @@ def _stream(request: Request, template: str, **ctx) -> Response:
     def body():
         try:
             yield from templates.get_template(template).generate(request=request, **ctx)
-        except (ValueError, OSError) as e:  # after the head is sent: the error is a line on the page
+        except (ValueError, OSError, Busy) as e:  # after the head is sent: the error is a line on the page
             yield f'<p class="err">{html.escape(" ".join(str(e).split()))}</p></main></body></html>'
 
     return StreamingResponse(body(), media_type="text/html; charset=utf-8")
