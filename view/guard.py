@@ -21,7 +21,7 @@ import ipaddress
 import re
 import socket
 from http.cookies import SimpleCookie
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, urlencode
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 CSP = (
@@ -109,7 +109,8 @@ class Guard:
             cookie = _cookie_name(scope)
             if given and _same(given[-1], self.token):
                 rest = urlencode([(k, v) for k, v in query if k != "token"])
-                where = scope.get("root_path", "") + scope["path"] + (f"?{rest}" if rest else "")
+                path = scope.get("raw_path") or quote(scope["path"]).encode()  # as sent: '#', quotes encoded
+                where = scope.get("root_path", "") + path.decode("latin-1") + (f"?{rest}" if rest else "")
                 return await _plain(
                     send, 303, "the token is now a cookie of this browser",
                     {"location": where, "set-cookie": f"{cookie}={self.token}; HttpOnly; SameSite=Strict; Path=/"},

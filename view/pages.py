@@ -143,12 +143,16 @@ async def clips(request: Request) -> Response:
     if sort not in SORTS:
         raise ValueError(f"sort = {sort[:40]!r}: expected one of {', '.join(SORTS)}")
     store, m = _store(request), None
-    if q.get("manifest"):
-        m = _manifest(request, q["manifest"], q.get("fp"))
-    members = _members(confined(_root(request), m["path"]), m["fingerprint"]) if m else None
+
+    def select(budget) -> dict:  # in a worker thread: the manifest's lookup and read block, as the queries do
+        nonlocal m
+        if q.get("manifest"):
+            m = _manifest(request, q["manifest"], q.get("fp"))
+        members = _members(confined(_root(request), m["path"]), m["fingerprint"]) if m else None
+        return store.clips(budget, where, page, sort, desc, members)
+
     try:
-        res = await _user_queries(request, lambda budget: store.clips(budget, where, page, sort, desc, members))
-        error = None
+        res, error = await _user_queries(request, select), None
     except BadQuery as e:
         res, error = {"grid": [], "counts": {}, "total": 0}, str(e)
 

@@ -108,6 +108,8 @@ def test_a_token_is_needed_on_every_request_and_becomes_a_cookie(locked):
     cookie = r.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
     assert locked.get("/rejects?reason=x").status_code == 200  # the client keeps the cookie
+    r = locked.get(f"/files/stats/it%27s%20%231.txt?token={TOKEN}")
+    assert r.headers["location"] == "/files/stats/it%27s%20%231.txt"  # the path as sent: '#' stays in the path
     locked.cookies.clear()
     assert locked.get("/rejects").status_code == 403
     assert locked.get("/rejects", headers={"authorization": f"token {TOKEN}"}).status_code == 200
