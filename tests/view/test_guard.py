@@ -130,6 +130,7 @@ def test_a_bad_token_is_one_line(root):
     assert p.returncode == 2 and "--token" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+@pytest.mark.slow
 def test_beyond_loopback_the_printed_url_carries_a_token_and_sigterm_ends_a_stalled_download(root):
     """--host 0.0.0.0 with no token: one is made and printed in the URL; 127.0.0.1 without it is refused.
     A client that stops reading a large file does not keep a SIGTERM from ending the viewer."""

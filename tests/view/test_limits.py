@@ -23,6 +23,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import pytest
 from starlette.testclient import TestClient
 from support import REPO, quiet_env, sql
 
@@ -88,6 +89,7 @@ def test_a_query_spills_only_into_view_cache_and_only_so_much(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["catalog.duckdb", "view-cache"]
 
 
+@pytest.mark.slow
 def test_user_queries_are_bounded_and_a_plain_page_answers_while_they_run(fresh_root):
     heavy = "/clips?where=" + urllib.parse.quote(HEAVY)
     with _viewer(fresh_root, "--queries", "2", "--query-seconds", "120") as port:
@@ -111,6 +113,7 @@ def test_user_queries_are_bounded_and_a_plain_page_answers_while_they_run(fresh_
         print(f"a slot was free {time.monotonic() - t0:.3f} s after the heavy clients left")
 
 
+@pytest.mark.slow
 def test_a_merge_waits_for_the_viewer_which_answers_503_and_keeps_playing(fresh_root, monkeypatch):
     import reelcache.catalog.db as db
 
