@@ -3,7 +3,8 @@
 A plain path,text table names videos (copies of the demo's) whose file names and captions are script in
 every context a page puts them: an ``.avi'-alert(origin)-'`` extension (a JS string inside an attribute,
 the Clip page's old ``onerror``), a name that closes an attribute and opens an <img onerror>, captions
-that close a <script>, and a row whose missing file is such a name (a reject). Every page that shows
+that close a <script>, a row whose missing file is such a name (a reject), and a run, an eval sample
+(with a '#') and a stats plot whose file names are markup. Every page that shows
 them is opened, with window.alert/confirm/prompt recorded (before any page script, through the DevTools
 protocol): none is called, each value shows as the text it is (the table is the reference), and every
 page carries the CSP that runs no inline script.
@@ -31,6 +32,9 @@ HOSTILE = {
     'y"><img src=x onerror=alert(document.domain)>.mp4': (("h264", "mp4"), "<img src=x onerror=alert(1)> a dog"),
     "z'-alert(2)-'.webm": (None, "\"'><svg onload=alert(3)> a missing file"),
 }
+RUN = "r'\"><img src=x onerror=alert(5)>"
+SAMPLE = "<img src=x onerror=alert(6)> #1.mp4"
+PLOT = '"><svg onload=alert(7)>.png'
 RECORD = """
 window.__dialogs = [];
 for (const k of ["alert", "confirm", "prompt"]) window[k] = (m) => { window.__dialogs.push(k + ":" + m); };
@@ -56,6 +60,13 @@ def hostile_root(ingested, tmp_path_factory) -> Path:
     units = plan_ingest(root, base / "table.csv", videos, "--source", "csv", "--name", "hostile")  # a path,text table
     assert main(["ingest", "run", "--root", str(root), *units]) == 0
     assert main(["catalog", "merge", "--root", str(root)]) == 0
+    # a run, an eval sample and a plot whose names are markup (files of the root the pages list)
+    run = root / "runs" / RUN
+    (run / "metrics").mkdir(parents=True)
+    (run / "eval" / "ckpt-000001").mkdir(parents=True)
+    shutil.copyfile(videos / next(n for n in HOSTILE if n.endswith(".mp4")), run / "eval" / "ckpt-000001" / SAMPLE)
+    (root / "stats").mkdir()
+    shutil.copyfile(Path(REPO) / "docs" / "img" / "view-clips.png", root / "stats" / PLOT)
     return root
 
 
@@ -100,7 +111,7 @@ def test_no_script_from_the_data_runs_on_any_page(server, recording, hostile_roo
     clips = sql(hostile_root, "SELECT clip_id, path, text, status, ext, codec FROM clips ORDER BY path")
     assert len(clips) == len(HOSTILE) and {c[3] for c in clips} == {"ok", "rejected"}
     assert any(e == "avi'-alert(origin)-'" for *_, e, _ in clips)  # the extension as the data has it
-    pages = ["/", "/rejects", "/clips?where=" + urllib.parse.quote("true"),
+    pages = ["/", "/rejects", "/clips?where=" + urllib.parse.quote("true"), "/run?name=" + urllib.parse.quote(RUN),
              "/clips?where=" + urllib.parse.quote("\"'><script>alert(4)</script>")]  # fmt: skip
     for clip_id, _path, _text, status, _ext, _codec in clips:
         pages.append(("/clip?id=" if status == "ok" else "/reject?id=") + urllib.parse.quote(clip_id))
@@ -115,6 +126,13 @@ def test_no_script_from_the_data_runs_on_any_page(server, recording, hostile_roo
         if page.startswith(("/clip?", "/reject?")):
             (text,) = [t for c, _, t, *_ in clips if urllib.parse.quote(c) in page]
             assert text in body, (page, text)  # shown as the text it is
+        if page == "/":
+            assert RUN in body and f"stats/{PLOT}" in body
+            assert browser.execute_script("return [...document.images].every(i => i.naturalWidth > 0)")  # plot shown
+        if page.startswith("/run?"):
+            assert SAMPLE in body
+            (video,) = browser.find_elements(By.TAG_NAME, "video")
+            assert browser.execute_script("return arguments[0].error", video) is None  # '#' encoded: it plays
         if page == "/rejects":
             (missing,) = [p for _, p, _, s, *_ in clips if s == "rejected"]
             assert missing in body
