@@ -9,6 +9,7 @@ import json
 import math
 import shlex
 import threading
+import time
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
@@ -22,7 +23,7 @@ from starlette.templating import Jinja2Templates
 from reelcache.catalog.levels import NOUN_TAGS
 from reelcache.view import preview, runs
 from reelcache.view.files import Refused, confined, file_response, playable, served_as, slice_response, within
-from reelcache.view.store import PAGE, REJECTS_PAGE, SORTS, BadQuery, Busy
+from reelcache.view.store import PAGE, REJECTS_PAGE, SLOT_WAIT_S, SORTS, BadQuery, Budget, Busy
 
 templates = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
 DEFAULT_WHERE = "status = 'ok'"
@@ -76,9 +77,16 @@ def _clip(request: Request, clip_id: str | None = None) -> dict:
 
 
 async def _user_queries(request: Request, fn):
-    """``fn(budget)`` in a worker thread with a slot of the user's queries (a Busy when none is free), its
-    queries interrupted if the client leaves before they end."""
-    with _store(request).user_queries() as budget:
+    """``fn(budget)`` in a worker thread with a slot of the user's queries (waited for SLOT_WAIT_S on the
+    event loop, then a Busy), its queries interrupted if the client leaves before they end."""
+    store = _store(request)
+    deadline = time.monotonic() + SLOT_WAIT_S
+    while not store.take_slot():
+        if time.monotonic() >= deadline or await request.is_disconnected():
+            raise store.busy_slots()
+        await anyio.sleep(0.05)
+    try:
+        budget = Budget(store.request_s)
         result, error = None, None
         async with anyio.create_task_group() as tg:
 
@@ -96,6 +104,8 @@ async def _user_queries(request: Request, fn):
         if error is not None:
             raise error
         return result
+    finally:
+        store.release_slot()
 
 
 # -- pages ---------------------------------------------------------------------------------

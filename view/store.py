@@ -15,8 +15,9 @@ merge included) fail as "busy" for as long as it runs. It is closed once no requ
 ``IDLE_S`` seconds and opened again by the next one (about 10 ms). While a writer holds the file (or
 waits for it: catalog/db.py's ``WRITER`` file) a request is a ``Busy``, answered 503 with Retry-After.
 
-The user's queries are bounded as a whole: at most ``queries`` requests run them at once (another is a
-``Busy`` at once, not a wait), all of one request's together get ``request_s`` seconds, a request whose
+The user's queries are bounded as a whole: at most ``queries`` requests run them at once (another waits
+``SLOT_WAIT_S`` on the event loop, holding no thread, then is a ``Busy``), all of one request's together
+get ``request_s`` seconds, a request whose
 client has left is interrupted (``Budget.interrupt``), each query holds at most ``MEMORY_LIMIT`` and
 spills at most ``MAX_SPILL`` to ``ROOT/view-cache/duckdb-tmp/`` (never beside the catalog).
 """
@@ -36,6 +37,7 @@ from reelcache.catalog.sql import check_where, where_sql
 
 USER_SQL_S = 10.0  # all the user's queries of one request together
 USER_QUERIES = 2  # requests running user queries at once
+SLOT_WAIT_S = 2.0  # how long a request waits for one of them (on the event loop, holding no thread)
 MAX_SPILL = "1GB"  # what DuckDB may write to view-cache/duckdb-tmp/ for one connection
 TMP_DIR = "view-cache/duckdb-tmp"
 RETRY_S = 2  # Retry-After of a Busy
@@ -129,15 +131,15 @@ class Store:
         self._slots = threading.BoundedSemaphore(queries)
         self.tables = {r[0] for r in self.rows("SELECT table_name FROM information_schema.tables")}
 
-    @contextmanager
-    def user_queries(self):
-        """A slot for one request's user queries and its Budget; a Busy when all ``queries`` are taken."""
-        if not self._slots.acquire(blocking=False):
-            raise Busy(f"the viewer runs {self.queries} pages of queries already (its limit): retry in a few seconds")
-        try:
-            yield Budget(self.request_s)
-        finally:
-            self._slots.release()
+    def take_slot(self) -> bool:
+        """A slot for one request's user queries, if one is free now (``release_slot`` gives it back)."""
+        return self._slots.acquire(blocking=False)
+
+    def release_slot(self) -> None:
+        self._slots.release()
+
+    def busy_slots(self) -> Busy:
+        return Busy(f"the viewer runs {self.queries} pages of queries already (its limit): retry in a few seconds")
 
     @contextmanager
     def _cursor(self):
@@ -232,7 +234,7 @@ class Store:
     # -- the user's WHERE clause -------------------------------------------------------------
     def user_rows(self, budget: Budget, where: str, sql: str, params=None, members=None) -> list[dict]:
         """``sql`` with ``{where}`` replaced by the user's clause, after checking it is one SELECT, within
-        the request's ``budget`` (``user_queries``); ``members``: an Arrow table of clip ids the clause is
+        the request's ``budget`` (pages.py's ``_user_queries``); ``members``: an Arrow table of clip ids the clause is
         narrowed to (a manifest's), registered as ``members`` on the query's cursor."""
         try:
             cond = where_sql(check_where(where, option="WHERE"))

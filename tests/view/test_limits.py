@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,8 @@ def test_a_query_spills_only_into_view_cache_and_only_so_much(tmp_path):
 def test_user_queries_are_bounded_and_a_plain_page_answers_while_they_run(fresh_root):
     heavy = "/clips?where=" + urllib.parse.quote(HEAVY)
     with _viewer(fresh_root, "--queries", "2", "--query-seconds", "120") as port:
+        with ThreadPoolExecutor(10) as pool:  # a burst of light grid pages: they wait their turn, none refused
+            assert list(pool.map(lambda _: _get(port, "/clips?where=true")[0], range(10))) == [200] * 10
         running = [_send(port, heavy), _send(port, heavy)]
         # a third finds both slots taken (once the two have started): 503 at once, with Retry-After
         status, headers, body = _until(
