@@ -7,7 +7,10 @@ touch it: they write sidecar parquets that merge loads.
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import time
 from functools import cache
 from pathlib import Path
 
@@ -19,6 +22,10 @@ from reelcache import UserError
 
 SCHEMA_FILE = Path(__file__).with_name("schema.sql")
 DB_NAME = "catalog.duckdb"
+# A writer that finds the catalog held waits this long for its readers to let go (a viewer closes its
+# connection IDLE_S after its last request, and at once when it sees WRITER), then says who holds it.
+WRITE_WAIT_S = 6.0
+WRITER = ".writer"  # catalog.duckdb.writer: "pid host" of a writer waiting for the file; readers step aside
 
 # version -> SQL that upgrades version-1 to version. Explicit, applied by `open_catalog`.
 MIGRATIONS: dict[int, str] = {
@@ -46,16 +53,37 @@ def db_path(root: str | Path) -> Path:
     return Path(root) / DB_NAME
 
 
-def _busy(path: Path, e: Exception, want: str) -> UserError:
+def _locked(e: Exception) -> bool:
+    return "lock" in str(e).lower()
+
+
+def _command(pid: int) -> str | None:
+    """The command line of a process of this machine, shortened: who holds the catalog (a viewer, a merge)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    words = [os.path.basename(a.decode(errors="replace")) if i == 0 else a.decode(errors="replace")
+             for i, a in enumerate(argv) if a]  # fmt: skip
+    if len(words) > 2 and words[1] == "-m":  # python -m reelcache view ...
+        words = words[2:]
+    text = " ".join(" ".join(words).split())  # one line, whatever the arguments hold
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _busy(path: Path, e: Exception, want: str, waited: float = 0.0) -> UserError:
     """One line for a catalog another process holds (DuckDB's lock: one writer, or many readers)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    if "lock" not in text.lower():
+    if not _locked(e):
         return UserError(f"cannot open {path}: {text}")
     pid = re.search(r"\(PID (\d+)\)", text)
     holder = f"process {pid.group(1)}" if pid else "another process"
+    cmd = _command(int(pid.group(1))) if pid else None
+    holder += f" ({cmd})" if cmd else ""
+    after = f" after waiting {waited:.1f} s" if waited else ""
     return UserError(
-        f"the catalog {path} is busy: {holder} holds it (a `catalog merge` or `catalog manifest` writes it, "
-        f"readers share it); wait for that to end, then run this again to {want}"
+        f"the catalog {path} is busy{after}: {holder} holds it (a `catalog merge` or `catalog manifest` writes "
+        f"it, readers such as `reelcache view` share it); wait for that to end, then run this again to {want}"
     )
 
 
@@ -76,6 +104,52 @@ def open_error(path: Path, e: Exception, want: str) -> UserError:
     return _busy(path, e, want)
 
 
+def writer_waiting(path: str | Path) -> str | None:
+    """Who waits to write the catalog at ``path`` ("process N on HOST"), or None: a reader that sees one
+    closes the file as soon as it can (the viewer does). A file left by a dead writer of this machine, or
+    older than the longest wait, is no one."""
+    marker = Path(str(path) + WRITER)
+    try:
+        pid_s, host = marker.read_text().split()[:2]
+        age = time.time() - marker.stat().st_mtime
+        pid = int(pid_s)
+    except (OSError, ValueError):
+        return None
+    if age > WRITE_WAIT_S + 5:
+        return None
+    if host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+    return f"process {pid} on {host} waits to write it"
+
+
+def _connect_writer(path: Path):
+    """A write connection, waiting up to WRITE_WAIT_S (announced in the WRITER file) while others hold it."""
+    deadline, start, marker = time.monotonic() + WRITE_WAIT_S, time.monotonic(), None
+    try:
+        while True:
+            try:
+                return duckdb.connect(str(path))
+            except duckdb.IOException as e:
+                if not _locked(e):
+                    raise open_error(path, e, "write it") from e
+                if time.monotonic() >= deadline:
+                    raise _busy(path, e, "write it", waited=time.monotonic() - start if marker else 0.0) from e
+                if marker is None:
+                    marker = Path(str(path) + WRITER)
+                    tmp = marker.with_name(f".{marker.name}.{os.getpid()}")
+                    tmp.write_text(f"{os.getpid()} {socket.gethostname()}\n")
+                    tmp.replace(marker)
+                time.sleep(0.1)
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+
+
 def open_catalog(root: str | Path, *, write: bool = False, files: bool = False):
     """Open ROOT/catalog.duckdb; create it when writing, refuse a foreign schema version. Read-only, it
     reaches no other file unless `files` (``catalog sql``, whose one SELECT may read parquet files)."""
@@ -88,10 +162,7 @@ def open_catalog(root: str | Path, *, write: bool = False, files: bool = False):
         except duckdb.IOException as e:
             raise open_error(path, e, "read it") from e
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        con = duckdb.connect(str(path))
-    except duckdb.IOException as e:
-        raise open_error(path, e, "write it") from e
+    con = _connect_writer(path)
     con.execute(schema_sql())
     row = next(iter(con.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall()), None)
     want = schema_version()

@@ -15,6 +15,7 @@ import mimetypes
 import os
 import re
 from pathlib import Path, PurePosixPath
+from urllib.parse import quote
 
 from starlette.responses import Response, StreamingResponse
 
@@ -55,9 +56,29 @@ def within(path: Path, bases: list[Path]) -> Path:
     raise Refused(f"refused: {path} is outside the data root{' and --videos' if len(bases) > 1 else ''}")
 
 
+# What a file under ROOT may be served as, inline: types a browser shows and never runs (with nosniff).
+# Anything else (HTML, SVG, XML, PDF, scripts, ...) is an attachment of type application/octet-stream:
+# never rendered on the viewer's origin, where a page of it could read everything the viewer serves.
+PASSIVE_TYPES = {*VIDEO_TYPES.values(), "image/png", "image/jpeg", "image/gif", "image/webp", "audio/mpeg",
+                 "audio/mp4", "audio/wav", "audio/ogg"}  # fmt: skip
+TEXT_EXTS = {"txt", "log", "json", "jsonl", "toml", "csv", "tsv", "yaml", "yml", "md", "sql"}
+
+
 def content_type(name: str) -> str:
     ext = name.rsplit(".", 1)[-1].lower()
     return VIDEO_TYPES.get(ext) or mimetypes.guess_type(name)[0] or "application/octet-stream"
+
+
+def served_as(name: str) -> tuple[str, dict]:
+    """(Content-Type, extra headers) of a file under ROOT: a passive type inline, plain text as text/plain,
+    anything else an attachment the browser saves instead of rendering."""
+    ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
+    kind = content_type(name)
+    if kind in PASSIVE_TYPES:
+        return kind, {}
+    if ext in TEXT_EXTS:
+        return "text/plain; charset=utf-8", {}
+    return "application/octet-stream", {"Content-Disposition": f"attachment; filename*=UTF-8''{quote(name, safe='')}"}
 
 
 def playable(codec: str | None, ext: str | None) -> str | None:
@@ -86,7 +107,9 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return first, last
 
 
-def slice_response(path: Path, offset: int, size: int, range_header: str | None, media_type: str) -> Response:
+def slice_response(
+    path: Path, offset: int, size: int, range_header: str | None, media_type: str, extra: dict | None = None
+) -> Response:
     """The bytes [offset, offset + size) of ``path`` as a file of its own, honouring one Range."""
     try:
         rng = _parse_range(range_header, size)
@@ -94,6 +117,7 @@ def slice_response(path: Path, offset: int, size: int, range_header: str | None,
         return Response(str(e), status_code=416, headers={"Content-Range": f"bytes */{size}"})
     first, last = rng or (0, size - 1)
     headers = {"Accept-Ranges": "bytes", "Content-Length": str(last - first + 1), "Cache-Control": "max-age=3600"}
+    headers.update(extra or {})
     if rng:
         headers["Content-Range"] = f"bytes {first}-{last}/{size}"
 
@@ -114,4 +138,5 @@ def slice_response(path: Path, offset: int, size: int, range_header: str | None,
 
 
 def file_response(path: Path, range_header: str | None) -> Response:
-    return slice_response(path, 0, path.stat().st_size, range_header, content_type(path.name))
+    kind, extra = served_as(path.name)
+    return slice_response(path, 0, path.stat().st_size, range_header, kind, extra)

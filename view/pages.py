@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import html
 import json
 import math
+import shlex
+import threading
+import time
 from pathlib import Path
+from urllib.parse import quote, urlencode
 
+import anyio
+import pyarrow as pa
 import pyarrow.parquet as pq
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -15,12 +22,14 @@ from starlette.templating import Jinja2Templates
 
 from reelcache.catalog.levels import NOUN_TAGS
 from reelcache.view import preview, runs
-from reelcache.view.files import Refused, confined, file_response, playable, slice_response, within
-from reelcache.view.store import PAGE, REJECTS_PAGE, BadQuery
+from reelcache.view.files import Refused, confined, file_response, playable, served_as, slice_response, within
+from reelcache.view.store import PAGE, REJECTS_PAGE, SLOT_WAIT_S, SORTS, BadQuery, Budget, Busy
 
 templates = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
 DEFAULT_WHERE = "status = 'ok'"
 MAX_POINTS, MAX_ROWS = 1500, 300  # a run's loss curve and table
+MAX_PAGE = 10**9  # a page number past this is a bad URL, not an OFFSET DuckDB cannot hold
+KNOWN = 4096  # clips whose raw member /media/raw still serves while a merge holds the catalog
 
 
 def _store(request: Request):
@@ -32,14 +41,23 @@ def _root(request: Request) -> Path:
 
 
 def _page(request: Request) -> int:
+    given = request.query_params.get("page", "0")
     try:
-        return max(0, int(request.query_params.get("page", 0)))
+        page = int(given)
     except ValueError:
-        raise ValueError(f"page = {request.query_params.get('page')!r}: expected a number >= 0") from None
+        page = -1
+    if not 0 <= page <= MAX_PAGE:
+        raise ValueError(f"page = {given[:40]!r}: expected a number from 0 to {MAX_PAGE}")
+    return page
 
 
 def _render(request: Request, template: str, status: int = 200, **ctx) -> Response:
     return templates.TemplateResponse(request, template, ctx, status_code=status)
+
+
+_known: collections.OrderedDict = collections.OrderedDict()  # clip_id -> its raw member (shard, offset, ...)
+_known_lock = threading.Lock()
+RAW_KEYS = ("clip_id", "shard", "shard_offset", "file_size", "ext")
 
 
 def _clip(request: Request, clip_id: str | None = None) -> dict:
@@ -49,7 +67,45 @@ def _clip(request: Request, clip_id: str | None = None) -> dict:
     clip = _store(request).clip(clip_id)
     if clip is None:
         raise NotFound(f"no clip {clip_id!r} in the catalog")
+    if clip.get("shard"):
+        with _known_lock:
+            _known[clip_id] = {k: clip.get(k) for k in RAW_KEYS}
+            _known.move_to_end(clip_id)
+            while len(_known) > KNOWN:
+                _known.popitem(last=False)
     return clip
+
+
+async def _user_queries(request: Request, fn):
+    """``fn(budget)`` in a worker thread with a slot of the user's queries (waited for SLOT_WAIT_S on the
+    event loop, then a Busy), its queries interrupted if the client leaves before they end."""
+    store = _store(request)
+    deadline = time.monotonic() + SLOT_WAIT_S
+    while not store.take_slot():
+        if time.monotonic() >= deadline or await request.is_disconnected():
+            raise store.busy_slots()
+        await anyio.sleep(0.05)
+    try:
+        budget = Budget(store.request_s)
+        result, error = None, None
+        async with anyio.create_task_group() as tg:
+
+            async def watch():
+                while not await request.is_disconnected():
+                    await anyio.sleep(0.2)
+                budget.interrupt("the client left")
+
+            tg.start_soon(watch)
+            try:
+                result = await anyio.to_thread.run_sync(fn, budget)
+            except Exception as e:  # noqa: BLE001 - raised below, outside the task group (not an ExceptionGroup)
+                error = e
+            tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return result
+    finally:
+        store.release_slot()
 
 
 # -- pages ---------------------------------------------------------------------------------
@@ -88,13 +144,57 @@ def reject(request: Request) -> Response:
     return _render(request, "reject.html", c=clip, refused=why, unplayable=why or playable(clip["codec"], ext))
 
 
-def clips(request: Request) -> Response:
-    where = request.query_params.get("where", DEFAULT_WHERE).strip() or "true"
-    page = _page(request)
+async def clips(request: Request) -> Response:
+    """The grid of a WHERE clause (within a manifest's members with ``manifest=``), sorted, with its facets:
+    each count a link to the selection narrowed to it, and the `catalog manifest` command that freezes it."""
+    q = request.query_params
+    where = q.get("where", DEFAULT_WHERE).strip() or "true"
+    page, sort, desc = _page(request), q.get("sort", "clip_id"), q.get("desc", "") == "1"
+    if sort not in SORTS:
+        raise ValueError(f"sort = {sort[:40]!r}: expected one of {', '.join(SORTS)}")
+    store, m = _store(request), None
+
+    def select(budget) -> dict:  # in a worker thread: the manifest's lookup and read block, as the queries do
+        nonlocal m
+        if q.get("manifest"):
+            m = _manifest(request, q["manifest"], q.get("fp"))
+        members = _members(confined(_root(request), m["path"]), m["fingerprint"]) if m else None
+        return store.clips(budget, where, page, sort, desc, members)
+
     try:
-        res, error = _store(request).clips(where, page), None
+        res, error = await _user_queries(request, select), None
     except BadQuery as e:
         res, error = {"grid": [], "counts": {}, "total": 0}, str(e)
+
+    def url(**change) -> str:
+        now = {"where": where, "sort": "" if sort == "clip_id" else sort, "desc": "1" if desc else "", "page": "",
+               "manifest": m["name"] if m else "", "fp": m["fingerprint"] if m else ""}  # fmt: skip
+        now.update({k: str(v) for k, v in change.items()})
+        return "/clips?" + urlencode({k: v for k, v in now.items() if v not in ("", None)})
+
+    counts = res["counts"]
+    for what in ("level", "source", "status"):
+        for r in counts.get(what, []):
+            r["href"] = url(where=_narrow(where, _equals(what, r["key"])))
+    if "bucket" in counts:
+        counts["bucket"] = [
+            {"key": f"{r['cache']} {r['bucket']}", "n": r["n"], "views": r["views"],
+             "href": url(where=_narrow(where, "clip_id IN (SELECT clip_id FROM latents WHERE status = 'ok' AND "
+                                              f"cache = {_literal(r['cache'])} AND bucket = {_literal(r['bucket'])})"))}
+            for r in counts["bucket"]
+        ]  # fmt: skip
+    ok = next((r["n"] for r in counts.get("status", []) if r["key"] == "ok"), 0)
+    views: dict = {}
+    for r in counts.get("bucket", []):
+        cache = r["key"].split(" ", 1)[0]
+        views[cache] = views.get(cache, 0) + r["views"]
+    command = None
+    if not m:  # a manifest of a manifest's members is not one `catalog manifest` makes
+        base = ["reelcache", "catalog", "manifest", "--root", str(_root(request)), "--name", "NAME", "--where", where]
+        command = {
+            "clips": (shlex.join(base), ok),
+            "caches": [(shlex.join([*base, "--cache", c]), n) for c, n in views.items()],
+        }
     return _render(
         request,
         "clips.html",
@@ -103,8 +203,49 @@ def clips(request: Request) -> Response:
         error=error,
         page=page,
         pages=max(1, math.ceil(res["total"] / PAGE)),
+        url=url,
+        sort=sort,
+        desc=desc,
+        sorts=list(SORTS),
+        manifest=m,
+        command=command,
         **res,
     )
+
+
+def _literal(v) -> str:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return repr(v)
+    return "'" + str(v).replace("'", "''") + "'"
+
+
+def _equals(column: str, value) -> str:
+    return f"{column} IS NULL" if value is None else f"{column} = {_literal(value)}"
+
+
+def _narrow(where: str, cond: str) -> str:
+    """``where`` AND ``cond``, as text a user reads and edits (a `--` comment in ``where`` ends at its line)."""
+    if where.strip().lower() == "true":
+        return cond
+    return f"(\n{where}\n) AND {cond}" if "--" in where else f"({where}) AND {cond}"
+
+
+@functools.lru_cache(maxsize=4)
+def _members(path: Path, fingerprint: str):
+    """A manifest's clip ids, once each, as an Arrow table (its content never changes: its fingerprint)."""
+    import pyarrow.compute as pc
+
+    ids = pc.unique(pq.read_table(path, columns=["clip_id"])["clip_id"])
+    return pa.table({"clip_id": ids})
+
+
+def _manifest(request: Request, name: str, fp: str | None) -> dict:
+    from reelcache.view.server import NotFound
+
+    m = _store(request).manifest(name, fp)
+    if m is None:
+        raise NotFound(f"no manifest {name!r} in the catalog")
+    return m
 
 
 def clip(request: Request) -> Response:
@@ -124,22 +265,20 @@ def clip(request: Request) -> Response:
 
 
 def manifest(request: Request) -> Response:
-    from reelcache.view.server import NotFound
-
-    name, fp = request.query_params.get("name", ""), request.query_params.get("fp")
-    m = _store(request).manifest(name, fp)
-    if m is None:
-        raise NotFound(f"no manifest {name!r} in the catalog")
+    m = _manifest(request, request.query_params.get("name", ""), request.query_params.get("fp"))
     path, store = confined(_root(request), m["path"]), _store(request)
     return _stream(request, "manifest.html", m=m, info=lambda: _manifest_counts(store, path, m["fingerprint"]))
 
 
 @functools.lru_cache(maxsize=16)
-def _manifest_counts(store, path: Path, fingerprint: str) -> tuple[int, list[str], dict]:
-    """A manifest's size, columns and counts: computed once, as its content never changes (its fingerprint)."""
+def _manifest_counts(store, path: Path, fingerprint: str) -> tuple[int, int, list[str], dict]:
+    """A manifest's rows (views, for a cache's manifest), clips, columns and counts: computed once, as its
+    content never changes (its fingerprint)."""
+    import pyarrow.compute as pc
+
     names = pq.read_schema(path).names
     table = pq.read_table(path, columns=[c for c in ("clip_id", "bucket") if c in names])
-    return table.num_rows, names, store.breakdown(table)
+    return table.num_rows, pc.count_distinct(table["clip_id"]).as_py(), names, store.breakdown(table)
 
 
 def run(request: Request) -> Response:
@@ -189,7 +328,7 @@ def _stream(request: Request, template: str, **ctx) -> Response:
     def body():
         try:
             yield from templates.get_template(template).generate(request=request, **ctx)
-        except (ValueError, OSError) as e:  # after the head is sent: the error is a line on the page
+        except (ValueError, OSError, Busy) as e:  # after the head is sent: the error is a line on the page
             yield f'<p class="err">{html.escape(" ".join(str(e).split()))}</p></main></body></html>'
 
     return StreamingResponse(body(), media_type="text/html; charset=utf-8")
@@ -197,10 +336,18 @@ def _stream(request: Request, template: str, **ctx) -> Response:
 
 # -- media ---------------------------------------------------------------------------------
 def media_raw(request: Request) -> Response:
-    """The clip's video member, straight from its raw shard (byte ranges of the tar)."""
-    c = _clip(request)
+    """The clip's video member, straight from its raw shard (byte ranges of the tar); while a merge holds
+    the catalog, from what an earlier request learnt of it (shards never change once written)."""
+    try:
+        c = _clip(request)
+    except Busy:
+        with _known_lock:
+            c = _known.get(request.query_params.get("id", ""))
+        if c is None:
+            raise
     path = _raw_shard(request, c)
-    return slice_response(path, c["shard_offset"], c["file_size"], request.headers.get("range"), _type(c["ext"]))
+    kind, extra = served_as(f"{c['clip_id']}.{c['ext'] or 'mp4'}")  # an ext from the data: never an active type
+    return slice_response(path, c["shard_offset"], c["file_size"], request.headers.get("range"), kind, extra)
 
 
 def _input_path(request: Request, clip: dict) -> Path:
@@ -267,12 +414,6 @@ def files(request: Request) -> Response:
 
 
 # -- helpers -------------------------------------------------------------------------------
-def _type(ext: str | None) -> str:
-    from reelcache.view.files import content_type
-
-    return content_type(f"x.{ext or 'mp4'}")
-
-
 def _span(request: Request, v: dict) -> dict | None:
     """Where the view's window sits in the clip: (start, frames covered, duration s), from cache.json."""
     if v["status"] != "ok":
@@ -282,7 +423,8 @@ def _span(request: Request, v: dict) -> dict | None:
     except Exception:  # noqa: BLE001 - a cache planned elsewhere: the page says so instead
         return None
     k = int(ident["buckets"].get("frame_interval", 1))
-    return {"interval": k, "covered": (v["num_frames"] - 1) * k + 1}
+    weights = str(ident.get("video_encoder", {}).get("weights_sha256", ""))
+    return {"interval": k, "covered": (v["num_frames"] - 1) * k + 1, "random_vae": weights.startswith("seeded-random")}
 
 
 @functools.cache
@@ -301,29 +443,63 @@ def _nouns(c: dict) -> list[tuple[str, bool]]:
     return [(w, tag in NOUN_TAGS) for w, tag in tagger().tag(text)]
 
 
-def _loss_svg(name: str, losses: list[dict], bad: set[int], w: int = 720, h: int = 220) -> dict | None:
+def _ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[float]:
+    """Round values from lo to hi, about n of them (1, 2 or 5 times a power of ten apart)."""
+    span = hi - lo
+    if span <= 0:
+        return [lo]
+    raw = span / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(k * mag for k in (1, 2, 5, 10) if k * mag >= raw)
+    if integer:
+        step = max(1, round(step))
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _loss_svg(name: str, losses: list[dict], bad: set[int], w: int = 720, h: int = 240) -> dict | None:
+    """The loss curve: points (bad or skipped steps marked), axes with round ticks, and a line where a
+    resumed generation's steps begin (the run was stopped or killed before it)."""
     pts = [r for r in losses if r["loss"] is not None and math.isfinite(r["loss"])]
     if not pts:
         return None
     s0, s1 = pts[0]["step"], max(pts[-1]["step"], pts[0]["step"] + 1)
     lo, hi = min(r["loss"] for r in pts), max(r["loss"] for r in pts)
     hi = hi if hi > lo else lo + 1
+    left, right, top, bottom = 56, 10, 10, 30
 
-    def xy(r):
-        return 40 + (w - 50) * (r["step"] - s0) / (s1 - s0), 10 + (h - 30) * (hi - r["loss"]) / (hi - lo)
+    def x_of(step):
+        return left + (w - left - right) * (step - s0) / (s1 - s0)
+
+    def y_of(loss):
+        return top + (h - top - bottom) * (hi - loss) / (hi - lo)
 
     every = max(1, len(pts) // MAX_POINTS)  # a long run: every k-th step drawn, bad ones always
     pts = [r for i, r in enumerate(pts) if i % every == 0 or r["step"] in bad or r["skipped"]]
-    points = [(*xy(r), r["step"], r["loss"], r["step"] in bad or r["skipped"]) for r in pts]
+    points = [(x_of(r["step"]), y_of(r["loss"]), r["step"], f"{r['loss']:.4g}", r["step"] in bad or r["skipped"])
+              for r in pts]  # fmt: skip
+    resumes = [
+        {"x": x_of(b["step"]), "step": b["step"], "generation": b["generation"]}
+        for a, b in zip(losses, losses[1:])
+        if (b.get("generation") or 0) > (a.get("generation") or 0)
+    ]
     return {"w": w, "h": h, "points": points, "line": " ".join(f"{x:.1f},{y:.1f}" for x, y, *_ in points),
-            "lo": lo, "hi": hi, "s0": s0, "s1": s1}  # fmt: skip
+            "left": left, "bottom": h - bottom, "right": w - right, "top": top,
+            "yticks": [(y_of(v), f"{v:.4g}") for v in _ticks(lo, hi)],
+            "xticks": [(x_of(v), int(v)) for v in _ticks(s0, s1, integer=True)], "resumes": resumes}  # fmt: skip
 
 
 def _json(v) -> str:
     return json.dumps(v, default=str)
 
 
+def _urlpath(path: str) -> str:
+    """A path under ROOT as the path of a URL: every character but '/' that means something in a URL quoted."""
+    return quote(str(path), safe="/")
+
+
 templates.env.filters["tojson_plain"] = _json
+templates.env.filters["urlpath"] = _urlpath
 
 ROUTES = [
     ("/", overview),

@@ -50,18 +50,18 @@ def _files(d: Path, sub: str) -> list[str]:
 
 
 def losses(d: Path) -> list[dict]:
-    """(step, epoch, loss, skipped) of every logged step, the newest generation's row of each."""
+    """(step, epoch, loss, skipped, generation) of every logged step, the newest generation's row of each."""
     files = _files(d, "metrics")
     if not files:
         return []
     con = duckdb.connect()
     try:
         rel = con.execute(
-            """SELECT step, epoch, loss, coalesce(skipped, false) AS skipped FROM read_parquet(?)
+            """SELECT step, epoch, loss, coalesce(skipped, false) AS skipped, generation FROM read_parquet(?)
                QUALIFY generation = max(generation) OVER (PARTITION BY step) ORDER BY step""",
             [files],
         )
-        return [dict(zip(("step", "epoch", "loss", "skipped"), r)) for r in rel.fetchall()]
+        return [dict(zip(("step", "epoch", "loss", "skipped", "generation"), r)) for r in rel.fetchall()]
     finally:
         con.close()
 

@@ -9,21 +9,26 @@ one line with a 4xx status, never a stack trace.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
+import os
+import secrets
+import socket
 import sys
 import threading
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from reelcache import UserError
 from reelcache.view import pages, preview
 from reelcache.view.files import Refused
-from reelcache.view.store import Store
+from reelcache.view.guard import LOOPBACK_NAMES, TOKEN_ENV, Guard, check_token, host_names, loopback, wildcard
+from reelcache.view.store import Busy, Store
 
 log = logging.getLogger("reelcache.view")
 
@@ -32,8 +37,16 @@ class NotFound(LookupError):
     pass
 
 
-def build_app(root: str | Path, videos: list[str] | tuple = ()) -> Starlette:
-    store = Store(root)
+def build_app(
+    root: str | Path,
+    videos: list[str] | tuple = (),
+    names: set[str] | None = None,
+    token: str | None = None,
+    **limits,
+) -> Starlette:
+    """The app over ROOT; ``names``: what a Host header may name (default: loopback names); ``token``: what
+    every request must carry (None: nothing); ``limits``: Store's (queries at once, seconds a request)."""
+    store = Store(root, **limits)
 
     async def refused(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(str(exc), status_code=403)
@@ -44,6 +57,9 @@ def build_app(root: str | Path, videos: list[str] | tuple = ()) -> Starlette:
     async def bad(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(str(exc), status_code=400)
 
+    async def busy(request: Request, exc: Busy) -> Response:
+        return PlainTextResponse(str(exc), status_code=503, headers={"Retry-After": str(exc.retry_after)})
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         # in the background, not on the first Clip page: the caption tagger's lexicon (~1 s) and, over a
@@ -52,28 +68,50 @@ def build_app(root: str | Path, videos: list[str] | tuple = ()) -> Starlette:
         yield
         store.close()
 
+    static = StaticFiles(directory=Path(__file__).with_name("static"))
     app = Starlette(
-        routes=[Route(path, fn) for path, fn in pages.ROUTES],
-        exception_handlers={Refused: refused, NotFound: missing, KeyError: missing, UserError: bad, ValueError: bad},
+        routes=[*(Route(path, fn) for path, fn in pages.ROUTES), Mount("/static", static)],
+        exception_handlers={
+            Refused: refused, NotFound: missing, KeyError: missing, Busy: busy, UserError: bad, ValueError: bad
+        },
+        middleware=[Middleware(Guard, names=set(LOOPBACK_NAMES) if names is None else names, token=token)],
         lifespan=lifespan,
-    )
+    )  # fmt: skip
     app.state.store = store
     app.state.root = store.root
     app.state.videos = [Path(v).resolve() for v in videos]
     return app
 
 
-def serve(root: str, host: str = "127.0.0.1", port: int = 8050, videos: list[str] | tuple = ()) -> None:
+STOP_S = 5.0  # on SIGTERM / Ctrl-C, how long open responses (a stalled download) may take to finish
+
+
+def serve(
+    root: str,
+    host: str = "127.0.0.1",
+    port: int = 8050,
+    videos: list[str] | tuple = (),
+    token: str | None = None,
+    allow_hosts: list[str] | tuple = (),
+    **limits,
+) -> None:
     import uvicorn
 
-    app = build_app(root, videos)
-    if not _loopback(host):
+    token = token or os.environ.get(TOKEN_ENV) or None
+    if token is not None:
+        check_token(token)
+    elif not loopback(host):
+        token = secrets.token_urlsafe(24)  # beyond this machine: never without one
+    app = build_app(root, videos, names=host_names(host, allow_hosts), token=token, **limits)
+    if not loopback(host):
         print(
-            f"reelcache view: warning: listening on {host}: anyone who can reach it reads this data root "
-            "(no login); prefer 127.0.0.1 and an ssh tunnel",
+            f"reelcache view: listening on {host}: whoever has the URL with its token reads this data root; "
+            "prefer 127.0.0.1 and an ssh tunnel",
             file=sys.stderr,
         )
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=STOP_S
+    )
     server = uvicorn.Server(config)
 
     # The URL once the socket is bound (port 0 picks a free one).
@@ -84,7 +122,10 @@ def serve(root: str, host: str = "127.0.0.1", port: int = 8050, videos: list[str
         for s in server.servers:
             for sock in s.sockets:
                 h, p = sock.getsockname()[:2]
-                print(f"reelcache view: http://{'[' + h + ']' if ':' in h else h}:{p}/  (Ctrl-C stops)", flush=True)
+                h = socket.gethostname() if wildcard(host) else h
+                query = f"?token={token}" if token else ""
+                url = f"http://{'[' + h + ']' if ':' in h else h}:{p}/{query}"
+                print(f"reelcache view: {url}  (Ctrl-C stops)", flush=True)
                 return
 
     server.startup = announce
@@ -95,12 +136,3 @@ def _warm(root: Path) -> None:
     pages.tagger().tag("a warm up")
     if (root / "latents").is_dir():
         preview.import_vae_libraries()
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

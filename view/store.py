@@ -12,7 +12,14 @@ The connection is held only while pages are being answered: DuckDB lets one proc
 database file only while no other process has it open, even read-only, so a viewer holding it for
 its lifetime would make every ``catalog merge`` and ``catalog manifest`` (a Slurm array's ``--then``
 merge included) fail as "busy" for as long as it runs. It is closed once no request has used it for
-``IDLE_S`` seconds and opened again by the next one (about 10 ms).
+``IDLE_S`` seconds and opened again by the next one (about 10 ms). While a writer holds the file (or
+waits for it: catalog/db.py's ``WRITER`` file) a request is a ``Busy``, answered 503 with Retry-After.
+
+The user's queries are bounded as a whole: at most ``queries`` requests run them at once (another waits
+``SLOT_WAIT_S`` on the event loop, holding no thread, then is a ``Busy``), all of one request's together
+get ``request_s`` seconds, a request whose
+client has left is interrupted (``Budget.interrupt``), each query holds at most ``MEMORY_LIMIT`` and
+spills at most ``MAX_SPILL`` to ``ROOT/view-cache/duckdb-tmp/`` (never beside the catalog).
 """
 
 from __future__ import annotations
@@ -25,10 +32,15 @@ from pathlib import Path
 import duckdb
 
 from reelcache import UserError
-from reelcache.catalog.db import db_path, open_error
+from reelcache.catalog.db import db_path, open_error, writer_waiting
 from reelcache.catalog.sql import check_where, where_sql
 
-USER_SQL_S = 10.0
+USER_SQL_S = 10.0  # all the user's queries of one request together
+USER_QUERIES = 2  # requests running user queries at once
+SLOT_WAIT_S = 2.0  # how long a request waits for one of them (on the event loop, holding no thread)
+MAX_SPILL = "1GB"  # what DuckDB may write to view-cache/duckdb-tmp/ for one connection
+TMP_DIR = "view-cache/duckdb-tmp"
+RETRY_S = 2  # Retry-After of a Busy
 # What one query may hold in memory (DuckDB's own limit; a query past it fails with one line): a
 # WHERE typed in the browser must not take the memory of the machine that serves the catalog.
 MEMORY_LIMIT = "2GB"
@@ -36,28 +48,110 @@ IDLE_S = 2.0  # the catalog is closed after this long without a request (a write
 OPEN_WAIT_S = 10.0  # how long a request waits for this process's other connection to the catalog to close
 PAGE = 60  # clips per grid page
 REJECTS_PAGE = 50
-CLIP_COLUMNS = "clip_id, source, text, level, noun_count, width, height, fps, duration, num_frames, codec, file_size"
+CLIP_COLUMNS = (
+    "clip_id, source, text, level, noun_count, width, height, fps, duration, num_frames, codec, file_size, "
+    "status, reject_reason"
+)
+
+
+# The orders the grid offers: name in the URL -> column (a fixed list: no SQL from the URL here).
+SORTS = {
+    "clip_id": "clip_id", "duration": "duration", "fps": "fps", "size": "file_size", "level": "level",
+    "nouns": "noun_count", "resolution": "resolution", "aesthetic": "aesthetic_score", "motion": "motion_score",
+    "temporal": "temporal_consistency_score",
+}  # fmt: skip
 
 
 class BadQuery(ValueError):
     """A user's SQL fragment that is not one read-only SELECT, or that failed: one line for the page."""
 
 
+class Busy(Exception):
+    """Not now (a writer holds the catalog, the user's queries are at their limit): 503, retry after."""
+
+    def __init__(self, text: str, retry_after: int = RETRY_S):
+        super().__init__(text)
+        self.retry_after = retry_after
+
+
+class Budget:
+    """One request's user queries: a deadline for all of them, and ``interrupt`` (its client left)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.deadline = seconds, time.monotonic() + seconds
+        self.stopped: str | None = None
+        self._cur = None
+        self._lock = threading.Lock()
+
+    def interrupt(self, why: str) -> None:
+        with self._lock:
+            self.stopped = self.stopped or why
+            if self._cur is not None:
+                self._cur.interrupt()
+
+    def run(self, cur, fn):
+        """``fn()`` with ``cur`` interrupted at the deadline or by ``interrupt``."""
+        with self._lock:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                self.stopped = self.stopped or f"stopped after {self.seconds:g} s (what one page's queries may take)"
+            if self.stopped:
+                raise BadQuery(self.stopped)
+            self._cur = cur
+        timer = threading.Timer(
+            left, self.interrupt, [f"stopped after {self.seconds:g} s (what one page's queries may take)"]
+        )
+        timer.start()
+        try:
+            return fn()
+        except duckdb.InterruptException:
+            raise BadQuery(self.stopped or "interrupted") from None
+        finally:
+            timer.cancel()
+            with self._lock:
+                self._cur = None
+
+
 class Store:
-    def __init__(self, root: str | Path):
+    def __init__(
+        self,
+        root: str | Path,
+        queries: int = USER_QUERIES,
+        request_s: float = USER_SQL_S,
+        memory: str = MEMORY_LIMIT,
+        spill: str = MAX_SPILL,
+    ):
         self.root = Path(root).resolve()
         self.path = db_path(self.root)
         if not self.path.exists():
             raise UserError(f"no catalog at {self.path}: run `reelcache catalog merge --root {root}` first")
         self._con, self._users, self._used, self._timer = None, 0, 0.0, None
         self._guard = threading.Lock()
+        self.queries, self.request_s, self.memory, self.spill = queries, request_s, memory, spill
+        self._slots = threading.BoundedSemaphore(queries)
         self.tables = {r[0] for r in self.rows("SELECT table_name FROM information_schema.tables")}
+
+    def take_slot(self) -> bool:
+        """A slot for one request's user queries, if one is free now (``release_slot`` gives it back)."""
+        return self._slots.acquire(blocking=False)
+
+    def release_slot(self) -> None:
+        self._slots.release()
+
+    def busy_slots(self) -> Busy:
+        return Busy(f"the viewer runs {self.queries} pages of queries already (its limit): retry in a few seconds")
 
     @contextmanager
     def _cursor(self):
         """A cursor of the shared read-only connection, opened if it was closed; closed again by
         ``_release`` once it has been idle for ``IDLE_S`` (a UserError while a merge holds the file)."""
         with self._guard:
+            waiting = writer_waiting(self.path)
+            if waiting:
+                if self._con is not None and self._users == 0:
+                    self._con.close()  # step aside: the writer gets the file as soon as nothing reads it
+                    self._con = None
+                raise Busy(f"the catalog is being written ({waiting}): retry in a few seconds")
             if self._con is None:
                 self._con = self._connect()
             self._users += 1
@@ -69,7 +163,10 @@ class Store:
             with self._guard:
                 self._users -= 1
                 self._used = time.monotonic()
-                if self._users == 0:
+                if self._users == 0 and writer_waiting(self.path):
+                    self._con.close()  # the last reader out lets a waiting writer in now
+                    self._con = None
+                elif self._users == 0:
                     if self._timer is not None:
                         self._timer.cancel()
                     self._timer = threading.Timer(IDLE_S, self._release)
@@ -81,19 +178,33 @@ class Store:
         another configuration while one is open: catalog/manifest.py's name lookup (a Stage page's loader)
         holds one for a moment, so that refusal is waited out (``OPEN_WAIT_S``), never a 500."""
         deadline = time.monotonic() + OPEN_WAIT_S
+        try:
+            (self.root / TMP_DIR).parent.mkdir(exist_ok=True)  # DuckDB makes duckdb-tmp/ in it, not its parent
+        except OSError:
+            pass  # a root this user cannot write: a query that would spill fails, in one line
         while True:
             try:
                 return duckdb.connect(
                     str(self.path),
                     read_only=True,
-                    config={"enable_external_access": False, "memory_limit": MEMORY_LIMIT, "lock_configuration": True},
+                    config={
+                        "enable_external_access": False,
+                        "memory_limit": self.memory,
+                        "temp_directory": str(self.root / TMP_DIR),
+                        "max_temp_directory_size": self.spill,
+                        "lock_configuration": True,
+                    },
                 )
             except duckdb.ConnectionException as e:
                 if time.monotonic() > deadline:
                     raise UserError(f"cannot open {self.path} read-only: {_one_line(e)}") from e
                 time.sleep(0.05)
             except duckdb.IOException as e:
-                raise open_error(self.path, e, "read it") from e  # not a catalog, or a merge holds it
+                if "lock" in str(e).lower():
+                    raise Busy(
+                        f"the catalog is being written (a `catalog merge` or `catalog manifest`): {_one_line(e)}"
+                    ) from e
+                raise open_error(self.path, e, "read it") from e  # e.g. not a DuckDB catalog at all
 
     def _release(self) -> None:
         with self._guard:
@@ -121,23 +232,24 @@ class Store:
             return _dicts(cur, sql, params)
 
     # -- the user's WHERE clause -------------------------------------------------------------
-    def user_rows(self, where: str, sql: str, params=None) -> list[dict]:
-        """``sql`` with ``{where}`` replaced by the user's clause, after checking it is one SELECT."""
+    def user_rows(self, budget: Budget, where: str, sql: str, params=None, members=None) -> list[dict]:
+        """``sql`` with ``{where}`` replaced by the user's clause, after checking it is one SELECT, within
+        the request's ``budget`` (pages.py's ``_user_queries``); ``members``: an Arrow table of clip ids the clause is
+        narrowed to (a manifest's), registered as ``members`` on the query's cursor."""
         try:
-            query = sql.replace("{where}", where_sql(check_where(where, option="WHERE")))
+            cond = where_sql(check_where(where, option="WHERE"))
         except UserError as e:
             raise BadQuery(str(e)) from None
+        if members is not None:
+            cond = f"clip_id IN (SELECT clip_id FROM members) AND {cond}"
+        query = sql.replace("{where}", cond)
         with self._cursor() as cur:
-            timer = threading.Timer(USER_SQL_S, cur.interrupt)
-            timer.start()
+            if members is not None:
+                cur.register("members", members)
             try:
-                return _dicts(cur, query, params)
-            except duckdb.InterruptException:
-                raise BadQuery(f"stopped after {USER_SQL_S:.0f} s: {where!r}") from None
+                return budget.run(cur, lambda: _dicts(cur, query, params))
             except duckdb.Error as e:
                 raise BadQuery(_one_line(e)) from None
-            finally:
-                timer.cancel()
 
     # -- pages -------------------------------------------------------------------------------
     def overview(self) -> dict:
@@ -158,9 +270,9 @@ class Store:
                 "FROM shards GROUP BY 1 ORDER BY 1"
             ),
             "caches": self.dicts(
-                "SELECT cache, count(DISTINCT clip_id) AS clips, count(*) FILTER (status = 'ok') AS latents, "
-                "count(*) FILTER (status = 'rejected') AS rejected, count(DISTINCT bucket) AS buckets "
-                "FROM latents GROUP BY 1 ORDER BY 1"
+                "SELECT cache, count(DISTINCT clip_id) FILTER (status = 'ok') AS clips, "
+                "count(*) FILTER (status = 'ok') AS views, count(*) FILTER (status = 'rejected') AS rejected, "
+                "count(DISTINCT bucket) AS buckets, max(view) + 1 AS views_per_clip FROM latents GROUP BY 1 ORDER BY 1"
             ),
             "manifests": self.manifests(),
         }
@@ -188,26 +300,43 @@ class Store:
         )
         return rows, total
 
-    def clips(self, where: str, page: int) -> dict:
-        """One grid page of the clips matching ``where`` and its counts per level, source and bucket."""
+    def clips(
+        self, budget: Budget, where: str, page: int, sort: str = "clip_id", desc: bool = False, members=None
+    ) -> dict:
+        """One grid page of the clips matching ``where`` (among ``members``, if given), in the order of ``sort``
+        (a key of SORTS), and its counts per level, source, status (one query) and cache bucket (clips: their
+        view 0; views: all of their ok views)."""
+        order = f"{SORTS[sort]} {'DESC' if desc else 'ASC'} NULLS LAST, clip_id"
         grid = self.user_rows(
+            budget,
             where,
-            f"SELECT {CLIP_COLUMNS} FROM clips WHERE {{where}} ORDER BY clip_id LIMIT {PAGE} OFFSET ?",
+            f"SELECT {CLIP_COLUMNS} FROM clips WHERE {{where}} ORDER BY {order} LIMIT {PAGE} OFFSET ?",
             [page * PAGE],
+            members,
         )
-        counts = {
-            "level": self.user_rows(
-                where, "SELECT level AS key, count(*) AS n FROM clips WHERE {where} GROUP BY 1 ORDER BY 1"
-            ),
-            "source": self.user_rows(
-                where, "SELECT source AS key, count(*) AS n FROM clips WHERE {where} GROUP BY 1 ORDER BY 1"
-            ),
-        }
-        counts["bucket"] = self.user_rows(
+        sets = self.user_rows(
+            budget,
             where,
-            """SELECT l.cache || ' ' || l.bucket AS key, count(*) AS n FROM latents l
-               WHERE l.status = 'ok' AND l.view = 0 AND l.clip_id IN (SELECT clip_id FROM clips WHERE {where})
-               GROUP BY 1 ORDER BY 1""",
+            """SELECT level, source, status, grouping(level) AS no_level, grouping(source) AS no_source,
+                      count(*) AS n
+               FROM clips WHERE {where} GROUP BY GROUPING SETS ((level), (source), (status))""",
+            None,
+            members,
+        )
+        counts: dict = {"level": [], "source": [], "status": []}
+        for r in sets:  # the grouping set of a row: the one column not aggregated away
+            what = "level" if not r["no_level"] else "source" if not r["no_source"] else "status"
+            counts[what].append({"key": r[what], "n": r["n"]})
+        for rows in counts.values():
+            rows.sort(key=lambda r: (r["key"] is None, r["key"]))
+        counts["bucket"] = self.user_rows(
+            budget,
+            where,
+            """SELECT l.cache, l.bucket, count(DISTINCT l.clip_id) AS n, count(*) AS views FROM latents l
+               WHERE l.status = 'ok' AND l.clip_id IN (SELECT clip_id FROM clips WHERE {where})
+               GROUP BY 1, 2 ORDER BY 1, 2""",
+            None,
+            members,
         )
         total = sum(r["n"] for r in counts["source"])
         return {"grid": grid, "counts": counts, "total": total}

@@ -165,7 +165,10 @@ HOLDER = textwrap.dedent(
 )
 
 
-def test_a_busy_catalog_is_one_line_for_merge_manifest_sql_and_export(root, tmp_path, capsys):
+def test_a_busy_catalog_is_one_line_for_merge_manifest_sql_and_export(root, tmp_path, capsys, monkeypatch):
+    import reelcache.catalog.db as db
+
+    monkeypatch.setattr(db, "WRITE_WAIT_S", 0.3)  # a writer waits for readers to let go: not this holder
     before = _snapshot(root)
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True

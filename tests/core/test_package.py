@@ -44,6 +44,7 @@ def test_wheel_contains_only_the_reelcache_namespace(tmp_path):
         assert f"reelcache/{stage}/__init__.py" in names
     assert "reelcache/catalog/schema.sql" in names
     assert "reelcache/view/templates/base.html" in names  # the viewer's pages
+    assert {"reelcache/view/static/view.js", "reelcache/view/static/view.css"} <= set(names)  # script, style
     assert "reelcache/cluster/agent.py" in names  # read as source text and sent to every node
 
 

@@ -7,6 +7,7 @@ catalog/db.py (empty tables) and a run directory that never started (no config.j
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
@@ -17,13 +18,15 @@ from starlette.testclient import TestClient  # needs httpx (pyproject's dev extr
 from reelcache.catalog.db import open_catalog
 from reelcache.view.server import build_app
 
+BASE = "http://127.0.0.1:8050"  # a Host the viewer listens as (TestClient's own 'testserver' is refused)
+
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("viewroot")
     open_catalog(root, write=True).close()
     (root / "runs" / "never-started" / "log").mkdir(parents=True)
-    c = TestClient(build_app(root), raise_server_exceptions=False)
+    c = TestClient(build_app(root), base_url=BASE, raise_server_exceptions=False)
     yield c
     _close(c)
 
@@ -74,10 +77,10 @@ def test_a_running_viewer_lets_a_merge_write_the_catalog_between_requests(client
     assert client.get("/clips").status_code == 200  # opened again by the next request
 
 
-def test_a_rejects_play_error_handler_is_one_whole_attribute(tmp_path):
-    """The reject page's <video onerror="..."> holds the reason as a JSON string: its double quotes must be
-    escaped inside the double-quoted attribute, or the attribute ends at the first one and the handler is a
-    syntax error (the page never says why a file did not play). Reference: Python's own HTML parser."""
+def test_a_rejects_play_error_is_data_not_script(tmp_path):
+    """The reject page's <video> says why it does not play through data-* attributes read by the static
+    script (no inline handler: the CSP runs none), the reason one whole attribute value.
+    Reference: Python's own HTML parser."""
     from html.parser import HTMLParser
 
     from reelcache.catalog.db import clips_table
@@ -93,7 +96,7 @@ def test_a_rejects_play_error_handler_is_one_whole_attribute(tmp_path):
         con.execute("INSERT INTO clips BY NAME SELECT * FROM new_clips")
     finally:
         con.close()
-    c = TestClient(build_app(root))
+    c = TestClient(build_app(root), base_url=BASE)
     page = c.get("/reject?id=r1")
     _close(c)
     assert page.status_code == 200, page.text[:300]
@@ -107,8 +110,9 @@ def test_a_rejects_play_error_handler_is_one_whole_attribute(tmp_path):
 
     Videos().feed(page.text)
     (video,) = videos
-    assert set(video) == {"id", "controls", "preload", "src", "onerror"}, video
-    assert video["onerror"].endswith("'; the file is rejected: ' + \"undecodable\" + ')'"), video["onerror"]
+    assert set(video) == {"id", "controls", "preload", "src", "data-error-in", "data-error-text"}, video
+    assert video["data-error-in"] == "play-error"
+    assert video["data-error-text"].endswith("(the file is rejected: undecodable)"), video["data-error-text"]
 
 
 def test_a_request_waits_for_the_name_lookups_own_connection(client):
@@ -147,7 +151,7 @@ def test_a_thumbnail_reads_no_shard_outside_the_root(tmp_path):
         con.execute("INSERT INTO clips BY NAME SELECT * FROM new_clips")
     finally:
         con.close()
-    c = TestClient(build_app(root), raise_server_exceptions=False)
+    c = TestClient(build_app(root), base_url=BASE, raise_server_exceptions=False)
     try:
         for clip in ("o0", "o1"):
             for media in ("raw", "thumb"):
@@ -155,11 +159,31 @@ def test_a_thumbnail_reads_no_shard_outside_the_root(tmp_path):
                 assert (r.status_code, r.text.startswith("refused:")) == (403, True), (clip, media, r.text[:200])
     finally:
         _close(c)
-    assert not (root / "view-cache").exists()
+    assert not (root / "view-cache" / "thumbs").exists()  # no thumbnail made
 
 
-def test_only_loopback_addresses_go_without_a_warning():
-    from reelcache.view.server import _loopback
+def test_only_loopback_addresses_go_without_a_token():
+    from reelcache.view.guard import loopback
 
-    assert all(_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
-    assert not any(_loopback(h) for h in ("0.0.0.0", "::", "10.1.2.3", "head-node"))
+    assert all(loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
+    assert not any(loopback(h) for h in ("0.0.0.0", "::", "10.1.2.3", "head-node"))
+
+
+def test_the_loss_curve_marks_a_resume_and_has_round_ticks():
+    """A run killed after step 6 and resumed (generation 1 from step 5 on): one mark where generation 1's
+    steps begin, ticks at round values inside the axes, losses shown to 4 significant digits."""
+    from reelcache.view.pages import _loss_svg
+
+    losses = [{"step": s, "loss": 1 / (s + 1) + 0.123456789, "skipped": False, "generation": int(s >= 5)}
+              for s in range(12)]  # fmt: skip
+    svg = _loss_svg("r", losses, set())
+    assert [r["step"] for r in svg["resumes"]] == [5] and svg["resumes"][0]["generation"] == 1
+    assert [label for _, label in svg["xticks"]] == [0, 5, 10]  # steps 0..11: about 5 ticks of 1, 2 or 5 x 10^k
+    values = [float(label) for _, label in svg["yticks"]]
+    lo, hi = min(r["loss"] for r in losses), max(r["loss"] for r in losses)
+    assert len(values) >= 3 and all(lo <= v <= hi for v in values)
+    step = values[1] - values[0]
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    assert any(abs(mantissa - k) < 1e-9 for k in (1, 2, 5)), step
+    assert all(abs(v / step - round(v / step)) < 1e-6 for v in values)  # multiples of the step
+    assert {p[3] for p in svg["points"]} == {f"{r['loss']:.4g}" for r in losses}

@@ -24,19 +24,6 @@ from support import REPO, quiet_env, tiny_cache_config
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", "/usr/bin/chromedriver"
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--autoplay-policy=no-user-gesture-required",
-    "--window-size=1100,800",
-]
 HAVE_ENOUGH_DATA = 4
 
 
@@ -68,6 +55,11 @@ def demo_root(ingested, tmp_path_factory) -> Path:
         cwd=REPO, env=quiet_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    # an eval sample whose name holds a quote, a space and a '#' (a URL's fragment, unless encoded)
+    (h264,) = _sql(root, "SELECT path FROM clips WHERE status = 'ok' AND codec = 'h264' AND ext = 'mp4' LIMIT 1")[0]
+    sample = root / "runs" / "r" / "eval" / "ckpt-000003" / "samples" / 'it\'s #1 "a cat".mp4'
+    sample.parent.mkdir(parents=True)
+    shutil.copyfile(h264, sample)
     return root
 
 
@@ -95,23 +87,6 @@ def server(demo_root, demo_dataset):
     p.terminate()
     p.wait(timeout=20)
     assert _snapshot(demo_root) == before  # nothing written outside view-cache/, the catalog included
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    if not (Path(CHROMIUM).exists() and Path(DRIVER).exists()):
-        pytest.skip("no Debian chromium + chromium-driver (make sysdeps installs them as root)")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM  # both paths given: Selenium Manager never runs, nothing is downloaded
-    for f in [*FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"]:
-        opts.add_argument(f)
-    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
-    driver.set_page_load_timeout(120)
-    yield driver
-    driver.quit()
 
 
 def _shot(driver, tmp_path: Path, name: str) -> None:
@@ -372,3 +347,109 @@ def test_thumbnails_are_the_displayed_picture(server, demo_root, tmp_path):
             ["ffmpeg", "-v", "error", "-i", path, "-frames:v", "1", "-vf", f"scale={w}:{h}", str(ref)], check=True
         )
         assert np.abs(thumb - np.asarray(Image.open(ref).convert("RGB"), dtype=float)).mean() < 6.0
+
+
+def test_facets_narrow_the_selection_and_it_becomes_a_manifest(server, browser, demo_root, tmp_path):
+    """Each count is a link to the selection narrowed to it; the grid sorts; the pager is above and below;
+    the `catalog manifest` command on the page, run on a copy of the root, makes a manifest of the size the
+    page says (pyarrow reads it)."""
+    import shlex
+
+    import pyarrow.parquet as pq
+    from selenium.webdriver.common.by import By
+
+    where = "source = 'openvid'"  # rejects included
+    browser.get(server + "/clips?where=" + urllib.request.quote(where))
+    assert len(browser.find_elements(By.CSS_SELECTOR, "p.pager-top")) == 1
+    assert len(browser.find_elements(By.CSS_SELECTOR, "p.pager-bottom")) == 1
+    link = next(a for a in browser.find_elements(By.CSS_SELECTOR, "table.count-status a") if a.text == "rejected")
+    link.click()
+    narrowed = f"({where}) AND status = 'rejected'"
+    assert browser.find_element(By.ID, "where").get_attribute("value") == narrowed
+    want = sorted(c for (c,) in _sql(demo_root, f"SELECT clip_id FROM clips WHERE {narrowed}"))
+    cards = browser.find_elements(By.CSS_SELECTOR, "#grid .clip-card")
+    assert sorted(c.get_attribute("data-clip-id") for c in cards) == want and want
+    assert all("/reject?id=" in c.get_attribute("href") for c in cards)  # a reject's card leads to its reject page
+    cards[0].click()
+    assert browser.find_element(By.TAG_NAME, "h1").text.startswith("Rejected:")
+
+    # a bucket's clips, sorted by duration, longest first
+    browser.get(server + "/clips?where=true")
+    link = browser.find_elements(By.CSS_SELECTOR, "table.count-bucket a")[0]
+    cache, bucket = link.text.split(" ", 1)
+    link.click()
+    browser.get(browser.current_url + "&sort=duration&desc=1")
+    got = [c.get_attribute("data-clip-id") for c in browser.find_elements(By.CSS_SELECTOR, "#grid .clip-card")]
+    want = [c for (c,) in _sql(demo_root, "SELECT clip_id FROM clips WHERE clip_id IN (SELECT clip_id FROM latents "
+                               "WHERE cache = ? AND bucket = ? AND status = 'ok') ORDER BY duration DESC, clip_id",
+                               [cache, bucket])]  # fmt: skip
+    assert got == want and want
+
+    # the selection as a manifest: the command, run on a copy, makes what the page counts
+    browser.get(server + "/clips?where=" + urllib.request.quote(where))
+    summary = browser.find_element(By.CSS_SELECTOR, "#as-manifest summary")
+    summary.click()
+    m = re.search(r"(\d+) clips; (\d+) views of cache t", summary.text)
+    assert m, summary.text
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_root, copy, ignore=shutil.ignore_patterns("view-cache"))
+    commands = [browser.find_element(By.ID, "manifest-command"), *browser.find_elements(By.CSS_SELECTOR, "pre.cmd")[1:]]
+    for i, (pre, n) in enumerate(zip(commands, (int(m[1]), int(m[2])), strict=True)):
+        args = shlex.split(pre.text)
+        assert args[:3] == ["reelcache", "catalog", "manifest"] and args[args.index("--where") + 1] == where
+        args[args.index("--root") + 1], args[args.index("--name") + 1] = str(copy), f"sel{i}"
+        made = Path(_main(*args[1:]).strip().splitlines()[-1])  # the path it prints
+        assert pq.read_table(made if made.is_absolute() else copy / made).num_rows == n, (pre.text, n)
+
+
+def test_a_manifest_counts_clips_and_views_and_lists_its_members(server, browser, demo_root):
+    import pyarrow.parquet as pq
+    from selenium.webdriver.common.by import By
+
+    (path,) = _sql(demo_root, "SELECT path FROM manifests WHERE name = 'lat'")[0]
+    table = pq.read_table(demo_root / path)
+    members = sorted(set(table["clip_id"].to_pylist()))
+    browser.get(server + "/manifest?name=lat")
+    sizes = browser.find_element(By.ID, "sizes").text
+    assert sizes.startswith(f"{len(members)} clips in {table.num_rows} views"), sizes
+    assert len(members) < table.num_rows  # two views a clip: the two numbers differ
+    source_rows = browser.find_elements(By.CSS_SELECTOR, "table.count-source tr")
+    assert source_rows[0].text.split()[-1] == "views"
+    assert sum(int(r.text.split()[-1]) for r in source_rows[1:]) == table.num_rows
+    browser.find_element(By.ID, "its-clips").click()
+    got = sorted(c.get_attribute("data-clip-id") for c in browser.find_elements(By.CSS_SELECTOR, "#grid .clip-card"))
+    assert got == members
+
+
+def test_a_clip_page_has_a_poster_a_download_and_says_a_random_vae_is_noise(server, browser, demo_root):
+    from selenium.webdriver.common.by import By
+
+    clip_id, path = _sql(demo_root, "SELECT clip_id, path FROM clips WHERE status = 'ok' AND codec = 'hevc' LIMIT 1")[0]
+    browser.get(server + "/clip?id=" + urllib.request.quote(clip_id))
+    assert "download" in browser.find_element(By.ID, "raw-why").text
+    raw = browser.find_element(By.ID, "raw")
+    assert raw.get_attribute("poster").endswith("/media/thumb?id=" + clip_id)
+    with urllib.request.urlopen(browser.find_element(By.ID, "raw-download").get_attribute("href")) as r:
+        assert r.read() == Path(path).read_bytes()
+    (lat,) = _sql(demo_root, "SELECT clip_id FROM latents WHERE cache = 't' AND status = 'ok' LIMIT 1")[0]
+    browser.get(server + "/clip?id=" + urllib.request.quote(lat))
+    said = browser.find_element(By.CSS_SELECTOR, "figcaption.latent-what").text
+    assert "random" in said and "noise" in said, said  # the demo's tiny VAE: seeded random weights (cache.json)
+
+
+def test_the_run_page_rounds_ticks_and_plays_a_sample_with_a_quoted_name(server, browser, demo_root):
+    import pyarrow.parquet as pq
+    from selenium.webdriver.common.by import By
+
+    browser.get(server + "/run?name=r")
+    losses = pq.ParquetDataset(sorted(str(p) for p in (demo_root / "runs/r/metrics").glob("*.parquet"))).read()
+    shown = [
+        r.find_elements(By.TAG_NAME, "td")[2].text for r in browser.find_elements(By.CSS_SELECTOR, "#steps tr")[1:]
+    ]
+    by_step = dict(zip(losses["step"].to_pylist(), losses["loss"].to_pylist()))  # one generation: one row a step
+    assert shown == [f"{by_step[k]:.4g}" for k in sorted(by_step)]
+    assert len(browser.find_elements(By.CSS_SELECTOR, "svg#loss g.xtick")) >= 2
+    assert len(browser.find_elements(By.CSS_SELECTOR, "svg#loss g.ytick")) >= 2
+    (video,) = [v for v in browser.find_elements(By.CSS_SELECTOR, "video") if "cat" in v.get_attribute("src")]
+    state, _ = _video(browser, video)
+    assert state == HAVE_ENOUGH_DATA  # '#' and quotes encoded: the whole name reaches the server
