@@ -237,7 +237,7 @@ def test_takedown_removes_the_clip_everywhere_and_nothing_else(taken):
 
     app = build_app(after)
     try:
-        page = TestClient(app).get("/clip", params={"id": it["clip_id"]}).text
+        page = TestClient(app, base_url="http://127.0.0.1:8050").get("/clip", params={"id": it["clip_id"]}).text
     finally:
         app.state.store.close()
     assert f"WITHDRAWN by takedown {plan['id']}: removal request #1234" in page
