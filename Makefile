@@ -203,11 +203,12 @@ format: install
 	$(BIN)/ruff check --fix --quiet .
 	$(BIN)/ruff format --quiet .
 
-# The suite in TEST_WORKERS xdist workers (tests/conftest.py groups what must share a worker). Three on
-# two cores: much of the suite waits on timers (lease TTLs, watchdog limits, Slurm), not on a processor.
+# The suite in TEST_WORKERS xdist workers (tests/conftest.py puts a file, or the files that share a
+# machine-wide daemon, in one worker). Three on two cores: much of the suite waits on timers (lease TTLs,
+# watchdog limits, Slurm), not on a processor.
 TEST_WORKERS ?= 3
 test: test-sysdeps install lint
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 # The unit tests alone: every component in milliseconds, no multi-process or end-to-end run (those
 # are marked slow; multinode, slurm and browser tests count as slow too). Under a minute.

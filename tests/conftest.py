@@ -23,26 +23,43 @@ sys.path.insert(0, str(Path(__file__).parent))
 SLOW_KINDS = ("multinode", "slurm", "browser", "gpu")
 
 
-# Tests that share one machine-wide thing run in one xdist worker, one after another: the namespace
-# cluster (its namespaces, bridge and addresses) and the one-node Slurm (munge, slurmctld).
-SHARED_KINDS = ("multinode", "slurm")
+# `make test` runs the suite in xdist workers; each test file goes to one worker whole (its module
+# fixtures, such as a training run several tests read, are built once), and the files that start a
+# machine-wide thing share one worker, one after another: the namespace cluster (tests/cluster_local.py)
+# and the Slurms (tests/slurm_local.py, tests/cluster_slurm.py). Much of the suite waits on timers
+# (lease TTLs, watchdog limits, Slurm's node timeouts), so more workers than cores keep the processors busy.
+SHARED = {"multinode": ("tests/cluster/test_multinode",), "slurm": ("tests/cluster/test_slurm_",)}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
+def test_group(nodeid: str) -> str:
+    """The worker group of a test: SHARED's kind whose file prefix its file has, else its file."""
+    file = nodeid.split("::")[0]
+    return next((kind for kind, prefixes in SHARED.items() if file.startswith(prefixes)), file)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with test_group as the scope (decided from the test id alone, on the
+    controller, which collects nothing: --dist loadgroup's markers reach it through a node id suffix that
+    pytest 9.2 no longer lets a plugin set)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Grouped(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    return Grouped(config, log)
+
+
 def pytest_collection_modifyitems(items):
     """A test on a namespace cluster, a Slurm, a browser or a GPU is a slow one (`make test-fast`
-    deselects `slow`): one marker to filter on, whatever made the test slow.
-
-    `make test` runs the suite in xdist workers with --dist loadgroup; every test gets a group: the
-    machine-wide kind it needs (SHARED_KINDS), else its file, so a module's fixtures (a training run
-    several tests read) are built once, in one worker. Much of the suite waits on timers (lease TTLs,
-    watchdog limits, Slurm's node timeouts), so more workers than cores keep the processors busy."""
+    deselects `slow`): one marker to filter on, whatever made the test slow. A test marked multinode or
+    slurm must live where test_group puts it (in one worker with the others of its kind)."""
     for item in items:
         if any(item.get_closest_marker(k) for k in SLOW_KINDS) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
-        if not item.get_closest_marker("xdist_group"):
-            kind = next((k for k in SHARED_KINDS if item.get_closest_marker(k)), None)
-            item.add_marker(pytest.mark.xdist_group(kind or item.path.parent.name + "/" + item.path.name))
+        for kind in SHARED:
+            if item.get_closest_marker(kind) and test_group(item.nodeid) != kind:
+                raise pytest.UsageError(f"{item.nodeid} is marked {kind}: its file must start with {SHARED[kind]}")
 
 
 @pytest.fixture(scope="session")
