@@ -35,51 +35,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from reelcache import UserError
 from reelcache.cache.store import TEXT_INDEX, VIDEO_INDEX
-from reelcache.catalog.shards import atomic_path
+from reelcache.catalog.latents import read_or_say as _read
+from reelcache.catalog.latents import references
+from reelcache.catalog.shards import HOLE, atomic_path
 from reelcache.progress import say
-
-
-def _pairs(table, shard: str, offset: str) -> set:
-    if shard not in table.column_names or offset not in table.column_names:
-        return set()
-    return {(s, int(o)) for s, o in zip(table[shard].to_pylist(), table[offset].to_pylist()) if s is not None}
-
-
-def _read(root: Path, path: Path, read):
-    """`read(path)`, or a UserError naming a file gc cannot read (before it deletes anything), and how
-    that file is written again: gc must know every reference and every index entry to delete safely."""
-    try:
-        return read(path)
-    except FileNotFoundError:
-        raise  # gone since it was listed: the caller knows what that means
-    except (OSError, pa.ArrowException) as e:
-        rel = path.relative_to(root)
-        if rel.parts[0] == "manifests":
-            again = "make that manifest again (`reelcache catalog manifest`) or delete it"
-        else:  # a store index (store/<kind>/<cache>/NNNNNN-<plan>.parquet), a unit sidecar or a frozen plan
-            cache, unit = rel.parts[-2] if rel.parts[-2] != "_plan" else rel.parts[-3], rel.stem[:6]
-            again = (
-                f"restore it, or write it again: delete latents/{cache}/{unit}.parquet and run "
-                f"`reelcache cache run --root {root} {cache}/{unit}`"
-                if unit.isdigit()
-                else f"restore it, or re-plan cache {cache!r} (`reelcache cache plan`)"
-            )
-        reason = str(e).split(": ", 1)[-1].split(". ")[0] if isinstance(e, pa.ArrowException) else e.strerror or e
-        raise UserError(f"cache gc: {rel} is not readable parquet ({reason}); nothing was deleted: {again}") from None
-
-
-def references(root: Path) -> set:
-    """(shard, offset) of every store entry a cache, a plan or a manifest names."""
-    refs: set = set()
-    files = [*root.glob("latents/*/[0-9]*.parquet"), *root.glob("latents/*/_plan/input.parquet")]
-    wanted = {"shard", "shard_offset", "text_shard", "text_offset", "reuse_shard", "reuse_offset"}
-    for p in files + sorted(root.glob("manifests/*.parquet")):
-        t = _read(root, p, lambda p: pq.read_table(p, columns=[c for c in pq.read_schema(p).names if c in wanted]))
-        refs |= _pairs(t, "shard", "shard_offset") | _pairs(t, "text_shard", "text_offset")
-        refs |= _pairs(t, "reuse_shard", "reuse_offset")
-    return refs
 
 
 def _unit(path: Path) -> tuple[str, str]:
@@ -177,8 +137,9 @@ def gc(root, delete: bool = False) -> dict:
 
 
 def _has_live(root: Path, shard: str, garbage: int) -> bool:
-    """A shard holds entries besides its `garbage` ones (counted from its tar's members)."""
+    """A shard holds entries besides its `garbage` ones (counted from its tar's members; a takedown's hole,
+    lineage/holes.py, is no entry)."""
     import tarfile
 
     with tarfile.open(root / shard) as tf:
-        return sum(1 for m in tf if m.isfile()) > garbage
+        return sum(1 for m in tf if m.isfile() and m.name != HOLE) > garbage

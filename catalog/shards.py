@@ -48,6 +48,8 @@ from reelcache.catalog import lease as leases
 # atomic_path, and `reelcache --help` and `reelcache cluster` (head nodes) start without them.
 
 BLOCK = 512
+# The one member a sample removed by a takedown becomes (lineage/holes.py): not a sample, a hole of zeros.
+HOLE = "__withdrawn__"
 
 # Errors that can only come from the side being written.
 OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}

@@ -18,6 +18,7 @@ from pathlib import Path
 # pyarrow is imported where used: ingest's and the trainer's imports of this module stay light.
 
 DIR = "withdrawn"
+VIEW_CACHE = "view-cache"  # the viewer's files (view/preview.py)
 
 
 def withdrawn_dir(root) -> Path:
@@ -46,6 +47,20 @@ def withdrawn_hashes(root) -> dict[str, str]:
     """content hash -> the takedown that withdrew it."""
     t = read_record(root, ["content_hash", "takedown"])
     return {h: td for h, td in zip(t["content_hash"].to_pylist(), t["takedown"].to_pylist()) if h}
+
+
+def view_cache_key(clip_id: str) -> str:
+    """How the name of every file the viewer derives from a clip begins (ROOT/view-cache/<kind>/[<cache>/]:
+    its thumbnail, its views' windows and latent previews; view/preview.py), so a takedown finds them."""
+    import hashlib
+
+    return hashlib.sha1(clip_id.encode()).hexdigest()[:24]
+
+
+def view_cache_files(root, clip_id: str) -> list[Path]:
+    """The viewer's files of a clip that exist now (view_cache_key)."""
+    d, key = Path(root) / VIEW_CACHE, view_cache_key(clip_id)
+    return sorted(p for pattern in (f"*/{key}*", f"*/*/{key}*") for p in d.glob(pattern) if p.is_file())
 
 
 def withdrawn_clips(root) -> dict[str, str]:

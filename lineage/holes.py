@@ -22,9 +22,8 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from reelcache.catalog.shards import BLOCK, OutputError
+from reelcache.catalog.shards import BLOCK, HOLE, OutputError
 
-HOLE = "__withdrawn__"
 _KEY = re.compile(r"^((?:.*/|)[^./]+)[.]")  # webdataset's sample key: folder + the base name up to its first dot
 
 

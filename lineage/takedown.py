@@ -1,8 +1,10 @@
 """``reelcache takedown``: withdraw clips from a root, everywhere, and name the checkpoints that saw them.
 
 A dry run by default: what would be removed (the clips, with every other clip of the same video; their raw
-members and bytes; their latents; the caption embeddings no other live clip uses), and the manifests and runs
-that hold them. ``--apply``:
+members and bytes; their latents and caption embeddings nothing else references: cache gc's references,
+catalog/latents.py, the withdrawn clips' own rows left out), and the manifests and runs that hold them.
+``--apply`` holds the root's takedown lease (one at a time), finishes unfinished journals, merges the catalog
+(a copy of the video in a unit not merged yet is found too) and plans; then:
 
 1. the journal ``ROOT/withdrawn/<id>.json`` is written (atomically): the clips and every span to remove,
    computed once, here, from the shards' headers;
@@ -14,7 +16,9 @@ that hold them. ``--apply``:
    latent rows ``rejected`` / ``withdrawn`` without a location, the store's indexes lose the removed entries;
    then ``catalog merge`` loads them (so a merge later never brings the clips back), and new manifests,
    which take ok clips only, leave them out;
-5. the journal is marked done.
+5. a copy of the video that merge brought in as ok is withdrawn by a follow-up takedown (``followed_by``); the
+   viewer's files of the clips (ROOT/view-cache/, catalog/withdrawn.py: view_cache_files) are deleted;
+6. the journal is marked done.
 
 Killed at any point (SIGKILL), every shard is whole (the old file or the new one), and running ``takedown``
 again (any selection, or none) first finishes every journal not marked done: each step is idempotent.
@@ -29,21 +33,26 @@ import json
 import socket
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from reelcache import UserError
-from reelcache.catalog.db import arrow_schema, open_catalog
+from reelcache.catalog import lease as leases
+from reelcache.catalog.db import arrow_schema
+from reelcache.catalog.latents import references
 from reelcache.catalog.shards import atomic_path, content_hash
-from reelcache.catalog.withdrawn import read_record, withdrawn_dir
+from reelcache.catalog.withdrawn import read_record, view_cache_files, withdrawn_dir
 from reelcache.lineage.holes import punch, sample_spans
 from reelcache.lineage.lineage import lineage
 from reelcache.progress import say
 
 JOURNAL_VERSION = 1
+LEASE = "takedown.lease"  # ROOT/withdrawn/takedown.lease: held by the one takedown --apply running
 
 
 def _holes(root: Path, where: dict[str, set[int]]) -> dict[str, list[list]]:
@@ -86,20 +95,6 @@ def plan(con, root, clip_ids: list[str], reason: str) -> dict:
             """SELECT clip_id, cache, view, shard, shard_offset, video_key, text_key, text_shard, text_offset
                FROM latents WHERE clip_id IN (SELECT clip_id FROM _w) AND status = 'ok'"""
         ).fetchall()
-        live_video = {
-            (s, o)
-            for s, o in con.execute(
-                "SELECT shard, shard_offset FROM latents WHERE status = 'ok' AND shard IS NOT NULL "
-                "AND clip_id NOT IN (SELECT clip_id FROM _w)"
-            ).fetchall()
-        }
-        live_text = {
-            r[0]
-            for r in con.execute(
-                "SELECT DISTINCT text_key FROM latents WHERE status = 'ok' AND text_key IS NOT NULL "
-                "AND clip_id NOT IN (SELECT clip_id FROM _w) AND clip_id NOT IN (SELECT clip_id FROM withdrawn)"
-            ).fetchall()
-        }
         sidecars = [
             r[0]
             for r in con.execute(
@@ -111,6 +106,9 @@ def plan(con, root, clip_ids: list[str], reason: str) -> dict:
         ]
     finally:
         con.unregister("_w")
+    # what else still names a store entry: gc's references (every cache's sidecars, merged or not, frozen cache
+    # plans, manifests), the withdrawn clips' own rows (this takedown's and earlier ones') left out
+    refs = references(root, exclude=set(ids) | already, who="takedown")
     where = defaultdict(set)
     for c in clips.values():
         if c["shard"]:
@@ -118,16 +116,17 @@ def plan(con, root, clip_ids: list[str], reason: str) -> dict:
     latents, kept_text, text_removed = [], set(), set()
     for cid, cache, view, shard, off, vkey, tkey, tshard, toff in lat:
         latents.append({"clip_id": cid, "cache": cache, "view": view, "shard": shard, "offset": off, "video_key": vkey})
-        if shard and (shard, off) not in live_video:
+        if shard and (shard, off) not in refs:
             where[shard].add(off)
         if tkey and tshard:
-            if tkey in live_text:
+            if (tshard, toff) in refs:
                 kept_text.add(tkey)
             else:
                 text_removed.add(tkey)
                 where[tshard].add(toff)
     holes = _holes(root, where)
-    info = lineage(con, root, ids) if ids else []
+    with duckdb.connect() as files:  # lineage's reader of manifests and consumed logs
+        info = lineage(con, root, ids, files=files) if ids else []
     manifests = sorted({(m["name"], m["fingerprint"], m["path"]) for it in info for m in it["manifests"]})
     runs = defaultdict(set)
     for it in info:
@@ -258,7 +257,8 @@ def _rewrite_indexes(root: Path, j: dict) -> None:
 
 
 def finish(root, j: dict) -> dict:
-    """Apply a journal's takedown, every step idempotent (module docstring)."""
+    """Apply a journal's takedown, every step idempotent (module docstring). The caller holds the takedown
+    lease (`_lease`): the temporaries removed here are a killed takedown's, never a running one's."""
     from reelcache.catalog.merge import merge
 
     root = Path(root)
@@ -275,10 +275,54 @@ def finish(root, j: dict) -> dict:
         _rewrite_sidecar(root, rel, j, text_removed)
     _rewrite_indexes(root, j)
     merge(root)
-    j = {**j, "done": True}
+    late, followed = _copies_merged_since(root, j), []
+    if late:  # ingest units that checked the record before it was written, merged just now: the same video
+        say(f"takedown {j['id']}: the same video under other names, merged since it was planned: {', '.join(late)}")
+        from reelcache.catalog.sql import read_only_connection
+
+        with read_only_connection(root) as con:
+            more = plan(con, root, late, j["reason"])
+        if more["clips"]:
+            print(summary(more), flush=True)
+            _journal(root, more)
+            followed.append(finish(root, more)["id"])
+    for c in j["clips"]:  # the viewer's thumbnail and previews of it (view/preview.py)
+        for p in view_cache_files(root, c["clip_id"]):
+            p.unlink(missing_ok=True)
+    j = {**j, "done": True} | ({"followed_by": followed} if followed else {})
     _journal(root, j)
     say(f"takedown {j['id']}: applied ({removed} bytes removed now); checkpoints were not touched")
     return j
+
+
+def _copies_merged_since(root: Path, j: dict) -> list[str]:
+    """Clips ok in the catalog now whose video (content hash) this takedown withdrew."""
+    from reelcache.catalog.sql import read_only_connection
+
+    hashes = sorted({c["content_hash"] for c in j["clips"] if c["content_hash"]})
+    if not hashes:
+        return []
+    with read_only_connection(root) as con:
+        rows = con.execute(
+            "SELECT clip_id FROM clips WHERE status = 'ok' AND content_hash IN (SELECT unnest(?)) ORDER BY 1",
+            [hashes],
+        ).fetchall()
+    return [r[0] for r in rows]
+
+
+@contextmanager
+def _lease(root: Path):
+    """One takedown --apply at a time on a root (catalog/lease.py: a killed one's lease is stale, taken over)."""
+    d = withdrawn_dir(root)
+    d.mkdir(parents=True, exist_ok=True)
+    try:
+        held = leases.acquire(d / LEASE)
+    except leases.Busy as e:
+        raise UserError(f"another takedown is being applied to {root} ({e.holder.describe()}): wait for it") from None
+    try:
+        yield held
+    finally:
+        held.release()
 
 
 def unfinished(root) -> list[dict]:
@@ -300,20 +344,35 @@ def takedown(root, clip_ids: list[str], reason: str, apply: bool = False) -> dic
     root = Path(root)
     if not reason.strip():
         raise UserError("--reason is empty: say why (the request, a ticket), it is kept in the record")
-    if apply:
+    if not apply:
+        with read_only_connection(root) as con:
+            j = plan(con, root, clip_ids, reason)
+        return _report(j, apply)
+    from reelcache.catalog.merge import merge
+
+    with _lease(root):
         for old in unfinished(root):
             say(f"finishing takedown {old['id']}, left unfinished")
             finish(root, old)
-    with read_only_connection(root) as con:
-        j = plan(con, root, clip_ids, reason)
+        with read_only_connection(root) as con:
+            j = plan(con, root, clip_ids, reason)
+        if j["clips"]:  # every finished unit in first (a merge running now is said here, before anything is
+            m = merge(root)  # written): a copy of the video sharded since the last merge is withdrawn too
+            if any(m["merged_by_stage"].values()) or m["vanished"]:
+                with read_only_connection(root) as con:
+                    j = plan(con, root, clip_ids, reason)
+        j = _report(j, apply)
+        if not j["clips"]:
+            return j
+        _journal(root, j)
+        return finish(root, j)
+
+
+def _report(j: dict, apply: bool) -> dict:
     if not j["clips"]:
         say(f"nothing to withdraw: every selected clip is withdrawn already ({', '.join(j['already'])})")
         return j
     print(summary(j), flush=True)
     if not apply:
         say("dry run: nothing was changed; --apply withdraws them")
-        return j
-    con = open_catalog(root, write=True)  # a merge running now is said here, before anything is written
-    con.close()
-    _journal(root, j)
-    return finish(root, j)
+    return j

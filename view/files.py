@@ -37,6 +37,10 @@ class Refused(ValueError):
     """A path the viewer will not serve: one line for the response."""
 
 
+class Gone(Refused):
+    """What a takedown withdrew (lineage/takedown.py): never served again (410)."""
+
+
 def confined(base: Path, rel: str) -> Path:
     """``rel`` (from a URL) as a path under ``base``, or Refused."""
     p = PurePosixPath(rel)

@@ -22,7 +22,7 @@ from starlette.templating import Jinja2Templates
 
 from reelcache.catalog.levels import NOUN_TAGS
 from reelcache.view import preview, runs
-from reelcache.view.files import Refused, confined, file_response, playable, served_as, slice_response, within
+from reelcache.view.files import Gone, Refused, confined, file_response, playable, served_as, slice_response, within
 from reelcache.view.store import PAGE, REJECTS_PAGE, SLOT_WAIT_S, SORTS, BadQuery, Budget, Busy
 
 templates = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
@@ -351,6 +351,8 @@ def media_raw(request: Request) -> Response:
 
 
 def _input_path(request: Request, clip: dict) -> Path:
+    if clip.get("reject_reason") == "withdrawn":
+        raise Gone(f"clip {clip['clip_id']} was withdrawn ({clip.get('reject_detail') or 'a takedown'}): not served")
     if not clip["path"]:
         raise Refused("the source row names no file")
     p = Path(clip["path"])

@@ -26,11 +26,12 @@ import av
 from reelcache import UserError
 from reelcache.cache.decode import FileSlice, decode_clip
 from reelcache.catalog.shards import atomic_path
+from reelcache.catalog.withdrawn import VIEW_CACHE, view_cache_key
 
 # torch, diffusers and the cache's encoders (cache/encoders.py, eval/video.py) are imported when the
 # first latent preview is made: the pages start and serve without torch.
 
-CACHE_DIR = "view-cache"
+CACHE_DIR = VIEW_CACHE  # every file of a clip here is named view_cache_key(clip id)...: a takedown deletes them
 THUMB = 192
 
 _locks: dict[str, list] = {}  # key -> [lock, holders and waiters]: gone when the last one leaves
@@ -57,6 +58,12 @@ def _lock(key: str):
 
 def _name(*parts) -> str:
     return hashlib.sha1("|".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+def _key(latent: dict, ident: dict) -> str:
+    """A view's preview file name: the clip's view_cache_key (a takedown deletes by it), then the view's."""
+    rest = _name(latent["cache"], ident.get("name"), latent["clip_id"], latent["view"], latent["shard_offset"])
+    return f"{view_cache_key(latent['clip_id'])}-{rest}"
 
 
 def read_latent(root: Path, latent: dict) -> dict:
@@ -99,7 +106,7 @@ def thumbnail(root: Path, clip: dict) -> Path:
         with atomic_path(path) as tmp:
             img.save(tmp, format="JPEG", quality=80)
 
-    return _made(root / CACHE_DIR / "thumbs" / f"{_name(clip['clip_id'])}.jpg", make)
+    return _made(root / CACHE_DIR / "thumbs" / f"{view_cache_key(clip['clip_id'])}.jpg", make)
 
 
 def cache_doc(root: Path, cache: str) -> tuple[object, dict]:
@@ -117,7 +124,7 @@ def preview_fps(clip: dict, ident: dict) -> float:
 def window_preview(root: Path, clip: dict, latent: dict) -> Path:
     """The view's window of the raw clip as the cache decoded it (bucket size, cropped), as mp4."""
     cfg, ident = cache_doc(root, latent["cache"])
-    key = _name(latent["cache"], ident.get("name"), latent["clip_id"], latent["view"], latent["shard_offset"])
+    key = _key(latent, ident)
 
     def make(path: Path) -> None:
         from reelcache.eval.video import write_mp4
@@ -171,7 +178,7 @@ def _encoder(root: Path, cache: str):
 def latent_preview(root: Path, clip: dict, latent: dict) -> Path:
     """The view's latent (posterior mean) decoded by the cache's VAE, as mp4."""
     _cfg, ident = cache_doc(root, latent["cache"])
-    key = _name(latent["cache"], ident.get("name"), latent["clip_id"], latent["view"], latent["shard_offset"])
+    key = _key(latent, ident)
 
     def make(path: Path) -> None:
         from reelcache.eval.video import write_mp4

@@ -26,7 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 from reelcache import UserError
 from reelcache.view import pages, preview
-from reelcache.view.files import Refused
+from reelcache.view.files import Gone, Refused
 from reelcache.view.guard import LOOPBACK_NAMES, TOKEN_ENV, Guard, check_token, host_names, loopback, wildcard
 from reelcache.view.store import Busy, Store
 
@@ -51,6 +51,9 @@ def build_app(
     async def refused(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(str(exc), status_code=403)
 
+    async def gone(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse(str(exc), status_code=410)
+
     async def missing(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(str(exc).strip("'\""), status_code=404)
 
@@ -72,7 +75,8 @@ def build_app(
     app = Starlette(
         routes=[*(Route(path, fn) for path, fn in pages.ROUTES), Mount("/static", static)],
         exception_handlers={
-            Refused: refused, NotFound: missing, KeyError: missing, Busy: busy, UserError: bad, ValueError: bad
+            Refused: refused, Gone: gone, NotFound: missing, KeyError: missing, Busy: busy, UserError: bad,
+            ValueError: bad,
         },
         middleware=[Middleware(Guard, names=set(LOOPBACK_NAMES) if names is None else names, token=token)],
         lifespan=lifespan,

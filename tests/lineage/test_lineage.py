@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -32,8 +33,9 @@ def _rc(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     return p
 
 
-def _copy_source(root: Path, tmp: Path, name: str, video: Path, caption: str) -> None:
-    """Ingest one file, a byte copy of `video` under another name, as source `name` (format csv)."""
+def _copy_source(root: Path, tmp: Path, name: str, video: Path, caption: str, merge: bool = True) -> None:
+    """Ingest one file, a byte copy of `video` under another name, as source `name` (format csv); with
+    `merge`, merge the catalog."""
     d = tmp / name
     d.mkdir(parents=True)
     shutil.copyfile(video, d / f"renamed-{name}{video.suffix}")
@@ -41,7 +43,8 @@ def _copy_source(root: Path, tmp: Path, name: str, video: Path, caption: str) ->
     units = _rc("ingest", "plan", "--root", root, "--source", "csv", "--name", name, "--meta", d / "t.csv",
                 "--videos", d).stdout.split()  # fmt: skip
     assert main(["ingest", "run", "--root", str(root), *units]) == 0
-    assert main(["catalog", "merge", "--root", str(root)]) == 0
+    if merge:
+        assert main(["catalog", "merge", "--root", str(root)]) == 0
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +245,7 @@ def test_takedown_removes_the_clip_everywhere_and_nothing_else(taken):
         app.state.store.close()
     assert f"WITHDRAWN by takedown {plan['id']}: removal request #1234" in page
     assert f"Checkpoints that saw it: {', '.join(CKPTS)}" in page
+    assert '<section id="clip-lineage">' in page and '<table id="lineage">' in page
     # again: nothing to do, nothing changes
     snap = _snapshot(after)
     out = _rc("takedown", "--root", after, "--like", video, "--reason", "again", "--apply")
@@ -274,6 +278,17 @@ def test_a_killed_takedown_is_finished_by_running_it_again(root, taken, tmp_path
     (work / second).with_name(f".{Path(second).name}.takedown99999").write_bytes(b"half a copy")
     for tar in _tars(work):  # every shard whole: tarfile reads each to its end
         _members(tar)
+    from reelcache.catalog import lease
+
+    held = lease.acquire(work / "withdrawn" / takedown.LEASE)  # another takedown being applied: refused
+    try:
+        p = _rc("takedown", "--root", work, "--like", video, "--reason", "removal request #1234", "--apply", ok=False)
+        (line,) = p.stderr.strip().splitlines()
+        assert line.startswith(f"reelcache: error: another takedown is being applied to {work} (host ")
+        assert f" pid {os.getpid()} " in line and line.endswith(": wait for it")
+        assert (work / second).with_name(f".{Path(second).name}.takedown99999").exists()
+    finally:
+        held.release()
     _rc("takedown", "--root", work, "--like", video, "--reason", "removal request #1234", "--apply")
     assert not list(work.rglob(".*.takedown*"))
     for tar in _tars(work):
@@ -282,6 +297,82 @@ def test_a_killed_takedown_is_finished_by_running_it_again(root, taken, tmp_path
     ingested_since = {"again"}  # a source test_ingest_refuses... added to `after`
     want = [r for r in _rows(after, "clips", "clip_id", drop) if r["source"] not in ingested_since]
     assert _rows(work, "clips", "clip_id", drop) == want
+
+
+def test_a_takedown_keeps_what_a_frozen_plan_uses_and_withdraws_copies_unmerged_or_merged_since(root, tmp_path):
+    """A caption embedding only a frozen cache plan still uses (another clip's, same caption) is kept; copies of
+    the video in ingest units not yet merged are withdrawn: one sharded before `takedown --apply` (merged before
+    planning), one sharded after a takedown was planned (found by its finish); the viewer's thumbnail and
+    window preview of the clip are deleted, and its input file is not served any more (410)."""
+    from starlette.testclient import TestClient
+
+    from reelcache.catalog.sql import read_only_connection
+    from reelcache.catalog.withdrawn import view_cache_files
+    from reelcache.lineage import takedown
+    from reelcache.view.server import build_app
+
+    work = tmp_path / "root"
+    shutil.copytree(root, work)
+    a = _trained(root)[0]
+    ha = _clip(root, a)["content_hash"]
+    b = next(c for c in _trained(root) if _clip(root, c)["content_hash"] != ha)
+    hashes = {ha, _clip(root, b)["content_hash"]}
+    other = next(r for r in _rows(root, "clips", "clip_id") if r["status"] == "ok" and r["content_hash"] not in hashes
+                 and r["ext"] == "mp4")  # fmt: skip
+    # another video with a's caption, planned (not run) in a second cache: its plan reuses a's caption embedding
+    _copy_source(work, tmp_path, "same-text", Path(other["path"]), _clip(root, a)["text"])
+    _rc("catalog", "manifest", "--root", work, "--name", "x", "--where", "source = 'same-text'")
+    _rc("cache", "plan", "--root", work, "--config", tiny_cache_config(tmp_path / "t2.toml", "x", "t2"))
+    (tloc,) = {(r["text_shard"], r["text_offset"], r["text_key"]) for r in _rows(root, "latents", "view")
+               if r["clip_id"] == a}  # fmt: skip
+    planned = pq.read_table(work / "latents/t2/_plan/input.parquet").to_pylist()
+    assert {(r["text_shard"], r["text_offset"]) for r in planned} == {tloc[:2]}
+    caption_member = {n: v for n, v in _members(root / tloc[0]).items() if n.startswith(tloc[2])}
+    assert caption_member
+    # the viewer's files of a, made on request
+    videos = [str(Path(_clip(root, a)["path"]).parent), str(tmp_path)]
+    client = TestClient(build_app(work, videos=videos), base_url="http://127.0.0.1:8050")
+    assert client.get("/media/thumb", params={"id": a}).status_code == 200
+    assert client.get("/media/window", params={"id": a, "cache": "t", "view": 0}).status_code == 200
+    assert len(view_cache_files(work, a)) == 2
+    client.app.state.store.close()
+    # b: planned, then a copy is sharded (not merged), then the takedown is applied: the copy goes too
+    with read_only_connection(work) as con:
+        jb = takedown.plan(con, work, [b], "removal request #2")
+    _copy_source(work, tmp_path, "late-b", _video(root, b), "a copy of b", merge=False)
+    takedown._journal(work, jb)
+    jb = takedown.finish(work, jb)
+    (late_b,) = [r["clip_id"] for r in _rows(work, "clips", "clip_id") if r["source"] == "late-b"]
+    (follow,) = jb["followed_by"]
+    assert [c["clip_id"] for c in json.loads((work / f"withdrawn/{follow}.json").read_text())["clips"]] == [late_b]
+    assert json.loads((work / f"withdrawn/{follow}.json").read_text())["done"]
+    # a: a copy sharded before the takedown, not merged: merged before planning, withdrawn with it
+    _copy_source(work, tmp_path, "late-a", _video(root, a), "a copy of a", merge=False)
+    out = _rc("takedown", "--root", work, "--like", _video(root, a), "--reason", "request #1", "--apply", "--json")
+    ja = json.loads(out.stdout[out.stdout.index("{") :])
+    (late_a,) = [r["clip_id"] for r in _rows(work, "clips", "clip_id") if r["source"] == "late-a"]
+    assert late_a in {c["clip_id"] for c in ja["clips"]} and not ja.get("followed_by")
+    for cid in (late_a, late_b, a, b):
+        row = _clip(work, cid)
+        assert (row["status"], row["reject_reason"], row["shard"]) == ("rejected", "withdrawn", None)
+    jf = json.loads((work / f"withdrawn/{follow}.json").read_text())
+    for c in jb["clips"] + jf["clips"] + ja["clips"]:  # their raw members are holes
+        shard = c["shard"]
+        assert not [n for n in _members(work / shard) if n.startswith(c["clip_id"])], (c, shard)
+    # a's caption embedding: kept, byte for byte, where t2's plan will read it
+    assert tloc[2] in ja["text_kept"] and tloc[2] not in ja["text_removed"]
+    assert {n: v for n, v in _members(work / tloc[0]).items() if n.startswith(tloc[2])} == caption_member
+    # the viewer: a's previews are gone; its input file (and the copy's) is refused, in one line
+    assert view_cache_files(work, a) == [] and (work / "view-cache/thumbs").is_dir()
+    client = TestClient(build_app(work, videos=videos), base_url="http://127.0.0.1:8050")
+    try:
+        for cid in (a, late_a):
+            r = client.get("/media/input", params={"id": cid})
+            assert r.status_code == 410 and "withdrawn" in r.text and "\n" not in r.text
+            page = client.get("/reject", params={"id": cid}).text
+            assert "/media/input" not in page and "was withdrawn" in page
+    finally:
+        client.app.state.store.close()
 
 
 def test_training_over_a_withdrawn_clip_refuses_then_skips_it_with_resume_exact(taken):
