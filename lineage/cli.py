@@ -54,8 +54,10 @@ def add_commands(top) -> None:
 
 
 def _ids(a, con) -> list[str]:
+    from reelcache.lineage.lineage import check_schema
     from reelcache.lineage.select import select
 
+    check_schema(con, a.root)  # an older catalog is one line here, before a query reads content_hash
     return select(con, a.root, ids=a.clip_ids, where=a.where, file=a.file, like_file=a.like)
 
 

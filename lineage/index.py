@@ -61,6 +61,11 @@ def covered(run_dir: Path) -> tuple[list[Path], dict[str, int]]:
     return segs, cov
 
 
+def _sql_text(path: Path) -> str:
+    """A path inside a SQL string literal (COPY TO takes no parameter): a quote in a root or run name doubled."""
+    return str(path).replace("'", "''")
+
+
 def update(run_dir: Path) -> int:
     """Index the parts no segment covers yet; returns how many. A changed part rebuilds the index."""
     run_dir = Path(run_dir)
@@ -85,13 +90,13 @@ def update(run_dir: Path) -> int:
             con.execute(
                 f"""COPY (SELECT clip_id, generation, epoch, step, rank, view FROM read_parquet($files)
                           WHERE NOT pad ORDER BY clip_id)
-                    TO '{tmp}' (FORMAT parquet, ROW_GROUP_SIZE {ROW_GROUP}, COMPRESSION zstd)""",
+                    TO '{_sql_text(tmp)}' (FORMAT parquet, ROW_GROUP_SIZE {ROW_GROUP}, COMPRESSION zstd)""",
                 {"files": files},
             )
         with atomic_path(Path(f"{stem}.steps.parquet")) as tmp:
             con.execute(
                 f"""COPY (SELECT DISTINCT generation, epoch, step FROM read_parquet($files))
-                    TO '{tmp}' (FORMAT parquet)""",
+                    TO '{_sql_text(tmp)}' (FORMAT parquet)""",
                 {"files": files},
             )
     finally:

@@ -196,12 +196,13 @@ def lineage(con, root, clip_ids: list[str], files=None, update_index: bool = Fal
     (lineage/index.py)."""
     root = Path(root)
     check_schema(con, root)
-    files = files if files is not None else duckdb.connect()
+    own = files is None
+    files = duckdb.connect() if own else files
     if update_index:  # `reelcache lineage` keeps each run's index current; the viewer only reads
         for run_dir in runs_of(root):
             try:
                 index.update(run_dir)
-            except (OSError, UserError) as e:  # a run folder we may not write: read its log as it is
+            except (OSError, UserError, duckdb.Error) as e:  # a folder we may not write, a part it cannot index
                 say(f"warning: {run_dir.name}: its consumed log is read unindexed ({str(e).splitlines()[0]})")
     sel = pa.table({"clip_id": pa.array(sorted(set(clip_ids)), pa.string())})
     for c in {id(con): con, id(files): files}.values():
@@ -211,6 +212,8 @@ def lineage(con, root, clip_ids: list[str], files=None, update_index: bool = Fal
     finally:
         for c in {id(con): con, id(files): files}.values():
             c.unregister("_sel")
+        if own:
+            files.close()
 
 
 def _lineage(con, files_con, root: Path) -> list[dict]:
@@ -260,7 +263,14 @@ def _lineage(con, files_con, root: Path) -> list[dict]:
         for r in _rows(files_con.execute(MANIFESTS_SQL, {"files": [str(f) for f in files]})):
             out[r["clip_id"]]["manifests"].append({**names[r["file"]], "path": rel[r["file"]], "rows": r["rows"]})
     for run_dir in runs_of(root):
-        steps, ckpts = run_steps(files_con, run_dir)
+        try:
+            steps, ckpts = run_steps(files_con, run_dir)
+        except duckdb.Error as e:  # a corrupt part, a log older than its `view` column: never a partial answer
+            raise UserError(
+                f"run {run_dir.name}: its consumed log ({run_dir / 'consumed'}) cannot be read "
+                f"({str(e).strip().splitlines()[0]}); lineage names every run that trained on a clip, so it "
+                f"stops here: restore or move that run folder out of {root / 'runs'}"
+            ) from None
         by_step = {c["global_step"]: c for c in ckpts}
         per_clip, first = defaultdict(list), {}
         for s in steps:

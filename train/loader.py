@@ -89,9 +89,11 @@ class LatentLoader:
         self.schedules = [weight_schedule(w) for _, w in pairs]
         paths = [resolve_manifest(root, m) for m, _ in pairs]
         self.sources = [load_source(path, ws[0]) for path, ws in zip(paths, self.schedules)]
+        self.skip = frozenset(skip or ())
         if read:  # a shard deleted or cut short is said now, not by a data worker mid-epoch
-            for path, src in zip(paths, self.sources):
-                check_shards(root, src, path)
+            for path, src in zip(paths, self.sources):  # a skipped clip's shard is never read (gc may have freed it)
+                rows = np.flatnonzero(~np.isin(src.clip_id, list(self.skip))) if self.skip else None
+                check_shards(root, src, path, rows)
         self.buckets, self.block = buckets, block
         self.rank, self.world_size, self.seed = rank, world_size, int(seed)
         self.workers, self.prefetch, self.read, self.pin_memory = workers, prefetch, read, pin_memory
@@ -113,7 +115,6 @@ class LatentLoader:
         self.views = max(s.views for s in self.sources)  # K (per manifest: Source.views)
         self.fps = np.concatenate([s.fps if s.fps is not None else np.full(len(s), np.nan) for s in self.sources])
         self.log = ConsumedLog(consumed_log, rank, log_every) if consumed_log else None
-        self.skip = frozenset(skip or ())
         self._check(self.plan())
 
     # -- plan and position ------------------------------------------------------------------

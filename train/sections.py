@@ -83,25 +83,26 @@ class DataConfig:
     def build(self, *, root, par, seed: int):
         """This rank's LatentLoader (its consumed log is opened by the trainer, once nothing can refuse
         the start)."""
+        from reelcache.catalog.withdrawn import withdrawn_clips
         from reelcache.train.loader import LatentLoader
 
         manifests = [(m.name, m.weight) for m in self.manifests]
-        kw = dict(root=root, rank=par.rank, world_size=par.world, seed=seed)
+        gone = withdrawn_clips(root) if root else {}
+        # withdrawn clips' shards are not checked (a `cache gc` after the takedown may have freed them): the
+        # refusal below, or the skip, is what a start over them meets
+        kw = dict(root=root, rank=par.rank, world_size=par.world, seed=seed, skip=gone.keys())
         try:
             loader = LatentLoader(
                 manifests, self.bucket_config(), **kw, workers=self.workers, prefetch=self.prefetch, block=self.block
             )
         except ValueError as e:
             raise UserError(str(e)) from e
-        loader.skip = self.withdrawn(root, loader)
+        loader.skip = self.withdrawn(loader, gone)
         return loader
 
-    def withdrawn(self, root, loader) -> frozenset:
-        """The clips of the loader's manifests a takedown withdrew (catalog/withdrawn.py): with skip_withdrawn,
-        the ones to skip; without it, a start (new or resumed) over any of them is refused in one line."""
-        from reelcache.catalog.withdrawn import withdrawn_clips
-
-        gone = withdrawn_clips(root) if root else {}
+    def withdrawn(self, loader, gone: dict) -> frozenset:
+        """The clips of the loader's manifests a takedown withdrew (`gone`: catalog/withdrawn.py): with
+        skip_withdrawn, the ones to skip; without it, a start (new or resumed) over any is refused in one line."""
         hits = sorted(set(loader.clip_id.tolist()) & gone.keys()) if gone else []
         if hits and not self.skip_withdrawn:
             takedowns = sorted({gone[c] for c in hits})

@@ -46,6 +46,7 @@ RETRY_S = 2  # Retry-After of a Busy
 MEMORY_LIMIT = "2GB"
 IDLE_S = 2.0  # the catalog is closed after this long without a request (a writer may then open it)
 OPEN_WAIT_S = 10.0  # how long a request waits for this process's other connection to the catalog to close
+START_WAIT_S = 10.0  # how long the viewer, starting, waits for a writer (a merge) to let go of the catalog
 PAGE = 60  # clips per grid page
 REJECTS_PAGE = 50
 CLIP_COLUMNS = (
@@ -129,7 +130,15 @@ class Store:
         self._guard = threading.Lock()
         self.queries, self.request_s, self.memory, self.spill = queries, request_s, memory, spill
         self._slots = threading.BoundedSemaphore(queries)
-        self.tables = {r[0] for r in self.rows("SELECT table_name FROM information_schema.tables")}
+        deadline = time.monotonic() + START_WAIT_S
+        while True:  # a merge that holds the catalog as the viewer starts: wait for it, then one line
+            try:
+                self.tables = {r[0] for r in self.rows("SELECT table_name FROM information_schema.tables")}
+                break
+            except Busy as e:
+                if time.monotonic() >= deadline:
+                    raise UserError(f"{e} (waited {START_WAIT_S:.0f} s): start the viewer when it ends") from None
+                time.sleep(0.2)
 
     def take_slot(self) -> bool:
         """A slot for one request's user queries, if one is free now (``release_slot`` gives it back)."""

@@ -86,3 +86,32 @@ def test_the_log_read_through_its_index_or_not_gives_what_pyarrow_reads(tmp_path
     assert len(index.segments(run)) == 2 and _steps(run) == truth
     seg = pq.read_table(index.segments(run)[0][0].with_suffix(".parquet"))
     assert seg["clip_id"].to_pylist() == sorted(seg["clip_id"].to_pylist())  # sorted: row groups can be skipped
+
+
+def test_a_run_named_with_a_quote_is_indexed(tmp_path):
+    """COPY ... TO takes no parameter: the index's path is a SQL literal, a quote in it doubled."""
+    run = tmp_path / "runs/it's #1"
+    _log(run)
+    truth = {c: _truth(run, c) for c in CLIPS}
+    assert index.update(run) > 0 and _steps(run) == truth
+
+
+def test_a_log_part_lineage_cannot_read_is_one_line_naming_the_run(tmp_path):
+    """A corrupt part (or one older than the log's columns): lineage says which run and stops, no traceback
+    and no answer that leaves that run out (a takedown must name every run that trained on a clip)."""
+    import pytest
+
+    from reelcache import UserError
+    from reelcache.catalog.db import open_catalog
+    from reelcache.lineage.lineage import lineage
+
+    root = tmp_path / "root"
+    _log(root / "runs/r")
+    (root / "runs/r/consumed/zz-broken.parquet").write_bytes(b"PAR1 not parquet at all PAR1")
+    open_catalog(root, write=True).close()
+    con = open_catalog(root)
+    try:
+        with pytest.raises(UserError, match=r"^run r: its consumed log .* cannot be read .*restore or move"):
+            lineage(con, root, ["clip00"], update_index=True)
+    finally:
+        con.close()

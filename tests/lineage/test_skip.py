@@ -44,3 +44,24 @@ def test_skipped_clips_leave_their_batches_and_the_rest_is_exact_across_a_resume
         for i, c in enumerate(kept):  # same latent, same noise (seeded by its position in the epoch)
             assert torch.equal(a["x"][i], b["x"][b["clip_id"].index(c)])
     assert not skip & {c for b in got if b["weight"] for c in b["clip_id"]}
+
+
+def test_a_skipped_clips_shard_freed_by_gc_is_not_needed_to_start(tmp_path):
+    """After a takedown, `cache gc --delete` frees a store shard whose entries were all withdrawn: a start
+    that skips them must not need it (its shard check leaves skipped rows out); without the skip, one line."""
+    import pytest
+
+    from reelcache import UserError
+
+    manifest = write_latents(tmp_path, 24, shard_bytes=20_000)
+    rows = pq.read_table(manifest).to_pylist()
+    shards = sorted({r["shard"] for r in rows})
+    assert len(shards) > 2
+    gone = shards[1]
+    skip = {r["clip_id"] for r in rows if r["shard"] == gone}
+    (tmp_path / gone).unlink()
+    with pytest.raises(UserError, match=r"latent shard .* is missing|does not exist|missing"):
+        LatentLoader([manifest], SIZES, root=tmp_path, seed=1)
+    got = list(LatentLoader([manifest], SIZES, root=tmp_path, seed=1, skip=skip))
+    trained = {c for b in got if b["weight"] for c in b["clip_id"]}
+    assert trained == {r["clip_id"] for r in rows} - skip

@@ -90,6 +90,23 @@ def test_a_query_spills_only_into_view_cache_and_only_so_much(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["catalog.duckdb", "view-cache"]
 
 
+def test_a_viewer_started_while_a_writer_waits_says_so_in_one_line(tmp_path, monkeypatch):
+    """A viewer started while a merge holds or waits for the catalog waits a while for it, then one
+    UserError naming the writer (it was a Busy traceback from Store.__init__)."""
+    import os
+
+    from reelcache.view import store
+
+    root = tmp_path / "root"
+    root.mkdir()
+    open_catalog(root, write=True).close()
+    # what a waiting writer writes (catalog/db.py): "pid host", this live process on this machine
+    (root / "catalog.duckdb.writer").write_text(f"{os.getpid()} {socket.gethostname()}\n")
+    monkeypatch.setattr(store, "START_WAIT_S", 0.5)
+    with pytest.raises(UserError, match=rf"being written \(process {os.getpid()} on .* waits to write it\).*waited"):
+        build_app(root)
+
+
 @pytest.mark.slow
 def test_user_queries_are_bounded_and_a_plain_page_answers_while_they_run(fresh_root):
     heavy = "/clips?where=" + urllib.parse.quote(HEAVY)
