@@ -26,15 +26,17 @@ SLOW_KINDS = ("multinode", "slurm", "browser", "gpu")
 # `make test` runs the suite in xdist workers; each test file goes to one worker whole (its module
 # fixtures, such as a training run several tests read, are built once), and the files that start a
 # machine-wide thing share one worker, one after another: the namespace cluster (tests/cluster_local.py)
-# and the Slurms (tests/slurm_local.py, tests/cluster_slurm.py). Much of the suite waits on timers
-# (lease TTLs, watchdog limits, Slurm's node timeouts), so more workers than cores keep the processors busy.
-SHARED = {"multinode": ("tests/cluster/test_multinode",), "slurm": ("tests/cluster/test_slurm_",)}
+# and the Slurms (tests/slurm_local.py, and tests/cluster_slurm.py's on the cluster: two slurmctlds and
+# their node timeouts never run side by side). Much of the suite waits on timers (lease TTLs, watchdog
+# limits, Slurm's node timeouts), so more workers than cores keep the processors busy.
+SYSTEM = ("tests/cluster/test_multinode", "tests/cluster/test_slurm_")
+SHARED = {"multinode": SYSTEM, "slurm": SYSTEM}
 
 
 def test_group(nodeid: str) -> str:
-    """The worker group of a test: SHARED's kind whose file prefix its file has, else its file."""
+    """The worker group of a test: "system" for a file of SYSTEM, else its file."""
     file = nodeid.split("::")[0]
-    return next((kind for kind, prefixes in SHARED.items() if file.startswith(prefixes)), file)
+    return "system" if file.startswith(SYSTEM) else file
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -58,7 +60,7 @@ def pytest_collection_modifyitems(items):
         if any(item.get_closest_marker(k) for k in SLOW_KINDS) and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
         for kind in SHARED:
-            if item.get_closest_marker(kind) and test_group(item.nodeid) != kind:
+            if item.get_closest_marker(kind) and test_group(item.nodeid) != "system":
                 raise pytest.UsageError(f"{item.nodeid} is marked {kind}: its file must start with {SHARED[kind]}")
 
 
