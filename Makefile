@@ -203,9 +203,9 @@ format: install
 	$(BIN)/ruff check --fix --quiet .
 	$(BIN)/ruff format --quiet .
 
-# The suite, one test at a time. Measured on 2 cores: in 3 xdist workers (`.venv/bin/pytest -n 3`, grouped
-# by tests/conftest.py) it took longer (30 min) and timer-bound tests failed: the training, Slurm and
-# namespace-cluster tests starve each other's timers on two cores.
+# The suite, one test at a time. In 3 xdist workers (`.venv/bin/pytest -n 3`, grouped by tests/conftest.py)
+# a fresh clone on 2 cores took 30 min and 10 timer-bound tests failed: the training, Slurm and
+# namespace-cluster tests starve each other's timers there. Bigger machines may run `pytest -n`.
 test: test-sysdeps install lint
 	$(BIN)/pytest -q
 
