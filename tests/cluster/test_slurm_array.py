@@ -129,10 +129,10 @@ HELD_AFTER_FIRST_SHARD = """
 import os, sys, time
 from reelcache.ingest import run
 write = run.write
-def held(r, *, writer, sdir):
-    if writer.finished and "SLURM_RESTART_COUNT" not in os.environ:
+def held(r, **kw):
+    if kw["writer"].finished and "SLURM_RESTART_COUNT" not in os.environ:
         time.sleep(120)
-    return write(r, writer=writer, sdir=sdir)
+    return write(r, **kw)
 if sys.argv[-1].endswith("/000000"):
     run.write = held
 from reelcache.cli import main
