@@ -10,6 +10,7 @@ import os
 import sys
 import textwrap
 import time
+from traceback import format_exc
 
 from reelcache import UserError, __version__
 
@@ -47,6 +48,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What a collective raises when another rank's process is gone (gloo: its socket reset or closed; NCCL and
+# torch's own wrappers: these exception types). Under `reelcache train --nproc` a rank that fails so is not
+# the cause: the launcher names the rank that died, and this rank's traceback goes to its error file only.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+PEER_GONE_TYPES = ("DistBackendError", "DistNetworkError")
+
+
+def _launched() -> str | None:
+    """The error file of a rank run by `reelcache train --nproc` (train/launch.py), else None."""
+    return os.environ.get("TORCHELASTIC_ERROR_FILE") if os.environ.get("REELCACHE_LAUNCH") else None
+
+
+def _peer_gone(e: BaseException) -> bool:
+    return any(t.__name__ in PEER_GONE_TYPES for t in type(e).__mro__) or any(m in str(e) for m in PEER_GONE)
+
+
+def _tell_launcher(path: str, message: str, **extra) -> None:
+    with open(path, "w") as f:
+        json.dump({"message": message, "timestamp": int(time.time()), **extra}, f)
+
+
 def run_command(fn) -> int:
     """Run a command: its exit status is what it returns (None: 0); a UserError is a message and
     exit status 2, never a traceback."""
@@ -56,15 +78,19 @@ def run_command(fn) -> int:
     try:
         return fn() or 0
     except UserError as e:
-        if os.environ.get("REELCACHE_LAUNCH") and os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            # a rank of `reelcache train --nproc` (train/launch.py): its launcher says each distinct line once
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": str(e), "timestamp": int(time.time())}, f)
+        if error_file := _launched():  # its launcher says each distinct line once
+            _tell_launcher(error_file, str(e))
             return 2
         print(f"reelcache: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if (error_file := _launched()) and _peer_gone(e):
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            _tell_launcher(error_file, f"lost a peer in a collective: {first}", peer_gone=True, traceback=format_exc())
+            return 1
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

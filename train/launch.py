@@ -11,7 +11,9 @@ the same arguments and their output goes straight to this terminal, but for thei
   agent gives each rank, ``TORCHELASTIC_ERROR_FILE``; reelcache/cli.py's ``run_command``), which says each
   distinct line once: N ranks refusing alike are one line; exit 2;
 - a rank that died (a signal, or a crash whose traceback it printed) is one line naming it, its pid and
-  how it ended, and that the launch stopped the others; exit 1.
+  how it ended, and that the launch stopped the others; exit 1. The others' collectives fail when its process
+  goes (gloo: "Connection reset by peer"): those ranks put their traceback in their error file, print
+  nothing, and are never named as the cause.
 
 The rendezvous is torchrun's single-node one (``static``, rank 0 of one node, a free local port); no
 restarts (a failed training is resumed with ``--resume``, not replayed by the launcher). For many nodes
@@ -58,16 +60,25 @@ def launch(rank_args: list[str], nproc: int) -> int:
     except SignalException as e:  # Ctrl-C or a TERM to this launcher: the ranks were stopped with it
         return 128 + int(e.sigval)
     except ChildFailedError as e:
+        failures = sorted(e.failures.items())
+        # a rank whose collective failed because another's process was gone (reelcache/cli.py) is not the
+        # cause: the line names the rank that died first among the others
+        gone = {r for r, f in failures if f.error_file_data.get("peer_gone")}
         said = []  # each distinct refusal once, in rank order (every rank may refuse alike)
-        for _, failure in sorted(e.failures.items()):
-            if os.path.isfile(failure.error_file) and failure.message not in said:
+        for r, failure in failures:
+            if r not in gone and os.path.isfile(failure.error_file) and failure.message not in said:
                 said.append(failure.message)
         for message in said:
             print(f"reelcache: error: {message}", file=sys.stderr)
-        rank, failure = e.get_first_failure()
+        # in the order torch's agent saw them end: on a tie of its whole-second timestamps the first seen is
+        # the cause, not a rank the agent then stopped with SIGTERM (which it records too)
+        causes = [(r, f) for r, f in e.failures.items() if r not in gone] or list(e.failures.items())
+        rank, failure = min(causes, key=lambda rf: rf[1].timestamp)
         if said and failure.exitcode == 2:  # the first to end refused: the others were stopped after it
             return 2
-        if failure.exitcode < 0:
+        if rank in gone:
+            how = failure.message
+        elif failure.exitcode < 0:
             how = f"was killed by {signal.Signals(-failure.exitcode).name}"
         else:
             how = f"exited with status {failure.exitcode}" + ("" if said else " (its output is above)")
