@@ -51,10 +51,10 @@ def clips(seed: int = 0) -> pa.Table:
 
 
 def main() -> None:
+    from reelcache.base.buckets import BucketConfig
+    from reelcache.base.latents import text_key
     from reelcache.cache.costs import SAMPLE_OVERHEAD, view_costs
     from reelcache.cache.plan import CacheConfig, _draws
-    from reelcache.catalog.buckets import BucketConfig
-    from reelcache.catalog.latents import text_key
 
     table = clips()
     ident = {"video_encoder": {"config": {}}, "text_encoder": {"config": {"d_model": 4096}}}

@@ -2,7 +2,7 @@
 
 No GPU, no real memory: each model is built on the meta device from its real configuration (bench/meta_flops.py), and
 torch's FlopCounterMode counts its matmuls, convolutions and attention (norms, softmax, elementwise
-ops are left out: well under 1% here). Per sample, at catalog/buckets.py's buckets (Open-Sora 1.2's
+ops are left out: well under 1% here). Per sample, at base/buckets.py's buckets (Open-Sora 1.2's
 sizes for H:W = 9:16, key "0.56" at 144p-1080p, "0.57" at 256-2048; a resolution is a pixel budget,
 so other aspect ratios cost about the same):
 - DiT step: STDiT3-XL/2 as configs/train/opensora12/stage*.toml build it (frozen y_embedder, gradient
@@ -65,7 +65,7 @@ REPORTED_H = 28_000  # DESIGN.md:95 "the Open-Sora 1.2 replication at 28k H100-h
 
 
 def project(args) -> dict:
-    from reelcache.catalog.buckets import RESOLUTIONS, BucketConfig
+    from reelcache.base.buckets import RESOLUTIONS, BucketConfig
     from reelcache.train.model import STDiT3Config
 
     batch = {
@@ -124,8 +124,8 @@ def _bucket_rows(keys: list[str], batch: dict, args, depth: int, models) -> dict
     """Per bucket: its pixel and latent size, the FLOPs of a DiT training step (extrapolated from the
     depth-1 and depth-2 ``models``), a VAE encode and a T5 caption, and the seconds of a cached and of
     an online sample at the given MFUs."""
+    from reelcache.base.buckets import bucket_hw, nearest_ratio
     from reelcache.cache.opensora_vae import latent_frames
-    from reelcache.catalog.buckets import bucket_hw, nearest_ratio
 
     pair, vae, t5 = models
     rate = {p: getattr(args, f"mfu_{p}") * args.peak_tflops * 1e12 for p in PARTS}

@@ -179,7 +179,7 @@ def bench_probe(files: list[str]) -> None:
 
 
 def bench_shards() -> None:
-    from reelcache.catalog.shards import ShardWriter
+    from reelcache.base.shards import ShardWriter
 
     src = OUT / "shard-src"
     src.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,8 @@ def write_shards(root: Path) -> tuple[Path, Path, int, int]:
     import pyarrow.parquet as pq
     import torch
 
-    from reelcache.catalog.latents import LATENT_EXT, encode
-    from reelcache.catalog.shards import ShardWriter
+    from reelcache.base.latents import LATENT_EXT, encode
+    from reelcache.base.shards import ShardWriter
 
     root.mkdir(parents=True, exist_ok=True)
     for d in ("latents", "store/video", "store/text"):
@@ -79,7 +79,7 @@ def write_shards(root: Path) -> tuple[Path, Path, int, int]:
 
 
 def throughput(results: dict) -> None:
-    from reelcache.catalog.buckets import BucketConfig
+    from reelcache.base.buckets import BucketConfig
     from reelcache.train.loader import LatentLoader
 
     root = OUT / "loader-root"
@@ -157,7 +157,7 @@ PLAN_CHILD = r"""
 import json, sys, time
 import numpy as np
 t0 = time.perf_counter()
-from reelcache.catalog.buckets import BucketConfig
+from reelcache.base.buckets import BucketConfig
 from reelcache.train.plan import Source, epoch_plan
 n, consumed_frac, mix = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "mix"
 rng = np.random.default_rng(0)

@@ -104,10 +104,10 @@ def online(tr):
     import pyarrow.parquet as pq
     import torch
 
+    from reelcache.base.buckets import BucketConfig
     from reelcache.cache.encoders import TextEncoder, VideoEncoder
     from reelcache.cache.plan import load_cache
     from reelcache.cache.run import decode_clip
-    from reelcache.catalog.buckets import BucketConfig
     from reelcache.train.loader import pad_text
 
     _, cfg_cache, _ = load_cache(ROOT, "tiny")

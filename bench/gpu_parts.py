@@ -55,7 +55,7 @@ def bootstrap() -> str:
 
 def bucket_name(bucket: str) -> str:
     """ "res/T" -> the catalog's "res/T/<aspect key>" of a 9:16 clip, as the projection counts buckets."""
-    from reelcache.catalog.buckets import nearest_ratio
+    from reelcache.base.buckets import nearest_ratio
 
     return f"{bucket}/{nearest_ratio(*proj.AR, bucket.split('/')[0])}"
 
@@ -121,7 +121,7 @@ class Ctx:
     """What the parts share: sizes, device, the deadline, the models built so far, FLOP counts."""
 
     def __init__(self, profile: Profile, device: torch.device, deadline: float):
-        from reelcache.catalog.buckets import BucketConfig
+        from reelcache.base.buckets import BucketConfig
         from reelcache.train.config import load_config
 
         self.p, self.device, self.deadline = profile, device, deadline
@@ -150,8 +150,8 @@ class Ctx:
 
     def geometry(self, bucket: str) -> tuple[int, int, int, int, int, int]:
         """(pixel frames, H, W, latent frames, latent h, latent w) of "res/T" for a 9:16 clip."""
+        from reelcache.base.buckets import bucket_geometry
         from reelcache.cache.opensora_vae import latent_frames
-        from reelcache.catalog.buckets import bucket_geometry
 
         frames, H, W = bucket_geometry(bucket_name(bucket))
         return frames, H, W, latent_frames(frames), H // 8, W // 8
@@ -206,8 +206,8 @@ def count_all(p: Profile, model_cfg) -> dict:
     train/metrics.py's 3 x analytic forward, "vae" one clip's encode, ("t5", None) one caption."""
     bootstrap()
     torch.set_num_threads(1)  # meta tensors: no arithmetic, so no threads to take from the measured parts
+    from reelcache.base.buckets import bucket_geometry
     from reelcache.cache.opensora_vae import OpenSoraVAE, latent_frames
-    from reelcache.catalog.buckets import bucket_geometry
     from reelcache.train.model import flops_per_sample
 
     preset, caption = (None if p.name == "full" else "tiny"), model_cfg.model_max_length

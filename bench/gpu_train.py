@@ -252,8 +252,8 @@ def write_shard(ctx: Ctx, root: Path, bucket: str, count: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from reelcache.catalog.latents import LATENT_EXT, encode
-    from reelcache.catalog.shards import ShardWriter
+    from reelcache.base.latents import LATENT_EXT, encode
+    from reelcache.base.shards import ShardWriter
 
     *_, t, h, w = ctx.geometry(bucket)
     c = ctx.model_cfg
@@ -287,7 +287,7 @@ def write_shard(ctx: Ctx, root: Path, bucket: str, count: int) -> Path:
 def loader(ctx: Ctx) -> list[dict]:
     """The stage's loader (its workers and prefetch) feeding the cached step; the first batch (workers
     starting) is not counted."""
-    from reelcache.catalog.buckets import BucketConfig
+    from reelcache.base.buckets import BucketConfig
     from reelcache.train.loader import LatentLoader
 
     tr = trainer(ctx)

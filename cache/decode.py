@@ -27,7 +27,7 @@ does instead (``resize_crop_to_fill`` in its ``datasets/video_transforms.py``): 
 converted to RGB at its coded size (``frame.to_rgb()``, as its reader) and rotated, then resized with
 ``torch.nn.functional.interpolate(mode="bilinear", align_corners=False)`` (no antialias: a
 downscale samples 2 x 2 source pixels per output pixel, so it aliases where area averages) to
-cover the bucket's EXACT size (upstream's table, catalog/buckets.py: 240 x 426, not 424; Python's
+cover the bucket's EXACT size (upstream's table, base/buckets.py: 240 x 426, not 424; Python's
 ``round`` on the side that overflows), and centre-cropped to it; the cache then keeps the centre
 (H, W) of that crop (H, W: rounded down to the encoder's spatial multiple; the sizes of 256 .. 2048
 are multiples of 16 already, so there the cache keeps upstream's whole picture, e.g. 384 x 672).
@@ -55,12 +55,12 @@ from pathlib import Path
 import av
 import numpy as np
 
-from reelcache.catalog.buckets import bucket_geometry
+from reelcache.base.buckets import bucket_geometry
 from reelcache.media import sample_aspect_ratio, video_stream
 
 # `cache run`'s decode workers are spawned processes that import this module (to unpickle
 # decode_clip_shared) and no other of the cache: keep it to numpy and PyAV, without torch or pyarrow
-# (catalog/buckets.py is the standard library only).
+# (base/buckets.py is the standard library only).
 
 RESIZES = ("area", "opensora")  # the cache config's `resize`: swscale area, or Open-Sora 1.2's bilinear
 WINDOWS = ("uniform", "opensora")  # the cache config's `window`: every valid start, or Open-Sora 1.2's range

@@ -35,10 +35,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from reelcache.base.shards import HOLE, atomic_path
 from reelcache.cache.store import TEXT_INDEX, VIDEO_INDEX
-from reelcache.catalog.latents import read_or_say as _read
-from reelcache.catalog.latents import references
-from reelcache.catalog.shards import HOLE, atomic_path
+from reelcache.catalog.references import read_or_say as _read
+from reelcache.catalog.references import references
 from reelcache.progress import say
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from reelcache import UserError
+from reelcache.base.latents import LATENT_EXT, encode
+from reelcache.base.shards import ShardWriter
 from reelcache.cache.encoders import TextEncoder
 from reelcache.cache.store import store_dir
 from reelcache.catalog.db import arrow_schema, sidecar_table
-from reelcache.catalog.latents import LATENT_EXT, encode
-from reelcache.catalog.shards import ShardWriter
 
 
 class Reason(str, Enum):

@@ -1,7 +1,7 @@
 """``cache plan``: assign buckets, freeze the work, fix the cache's identity, print units.
 
 Reads a cache config (``configs/cache/*.toml``) and the catalog manifest it names; assigns every
-clip a bucket (catalog/buckets.py: a pure function of seed, clip id and bucket config) and a
+clip a bucket (base/buckets.py: a pure function of seed, clip id and bucket config) and a
 temporal window (from seed and clip id); writes ``ROOT/latents/<name>/_plan/input.parquet`` (one
 row group per unit, clips that fit no bucket included, to be recorded as rejects) and
 ``cache.json``: the encoders' identity (kind, config, dtype, weights hash, versions) and every
@@ -39,14 +39,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache import UserError
+from reelcache.base.aspect_tables import SOURCE as BUCKET_SIZES
+from reelcache.base.buckets import BucketConfig
+from reelcache.base.shards import atomic_path
 from reelcache.cache.costs import _measured, projection, report, view_costs  # noqa: F401 - projection: run.py
 from reelcache.cache.decode import RESIZES, WINDOWS, window_start
 from reelcache.cache.encoders import TINY_VIDEO, EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
 from reelcache.cache.reuse import plan_id, plan_store
-from reelcache.catalog.aspect_tables import SOURCE as BUCKET_SIZES
-from reelcache.catalog.buckets import BucketConfig
 from reelcache.catalog.manifest import read_manifest, resolve_manifest
-from reelcache.catalog.shards import atomic_path
 from reelcache.progress import say
 from reelcache.settings import NAME, TEXT, build, load_toml, setting
 

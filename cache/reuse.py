@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from reelcache.base.latents import text_key
 from reelcache.cache.store import known_content, raw_stamp, read_index, text_digest, video_digest, video_key
-from reelcache.catalog.latents import text_key
 
 # What a unit's rows mean (the rest is where things are and who encodes them): equal -> its sidecar holds.
 WHAT = (

@@ -1,6 +1,6 @@
 """``cache run UNIT``: decode one unit's clips for their buckets and encode them, once.
 
-The cache's part of the unit runner (catalog/units.py). Before any work the unit checks that its
+The cache's part of the unit runner (base/units.py). Before any work the unit checks that its
 encoders have the identity in cache.json, and encodes the captions the plan gave it (``encode_text``:
 captions the store lacks, each given to one unit) into its caption shard. Then, for each planned
 (clip, view) row:
@@ -25,7 +25,7 @@ and view with its bucket, latent shape, shard and offset, caption key and locati
 reason: cache/outputs.py: Reason) are written.
 
 A unit whose sidecar exists is skipped; one killed at any moment is cleaned and redone; a unit
-another live run holds (catalog/shards.py: the lease) is refused. Reading a source may reject a
+another live run holds (base/shards.py: the lease) is refused. Reading a source may reject a
 clip; writing our own outputs (latent shards, the sidecar, the shared-memory frames) may not:
 such a failure is an OutputError, the unit fails with no sidecar and no store shards, and its re-run
 gives the clean result.
@@ -47,6 +47,11 @@ import numpy as np
 import torch
 
 from reelcache import UserError
+from reelcache.base import units
+from reelcache.base.buckets import BucketConfig
+from reelcache.base.latents import LATENT_EXT, encode
+from reelcache.base.shards import OutputError, ShardWriter, content_hash, parse_unit, unit_rows
+from reelcache.base.units import Batch, Reject, Unit, claimed
 from reelcache.cache import outputs
 from reelcache.cache.decode import (
     FrameBufferError,
@@ -65,11 +70,6 @@ from reelcache.cache.store import (
     video_key,
     write_index,
 )
-from reelcache.catalog import units
-from reelcache.catalog.buckets import BucketConfig
-from reelcache.catalog.latents import LATENT_EXT, encode
-from reelcache.catalog.shards import OutputError, ShardWriter, content_hash, parse_unit, unit_rows
-from reelcache.catalog.units import Batch, Reject, Unit, claimed
 from reelcache.isolate import Failed, isolated_map
 from reelcache.progress import say
 

@@ -51,8 +51,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from reelcache.catalog.buckets import bucket_geometry
-from reelcache.catalog.shards import atomic_path, clear_unit, unlink_held
+from reelcache.base.buckets import bucket_geometry
+from reelcache.base.shards import atomic_path, clear_unit, unlink_held
 
 VIDEO_INDEX = pa.schema(
     [

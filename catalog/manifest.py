@@ -35,9 +35,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from reelcache import UserError
+from reelcache.base.shards import atomic_path
 from reelcache.catalog.db import db_path, open_catalog
 from reelcache.catalog.merge import migrate
-from reelcache.catalog.shards import atomic_path
 from reelcache.catalog.sql import check_where, read_only_connection, where_sql
 from reelcache.progress import say
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import duckdb
 
 from reelcache import UserError
+from reelcache.base.shards import atomic_path
 from reelcache.catalog.db import open_catalog
-from reelcache.catalog.shards import atomic_path
 from reelcache.catalog.sql import check_query, check_where, where_sql
 
 OPENSORA_COLUMNS = ["path", "text", "num_frames", "height", "width", "aspect_ratio", "resolution", "fps", "file_size"]

@@ -91,7 +91,7 @@ CREATE TABLE IF NOT EXISTS clips (
     stated_height  INTEGER,            --   MiraData), compared with the displayed size
 
     -- schema version 3
-    content_hash   VARCHAR             -- blake2b-256 of the video's raw bytes (catalog/shards.py: content_hash),
+    content_hash   VARCHAR             -- blake2b-256 of the video's raw bytes (base/shards.py: content_hash),
                                        --   the store's content hash too; NULL for clips ingested before it
 );
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.catalog.lease import boot_id, pid_start
-from reelcache.catalog.shards import atomic_path
+from reelcache.base.lease import boot_id, pid_start
+from reelcache.base.shards import atomic_path
 
 _NAME = re.compile(r"rank(\d+)\.json")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-from reelcache.catalog.shards import atomic_path
+from reelcache.base.shards import atomic_path
 
 __all__ = ["write_mp4"]
 

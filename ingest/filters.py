@@ -1,7 +1,7 @@
 """Why a row is rejected: a fixed vocabulary, and the filters that apply it.
 
 A filter is a plain function ``(row or probe, thresholds) -> None | (Reason, detail)``: with its
-thresholds bound, a step of the unit runner (catalog/units.py). A unit applies ``ROW_FILTERS``
+thresholds bound, a step of the unit runner (base/units.py). A unit applies ``ROW_FILTERS``
 before touching the file and ``PROBE_FILTERS`` after probing it, in order, and records the first
 reason that fires. The probe itself raises ``Rejected`` for what it finds in the file (missing,
 empty, too large, undecodable, truncated, ...).

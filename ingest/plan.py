@@ -22,9 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache import UserError
-from reelcache.catalog.lease import live_holders
+from reelcache.base.lease import live_holders
+from reelcache.base.shards import atomic_path
 from reelcache.catalog.levels import TAGGERS
-from reelcache.catalog.shards import atomic_path
 from reelcache.ingest.filters import Thresholds
 from reelcache.ingest.sources import FORMATS, MIRADATA_CAPTIONS, read_source
 from reelcache.progress import say

@@ -1,12 +1,12 @@
 """``ingest run UNIT``: probe, filter and shard one unit's rows; write its sidecar last.
 
-Ingest's part of the unit runner (catalog/units.py), for each row of the unit:
+Ingest's part of the unit runner (base/units.py), for each row of the unit:
 
 1. before: the row filters (malformed row, duplicate, empty caption); no file is touched;
 2. work: the probe, in an isolated worker process with a deadline (ingest/probe.py, reelcache/isolate.py);
 3. steps: the probe filters (too short), then ``write``: the file's content hash is taken (blake2b-256 of
    its bytes, ``clips.content_hash``; a video a takedown withdrew is rejected here, ``withdrawn``, under any
-   name: catalog/withdrawn.py) and the clip is appended to a size-capped tar shard (catalog/shards.py).
+   name: catalog/withdrawn.py) and the clip is appended to a size-capped tar shard (base/shards.py).
 
 Then captions of accepted clips are tagged in one batch (noun_count), and the sidecar parquet,
 one row per input row with the `clips` schema, is written and renamed into place. A unit whose
@@ -14,7 +14,7 @@ sidecar exists is skipped; anything else a killed run left behind is deleted fir
 unit's lease is held (a second run of the same unit refuses, or waits with ``--wait``).
 
 Reading a source may reject a clip; writing our outputs may not: a failed write of a shard or
-the sidecar (catalog/shards.py: OutputError) fails the unit with no sidecar and no shards left.
+the sidecar (base/shards.py: OutputError) fails the unit with no sidecar and no shards left.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import json
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.catalog import units
+from reelcache.base import units
+from reelcache.base.shards import ShardWriter, ShortRead, SourceError, content_hash, parse_unit, unit_rows
+from reelcache.base.units import Reject, Unit, claimed
 from reelcache.catalog.db import clips_table
 from reelcache.catalog.levels import count_nouns, tagger_name
-from reelcache.catalog.shards import ShardWriter, ShortRead, SourceError, content_hash, parse_unit, unit_rows
-from reelcache.catalog.units import Reject, Unit, claimed
 from reelcache.catalog.withdrawn import withdrawn_hashes
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason
 from reelcache.ingest.plan import load_plan, source_dir

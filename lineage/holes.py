@@ -22,7 +22,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from reelcache.catalog.shards import BLOCK, HOLE, OutputError
+from reelcache.base.shards import BLOCK, HOLE, OutputError
 
 _KEY = re.compile(r"^((?:.*/|)[^./]+)[.]")  # webdataset's sample key: folder + the base name up to its first dot
 

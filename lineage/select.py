@@ -1,7 +1,7 @@
 """Which clips a `lineage` or `takedown` is about: clip ids, a SQL condition, a file of ids, or a video file.
 
 ``--like VIDEO_FILE`` finds the clips whose raw bytes are that file's (a removal request comes as a file or
-a link, not as a clip id): its content hash (catalog/shards.py: content_hash) against ``clips.content_hash``;
+a link, not as a clip id): its content hash (base/shards.py: content_hash) against ``clips.content_hash``;
 clips ingested before the catalog had that column are hashed from their raw shard members, only those of
 the file's exact size.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from reelcache import UserError
-from reelcache.catalog.shards import content_hash
+from reelcache.base.shards import content_hash
 from reelcache.catalog.sql import check_where, where_sql
 
 

@@ -2,7 +2,7 @@
 
 A dry run by default: what would be removed (the clips, with every other clip of the same video; their raw
 members and bytes; their latents and caption embeddings nothing else references: cache gc's references,
-catalog/latents.py, the withdrawn clips' own rows left out), and the manifests and runs that hold them.
+catalog/references.py, the withdrawn clips' own rows left out), and the manifests and runs that hold them.
 ``--apply`` holds the root's takedown lease (one at a time), finishes unfinished journals, merges the catalog
 (a copy of the video in a unit not merged yet is found too) and plans; then:
 
@@ -42,10 +42,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from reelcache import UserError
-from reelcache.catalog import lease as leases
+from reelcache.base import lease as leases
+from reelcache.base.shards import atomic_path, content_hash
 from reelcache.catalog.db import arrow_schema
-from reelcache.catalog.latents import references
-from reelcache.catalog.shards import atomic_path, content_hash
+from reelcache.catalog.references import references
 from reelcache.catalog.withdrawn import read_record, view_cache_files, withdrawn_dir
 from reelcache.lineage.holes import punch, sample_spans
 from reelcache.lineage.lineage import lineage
@@ -312,7 +312,7 @@ def _copies_merged_since(root: Path, j: dict) -> list[str]:
 
 @contextmanager
 def _lease(root: Path):
-    """One takedown --apply at a time on a root (catalog/lease.py: a killed one's lease is stale, taken over)."""
+    """One takedown --apply at a time on a root (base/lease.py: a killed one's lease is stale, taken over)."""
     d = withdrawn_dir(root)
     d.mkdir(parents=True, exist_ok=True)
     try:

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from reelcache.catalog.buckets import bucket_geometry
+from reelcache.base.buckets import bucket_geometry
 from reelcache.train.config import load_config
 from reelcache.train.flow import timestep_transform, training_losses
 from reelcache.train.loader import LatentLoader

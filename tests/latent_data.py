@@ -1,4 +1,4 @@
-"""Latent shards in the cache's format (catalog/latents.py), written by the tests themselves."""
+"""Latent shards in the cache's format (base/latents.py), written by the tests themselves."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def write_latents(
     import pyarrow.parquet as pq
     import torch
 
-    from reelcache.catalog.latents import LATENT_EXT, encode
-    from reelcache.catalog.shards import ShardWriter
+    from reelcache.base.latents import LATENT_EXT, encode
+    from reelcache.base.shards import ShardWriter
 
     buckets = buckets or list(BUCKETS)
     rng = np.random.default_rng(seed)

@@ -421,8 +421,8 @@ def poisoned_manifest(root: Path, manifest: Path) -> tuple[Path, str]:
     import pyarrow.parquet as pq
     import torch
 
-    from reelcache.catalog.latents import LATENT_EXT, encode
-    from reelcache.catalog.shards import ShardWriter
+    from reelcache.base.latents import LATENT_EXT, encode
+    from reelcache.base.shards import ShardWriter
 
     clip, bucket = "poisoned-clip-0000", "144p/17/0.56"
     (root / "latents/poison").mkdir(parents=True, exist_ok=True)

@@ -280,7 +280,7 @@ class _ManifestArg(argparse.Action):
 
 
 def _simulate(a) -> None:
-    from reelcache.catalog.buckets import BucketConfig
+    from reelcache.base.buckets import BucketConfig
     from reelcache.train.simulate import simulate
 
     given = [w for _, w in a.manifests if w is not None]

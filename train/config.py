@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.catalog.buckets import BucketConfig
+from reelcache.base.buckets import BucketConfig
 from reelcache.settings import build, check, load_toml, read, setting
 from reelcache.train.checkpoint import CheckpointConfig
 from reelcache.train.guard import GuardConfig

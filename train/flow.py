@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from reelcache.catalog.buckets import bucket_geometry
+from reelcache.base.buckets import bucket_geometry
 
 __all__ = [
     "MASK_NAMES",

@@ -18,7 +18,7 @@ Samples are read with ranged reads from local or shared storage (train/source.py
 records where each member's data starts): the latent, and its caption embedding where the manifest names a caption
 shard (the content-addressed store, cache/store.py: each caption stored once); a cache of format 1
 holds both in one member, one read. URLs and ``pipe:`` commands are streamed through webdataset's
-``gopen``. Both go through catalog/latents.py's ``read_latent``. Posterior latents are sampled here,
+``gopen``. Both go through base/latents.py's ``read_latent``. Posterior latents are sampled here,
 seeded from (seed, epoch, position), so noise is fresh each epoch, identical after a resume, and
 different across ranks and workers.
 """
@@ -34,9 +34,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from reelcache.catalog.buckets import BucketConfig
+from reelcache.base.buckets import BucketConfig
+from reelcache.base.shards import atomic_path
 from reelcache.catalog.manifest import resolve_manifest
-from reelcache.catalog.shards import atomic_path
 from reelcache.train.plan import PLAN_VERSION, Plan, Source, epoch_plan, stage_fingerprint
 from reelcache.train.source import (  # noqa: F401 - read_sample, source_row: tests and eval import them from here
     check_shards,

@@ -59,7 +59,7 @@ from functools import lru_cache
 import numpy as np
 import pyarrow as pa
 
-from reelcache.catalog.buckets import BucketConfig
+from reelcache.base.buckets import BucketConfig
 
 PLAN_VERSION = 3  # 2: repeats in separate micro-batches, spread across the epoch; 3: views, a moving block grid
 

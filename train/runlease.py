@@ -4,7 +4,7 @@ Two starts of one run (a job submitted twice, a requeue racing its own dying pre
 restarting what still runs) would otherwise both resume from the same checkpoint, write the same
 ``ckpt-*``, log the same steps twice in metrics and the consumed log, share one wandb run, and the
 second would delete the first's ``.tmp-ckpt-*`` while it is being written. So a start takes
-``runs/<run>/run.lease``, the lease units already take (catalog/lease.py: an ``O_EXCL`` file naming
+``runs/<run>/run.lease``, the lease units already take (base/lease.py: an ``O_EXCL`` file naming
 host, boot id, pid and its start time, the Slurm job; a heartbeat; stale when its holder is gone),
 before it looks at the run's checkpoints, and gives it back when it exits. Rank 0's checkpointer
 verifies the lease before it publishes each checkpoint: a holder frozen on another node for longer
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.catalog import lease as leases
-from reelcache.catalog.lease import Busy, Lease, acquire
+from reelcache.base import lease as leases
+from reelcache.base.lease import Busy, Lease, acquire
 from reelcache.progress import say
 
 NAME = "run.lease"
@@ -85,7 +85,7 @@ def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0) -> RunL
 def _busy(run_dir: Path, e: Busy) -> str:
     """Why the start is refused, and what ends the wait: a holder on this machine can be stopped; one
     on another node may be dead, so its lease's age and when it turns stale are said; a lease file that
-    is not one is abandoned a short while after it was last written (catalog/lease.py)."""
+    is not one is abandoned a short while after it was last written (base/lease.py)."""
     path, h = run_dir / NAME, e.holder
     if h.token == "unreadable":
         return (

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from reelcache.catalog.shards import atomic_path
+from reelcache.base.shards import atomic_path
 from reelcache.progress import fmt_eta, say
 from reelcache.settings import TEXT, setting
 

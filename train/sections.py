@@ -76,7 +76,7 @@ class DataConfig:
     )
 
     def bucket_config(self):
-        from reelcache.catalog.buckets import BucketConfig
+        from reelcache.base.buckets import BucketConfig
 
         return BucketConfig.from_toml(self.buckets)
 

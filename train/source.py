@@ -4,7 +4,7 @@ A manifest (``catalog manifest --cache``) has a row per clip, or per (clip, view
 views, naming the shard and offset of the clip's latent and, for a cache in the content-addressed
 store (cache/store.py), of its caption embedding. ``load_source`` keeps the rows that have latents
 (loudly, when many lack them), in clip-id order, with the columns the plan and the reads need;
-``read_row`` reads one row with ranged reads (catalog/latents.py's ``read_latent``). The loader
+``read_row`` reads one row with ranged reads (base/latents.py's ``read_latent``). The loader
 (train/loader.py) and the validation loss (eval/valloss.py) read through these.
 """
 
@@ -20,8 +20,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from reelcache import UserError
-from reelcache.catalog.buckets import bucket_geometry
-from reelcache.catalog.latents import (
+from reelcache.base.buckets import bucket_geometry
+from reelcache.base.latents import (
     MANIFEST_COLUMNS,
     TEXT_COLUMNS,
     VIEW_COLUMNS,
@@ -39,7 +39,7 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | No
     """A loader manifest -> Source. Rows without latents (no bucket/shard) are dropped, loudly.
 
     A manifest of a cache of K views has a row per (clip, view) and the columns ``view`` and ``views``
-    (catalog/latents.py); `view` keeps one view's rows only (e.g. 0: a fixed set for validation)."""
+    (base/latents.py); `view` keeps one view's rows only (e.g. 0: a fixed set for validation)."""
     table = pq.read_table(path)
     missing = [c for c in MANIFEST_COLUMNS if c not in table.column_names]
     if missing:
@@ -151,7 +151,7 @@ def read_sample(path: str, offset: int) -> dict:
 
 
 def read_row(root, shard, offset, text_shard=None, text_offset=None) -> dict:
-    """A manifest row's sample with its ``text`` (catalog/latents.py: read_latent)."""
+    """A manifest row's sample with its ``text`` (base/latents.py: read_latent)."""
     return read_latent(
         root, {"shard": shard, "shard_offset": offset, "text_shard": text_shard, "text_offset": text_offset}
     )

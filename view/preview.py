@@ -24,8 +24,8 @@ from pathlib import Path
 import av
 
 from reelcache import UserError
+from reelcache.base.shards import atomic_path
 from reelcache.cache.decode import FileSlice, decode_clip
-from reelcache.catalog.shards import atomic_path
 from reelcache.catalog.withdrawn import VIEW_CACHE, view_cache_key
 
 # torch, diffusers and the cache's encoders (cache/encoders.py, eval/video.py) are imported when the
@@ -69,7 +69,7 @@ def _key(latent: dict, ident: dict) -> str:
 def read_latent(root: Path, latent: dict) -> dict:
     """The video latent of a ``latents`` row, wherever its cache keeps it (a store shard, or a cache of
     format 1): catalog/latents.py's reader, the loader's own. The caption is not read."""
-    from reelcache.catalog.latents import read_latent as read
+    from reelcache.base.latents import read_latent as read
 
     return read(root, {"shard": latent["shard"], "shard_offset": latent["shard_offset"]})
 

@@ -122,7 +122,7 @@ class Stage:
 
     @functools.cached_property
     def loader(self):
-        from reelcache.catalog.buckets import BucketConfig
+        from reelcache.base.buckets import BucketConfig
         from reelcache.train.loader import LatentLoader
 
         return LatentLoader(

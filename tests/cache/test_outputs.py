@@ -4,10 +4,10 @@ earlier view's draw gets that view's outcome in the sidecar."""
 
 from __future__ import annotations
 
+from reelcache.base.buckets import BucketConfig
+from reelcache.base.units import reject
 from reelcache.cache import outputs
 from reelcache.cache.outputs import Reason, planned_rows, repeat_views
-from reelcache.catalog.buckets import BucketConfig
-from reelcache.catalog.units import reject
 
 
 def _plan_row(clip_id="c", view=0, bucket="144p/17/0.56", **over) -> dict:
@@ -32,7 +32,7 @@ def _plan_row(clip_id="c", view=0, bucket="144p/17/0.56", **over) -> dict:
 
 def test_the_reject_vocabulary_is_what_catalogs_already_hold():
     """The names rows of existing catalogs carry (schema.sql's comment before the vocabulary existed),
-    and each reason bucket assignment gives (catalog/buckets.py) is one of them."""
+    and each reason bucket assignment gives (base/buckets.py) is one of them."""
     from reelcache.cache.outputs import Reason, no_bucket
 
     old = "no_bucket:too_small no_bucket:too_short no_bucket:not_kept undecodable timeout crashed invalid_latent"

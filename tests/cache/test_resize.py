@@ -39,8 +39,8 @@ from support import REPO, TOL, decode_job, reference, write_clip_file
     ],
 )
 def test_opensora_resize_is_open_sora_12s_resize_crop_to_fill(tmp_path, size, rotation, bucket, crop):
+    from reelcache.base.buckets import bucket_geometry
     from reelcache.cache.decode import decode_clip
-    from reelcache.catalog.buckets import bucket_geometry
 
     p = write_clip_file(tmp_path, *size, rotation=rotation)
     got = decode_clip(decode_job(p, bucket, *crop, resize="opensora"), str(tmp_path))
@@ -85,8 +85,8 @@ def cache_config(buckets: Path, **over):
 
 
 def test_default_identity_is_that_of_caches_made_before_the_option():
+    from reelcache.base.buckets import BucketConfig
     from reelcache.cache.plan import diff, identity
-    from reelcache.catalog.buckets import BucketConfig
 
     buckets = BucketConfig.from_toml(REPO / "configs/buckets/demo.toml")
     area = identity(cache_config(REPO / "configs/buckets/demo.toml"), buckets, "fp")
@@ -149,9 +149,9 @@ def test_cache_run_decodes_with_the_planned_resize(fresh_root, tmp_path, monkeyp
     decode_clip's "opensora" frames, not the area ones."""
     import pyarrow.parquet as pq
 
+    from reelcache.base.buckets import bucket_geometry
     from reelcache.cache import run
     from reelcache.cache.plan import make_plan
-    from reelcache.catalog.buckets import bucket_geometry
     from reelcache.catalog.manifest import make_manifest
 
     make_manifest(fresh_root, "m", "true")

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from support import REPO, cache_config, cache_plan, sql
 
+from reelcache.base.buckets import BucketConfig
 from reelcache.cache.outputs import Reason
-from reelcache.catalog.buckets import BucketConfig
 from reelcache.cli import main
 
 
@@ -51,9 +51,9 @@ def cache_root(fresh_root):
 def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
     import torch
 
+    from reelcache.base.latents import read_latent
     from reelcache.cache.decode import FileSlice, decode_window
     from reelcache.cache.encoders import EncoderSpec, TextEncoder, VideoEncoder
-    from reelcache.catalog.latents import read_latent
 
     cfg = cache_config(tmp_path, "m")
     units = cache_plan(cache_root, cfg)
@@ -95,9 +95,9 @@ def test_identical_captions_are_encoded_once(fresh_root, tmp_path, monkeypatch):
     batches too), and every clip stores its caption's embedding."""
     import torch
 
+    from reelcache.base.latents import read_latent
     from reelcache.cache.encoders import TextEncoder
     from reelcache.catalog.db import open_catalog
-    from reelcache.catalog.latents import read_latent
     from reelcache.catalog.manifest import make_manifest
 
     con = open_catalog(fresh_root, write=True)

@@ -72,9 +72,9 @@ def test_each_caption_is_stored_once_and_every_sample_reads_it(fresh_root, tmp_p
     captions of the clips it planned a latent for, counted from the catalog; each row reads its own."""
     import torch
 
+    from reelcache.base.latents import read_latent
     from reelcache.cache.encoders import EncoderSpec, TextEncoder
     from reelcache.catalog.db import open_catalog
-    from reelcache.catalog.latents import read_latent
 
     con = open_catalog(fresh_root, write=True)
     try:  # three captions over every clip: each used in several units
@@ -114,9 +114,9 @@ def test_growth_reuse_and_gc(fresh_root, ingested, tmp_path, counted):
     the same draws in another root; gc finds what nothing references."""
     import torch
 
-    from reelcache.catalog.buckets import BucketConfig
+    from reelcache.base.buckets import BucketConfig
+    from reelcache.base.latents import read_latent
     from reelcache.catalog.db import open_catalog
-    from reelcache.catalog.latents import read_latent
     from reelcache.train.loader import LatentLoader
 
     (tmp_path / "b.toml").write_text(SHORT)
@@ -242,9 +242,9 @@ def test_a_run_that_lost_its_lease_publishes_and_deletes_nothing_in_the_store(tm
     temporary. The store is byte-equal to a copy taken after the takeover."""
     import json
 
+    from reelcache.base.lease import LostLease
+    from reelcache.base.shards import ShardWriter, begin_unit, end_unit
     from reelcache.cache.store import clear_store_unit, store_dir, write_index
-    from reelcache.catalog.lease import LostLease
-    from reelcache.catalog.shards import ShardWriter, begin_unit, end_unit
 
     (tmp_path / "latents" / "t").mkdir(parents=True)
     claim = begin_unit(tmp_path / "latents" / "t", 0)
@@ -435,8 +435,8 @@ def test_a_frozen_unit_taken_over_deletes_none_of_the_new_runs_store_files(fresh
     of the second run as it was (compared with a copy taken before it woke); each ok row reads."""
     from support import proc_stat, quiet_env
 
+    from reelcache.base import lease as leases
     from reelcache.cache.run import run_unit
-    from reelcache.catalog import lease as leases
     from reelcache.catalog.manifest import make_manifest
 
     make_manifest(fresh_root, "one", "clip_id IN (SELECT clip_id FROM clips WHERE status = 'ok' ORDER BY 1 LIMIT 2)")

@@ -2,7 +2,7 @@
 shows one per epoch, so that a stage samples clips as Open-Sora 1.2's online sampler does.
 
 The rule is computed here from the bucket table's numbers alone (Open-Sora's B1,
-configs/buckets/opensora12-stage1.toml, read as TOML; catalog/buckets.py is not called): a
+configs/buckets/opensora12-stage1.toml, read as TOML; base/buckets.py is not called): a
 resolution is eligible when H x W >= 0.8 x its pixel budget (DATASETS.md); trying resolutions from
 the largest budget down, the lengths that fit (N > T) are offered longest first, each with its
 probability p_t; the first one offered is kept with p_res (0 for a batch size of 0), else the clip is
@@ -178,8 +178,8 @@ def test_views_over_epochs_are_independent_draws_of_the_open_sora_rule(planned, 
 
 
 def test_view_0_is_the_single_draw_and_windows_are_uniform(planned):
+    from reelcache.base.buckets import BucketConfig
     from reelcache.cache.plan import CacheConfig, identity
-    from reelcache.catalog.buckets import BucketConfig
 
     root, rows5, rows1 = planned
     key = ("bucket", "num_frames", "height", "width", "window_start", "no_bucket")

@@ -86,7 +86,7 @@ def test_a_two_view_cache_stores_each_distinct_draw_once(cache2):
 
 
 def _loaders(manifest, root, world, **kw):
-    from reelcache.catalog.buckets import BucketConfig
+    from reelcache.base.buckets import BucketConfig
     from reelcache.train.loader import LatentLoader
 
     sizes = BucketConfig.from_toml(root / "fast.toml")
@@ -164,7 +164,7 @@ def test_views_resume_on_another_world_size_and_another_k_is_refused(cache2, tmp
 
 @pytest.mark.slow
 def test_simulate_says_which_views_each_epoch_showed(cache2, caplog):
-    from reelcache.catalog.buckets import BucketConfig
+    from reelcache.base.buckets import BucketConfig
     from reelcache.train.simulate import simulate
 
     table, _, _ = simulate(

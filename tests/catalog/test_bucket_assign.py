@@ -1,11 +1,11 @@
-"""Bucket assignment (catalog/buckets.py: assign): hand-computed buckets, the reasons a clip gets no
+"""Bucket assignment (base/buckets.py: assign): hand-computed buckets, the reasons a clip gets no
 bucket, and the keep-probability draws, which are pure functions of (seed, clip id)."""
 
 from __future__ import annotations
 
 import pytest
 
-from reelcache.catalog.buckets import BucketConfig, bucket_hw
+from reelcache.base.buckets import BucketConfig, bucket_hw
 
 CFG = BucketConfig.from_dict({"720p": {51: [1.0, 2]}, "240p": {51: [1.0, 8], 102: [1.0, 4]}, "144p": {1: [1.0, 64]}})
 

@@ -13,8 +13,8 @@ import pytest
 from support import TOL, decode_job, reference, write_clip_file
 
 from reelcache import UserError
-from reelcache.catalog.aspect_tables import OPENSORA12_ASPECT
-from reelcache.catalog.buckets import RESOLUTIONS, BucketConfig, bucket_geometry, bucket_hw, nearest_ratio
+from reelcache.base.aspect_tables import OPENSORA12_ASPECT
+from reelcache.base.buckets import RESOLUTIONS, BucketConfig, bucket_geometry, bucket_hw, nearest_ratio
 
 # sha256 of {resolution: [budget, [[key, H, W], ...]]} (JSON, no spaces, upstream's order) for the ten
 # resolutions, computed by executing upstream's aspect.py at 4b2b47b and reading its ASPECT_RATIOS.

@@ -1,4 +1,4 @@
-"""A unit's lease (catalog/lease.py) as another host and a later run see it: stale only when its
+"""A unit's lease (base/lease.py) as another host and a later run see it: stale only when its
 heartbeat stops, read whatever its writer's version, and never published over once lost."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from reelcache import UserError
 
 
 def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
-    from reelcache.catalog import lease as leases
-    from reelcache.catalog.shards import begin_unit, end_unit
+    from reelcache.base import lease as leases
+    from reelcache.base.shards import begin_unit, end_unit
 
     lease = tmp_path / "000003.lease"
     lease.write_text(
@@ -47,7 +47,7 @@ def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
 def test_a_lease_with_its_pid_start_as_a_string_still_reads(tmp_path):
     """Leases written before pid_start was an int hold the start ticks as a string: read as the int, so
     the same-host rule still tells a live holder from a pid now used by another process."""
-    from reelcache.catalog import lease as leases
+    from reelcache.base import lease as leases
 
     ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
     me = {"host": socket.gethostname(), "boot_id": leases.boot_id(), "pid": os.getpid()}
@@ -62,8 +62,8 @@ def test_a_lease_with_its_pid_start_as_a_string_still_reads(tmp_path):
 
 
 def test_a_run_that_lost_its_lease_does_not_publish(tmp_path):
-    from reelcache.catalog.lease import LostLease
-    from reelcache.catalog.shards import atomic_path, begin_unit, end_unit
+    from reelcache.base.lease import LostLease
+    from reelcache.base.shards import atomic_path, begin_unit, end_unit
 
     claim = begin_unit(tmp_path, 5)
     lease = tmp_path / "000005.lease"

@@ -1,4 +1,4 @@
-"""The shard writer (catalog/shards.py) tells a source that cannot be read from our own write that failed."""
+"""The shard writer (base/shards.py) tells a source that cannot be read from our own write that failed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ def test_the_shard_writer_tells_a_bad_source_from_a_failed_write(tmp_path):
     """Source problems are the sample's (SourceError, shard cut back); the writer goes on."""
     import webdataset as wds
 
-    from reelcache.catalog.shards import ShardWriter, ShortRead, SourceError
+    from reelcache.base.shards import ShardWriter, ShortRead, SourceError
 
     src = tmp_path / "v.bin"
     src.write_bytes(b"x" * 3000)

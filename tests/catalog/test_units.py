@@ -1,4 +1,4 @@
-"""The unit runner (catalog/units.py) and the unit protocol under failure.
+"""The unit runner (base/units.py) and the unit protocol under failure.
 
 Fast: the runner on tiny rows in this process (real worker processes, a real shard writer and lease):
 steps keep or reject in order, a batch runs its rows together, a worker's failure is a reason, and a
@@ -28,9 +28,9 @@ import pytest
 from support import plan_ingest, sql
 from workers import work
 
-from reelcache.catalog import units
-from reelcache.catalog.shards import OutputError, ShardWriter
-from reelcache.catalog.units import Batch, Unit, claimed, worker_reject
+from reelcache.base import units
+from reelcache.base.shards import OutputError, ShardWriter
+from reelcache.base.units import Batch, Unit, claimed, worker_reject
 from reelcache.cli import main
 from reelcache.isolate import Failed, isolated_map
 
@@ -260,7 +260,7 @@ def test_a_failed_sidecar_write_fails_the_unit(demo_dataset, tmp_path):
 HOLDER = """
 import os, sys
 from pathlib import Path
-from reelcache.catalog.shards import begin_unit, end_unit
+from reelcache.base.shards import begin_unit, end_unit
 claim = begin_unit(Path(sys.argv[1]), 0)
 Path(sys.argv[1], f".000000-00.tar.tmp{os.getpid()}").write_bytes(b"half a shard")   # work in progress
 print("held", flush=True)
@@ -326,7 +326,7 @@ def test_the_lease_of_a_killed_run_is_stale_at_once(demo_dataset, ingested, tmp_
 # its work, so that a test sees many heartbeats while the unit runs.
 HEARTBEAT_RUN = """
 import sys, time
-from reelcache.catalog import lease
+from reelcache.base import lease
 from reelcache.ingest import run
 lease.HEARTBEAT_S = 0.05
 rows = run.unit_rows

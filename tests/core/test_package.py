@@ -1,4 +1,4 @@
-"""The wheel installs only `reelcache.*`: bare train/cache/catalog/ingest/eval/cluster are not ours to take."""
+"""The wheel installs only `reelcache.*`: bare base/train/cache/catalog/ingest/eval/cluster are not ours to take."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_wheel_contains_only_the_reelcache_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops <= {"reelcache", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    for stage in ("ingest", "catalog", "cache", "train", "eval", "cluster", "view", "lineage"):
+    for stage in ("base", "ingest", "catalog", "cache", "train", "eval", "cluster", "view", "lineage"):
         assert f"reelcache/{stage}/__init__.py" in names
     assert "reelcache/catalog/schema.sql" in names
     assert "reelcache/view/templates/base.html" in names  # the viewer's pages
@@ -49,10 +49,10 @@ def test_wheel_contains_only_the_reelcache_namespace(tmp_path):
 
 
 def test_bare_stage_names_are_not_importable(tmp_path):
+    names = ("base", "train", "cache", "catalog", "ingest", "eval", "cluster", "view", "lineage")
     code = (
-        "import importlib.util as u, reelcache.catalog, reelcache.ingest, reelcache.cache, reelcache.train,"
-        " reelcache.eval, reelcache.cluster, reelcache.view, reelcache.lineage;"
-        " print([n for n in ('train','cache','catalog','ingest','eval','cluster','view','lineage') if u.find_spec(n)])"
+        f"import importlib.util as u, {', '.join(f'reelcache.{n}' for n in names)};"
+        f" print([n for n in {names!r} if u.find_spec(n)])"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
@@ -136,14 +136,14 @@ def test_root_cli_only_assembles_the_stages():
 
 def test_cluster_never_imports_torch_or_another_stage(tmp_path):
     """`reelcache cluster` runs on a head node with no torch: importing every cluster module (and
-    building its parser) loads neither torch nor a stage other than catalog."""
+    building its parser) loads neither torch nor the catalog nor another stage: it stands on base only."""
     code = (
         "import sys, argparse, pkgutil, importlib, reelcache.cluster as c\n"
         "for m in pkgutil.iter_modules(c.__path__): importlib.import_module(f'reelcache.cluster.{m.name}')\n"
         "from reelcache.cluster.cli import add_commands\n"
         "add_commands(argparse.ArgumentParser().add_subparsers())\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'"
-        " or m.split('.')[:2] in (['reelcache', s] for s in ('train', 'cache', 'ingest', 'eval'))))"
+        " or m.split('.')[:2] in (['reelcache', s] for s in ('train', 'cache', 'ingest', 'eval', 'catalog'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"

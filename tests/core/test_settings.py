@@ -23,8 +23,8 @@ from support import REPO
 
 from reelcache import UserError
 from reelcache.args import Arg
+from reelcache.base.buckets import BucketConfig
 from reelcache.cache.plan import CacheConfig
-from reelcache.catalog.buckets import BucketConfig
 from reelcache.cli import build_parser, main
 from reelcache.eval.samples import PRESETS, Preset
 from reelcache.ingest.plan import IngestConfig

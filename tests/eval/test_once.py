@@ -194,7 +194,7 @@ def test_validation_loss_of_one_clip_from_its_definition(once_ref):
     import torch
     from safetensors.torch import load as load_safetensors
 
-    from reelcache.catalog.buckets import bucket_hw
+    from reelcache.base.buckets import bucket_hw
     from reelcache.catalog.manifest import resolve_manifest
 
     root, run = once_ref

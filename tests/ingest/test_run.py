@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from support import ingest, plan_ingest, sql
 
-from reelcache.catalog.shards import ShardWriter
-from reelcache.catalog.units import worker_reject
+from reelcache.base.shards import ShardWriter
+from reelcache.base.units import worker_reject
 from reelcache.cli import main
 from reelcache.ingest.filters import PROBE_FILTERS, Reason, Rejected, Thresholds
 from reelcache.ingest.run import mismatch, take_probe, write

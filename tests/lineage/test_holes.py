@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tarfile
 
-from reelcache.catalog.shards import ShardWriter
+from reelcache.base.shards import ShardWriter
 from reelcache.lineage.holes import HOLE, punch, sample_spans
 
 

@@ -278,7 +278,7 @@ def test_a_killed_takedown_is_finished_by_running_it_again(root, taken, tmp_path
     (work / second).with_name(f".{Path(second).name}.takedown99999").write_bytes(b"half a copy")
     for tar in _tars(work):  # every shard whole: tarfile reads each to its end
         _members(tar)
-    from reelcache.catalog import lease
+    from reelcache.base import lease
 
     held = lease.acquire(work / "withdrawn" / takedown.LEASE)  # another takedown being applied: refused
     try:

@@ -11,7 +11,7 @@ import torch
 from latent_data import write_latents
 from support import REPO
 
-from reelcache.catalog.buckets import BucketConfig
+from reelcache.base.buckets import BucketConfig
 from reelcache.lineage.holes import punch, sample_spans
 from reelcache.train.loader import LatentLoader
 

@@ -63,7 +63,7 @@ def test_a_missing_shard_is_one_line_before_the_run_starts(root):
 
 def test_a_short_shard_is_refused_when_the_loader_is_made(root):
     from reelcache import UserError
-    from reelcache.catalog.buckets import BucketConfig
+    from reelcache.base.buckets import BucketConfig
     from reelcache.train.loader import LatentLoader
 
     r, manifest = root

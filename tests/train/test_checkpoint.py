@@ -38,10 +38,10 @@ def test_at_start_saves_step_0_of_a_run_that_resumes_nothing(tmp_path):
 
 
 def test_a_run_that_lost_its_lease_publishes_no_checkpoint(tmp_path):
-    """A holder frozen past the lease's TTL on another node loses the run to a new start (catalog/lease.py's
+    """A holder frozen past the lease's TTL on another node loses the run to a new start (base/lease.py's
     takeover); when it wakes it must not publish a checkpoint into the run the other now writes. Reference:
     the lease file naming another holder (what a takeover leaves) and the run directory's listing."""
-    from reelcache.catalog.lease import acquire
+    from reelcache.base.lease import acquire
     from reelcache.train.checkpoint import CheckpointConfig
 
     run = tmp_path / "run"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from support import REPO
 
+from reelcache.base.buckets import BucketConfig
 from reelcache.cache.plan import CacheConfig
-from reelcache.catalog.buckets import BucketConfig
 from reelcache.ingest.plan import IngestConfig
 from reelcache.settings import build
 from reelcache.train.config import load_config
@@ -165,7 +165,7 @@ def test_bucket_config_is_opensora_table(name):
         raw = tomllib.load(f)["buckets"]
     got = {res: {int(t): _tuples(spec) for t, spec in frames.items()} for res, frames in raw.items()}
     assert got == TABLES[name]
-    # what catalog/buckets.py makes of it: (resolution, T, p_res, p_t, batch), p_t = 1 without a tuple
+    # what base/buckets.py makes of it: (resolution, T, p_res, p_t, batch), p_t = 1 without a tuple
     rows = sorted(
         (res, t, *(p if isinstance(p, tuple) else (p, 1.0)), bs)
         for res, frames in TABLES[name].items()

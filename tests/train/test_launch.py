@@ -21,7 +21,7 @@ import pytest
 from latent_data import write_latents
 from support import data_args, torchrun
 
-from reelcache.catalog.lease import boot_id, pid_start
+from reelcache.base.lease import boot_id, pid_start
 
 pytestmark = pytest.mark.slow  # two 2-rank launches
 

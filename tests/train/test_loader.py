@@ -22,7 +22,7 @@ import torch
 from latent_data import write_latents
 from support import REPO, ids, run_ranks
 
-from reelcache.catalog.buckets import BucketConfig
+from reelcache.base.buckets import BucketConfig
 from reelcache.train.loader import LatentLoader, read_sample
 
 SIZES = BucketConfig.from_toml(REPO / "configs/buckets/tiny.toml")
@@ -279,7 +279,7 @@ def test_sigkill_mid_epoch_then_resume_continues_exactly(data, tmp_path):
         textwrap.dedent(f"""
         import json, os, sys
         from reelcache.train.loader import LatentLoader
-        from reelcache.catalog.buckets import BucketConfig
+        from reelcache.base.buckets import BucketConfig
         sizes = BucketConfig.from_toml({str(REPO / "configs/buckets/tiny.toml")!r})
         ld = LatentLoader([{str(manifest)!r}], sizes, root={str(root)!r}, seed=9, workers=2)
         state = {str(tmp_path / "state.json")!r}

@@ -8,7 +8,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from reelcache.catalog.buckets import BucketConfig
+from reelcache.base.buckets import BucketConfig
 from reelcache.train.plan import Source, _cached_plan, _storage_order, epoch_plan
 
 B16 = BucketConfig.from_dict({"240p": {17: 16}})

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from support import REPO, ids, run_ranks
 
-from reelcache.catalog.buckets import BucketConfig
+from reelcache.base.buckets import BucketConfig
 from reelcache.train.loader import LatentLoader
 
 SIZES = BucketConfig.from_toml(REPO / "configs/buckets/tiny.toml")

@@ -11,7 +11,7 @@ import pytest
 from latent_data import write_latents
 from support import REPO
 
-from reelcache.catalog.buckets import BucketConfig
+from reelcache.base.buckets import BucketConfig
 from reelcache.train.guard import GuardConfig
 from reelcache.train.loader import LatentLoader
 from reelcache.train.runlog import LogConfig, read_run_id

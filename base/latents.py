@@ -1,6 +1,6 @@
 """The latent sample format: the contract between ``cache`` (writer) and ``train`` (reader).
 
-A latent shard is a webdataset tar like the raw shards (catalog/shards.py), one member per
+A latent shard is a webdataset tar like the raw shards (base/shards.py), one member per
 sample. Since the content-addressed store (cache/store.py, cache format 2) a sample is two members
 in two shards, each stored once under the root however many views, caches and stages use it:
 
@@ -116,66 +116,3 @@ def read_latent(root, row: dict) -> dict:
     if row.get("text_shard") is not None:  # a store sample: its caption lives once, in a caption shard
         sample["text"] = decode(read_member(shard_path(root, row["text_shard"]), int(row["text_offset"])))["text"]
     return sample
-
-
-# -- references: which store entries something names (cache gc keeps them; a takedown keeps their bytes) -------
-def _pairs(table, shard: str, offset: str) -> set:
-    if shard not in table.column_names or offset not in table.column_names:
-        return set()
-    return {(s, int(o)) for s, o in zip(table[shard].to_pylist(), table[offset].to_pylist()) if s is not None}
-
-
-def read_or_say(root: Path, path: Path, read, who: str = "cache gc"):
-    """`read(path)`, or a UserError naming a file `who` cannot read (before it deletes anything), and how
-    that file is written again: gc and a takedown must know every reference to delete safely."""
-    import pyarrow as pa
-
-    from reelcache import UserError
-
-    try:
-        return read(path)
-    except FileNotFoundError:
-        raise  # gone since it was listed: the caller knows what that means
-    except (OSError, pa.ArrowException) as e:
-        rel = path.relative_to(root)
-        if rel.parts[0] == "manifests":
-            again = "make that manifest again (`reelcache catalog manifest`) or delete it"
-        else:  # a store index (store/<kind>/<cache>/NNNNNN-<plan>.parquet), a unit sidecar or a frozen plan
-            cache, unit = rel.parts[-2] if rel.parts[-2] != "_plan" else rel.parts[-3], rel.stem[:6]
-            again = (
-                f"restore it, or write it again: delete latents/{cache}/{unit}.parquet and run "
-                f"`reelcache cache run --root {root} {cache}/{unit}`"
-                if unit.isdigit()
-                else f"restore it, or re-plan cache {cache!r} (`reelcache cache plan`)"
-            )
-        reason = str(e).split(": ", 1)[-1].split(". ")[0] if isinstance(e, pa.ArrowException) else e.strerror or e
-        raise UserError(f"{who}: {rel} is not readable parquet ({reason}); nothing was deleted: {again}") from None
-
-
-def references(root: Path, exclude=(), who: str = "cache gc") -> set:
-    """(shard, offset) of every store entry a cache's unit sidecars (``latents/<cache>/NNNNNN.parquet``), a
-    frozen cache plan (``latents/<cache>/_plan/input.parquet``: the entries its units will reuse) or a manifest
-    (``manifests/*.parquet``) names: its video latent, caption embedding, reused entry. Rows of the clips in
-    `exclude` are left out (a takedown's own: what else still uses their entries)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    root, exclude = Path(root), sorted(set(exclude))
-    refs: set = set()
-    files = [*root.glob("latents/*/[0-9]*.parquet"), *root.glob("latents/*/_plan/input.parquet")]
-    wanted = {"shard", "shard_offset", "text_shard", "text_offset", "reuse_shard", "reuse_offset"}
-    wanted |= {"clip_id"} if exclude else set()
-
-    def read(p):
-        return pq.read_table(p, columns=[c for c in pq.read_schema(p).names if c in wanted])
-
-    for p in files + sorted(root.glob("manifests/*.parquet")):
-        t = read_or_say(root, p, read, who)
-        if exclude and "clip_id" in t.column_names:
-            t = t.filter(
-                pc.invert(pc.fill_null(pc.is_in(t["clip_id"], value_set=pa.array(exclude, pa.string())), False))
-            )
-        refs |= _pairs(t, "shard", "shard_offset") | _pairs(t, "text_shard", "text_offset")
-        refs |= _pairs(t, "reuse_shard", "reuse_offset")
-    return refs

@@ -9,7 +9,7 @@ other keys, sizes multiples of 16), with the budgets of its ``ASPECT_RATIOS``, c
     17cce908b22283acc3c946816c81f46dd442a453, whose PixArt keys were written "0.4" rather than "0.40").
 
 The order of each table is upstream's: its nearest-key rule takes the first of equally near keys in
-this order (catalog/buckets.py). Only the resolutions catalog/buckets.py offers are here (upstream
+this order (base/buckets.py). Only the resolutions base/buckets.py offers are here (upstream
 also has 2k, 4k and 2880).
 """
 

@@ -3,7 +3,7 @@
 A bucket config (``configs/buckets/*.toml``) maps resolution -> {num_frames: [keep probability,
 per-GPU batch size]}, the shape of Open-Sora 1.2's ``bucket_config``. Resolutions are pixel
 budgets (240p = 102,240 = 240 x 426); each has its own table of aspect keys (H/W, two decimals) and
-their exact (H, W), Open-Sora 1.2's numbers (catalog/aspect_tables.py, source and commit named
+their exact (H, W), Open-Sora 1.2's numbers (base/aspect_tables.py, source and commit named
 there): 144p-1080p have the 17 keys 0.38 .. 2.08 ("0.56" is 9:16, 240 x 426 at 240p; 0.75 is
 276 x 368 there), and 256, 512, 1024, 2048 PixArt's 40 keys 0.25 .. 4.00 with sizes multiples of 16
 (16:9 at 512 is "0.57", 384 x 672). The sizes are a table, not a formula: they differ from
@@ -51,10 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.catalog.aspect_tables import OPENSORA12_ASPECT
+from reelcache.base.aspect_tables import OPENSORA12_ASPECT
 from reelcache.settings import build, check, setting
 
-# resolution -> (pixel budget, {aspect key: (H, W)}): Open-Sora 1.2's own tables (catalog/aspect_tables.py).
+# resolution -> (pixel budget, {aspect key: (H, W)}): Open-Sora 1.2's own tables (base/aspect_tables.py).
 TABLES = OPENSORA12_ASPECT
 # Pixel budgets: the 16:9 (or square) size of each resolution (240p = 102,240 = 240 x 426).
 RESOLUTIONS = {res: budget for res, (budget, _) in TABLES.items()}

@@ -3,7 +3,7 @@
 A unit is a slice of a frozen plan (``plan`` wrote it; ``run UNIT`` runs it anywhere, any number of
 times). Ingest and cache run their units the same way; only their steps differ:
 
-1. ``claimed``: the unit's lease is taken and what a killed run left is removed (catalog/shards.py:
+1. ``claimed``: the unit's lease is taken and what a killed run left is removed (base/shards.py:
    ``begin_unit``); a unit whose sidecar exists is skipped. The ``Claim`` (sidecar and lease) is handed
    to everything that writes or deletes for the unit (its shard writers, store indexes, ``abort``),
    which check the lease first: a run that lost it publishes and deletes nothing, and says so;
@@ -22,7 +22,7 @@ times). Ingest and cache run their units the same way; only their steps differ:
    tagging, repeated views, store indexes), and the sidecar is written and renamed into place last: a
    present sidecar means a finished unit.
 
-Errors are a policy (catalog/shards.py): a source that cannot be read is that row's reject; a failure to
+Errors are a policy (base/shards.py): a source that cannot be read is that row's reject; a failure to
 write our own outputs is an OutputError that fails the unit: its shards are removed (``abort`` for what
 else the stage wrote), no sidecar is written, and a rerun gives the clean result. The model is
 datatrove's ``PipelineStep`` and its filters' ``(keep, reason)``: small steps composed as a list, and
@@ -40,11 +40,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from reelcache.catalog.lease import LostLease
-from reelcache.catalog.shards import Claim, ShardWriter, atomic_path, begin_unit, end_unit
+from reelcache.base.lease import LostLease
+from reelcache.base.shards import Claim, ShardWriter, atomic_path, begin_unit, end_unit
 from reelcache.isolate import Failed
 
-# reelcache.progress (tqdm) and pyarrow are imported where used, as catalog/shards.py does.
+# reelcache.progress (tqdm) and pyarrow are imported where used, as base/shards.py does.
 
 Reject = tuple  # (reason: a member of the stage's vocabulary, detail: str | None)
 Step = Callable[[dict], "Reject | None"]

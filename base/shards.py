@@ -19,7 +19,7 @@ the unit fails loudly, writes no sidecar, removes its shards, and its re-run aft
 gives the clean result. A full disk must never turn good clips into rejects.
 
 The unit protocol (``begin_unit`` ... sidecar via ``atomic_path`` ... ``end_unit``) also takes the
-unit's lease (catalog/lease.py), so two runs of one unit never delete each other's files. The lease is
+unit's lease (base/lease.py), so two runs of one unit never delete each other's files. The lease is
 handed, as the ``Claim`` ``begin_unit`` returns, to whatever writes or deletes for the unit, wherever
 its files live (its own directory, the latent store): ``ShardWriter(..., lease=)``, ``atomic_path(...,
 lease=)``, ``clear_unit(..., lease)``. Each checks the lease is still this run's before it renames a
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.catalog import lease as leases
+from reelcache.base import lease as leases
 
 # reelcache.progress (tqdm) and pyarrow are imported where used: cluster/ranks.py imports this module for
 # atomic_path, and `reelcache --help` and `reelcache cluster` (head nodes) start without them.
