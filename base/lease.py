@@ -22,7 +22,7 @@ stale after ``GUARD_S``), re-read under the guard, so that two runs finding the 
 cannot both take it. The trade-off of the age rule: a holder on another node frozen for longer
 than ``TTL_S`` loses its lease; it checks that the lease is still its own (``Lease.verify``,
 ``Lease.held``) before each file it publishes (a shard, a store index, its sidecar) and each it deletes,
-wherever the unit writes (base/shards.py: ``Claim``), so the loser fails, saying it lost the lease,
+wherever the unit writes (base/units.py: ``Claim``), so the loser fails, saying it lost the lease,
 instead of overwriting or deleting the winner's files.
 """
 

@@ -18,14 +18,12 @@ full, quota, file-size limit, I/O error on a shard, sidecar, plan or manifest) i
 the unit fails loudly, writes no sidecar, removes its shards, and its re-run after space is freed
 gives the clean result. A full disk must never turn good clips into rejects.
 
-The unit protocol (``begin_unit`` ... sidecar via ``atomic_path`` ... ``end_unit``) also takes the
-unit's lease (base/lease.py), so two runs of one unit never delete each other's files. The lease is
-handed, as the ``Claim`` ``begin_unit`` returns, to whatever writes or deletes for the unit, wherever
-its files live (its own directory, the latent store): ``ShardWriter(..., lease=)``, ``atomic_path(...,
-lease=)``, ``clear_unit(..., lease)``. Each checks the lease is still this run's before it renames a
-file into place or deletes one, so a run that lost its lease (frozen past the TTL on another node, its
-unit taken over) neither publishes over nor deletes the new holder's files, and fails saying so.
-Temporary names are unique to the writer (pid and a random tag), so a run only ever removes its own.
+A unit's files are written through its claim (base/units.py: ``Claim``): ``ShardWriter(..., claim=)`` checks
+the unit's lease before it renames each shard into place and removes its shards through the claim, so a run
+that lost its lease (frozen past the TTL on another node, its unit taken over) neither publishes over nor
+deletes the new holder's files. ``atomic_path`` is the plain file helper beneath them all: a temporary name,
+fsync, rename. Temporary names are unique to the writer (pid and a random tag), so a run only ever removes
+its own.
 """
 
 from __future__ import annotations
@@ -34,18 +32,15 @@ import errno
 import hashlib
 import os
 import secrets
-import signal
 import tarfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.base import lease as leases
 
-# reelcache.progress (tqdm) and pyarrow are imported where used: cluster/ranks.py imports this module for
-# atomic_path, and `reelcache --help` and `reelcache cluster` (head nodes) start without them.
+# Nothing here imports tqdm or pyarrow: cluster/ranks.py imports this module for atomic_path, and `reelcache
+# --help` and `reelcache cluster` (head nodes) start without them.
 
 BLOCK = 512
 # The one member a sample removed by a takedown becomes (lineage/holes.py): not a sample, a hole of zeros.
@@ -142,14 +137,13 @@ def _tmp_name(path: Path) -> Path:
 class ShardWriter:
     """Writes members into ``<stem>-KK.tar`` files of at most ``max_bytes`` each.
 
-    ``lease``: the lease of the unit the shards belong to (``Claim.lease``), checked before each shard
-    is renamed into place and before ``abort`` removes one; None outside a unit."""
+    ``claim``: the claim of the unit the shards belong to (base/units.py: ``Claim``): its lease is checked
+    (``claim.verify()``) before each shard is renamed into place, and ``abort`` removes the shards through it
+    (``claim.unlink``); None outside a unit."""
 
-    def __init__(
-        self, directory: Path, stem: str, max_bytes: int, fsync: bool = True, lease: leases.Lease | None = None
-    ):
+    def __init__(self, directory: Path, stem: str, max_bytes: int, fsync: bool = True, claim=None):
         self.dir, self.stem, self.max_bytes, self.fsync = Path(directory), stem, max_bytes, fsync
-        self.lease = lease
+        self.claim = claim
         self.tmp: Path | None = None
         self.index = -1
         self.fd = None
@@ -180,8 +174,8 @@ class ShardWriter:
                 os.fsync(self.fd)
             os.close(self.fd)
             self.fd = None
-            if self.lease is not None:
-                self.lease.verify()  # a run frozen past its lease's TTL must not replace the new holder's shard
+            if self.claim is not None:
+                self.claim.verify()  # a run frozen past its lease's TTL must not replace the new holder's shard
             os.replace(self.tmp, self.dir / self.name)
         except OSError as e:
             raise OutputError(self.tmp, e) from e
@@ -255,38 +249,29 @@ class ShardWriter:
 
     def abort(self):
         """Give up: remove the shard being written (its temporary name is this writer's own) and the
-        finished ones (no sidecar will name them), while the unit's lease is still this run's: once
-        another run took it over, the finished names are that run's shards."""
+        finished ones (no sidecar will name them), through the unit's claim: once another run took the unit
+        over, the finished names are that run's shards."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
         if self.tmp is not None:
             self.tmp.unlink(missing_ok=True)
             self.tmp = None
-        unlink_held(self.finished, self.lease)
+        if self.claim is not None:
+            self.claim.unlink(self.finished)
+        else:
+            for p in self.finished:
+                p.unlink(missing_ok=True)
         self.finished = []
 
 
-def unlink_held(paths, lease: leases.Lease | None) -> int:
-    """Remove `paths` while `lease` (None: no unit) is still this run's, checked before each removal;
-    the first time it is not, stop: the files under those names are the new holder's. Returns how many
-    were removed."""
-    n = 0
-    for p in paths:
-        if lease is not None and not lease.held():
-            break
-        Path(p).unlink(missing_ok=True)
-        n += 1
-    return n
-
-
 @contextmanager
-def atomic_path(path, lease: leases.Lease | None = None):
+def atomic_path(path):
     """Yield a temporary name beside `path`; once the body wrote it, fsync and rename it into place.
 
-    Readers see the old file or the complete new one, never a partial one; a failure leaves nothing,
-    and an OSError while writing is an OutputError naming `path`. ``lease``: the lease of the unit
-    `path` belongs to (a sidecar, a store index), checked just before the rename (LostLease).
+    Readers see the old file or the complete new one, never a partial one; a failure leaves nothing, and an
+    OSError while writing is an OutputError naming `path`. A plain file helper: a unit's files are published
+    through its claim (base/units.py: ``Claim.publish``), which checks the unit's lease first.
     """
     path = Path(path)
     tmp = _tmp_name(path)
@@ -298,95 +283,8 @@ def atomic_path(path, lease: leases.Lease | None = None):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            if lease is not None:
-                lease.verify()
             os.replace(tmp, path)
         except OSError as e:
-            raise OutputError(path, e, unit=lease is not None) from e
+            raise OutputError(path, e, unit=False) from e
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def parse_unit(unit: str) -> tuple[str, int]:
-    """'<name>/<NNNNNN>' (as `plan` prints it) -> (name, index)."""
-    try:
-        name, idx = unit.strip().rsplit("/", 1)
-        return name, int(idx)
-    except ValueError:
-        raise UserError(f"{unit!r} is not a unit: expected '<name>/<NNNNNN>' as printed by `plan`") from None
-
-
-@dataclass
-class Claim:
-    """A unit this process runs, holding its lease: the sidecar to write last (``atomic_path(sidecar,
-    lease=claim.lease)``), and the lease every write, rename and delete of the unit checks first."""
-
-    sidecar: Path
-    lease: leases.Lease
-
-
-def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Claim | None:
-    """The unit protocol shared by every stage: None when the unit finished (its sidecar exists),
-    else the unit's Claim, once this process holds the unit's lease and has removed whatever a
-    killed run left behind in `directory`.
-
-    Another live run holding the lease is a UserError naming it, or with `wait`, waited for. The
-    lease is released by `end_unit`, or at exit.
-    """
-    from reelcache.progress import say
-
-    directory = Path(directory)
-    stem = f"{index:06d}"
-    sidecar = directory / f"{stem}.parquet"
-    if sidecar.exists():
-        return None
-    try:  # a file-size limit (ulimit -f) is then EFBIG, an OutputError, not a core dump
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    except (ValueError, AttributeError):
-        pass  # not the main thread, or no such signal here
-    unit = f"{directory.name}/{stem}"
-    try:
-        lease = leases.acquire(
-            directory / f"{stem}.lease",
-            wait=wait,
-            on_wait=lambda h: say(f"{unit}: waiting for the run of {h.describe()}"),
-        )
-    except leases.Busy as e:
-        raise UserError(
-            f"{unit} is being run by {e.holder.describe()}; not touching its files. Use --wait to "
-            f"wait for it. If that run is gone on another host, its lease {e.path} goes stale "
-            f"{max(0, leases.TTL_S - e.holder.age_s):.0f} s from now ({leases.TTL_S:g} s without a "
-            "heartbeat), or delete that file."
-        ) from None
-    except OSError as e:
-        raise OutputError(directory / f"{stem}.lease", e) from e
-    if sidecar.exists():  # the run we waited for finished it
-        lease.release()
-        return None
-    clear_unit(directory, stem, lease)
-    return Claim(sidecar, lease)
-
-
-def end_unit(claim: Claim | None) -> None:
-    """Release the unit's lease (idempotent; never another run's): when the run ended, whichever way."""
-    if claim is not None:
-        claim.lease.release()
-
-
-def unit_rows(directory: Path, index: int) -> list[dict]:
-    """The unit's slice of the frozen plan: row group `index` of `_plan/input.parquet`."""
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(Path(directory) / "_plan" / "input.parquet").read_row_group(index).to_pylist()
-
-
-def clear_unit(directory: Path, stem: str, lease: leases.Lease | None) -> int:
-    """Remove what a killed run of this unit may have left in `directory` (temporaries and unclaimed
-    shards), while `lease`, the unit's, is still this run's (``unlink_held``)."""
-    directory = Path(directory)
-    found = [
-        *directory.glob(f".{stem}-*.tar.tmp*"),
-        *directory.glob(f"{stem}-*.tar"),
-        *directory.glob(f".{stem}.parquet.tmp*"),
-    ]
-    return unlink_held(found, lease)

@@ -3,10 +3,12 @@
 A unit is a slice of a frozen plan (``plan`` wrote it; ``run UNIT`` runs it anywhere, any number of
 times). Ingest and cache run their units the same way; only their steps differ:
 
-1. ``claimed``: the unit's lease is taken and what a killed run left is removed (base/shards.py:
-   ``begin_unit``); a unit whose sidecar exists is skipped. The ``Claim`` (sidecar and lease) is handed
-   to everything that writes or deletes for the unit (its shard writers, store indexes, ``abort``),
-   which check the lease first: a run that lost it publishes and deletes nothing, and says so;
+1. ``claimed``: the unit's lease is taken and what a killed run left is removed (``begin_unit``); a unit
+   whose sidecar exists is skipped. The unit's ``Claim`` holds the lease and publishes and deletes the
+   unit's files: its shards (``ShardWriter(..., claim=)``), store indexes (``claim.publish``), what a
+   failed run leaves (``claim.unlink``, ``claim.clear``) and, last, its sidecar (``claim.write_sidecar``).
+   Each checks first that the lease is still this run's: a run that lost it publishes and deletes
+   nothing, and says so;
 2. the unit's rows are its sidecar's rows, one per planned row; the ``before`` steps run on each, touching
    no file (a malformed row, a clip that fits no bucket);
 3. the rows still kept that need it (``todo``) go through the stage's isolated map (reelcache/isolate.py:
@@ -19,8 +21,8 @@ times). Ingest and cache run their units the same way; only their steps differ:
    clips together); the steps after it run on those rows then. The last step usually appends the row
    to the unit's shard writer;
 5. the shard writer is closed, the stage's ``finish`` makes the sidecar's table from all rows (caption
-   tagging, repeated views, store indexes), and the sidecar is written and renamed into place last: a
-   present sidecar means a finished unit.
+   tagging, repeated views, store indexes), and the claim writes the sidecar and renames it into place
+   last: a present sidecar means a finished unit.
 
 Errors are a policy (base/shards.py): a source that cannot be read is that row's reject; a failure to
 write our own outputs is an OutputError that fails the unit: its shards are removed (``abort`` for what
@@ -31,6 +33,7 @@ every drop recorded with its reason (counted per reason in the unit's summary li
 
 from __future__ import annotations
 
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
@@ -40,11 +43,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from reelcache.base.lease import LostLease
-from reelcache.base.shards import Claim, ShardWriter, atomic_path, begin_unit, end_unit
+from reelcache import UserError
+from reelcache.base import lease as leases
+from reelcache.base.shards import OutputError, ShardWriter, atomic_path
 from reelcache.isolate import Failed
 
-# reelcache.progress (tqdm) and pyarrow are imported where used, as base/shards.py does.
+# reelcache.progress (tqdm) and pyarrow are imported where used: `reelcache --help` starts without them.
 
 Reject = tuple  # (reason: a member of the stage's vocabulary, detail: str | None)
 Step = Callable[[dict], "Reject | None"]
@@ -70,16 +74,138 @@ class Unit:
     work: Callable[[list[dict]], Iterator[tuple[Any, Any]]]  # the isolated map: rows -> (item, result), in order
     take: Callable[[dict, Any], None]  # a worker's result that is no reject, into its row
     steps: list  # Step | Batch, in order, on each row after its work
-    writer: ShardWriter  # the unit's shards (given claim.lease): closed before the sidecar, removed when the unit fails
-    claim: Claim  # the unit's sidecar, written last by `run` under its lease
+    writer: ShardWriter  # the unit's shards (given the claim): closed before the sidecar, removed when the unit fails
+    claim: Claim  # writes the unit's sidecar last, while this run holds the unit's lease
     finish: Callable[[list[dict]], Any]  # every row done -> the sidecar's pyarrow table
     reasons: type[Enum]  # the stage's reject vocabulary; it names timeout, crashed, undecodable
     before: list = field(default_factory=list)  # Steps on every row before any work (no file touched)
     todo: Callable[[dict], bool] = lambda row: True  # which kept rows need the work
-    abort: Callable[[], None] = lambda: None  # the unit failed: remove what else it wrote (under claim.lease)
+    abort: Callable[[], None] = lambda: None  # the unit failed: remove what else it wrote (through the claim)
     compression: str = "snappy"  # of the sidecar parquet
     what: str = "row"  # what the progress bar counts
     postfix: Callable[[], dict] | None = None  # the progress bar's extra fields
+
+
+def parse_unit(unit: str) -> tuple[str, int]:
+    """'<name>/<NNNNNN>' (as `plan` prints it) -> (name, index)."""
+    try:
+        name, idx = unit.strip().rsplit("/", 1)
+        return name, int(idx)
+    except ValueError:
+        raise UserError(f"{unit!r} is not a unit: expected '<name>/<NNNNNN>' as printed by `plan`") from None
+
+
+def unit_rows(directory: Path, index: int) -> list[dict]:
+    """The unit's slice of the frozen plan: row group `index` of `_plan/input.parquet`."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(Path(directory) / "_plan" / "input.parquet").read_row_group(index).to_pylist()
+
+
+class Claim:
+    """A unit this process runs, holding the unit's lease (base/lease.py): every file of the unit is published
+    and deleted through it, wherever the file lives (the unit's directory, the latent store), and each of its
+    methods checks first that the lease is still this run's. A run that lost it (frozen past the lease's TTL
+    on another node, its unit taken over) neither publishes over nor deletes the new holder's files, and
+    fails saying it lost the lease. Made by ``begin_unit``; ``release`` gives the lease back."""
+
+    def __init__(self, directory: Path, stem: str, lease: leases.Lease):
+        self.directory, self.stem, self.lease = Path(directory), stem, lease
+        self.sidecar = self.directory / f"{stem}.parquet"  # present: the unit is finished
+
+    def held(self) -> bool:
+        return self.lease.held()
+
+    def verify(self) -> None:
+        """Raise LostLease unless the lease is still this run's (before a file is renamed into place)."""
+        self.lease.verify()
+
+    @contextmanager
+    def publish(self, path):
+        """``atomic_path`` for a file of the unit: the lease is checked once the body wrote the file, before
+        it is made durable and renamed into place (a sidecar, a store index)."""
+        try:
+            with atomic_path(path) as tmp:
+                yield tmp
+                self.verify()
+        except OutputError as e:  # a unit's file: the unit is not finished
+            raise OutputError(path, e.__cause__) from e.__cause__
+
+    def write_sidecar(self, table, compression: str = "snappy") -> None:
+        """The unit's sidecar, `table` as parquet, renamed into place last: the unit is finished."""
+        import pyarrow.parquet as pq
+
+        with self.publish(self.sidecar) as tmp:
+            pq.write_table(table, tmp, compression=compression)
+
+    def unlink(self, paths) -> int:
+        """Remove `paths` while the lease is this run's, checked before each removal; the first time it is
+        not, stop: the files under those names are the new holder's. Returns how many were removed."""
+        n = 0
+        for p in paths:
+            if not self.held():
+                break
+            Path(p).unlink(missing_ok=True)
+            n += 1
+        return n
+
+    def clear(self, directory: Path | None = None, stem: str | None = None) -> int:
+        """Remove what a killed run of this unit may have left under `stem` in `directory` (by default the
+        unit's own): temporaries and unclaimed shards, through ``unlink``."""
+        directory, stem = Path(directory or self.directory), stem or self.stem
+        found = [
+            *directory.glob(f".{stem}-*.tar.tmp*"),
+            *directory.glob(f"{stem}-*.tar"),
+            *directory.glob(f".{stem}.parquet.tmp*"),
+        ]
+        return self.unlink(found)
+
+    def release(self) -> None:
+        """Give the unit's lease back (idempotent; never another run's): when the run ended, whichever way."""
+        self.lease.release()
+
+
+def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Claim | None:
+    """The unit protocol shared by every stage: None when the unit finished (its sidecar exists), else the
+    unit's Claim, once this process holds the unit's lease and has removed whatever a killed run left behind
+    in `directory`.
+
+    Another live run holding the lease is a UserError naming it, or with `wait`, waited for. The lease is
+    released by ``Claim.release`` (``claimed`` does it), or at exit.
+    """
+    from reelcache.progress import say
+
+    directory = Path(directory)
+    stem = f"{index:06d}"
+    sidecar = directory / f"{stem}.parquet"
+    if sidecar.exists():
+        return None
+    try:  # a file-size limit (ulimit -f) is then EFBIG, an OutputError, not a core dump
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    except (ValueError, AttributeError):
+        pass  # not the main thread, or no such signal here
+    unit = f"{directory.name}/{stem}"
+    try:
+        lease = leases.acquire(
+            directory / f"{stem}.lease",
+            wait=wait,
+            on_wait=lambda h: say(f"{unit}: waiting for the run of {h.describe()}"),
+        )
+    except leases.Busy as e:
+        raise UserError(
+            f"{unit} is being run by {e.holder.describe()}; not touching its files. Use --wait to "
+            f"wait for it. If that run is gone on another host, its lease {e.path} goes stale "
+            f"{max(0, leases.TTL_S - e.holder.age_s):.0f} s from now ({leases.TTL_S:g} s without a "
+            "heartbeat), or delete that file."
+        ) from None
+    except OSError as e:
+        raise OutputError(directory / f"{stem}.lease", e) from e
+    if sidecar.exists():  # the run we waited for finished it
+        lease.release()
+        return None
+    claim = Claim(directory, stem, lease)
+    claim.clear()
+    return claim
 
 
 def reject(row: dict, reason, detail: str | None) -> None:
@@ -121,18 +247,17 @@ def claimed(directory: Path, index: int, *, wait: bool = False):
     try:
         yield claim
     except Exception as e:
-        if claim is not None and not isinstance(e, LostLease) and not claim.lease.held():
+        if claim is not None and not isinstance(e, leases.LostLease) and not claim.held():
             raise claim.lease.lost(e) from e
         raise
     finally:
-        end_unit(claim)
+        if claim is not None:
+            claim.release()
 
 
 def run(unit: Unit) -> dict:
     """Run one claimed unit to its sidecar; on any failure remove what it wrote and re-raise.
     Returns {"seconds", "reasons": Counter of reject reasons}."""
-    import pyarrow.parquet as pq
-
     t0 = time.monotonic()
     try:
         for row in unit.rows:
@@ -140,9 +265,7 @@ def run(unit: Unit) -> dict:
                 reject(row, *hit)
         _through_work(unit)
         unit.writer.close()
-        table = unit.finish(unit.rows)
-        with atomic_path(unit.claim.sidecar, lease=unit.claim.lease) as tmp:  # last: the unit is now finished
-            pq.write_table(table, tmp, compression=unit.compression)
+        unit.claim.write_sidecar(unit.finish(unit.rows), unit.compression)  # last: the unit is now finished
     except BaseException:
         unit.writer.abort()  # no sidecar will name its shards: remove them (while the lease is ours)
         unit.abort()

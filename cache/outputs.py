@@ -93,16 +93,16 @@ def sidecar(rows: list[dict], metadata: dict):
     )
 
 
-def encode_captions(root, rows, cfg, device, name: str, stem: str, lease) -> tuple[dict, list[dict], int]:
+def encode_captions(root, rows, cfg, device, name: str, stem: str, claim) -> tuple[dict, list[dict], int]:
     """The captions this unit owns (the plan's ``encode_text``), each encoded once into the unit's caption
-    shard (published under the unit's `lease`): ({text_key: (shard, offset, tokens)}, their index rows, tokens)."""
+    shard (published through the unit's `claim`): ({text_key: (shard, offset, tokens)}, their index rows, tokens)."""
     todo = list({r["text_key"]: r["text"] or "" for r in rows if r["encode_text"]}.items())
     if not todo:
         return {}, [], 0
     text = TextEncoder(cfg.text_encoder, device)
     d = store_dir(root, "text", name)
     d.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(d, stem, int(cfg.shard_mb * 1e6), lease=lease)
+    writer = ShardWriter(d, stem, int(cfg.shard_mb * 1e6), claim=claim)
     where, index, tokens = {}, [], 0
     try:
         for i in range(0, len(todo), cfg.text_batch_size):

@@ -25,7 +25,7 @@ and view with its bucket, latent shape, shard and offset, caption key and locati
 reason: cache/outputs.py: Reason) are written.
 
 A unit whose sidecar exists is skipped; one killed at any moment is cleaned and redone; a unit
-another live run holds (base/shards.py: the lease) is refused. Reading a source may reject a
+another live run holds (base/units.py: its lease) is refused. Reading a source may reject a
 clip; writing our own outputs (latent shards, the sidecar, the shared-memory frames) may not:
 such a failure is an OutputError, the unit fails with no sidecar and no store shards, and its re-run
 gives the clean result.
@@ -50,8 +50,8 @@ from reelcache import UserError
 from reelcache.base import units
 from reelcache.base.buckets import BucketConfig
 from reelcache.base.latents import LATENT_EXT, encode
-from reelcache.base.shards import OutputError, ShardWriter, content_hash, parse_unit, unit_rows
-from reelcache.base.units import Batch, Reject, Unit, claimed
+from reelcache.base.shards import OutputError, ShardWriter, content_hash
+from reelcache.base.units import Batch, Reject, Unit, claimed, parse_unit, unit_rows
 from reelcache.cache import outputs
 from reelcache.cache.decode import (
     FrameBufferError,
@@ -184,7 +184,7 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
         if claim is None:
             say(f"{unit}: already done, skipped")
             return {"unit": unit, "skipped": True}
-        clear_store_unit(root, name, f"{index:06d}-{plan['plan_id']}", claim.lease)  # what a killed run left
+        clear_store_unit(root, name, f"{index:06d}-{plan['plan_id']}", claim)  # what a killed run left
         return _run(root, unit, plan, cfg, buckets, cdir, index, claim, device or default_device())
 
 
@@ -198,21 +198,21 @@ def finite(row: dict) -> Reject | None:
 class Latents:
     """The cache's steps in the parent, once a clip's window is decoded: encode a bucket's batch, draw
     (``store = "sample"``), check (``finite``), store; and ``finish``, the sidecar. Holds the unit's video
-    shard writer, the store index rows it wrote and its counts; every file it publishes is checked
-    against the unit's lease (``claim``) first."""
+    shard writer, the store index rows it wrote and its counts; it publishes every file through the unit's
+    ``claim``, which checks the unit's lease first."""
 
     def __init__(
         self, root, cfg: CacheConfig, cdir: Path, stem: str, device: str, encode: bool, captions: tuple, claim
     ):
         self.root, self.cfg, self.device, self.name, self.stem = root, cfg, device, cdir.name, stem
-        self.lease = claim.lease
+        self.claim = claim
         self.text_index, self.text = captions  # what encode_captions wrote, and its counts
         self.t0 = time.monotonic()
         self.vdig = video_digest(json.loads((cdir / "cache.json").read_text()))
         self.video = VideoEncoder(cfg.video_encoder, device) if encode else None
         vdir = store_dir(root, "video", self.name)
         vdir.mkdir(parents=True, exist_ok=True)
-        self.writer = ShardWriter(vdir, stem, int(cfg.shard_mb * 1e6), lease=self.lease)
+        self.writer = ShardWriter(vdir, stem, int(cfg.shard_mb * 1e6), claim=claim)
         self.index: list[dict] = []
         self.stats = {"clips": 0, "frames": 0, "bytes": 0, "encode_s": 0.0, "pixels": 0}
 
@@ -267,10 +267,10 @@ class Latents:
         repeat_views(rows)
         if self.index:
             vindex = store_dir(self.root, "video", self.name) / f"{self.stem}.parquet"
-            write_index(vindex, self.index, "video", self.lease)
+            write_index(vindex, self.index, "video", self.claim)
         if self.text_index:
             tindex = store_dir(self.root, "text", self.name) / f"{self.stem}.parquet"
-            write_index(tindex, self.text_index, "text", self.lease)
+            write_index(tindex, self.text_index, "text", self.claim)
         s = self.stats
         done = {"encode_seconds": s["encode_s"], "encoded_clips": s["clips"], "encoded_pixels": s["pixels"]}
         return outputs.sidecar(rows, done | self.text)
@@ -291,11 +291,9 @@ def _run(root, unit, plan, cfg: CacheConfig, buckets, cdir: Path, index: int, cl
     rows = planned_rows(unit_rows(cdir, index), name, unit)
     t = time.monotonic()
     try:
-        captions, text_index, tokens = encode_captions(
-            root, [r["plan"] for r in rows], cfg, device, name, stem, claim.lease
-        )
+        captions, text_index, tokens = encode_captions(root, [r["plan"] for r in rows], cfg, device, name, stem, claim)
     except BaseException:
-        clear_store_unit(root, name, stem, claim.lease)
+        clear_store_unit(root, name, stem, claim)
         raise
     text = {"text_seconds": time.monotonic() - t, "encoded_texts": len(captions), "text_tokens": tokens}
     for r in rows:
@@ -326,7 +324,7 @@ def _run(root, unit, plan, cfg: CacheConfig, buckets, cdir: Path, index: int, cl
                 claim=claim,
                 finish=enc.finish,
                 reasons=Reason,
-                abort=lambda: clear_store_unit(root, name, stem, claim.lease),  # its caption shards and indexes too
+                abort=lambda: clear_store_unit(root, name, stem, claim),  # its caption shards and indexes too
                 what="clip",
                 postfix=enc.postfix,
             )

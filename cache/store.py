@@ -52,7 +52,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache.base.buckets import bucket_geometry
-from reelcache.base.shards import atomic_path, clear_unit, unlink_held
 
 VIDEO_INDEX = pa.schema(
     [
@@ -131,9 +130,10 @@ def read_index(root, kind: str, columns: list[str] | None = None) -> pa.Table:
     return pa.concat_tables(tables)
 
 
-def write_index(path: Path, rows: list[dict], kind: str, lease) -> None:
-    """A unit's store index, renamed into place while `lease` (the unit's) is still its run's."""
-    with atomic_path(path, lease=lease) as tmp:
+def write_index(path: Path, rows: list[dict], kind: str, claim) -> None:
+    """A unit's store index, published through the unit's `claim` (base/units.py): renamed into place while
+    the unit's lease is still its run's."""
+    with claim.publish(path) as tmp:
         pq.write_table(pa.Table.from_pylist(rows, schema=VIDEO_INDEX if kind == "video" else TEXT_INDEX), tmp)
 
 
@@ -147,12 +147,12 @@ def known_content(root) -> dict:
     }
 
 
-def clear_store_unit(root, cache: str, stem: str, lease) -> None:
+def clear_store_unit(root, cache: str, stem: str, claim) -> None:
     """What a killed or failed run of a unit left in the store: its shards and their indexes (not yet
-    referenced), each removed only while `lease`, the unit's, is still this run's (a run that lost it
-    leaves these names to the run that took the unit over)."""
+    referenced), each removed through the unit's `claim`, only while its lease is still this run's (a run
+    that lost it leaves these names to the run that took the unit over)."""
     for kind in ("video", "text"):
         d = store_dir(root, kind, cache)
         if d.is_dir():
-            clear_unit(d, stem, lease)
-            unlink_held([d / f"{stem}.parquet"], lease)
+            claim.clear(d, stem)
+            claim.unlink([d / f"{stem}.parquet"])

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from reelcache import UserError
 from reelcache.base import units
-from reelcache.base.shards import ShardWriter, ShortRead, SourceError, content_hash, parse_unit, unit_rows
-from reelcache.base.units import Reject, Unit, claimed
+from reelcache.base.shards import ShardWriter, ShortRead, SourceError, content_hash
+from reelcache.base.units import Reject, Unit, claimed, parse_unit, unit_rows
 from reelcache.catalog.db import clips_table
 from reelcache.catalog.levels import count_nouns, tagger_name
 from reelcache.catalog.withdrawn import withdrawn_hashes
@@ -139,7 +139,7 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim) -> dict:
     fn = functools.partial(probe, max_file_mb=cfg.thresholds.max_file_mb, verify=cfg.verify)
     timeout = cfg.decode_timeout if cfg.verify == "decode" else cfg.probe_timeout
     limits = {"workers": cfg.workers, "timeout": timeout, "memory_mb": cfg.worker_memory_mb}
-    writer = ShardWriter(sdir, f"{index:06d}", int(cfg.shard_mb * 1e6), lease=claim.lease)
+    writer = ShardWriter(sdir, f"{index:06d}", int(cfg.shard_mb * 1e6), claim=claim)
     done = units.run(
         Unit(
             name=unit,

@@ -242,16 +242,20 @@ def test_a_run_that_lost_its_lease_publishes_and_deletes_nothing_in_the_store(tm
     temporary. The store is byte-equal to a copy taken after the takeover."""
     import json
 
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from reelcache.base.lease import LostLease
-    from reelcache.base.shards import ShardWriter, begin_unit, end_unit
-    from reelcache.cache.store import clear_store_unit, store_dir, write_index
+    from reelcache.base.shards import ShardWriter
+    from reelcache.base.units import begin_unit
+    from reelcache.cache.store import VIDEO_INDEX, clear_store_unit, store_dir, write_index
 
     (tmp_path / "latents" / "t").mkdir(parents=True)
     claim = begin_unit(tmp_path / "latents" / "t", 0)
     stem, dirs = "000000-abcd1234", [store_dir(tmp_path, k, "t") for k in ("video", "text")]
     for d in dirs:
         d.mkdir(parents=True)
-    writer = ShardWriter(dirs[0], stem, 1, fsync=False, lease=claim.lease)  # a shard a sample
+    writer = ShardWriter(dirs[0], stem, 1, fsync=False, claim=claim)  # a shard a sample
     for key in ("k0", "k1"):  # shard 00 published, 01 in progress
         writer.write_sample(key, [("safetensors", b"ours", None)])
     lease = claim.sidecar.with_suffix(".lease")  # another node takes the unit over and publishes its own
@@ -260,7 +264,7 @@ def test_a_run_that_lost_its_lease_publishes_and_deletes_nothing_in_the_store(tm
     theirs.write_sample("k1", [("safetensors", b"theirs", None)])  # their shard 00
     theirs.close()
     row = {"video_key": "k1", "shard": f"store/video/t/{stem}-00.tar", "shard_offset": 512, "shape": [1]}
-    write_index(dirs[0] / f"{stem}.parquet", [row | {"bytes": 6}], "video", None)
+    pq.write_table(pa.Table.from_pylist([row | {"bytes": 6}], schema=VIDEO_INDEX), dirs[0] / f"{stem}.parquet")
     (dirs[1] / f"{stem}-00.tar").write_bytes(b"their captions")
     files = lambda: {p: p.read_bytes() for p in (tmp_path / "store").rglob("*") if p.is_file()}  # noqa: E731
     before = {p: data for p, data in files().items() if p != writer.tmp}  # all but our shard in progress
@@ -268,9 +272,9 @@ def test_a_run_that_lost_its_lease_publishes_and_deletes_nothing_in_the_store(tm
         writer.close()
     writer.abort()
     with pytest.raises(LostLease, match="lost the lease"):
-        write_index(dirs[0] / f"{stem}.parquet", [row | {"video_key": "k0"}], "video", claim.lease)
-    clear_store_unit(tmp_path, "t", stem, claim.lease)
-    end_unit(claim)
+        write_index(dirs[0] / f"{stem}.parquet", [row | {"video_key": "k0"}], "video", claim)
+    clear_store_unit(tmp_path, "t", stem, claim)
+    claim.release()
     assert files() == before  # and our temporary is gone
     assert json.loads(lease.read_text())["token"] == "theirs"
 

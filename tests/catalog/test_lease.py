@@ -16,7 +16,7 @@ from reelcache import UserError
 
 def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
     from reelcache.base import lease as leases
-    from reelcache.base.shards import begin_unit, end_unit
+    from reelcache.base.units import begin_unit
 
     lease = tmp_path / "000003.lease"
     lease.write_text(
@@ -40,7 +40,7 @@ def test_another_hosts_lease_is_stale_only_after_its_heartbeat_stops(tmp_path):
     claim = begin_unit(tmp_path, 3)
     assert claim.sidecar == tmp_path / "000003.parquet" and not (tmp_path / "000003-00.tar").exists()
     assert json.loads(lease.read_text())["pid"] == os.getpid()
-    end_unit(claim)
+    claim.release()
     assert not lease.exists()
 
 
@@ -63,15 +63,15 @@ def test_a_lease_with_its_pid_start_as_a_string_still_reads(tmp_path):
 
 def test_a_run_that_lost_its_lease_does_not_publish(tmp_path):
     from reelcache.base.lease import LostLease
-    from reelcache.base.shards import atomic_path, begin_unit, end_unit
+    from reelcache.base.units import begin_unit
 
     claim = begin_unit(tmp_path, 5)
     lease = tmp_path / "000005.lease"
     taken = json.loads(lease.read_text()) | {"host": "gpu-node-3", "pid": 77, "token": "theirs"}
     lease.write_text(json.dumps(taken))  # another node took the unit over while this run was frozen
     with pytest.raises(LostLease, match="lost the lease"):
-        with atomic_path(claim.sidecar, lease=claim.lease) as tmp:
+        with claim.publish(claim.sidecar) as tmp:
             tmp.write_bytes(b"results")
     assert not claim.sidecar.exists() and json.loads(lease.read_text())["token"] == "theirs"
-    end_unit(claim)
+    claim.release()
     assert json.loads(lease.read_text())["token"] == "theirs"  # releasing never removes another's lease

@@ -84,7 +84,7 @@ class Why(str, Enum):
 
 def _unit(directory, rows, claim, steps, **kw) -> Unit:
     """Rows {"clip_id", "x"} through a real isolated map of tests/workers.py's `work` (doubles x)."""
-    writer = kw.pop("writer", None) or ShardWriter(directory, "000000", 10_000, fsync=False, lease=claim.lease)
+    writer = kw.pop("writer", None) or ShardWriter(directory, "000000", 10_000, fsync=False, claim=claim)
     return Unit(
         name="t/000000",
         rows=rows,
@@ -260,12 +260,12 @@ def test_a_failed_sidecar_write_fails_the_unit(demo_dataset, tmp_path):
 HOLDER = """
 import os, sys
 from pathlib import Path
-from reelcache.base.shards import begin_unit, end_unit
+from reelcache.base.units import begin_unit
 claim = begin_unit(Path(sys.argv[1]), 0)
 Path(sys.argv[1], f".000000-00.tar.tmp{os.getpid()}").write_bytes(b"half a shard")   # work in progress
 print("held", flush=True)
 sys.stdin.readline()
-end_unit(claim)
+claim.release()
 """
 
 
