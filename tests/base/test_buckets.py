@@ -112,7 +112,7 @@ def test_a_manifest_of_a_cache_from_before_the_tables_is_refused_before_training
 )
 def test_opensora_resize_covers_upstreams_size_of_the_assigned_bucket(tmp_path, size, res, bucket, fit, stored):
     """A clip's bucket (assign) and its frames (decode_clip, resize = "opensora") are Open-Sora 1.2's:
-    resize_crop_to_fill (test_resize.py's torch reference) to upstream's size read off its table."""
+    resize_crop_to_fill (tests/cache/test_resize.py's torch reference) to upstream's size read off its table."""
     import numpy as np
 
     from reelcache.cache.decode import decode_clip

@@ -3,7 +3,7 @@
 Fast: the runner on tiny rows in this process (real worker processes, a real shard writer and lease):
 steps keep or reject in order, a batch runs its rows together, a worker's failure is a reason, and a
 failed write of our own output fails the unit and leaves nothing (the sidecar schemas:
-test_sidecar_schema.py).
+tests/catalog/test_sidecar_schema.py).
 Slow, their twins through `ingest run` in real processes: a full disk fails the unit (never rejects
 its clips), and two runs of one unit never delete each other's files."""
 
