@@ -81,32 +81,6 @@ def test_importing_the_train_config_loads_no_torch(tmp_path):
     assert out.stdout.strip() == "[] []"
 
 
-def test_who_may_import_whom():
-    """DESIGN.md: ingest, cache and train depend on catalog and reelcache/, never on each other;
-    eval, the stage after train, composes cache's encoders with train's model and sampler; view, the
-    read-only web app over a root, may read every stage's outputs through their code. cluster
-    (operations over the hostfiles of every stage) depends on catalog only; train writes its rank
-    records through cluster.ranks, and eval may use cluster too. lineage joins the catalog with the runs
-    (train's checkpoints); view may show it."""
-    import re
-
-    allowed = {
-        "ingest": {"catalog"},
-        "cache": {"catalog"},
-        "train": {"catalog", "cluster"},
-        "catalog": set(),
-        "cluster": {"catalog"},
-        "eval": {"catalog", "cache", "train", "cluster"},
-        "view": {"catalog", "cache", "train", "eval", "cluster", "lineage"},
-        "lineage": {"catalog", "train"},
-    }
-    for stage, ok in allowed.items():
-        for path in (REPO / stage).glob("*.py"):
-            for other in re.findall(r"reelcache\.(\w+)", path.read_text()):
-                if other in allowed and other != stage:
-                    assert other in ok, f"{path.relative_to(REPO)} imports reelcache.{other}"
-
-
 def test_root_cli_only_assembles_the_stages():
     """A stage owns its commands (<stage>/cli.py: add_commands, add_demo); reelcache/cli.py registers
     them in pipeline order and runs them, naming no stage module and declaring no stage argument."""
