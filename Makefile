@@ -30,7 +30,7 @@ GPU_TORCH ?= 2.5.1
 GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.17.1
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: sysdeps test-sysdeps install install-gpu gpu-kernels gpu-check gpu-wheels gpu-check-device demo ingest cache lint format test test-fast bench clean
+.PHONY: sysdeps test-sysdeps install install-gpu gpu-kernels gpu-check gpu-wheels gpu-check-device demo ingest cache lint format test test-fast bench imports clean
 
 # The programs the pipeline runs besides Python: ffmpeg (the tests' reference decoder) and GNU parallel
 # (ingest and cache units, cluster checks): all `make demo` (and ingest, cache) installs. Installed once, with
@@ -224,6 +224,11 @@ bench: install
 	$(BIN)/python bench/bench_lineage.py
 	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/python bench/bench_train.py
 	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/torchrun --nproc_per_node 2 bench/bench_log.py
+
+# docs/imports.png, the picture in docs/DESIGN.md ("Floors"): the import graph of the package drawn from the code
+# (reelcache/layers.py, whose rules tests/core/test_layers.py checks). Run it when an arrow between packages changes.
+imports: install
+	$(BIN)/python -m reelcache.layers docs/imports.png
 
 clean:
 	rm -rf $(DEMO_ROOT) bench-out .pytest_cache

@@ -172,54 +172,60 @@ def floor_of(package: str, arrows, seen: tuple = ()) -> int:
 
 
 def draw(path: Path, g: dict[str, set[str]] | None = None) -> None:
-    """docs/imports.png: the packages on their floors, an arrow per imported package (its width: how many
-    module arrows make it), an arrow the rules forbid in red."""
-    import matplotlib
+    """docs/imports.png: the floors as bands, each listing its modules, and the stages above them, each as high
+    as the stages it imports. An arrow down from a stage: the floors it imports (named when not all); an arrow
+    between stages: how many module imports make it; an arrow the rules forbid is red."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import FancyBboxPatch
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    arrows = package_arrows(g or graph())
-    rows = defaultdict(list)
-    for p in PACKAGES:
-        rows[floor_of(p, arrows)].append(p)
-    where = {p: (i - (len(ps) - 1) / 2, f) for f, ps in rows.items() for i, p in enumerate(ps)}
-    fig, ax = plt.subplots(figsize=(9, 1.3 * len(rows) + 1))
-    for (s, d), pairs in sorted(arrows.items()):
-        (x0, y0), (x1, y1) = where[s], where[d]
-        ax.annotate(
-            "",
-            (x1, y1 + 0.18),
-            (x0, y0 - 0.18),
-            arrowprops={
-                "arrowstyle": "-|>",
-                "lw": 0.6 + min(len(pairs), 20) / 8,
-                "color": "#999" if allowed(s, d) else "red",
-                "alpha": 0.8,
-                "connectionstyle": "arc3,rad=0.12",
-                "shrinkA": 6,
-                "shrinkB": 6,
-            },
-        )
-    for p, (x, y) in where.items():
-        floor = p in FLOORS
-        ax.text(
-            x,
-            y,
-            p if p == GROUND else f"{p}/",
-            ha="center",
-            va="center",
-            fontsize=11,
-            bbox={"boxstyle": "round", "fc": "#dde8f5" if floor else "#f7f7f7", "ec": "#456" if floor else "#888"},
-        )
-    n = sum(len(v) for v in arrows.values())
-    ax.set_title(f"reelcache: {len(arrows)} arrows between packages ({n} between their modules), drawn from the code")
-    ax.set_xlim(min(x for x, _ in where.values()) - 0.8, max(x for x, _ in where.values()) + 0.8)
-    ax.set_ylim(-0.6, max(rows) + 0.6)
+    g = g or graph()
+    arrows = package_arrows(g)
+    stage_arrows = {(s, d) for s, d in arrows if s in STAGES and d in STAGES}
+    order = ("ingest", "cache", "eval", "view", "lineage", "train", "cluster")  # few crossings
+    order += tuple(p for p in STAGES if p not in order)
+    where = {p: (1.6 * i, len(FLOORS) + floor_of(p, stage_arrows)) for i, p in enumerate(order)}
+    right, top = 1.6 * len(order), max(y for _, y in where.values())
+    fig = Figure(figsize=(11, 0.95 * (top + 1) + 0.5))
+    ax = fig.add_subplot()
+    ax.set_xlim(-0.9, right + 0.2)
+    ax.set_ylim(-0.45, top + 0.45)
     ax.axis("off")
+    arrow = {"arrowstyle": "-|>", "shrinkA": 0, "shrinkB": 0, "mutation_scale": 12}
+    for y, floor in enumerate(FLOORS):
+        names = sorted({m.rsplit(".", 1)[-1] for m in g if package_of(m) == floor and m.count(".") == 1 + (y > 0)})
+        box = FancyBboxPatch((-0.8, y - 0.3), right + 0.2, 0.6, boxstyle="round,pad=0.02", fc="#dde8f5", ec="#456")
+        ax.add_patch(box)
+        ax.text(-0.7, y + 0.06, floor if floor == GROUND else f"{floor}/", fontsize=12, weight="bold")
+        ax.text(-0.7, y - 0.2, ", ".join(names), fontsize=7.5, color="#345")
+        for d in FLOORS[:y]:  # a floor -> the floors beneath it that it imports, at the right end
+            x = right - 1.25 + 0.15 * (y + FLOORS.index(d))
+            color = "#567" if (floor, d) in arrows else "none"
+            ax.annotate("", (x, FLOORS.index(d) + 0.3), (x, y - 0.3), arrowprops=arrow | {"color": color})
+    for p, (x, y) in where.items():
+        floors = [d for d in FLOORS if (p, d) in arrows]
+        high = max((FLOORS.index(d) for d in floors), default=0)
+        bad = [d for d in floors if not allowed(p, d)]
+        ax.annotate("", (x, high + 0.3), (x, y - 0.22), arrowprops=arrow | {"color": "red" if bad else "#9ab"})
+        if floors != list(FLOORS):
+            ax.text(x - 0.06, high + 0.4, " + ".join(floors), fontsize=7.5, color="#567", ha="right")
+        ax.text(
+            x, y, f"{p}/", ha="center", va="center", fontsize=11, bbox={"boxstyle": "round", "fc": "white"}, zorder=5
+        )
+    for s, d in sorted(stage_arrows):
+        (x0, y0), (x1, y1) = where[s], where[d]
+        color, n = ("#333" if allowed(s, d) else "red"), len(arrows[s, d])
+        style = {"color": color, "connectionstyle": "arc3,rad=-0.12", "lw": 0.8 + min(n, 15) / 10}
+        ax.annotate("", (x1, y1 + 0.2), (x0, y0 - 0.2), arrowprops=arrow | style)
+        ax.text(x0 + 0.7 * (x1 - x0), y0 + 0.7 * (y1 - y0), str(n), fontsize=7.5, color=color, ha="center", va="center",
+                bbox={"boxstyle": "circle,pad=0.15", "fc": "white", "ec": "none"})  # fmt: skip
+    n = sum(len(v) for v in arrows.values())
+    fig.suptitle(
+        f"reelcache's floors and stages, drawn from the code (reelcache/layers.py, make imports)\n{len(arrows)} "
+        f"arrows between packages, {n} imports between their modules; a number: the imports between two stages",
+        fontsize=9.5,
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
