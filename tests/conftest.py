@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # workers side by side share the cores: one OpenMP thread a process (torch's default is one a core, and
+    # OpenMP threads beyond the cores spin: a tiny Conv3d beside a training took minutes)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tests live in folders that mirror the packages and are imported by path (--import-mode=importlib),
 # so two folders may each have a test_run.py; what they share comes from tests/support.py and the
 # other modules here (videos, latent_data, cluster_local, ...), found through this one path entry.
