@@ -1,5 +1,5 @@
 -- reelcache catalog schema.
--- schema_version: 3
+-- schema_version: 4
 --
 -- The one definition of the catalog. Sidecar parquets are cast to a table's columns below (ingest's
 -- to `clips`, the cache's to `latents`: catalog/db.py derives their Arrow schemas from this file), so
@@ -132,9 +132,9 @@ CREATE TABLE IF NOT EXISTS latents (
     text_len      INTEGER,             -- caption tokens kept
     shard         VARCHAR,             -- latent shard, relative to ROOT
     shard_offset  BIGINT,              -- byte offset of the sample's .safetensors data
-    -- appended (a catalog made before it gains it at its next merge, catalog/merge.py: migrate)
+    -- schema version 4 (a catalog made before gains them when it is opened for writing: catalog/db.py)
     view          INTEGER DEFAULT 0,   -- which of the cache's K draws of the clip (0 .. K-1)
-    -- appended with the content-addressed store (cache format 2, cache/store.py); NULL in format 1,
+    -- the content-addressed store's (cache format 2, cache/store.py); NULL in format 1,
     -- whose samples hold their caption: shard/shard_offset then name latent and caption together
     video_key     VARCHAR,             -- the latent's store key (shard, shard_offset: where it lives)
     reused        BOOLEAN,             -- true: encoded before (by an earlier plan or another cache)
