@@ -258,7 +258,7 @@ class Evaluator:
 
     def _model(self, ckpt: Path):
         """STDiT3 as configured in the checkpoint's config.json, with its EMA (or model) weights."""
-        model = STDiT3(self._config(ckpt).model_config())
+        model = STDiT3(self._config(ckpt).model.stdit3())
         used = self.weights
         if used == "ema" and not (ckpt / "ema").is_dir():
             say(f"  {ckpt.name} has no ema/ (ema.decay = 0): using model/")

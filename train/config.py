@@ -130,7 +130,7 @@ class TrainConfig:
 
         read(STDiT3Config, self.model.overrides, "model.overrides")
         try:
-            self.model_config()
+            self.model.stdit3()
         except ValueError as e:
             raise UserError(f"model.overrides = {self.model.overrides!r}: {e}") from None
         try:
@@ -141,10 +141,6 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """config.json: every section, and the format's version (``from_dict`` reads older ones)."""
         return {"version": VERSION, **dataclasses.asdict(self)}
-
-    def model_config(self):
-        """The STDiT3Config this stage trains (``ModelConfig.stdit3``)."""
-        return self.model.stdit3()
 
     def frame_interval(self) -> int:
         """The bucket config's frame interval (what the model's fps input is divided by)."""

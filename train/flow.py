@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from reelcache.catalog.buckets import bucket_geometry
+
+if TYPE_CHECKING:  # the section module builds a Conditioning (lazily): annotations only, no import cycle
+    from reelcache.train.sections import ConditioningConfig
 
 __all__ = [
     "MASK_NAMES",
@@ -70,15 +74,14 @@ class Conditioning:
     divided by the frame interval): Open-Sora's images carry IMG_FPS = 120. 0: an image's fps is
     found as a video's. The sampler gives its sizes and fps as they are (``inputs``)."""
 
-    frame_interval: int = 1
-    default_fps: float = 24.0
-    image_fps: float = 0.0
+    cfg: ConditioningConfig  # [conditioning]: the fps defaults (``ConditioningConfig.build``)
+    frame_interval: int = field(kw_only=True)  # the bucket table's
 
     def __call__(self, bucket: str, fps) -> dict:
         frames, height, width = bucket_geometry(bucket)
-        fps = torch.nan_to_num(torch.as_tensor(fps).float(), nan=self.default_fps)
-        if frames == 1 and self.image_fps > 0:
-            fps = torch.full(fps.shape, float(self.image_fps))
+        fps = torch.nan_to_num(torch.as_tensor(fps).float(), nan=self.cfg.default_fps)
+        if frames == 1 and self.cfg.image_fps > 0:
+            fps = torch.full(fps.shape, float(self.cfg.image_fps))
         else:
             fps = torch.floor(fps / self.frame_interval)
         return self.inputs(fps.shape[0], frames, height, width, fps)

@@ -57,7 +57,7 @@ class LogConfig:
         run_id = read_run_id(run_dir) or legacy_id
         return RunLog(
             self,
-            run_dir,
+            run_dir=run_dir,
             enabled=enabled,
             name=name,
             config=config,
@@ -96,8 +96,8 @@ class RunLog:
     def __init__(
         self,
         cfg: LogConfig,
-        run_dir,
         *,
+        run_dir,
         enabled: bool,
         name: str,
         config: dict,

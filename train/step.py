@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from reelcache.train.flow import (
     training_losses,
 )
 from reelcache.train.schedule import lr_at
+
+if TYPE_CHECKING:  # train/sections.py builds these lazily: annotations only, no import cycle
+    from reelcache.train.sections import EMAConfig, FlowConfig, OptimConfig, StepConfig
 
 
 @dataclass
@@ -52,13 +56,13 @@ class StepResult:
 class EMA:
     """fp32 exponential moving average of this rank's master chunks (all of them under DDP)."""
 
-    def __init__(self, decay: float, chunks: dict[str, torch.Tensor]):
-        self.decay, self.chunks = decay, chunks
+    def __init__(self, cfg: EMAConfig, *, chunks: dict[str, torch.Tensor]):
+        self.cfg, self.chunks = cfg, chunks
 
     @torch.no_grad()
     def update(self, masters: dict[str, torch.Tensor]) -> None:
         names = list(self.chunks)
-        torch._foreach_lerp_([self.chunks[n] for n in names], [masters[n] for n in names], 1 - self.decay)
+        torch._foreach_lerp_([self.chunks[n] for n in names], [masters[n] for n in names], 1 - self.cfg.decay)
 
 
 class Step:
@@ -67,7 +71,19 @@ class Step:
     schedule's position). ``flow`` and ``optim`` are their [flow] and [optim] sections."""
 
     def __init__(
-        self, cfg, *, par, model, optimizer, guard, ema: EMA | None, cond: Conditioning, flow, optim, seed, grad_clip
+        self,
+        cfg: StepConfig,
+        *,
+        par,
+        model,
+        optimizer,
+        guard,
+        ema: EMA | None,
+        cond: Conditioning,
+        flow: FlowConfig,
+        optim: OptimConfig,
+        seed: int,
+        grad_clip: float,
     ):
         self.cfg, self.par, self.model, self.optimizer = cfg, par, model, optimizer
         self.guard, self.ema, self.cond = guard, ema, cond

@@ -273,7 +273,9 @@ class Trainer:
         cfg, par, st = self.cfg, self.par, self.state
         self.model.train()
         self._since_log: list[float] = []  # losses of the good steps since the last metrics row
-        dog = cfg.watchdog.build(self.run_dir, par.rank, alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}"))
+        dog = cfg.watchdog.build(
+            run_dir=self.run_dir, rank=par.rank, alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}")
+        )
         try:
             path = self.ckpt.start(st.global_step)
             if path is not None and self.rank0:

@@ -121,7 +121,7 @@ def _stdit(ckpt: Path, which: str = "model"):
     from reelcache.train.weights import load_weights
 
     cfg = from_dict(json.loads((ckpt / "config.json").read_text()))
-    model = STDiT3(cfg.model_config())
+    model = STDiT3(cfg.model.stdit3())
     load_weights(model, ckpt, which=which)
     return model.float().eval(), cfg
 
