@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from reelcache.train.flow import NUM_TIMESTEPS, Conditioning, stable_seed, training_losses
-from reelcache.train.loader import load_source, pad_text, source_row
+from reelcache.train.loader import pad_text
 from reelcache.train.sections import ConditioningConfig
+from reelcache.train.source import load_source, source_row
 
 __all__ = ["TIMESTEPS", "eval_timesteps", "validation_loss"]
 

@@ -38,6 +38,9 @@ from pathlib import Path
 
 from reelcache.settings import setting
 
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = ["CheckpointConfig", "Checkpointer", "ckpt_step", "list_checkpoints", "read_state"]
+
 # train.parallel and train.weights (torch, safetensors) are imported by the writer thread that uses them:
 # train/config.py imports this module (CheckpointConfig), and importing a config module loads no torch.
 

@@ -29,13 +29,11 @@ from reelcache.settings import build, check, load_toml, read, setting
 from reelcache.train.checkpoint import CheckpointConfig
 from reelcache.train.guard import GuardConfig
 from reelcache.train.runlog import LogConfig
-from reelcache.train.sections import (  # noqa: F401 - Manifest, MODEL_PRESETS: read from here too
-    MODEL_PRESETS,
+from reelcache.train.sections import (
     ConditioningConfig,
     DataConfig,
     EMAConfig,
     FlowConfig,
-    Manifest,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -43,6 +41,9 @@ from reelcache.train.sections import (  # noqa: F401 - Manifest, MODEL_PRESETS: 
     StepConfig,
 )
 from reelcache.train.watchdog import WatchdogConfig
+
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = ["TrainConfig", "from_dict", "load_config"]
 
 # train.flow and train.model (torch) are imported by the checks that build them: importing this module
 # loads no torch, pyarrow or wandb (nor do the section modules it imports). Reading a config does:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the section module builds a Conditioning (lazily): annotati
 
 __all__ = [
     "MASK_NAMES",
+    "NUM_TIMESTEPS",
     "MaskGenerator",
     "add_noise",
     "Conditioning",

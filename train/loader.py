@@ -38,13 +38,14 @@ from reelcache.catalog.buckets import BucketConfig
 from reelcache.catalog.manifest import resolve_manifest
 from reelcache.catalog.shards import atomic_path
 from reelcache.train.plan import PLAN_VERSION, Plan, Source, epoch_plan, stage_fingerprint
-from reelcache.train.source import (  # noqa: F401 - read_sample, source_row: tests and eval import them from here
+from reelcache.train.source import (
     check_shards,
     load_source,
     read_row,
-    read_sample,
-    source_row,
 )
+
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = ["LatentLoader", "pad_text"]
 
 # torch is imported where tensors are made: `reelcache loader simulate` runs the loader with read=False,
 # which makes none, on a machine without torch. webdataset (~0.9 s to import) only for shards given as

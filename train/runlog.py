@@ -37,6 +37,9 @@ from reelcache.catalog.shards import atomic_path
 from reelcache.progress import fmt_eta, say
 from reelcache.settings import TEXT, setting
 
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = ["LogConfig", "RunLog", "read_run_id", "wandb_settings"]
+
 # wandb (optional: the [train] extra; 0.3 s to import) and pyarrow are imported where used:
 # train/config.py imports this module (LogConfig), and importing a config module stays light.
 

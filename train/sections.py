@@ -20,6 +20,21 @@ from dataclasses import dataclass
 from reelcache import UserError
 from reelcache.settings import NAME, TEXT, Pattern, setting
 
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = [
+    "MODEL_PRESETS",
+    "ConditioningConfig",
+    "DataConfig",
+    "EMAConfig",
+    "FlowConfig",
+    "Manifest",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "StepConfig",
+]
+
 # Importing this module loads no torch, pyarrow or wandb (train/config.py imports it, and reading a
 # config stays light): each build() imports the module of what it builds (torch, the loader).
 

@@ -34,6 +34,9 @@ from reelcache.catalog.latents import (
 from reelcache.catalog.manifest import fingerprint
 from reelcache.train.plan import Source, clip_keys
 
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = ["check_shards", "load_source", "read_row", "source_row"]
+
 
 def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | None = None) -> Source:
     """A loader manifest -> Source. Rows without latents (no bucket/shard) are dropped, loudly.

@@ -27,8 +27,9 @@ from reelcache import UserError
 from reelcache.cache.decode import FileSlice, decode_clip
 from reelcache.catalog.shards import atomic_path
 from reelcache.catalog.withdrawn import VIEW_CACHE, view_cache_key
+from reelcache.media import write_mp4
 
-# torch, diffusers and the cache's encoders (cache/encoders.py, eval/video.py) are imported when the
+# torch, diffusers and the cache's encoders (cache/encoders.py) are imported when the
 # first latent preview is made: the pages start and serve without torch.
 
 CACHE_DIR = VIEW_CACHE  # every file of a clip here is named view_cache_key(clip id)...: a takedown deletes them
@@ -127,8 +128,6 @@ def window_preview(root: Path, clip: dict, latent: dict) -> Path:
     key = _key(latent, ident)
 
     def make(path: Path) -> None:
-        from reelcache.eval.video import write_mp4
-
         job = {
             "raw_shard": clip["shard"],
             "raw_offset": clip["shard_offset"],
@@ -181,8 +180,6 @@ def latent_preview(root: Path, clip: dict, latent: dict) -> Path:
     key = _key(latent, ident)
 
     def make(path: Path) -> None:
-        from reelcache.eval.video import write_mp4
-
         tensors = read_latent(root, latent)
         z = tensors["mean"] if "mean" in tensors else tensors["sample"]
         frames = _encoder(root, latent["cache"]).decode(z[None].float(), latent["num_frames"])[0]

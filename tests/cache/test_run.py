@@ -283,7 +283,7 @@ def test_write_failure_fails_the_unit_loudly_and_its_rerun_is_clean(cache_root, 
     (the shard) in the process that writes it; the decode workers already run without it."""
     import resource
 
-    from reelcache.train.loader import read_sample
+    from reelcache.train.source import read_sample
 
     cfg = cache_config(tmp_path, "m", clips_per_unit=100)
     (unit,) = cache_plan(cache_root, cfg)
@@ -332,7 +332,7 @@ def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path
     out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     rows = _sidecar_rows(cdir)
-    from reelcache.train.loader import read_sample
+    from reelcache.train.source import read_sample
 
     for r in rows:  # every sample the first run recorded is intact
         if r["status"] == "ok":

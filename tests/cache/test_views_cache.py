@@ -51,7 +51,7 @@ def test_a_two_view_cache_stores_each_distinct_draw_once(cache2):
 
     from reelcache.cache.decode import FileSlice, decode_window
     from reelcache.cache.encoders import EncoderSpec, VideoEncoder
-    from reelcache.train.loader import read_sample
+    from reelcache.train.source import read_sample
 
     rows = sql(
         cache2,

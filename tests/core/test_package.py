@@ -107,6 +107,46 @@ def test_who_may_import_whom():
                     assert other in ok, f"{path.relative_to(REPO)} imports reelcache.{other}"
 
 
+def _names_all(path) -> set[str]:
+    """The ``__all__`` a module declares (read from its source: importing train's modules loads torch)."""
+    import ast
+
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def test_other_stages_use_only_trains_public_names():
+    """train/__init__.py: another stage imports from train only the names in the ``__all__`` of the modules
+    in PUBLIC, from the module that defines them (function-level imports included)."""
+    import ast
+
+    from reelcache.train import PUBLIC
+
+    public = {m: _names_all(REPO / "train" / f"{m}.py") for m in PUBLIC}
+    assert all(public.values()), [m for m, names in public.items() if not names]
+    bad = []
+    for stage in ("ingest", "catalog", "cache", "eval", "cluster", "lineage", "view"):
+        for path in sorted((REPO / stage).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reelcache.train"):
+                    module = node.module.removeprefix("reelcache.train").lstrip(".")
+                    if not module:  # from reelcache.train import <module>
+                        bad += [f"{where} {a.name}" for a in node.names if a.name not in PUBLIC]
+                    elif module not in public:
+                        bad.append(f"{where} reelcache.train.{module} (not a public module)")
+                    else:
+                        bad += [f"{where} {module}.{a.name}" for a in node.names if a.name not in public[module]]
+                elif isinstance(node, ast.Import):
+                    for a in node.names:
+                        if a.name.startswith("reelcache.train."):
+                            if a.name.split(".")[2] not in PUBLIC:
+                                bad.append(f"{where} {a.name}")
+    assert not bad, "imports of train's own names:\n" + "\n".join(bad)
+
+
 def test_root_cli_only_assembles_the_stages():
     """A stage owns its commands (<stage>/cli.py: add_commands, add_demo); reelcache/cli.py registers
     them in pipeline order and runs them, naming no stage module and declaring no stage argument."""
