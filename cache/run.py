@@ -48,15 +48,15 @@ import torch
 
 from reelcache import UserError
 from reelcache.cache import outputs
+from reelcache.cache.costs import projection
 from reelcache.cache.decode import (
     FrameBufferError,
     clip_seed,
-    decode_clip,  # noqa: F401 - tests and bench/ import it from here
     decode_clip_shared,
 )
 from reelcache.cache.encoders import VideoEncoder, default_device
 from reelcache.cache.outputs import Reason, encode_captions, no_bucket, planned_rows, repeat_views
-from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, projection
+from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache
 from reelcache.cache.store import (
     clear_store_unit,
     raw_stamp,
@@ -170,7 +170,7 @@ def decoded(
 
 def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False) -> dict:
     name, index = parse_unit(unit)
-    plan, cfg, ident = load_cache(root, name)
+    cfg, plan, ident = load_cache(root, name)
     if not 0 <= index < plan["num_units"]:
         raise UserError(f"{unit}: cache {name!r} has units 0..{plan['num_units'] - 1}")
     buckets = BucketConfig.from_toml(cfg.buckets)
@@ -185,7 +185,7 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
             say(f"{unit}: already done, skipped")
             return {"unit": unit, "skipped": True}
         clear_store_unit(root, name, f"{index:06d}-{plan['plan_id']}", claim.lease)  # what a killed run left
-        return _run(root, unit, plan, cfg, buckets, cdir, index, claim, device or default_device())
+        return _run(root, unit, cfg, plan, buckets, cdir, index, claim, device or default_device())
 
 
 def finite(row: dict) -> Reject | None:
@@ -285,7 +285,7 @@ def _to_encode(row: dict) -> bool:
     return row["plan"]["same_as"] is None and row["plan"]["reuse_shard"] is None
 
 
-def _run(root, unit, plan, cfg: CacheConfig, buckets, cdir: Path, index: int, claim, device: str) -> dict:
+def _run(root, unit, cfg: CacheConfig, plan, buckets, cdir: Path, index: int, claim, device: str) -> dict:
     name, stem = cdir.name, f"{index:06d}-{plan['plan_id']}"
     t0 = time.monotonic()
     rows = planned_rows(unit_rows(cdir, index), name, unit)

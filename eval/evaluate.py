@@ -352,7 +352,7 @@ class Evaluator:
         return made_from(candidates)
 
     def _cache(self):
-        """(plan, CacheConfig, identity) of the cache whose encoders this evaluator uses, read once."""
+        """(CacheConfig, plan, identity) of the cache whose encoders this evaluator uses, read once."""
         if self._cache_doc is None:
             self._cache_doc = load_cache(self.root, self._cache_name())
         return self._cache_doc
@@ -360,7 +360,8 @@ class Evaluator:
     def encoders(self):
         """(VideoEncoder, TextEncoder) rebuilt from the cache's plan, checked against its cache.json."""
         if self._encoders is None:
-            self._encoders = cache_encoders(*self._cache()[1:], self.device)
+            cfg, _plan, ident = self._cache()
+            self._encoders = cache_encoders(cfg, ident, self.device)
         return self._encoders
 
     def prompt_text(self) -> list:

@@ -114,7 +114,7 @@ def cache_doc(root: Path, cache: str) -> tuple[object, dict]:
     """(the cache's CacheConfig, its cache.json)."""
     from reelcache.cache.plan import load_cache
 
-    _plan, cfg, ident = load_cache(root, cache)
+    cfg, _plan, ident = load_cache(root, cache)
     return cfg, ident
 
 
@@ -163,8 +163,9 @@ def _encoder(root: Path, cache: str):
     import_vae_libraries()
     with _lock(f"encoder:{cache}"), _imports:  # building one resolves diffusers' lazy attributes
         if cache not in _encoders:
-            from reelcache.cache.encoders import VideoEncoder, spec_identity
+            from reelcache.cache.encoders import VideoEncoder
             from reelcache.cache.plan import diff
+            from reelcache.cache.spec import spec_identity
 
             cfg, ident = cache_doc(root, cache)
             changed = diff(ident["video_encoder"], spec_identity(cfg.video_encoder))

@@ -51,7 +51,8 @@ def test_closing_the_decode_stream_early_frees_every_block(tmp_path):
     """A unit that stops early (an encoder error, a kill) closes the stream: the window handed out is
     the consumer's to release; every other block (queued, finished out of order, or being written
     by a worker when it was stopped) is gone from /dev/shm."""
-    from reelcache.cache.run import decode_clip, decoded
+    from reelcache.cache.decode import decode_clip
+    from reelcache.cache.run import decoded
     from reelcache.ingest.demo import ClipSpec, write_clip
 
     jobs = []

@@ -52,7 +52,8 @@ def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
     import torch
 
     from reelcache.cache.decode import FileSlice, decode_window
-    from reelcache.cache.encoders import EncoderSpec, TextEncoder, VideoEncoder
+    from reelcache.cache.encoders import TextEncoder, VideoEncoder
+    from reelcache.cache.spec import EncoderSpec
     from reelcache.catalog.latents import read_latent
 
     cfg = cache_config(tmp_path, "m")

@@ -50,7 +50,8 @@ def cache2(ingested, tmp_path_factory):
 def test_a_two_view_cache_stores_each_distinct_draw_once(cache2):
 
     from reelcache.cache.decode import FileSlice, decode_window
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.cache.encoders import VideoEncoder
+    from reelcache.cache.spec import EncoderSpec
     from reelcache.train.source import read_sample
 
     rows = sql(

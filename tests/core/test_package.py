@@ -147,6 +147,51 @@ def test_other_stages_use_only_trains_public_names():
     assert not bad, "imports of train's own names:\n" + "\n".join(bad)
 
 
+def _module_imports(path) -> set[str]:
+    """Every reelcache module a file imports, deferred imports included, ``if TYPE_CHECKING:`` blocks not
+    (annotations only: never run). ``from reelcache.x import y`` counts y when y is a module of x."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for n in ast.walk(node)
+    }
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("reelcache.")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reelcache."):
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_cycle_inside_a_package():
+    """No two modules of one package import each other, however indirectly, not even through a deferred
+    import (a cycle held together by a lazy import is still one)."""
+    import graphlib
+
+    for package in ("ingest", "catalog", "cache", "train", "eval", "cluster", "lineage", "view", "reelcache"):
+        folder = REPO / package
+        mods = {
+            f"reelcache.{package}.{'.'.join(p.relative_to(folder).with_suffix('').parts)}".replace(
+                "reelcache.reelcache.", "reelcache."
+            ): p
+            for p in folder.rglob("*.py")
+            if p.name != "__init__.py"
+        }
+        graph = {m: sorted(_module_imports(p) & mods.keys() - {m}) for m, p in mods.items()}
+        try:
+            tuple(graphlib.TopologicalSorter(graph).static_order())
+        except graphlib.CycleError as e:
+            raise AssertionError(f"a cycle in {package}/: {' -> '.join(e.args[1])}") from None
+
+
 def test_root_cli_only_assembles_the_stages():
     """A stage owns its commands (<stage>/cli.py: add_commands, add_demo); reelcache/cli.py registers
     them in pipeline order and runs them, naming no stage module and declaring no stage argument."""
