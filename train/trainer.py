@@ -120,7 +120,6 @@ class Trainer:
             config=self._write_config(),
             generation=self.loader.generation,
             total_steps=self.total_steps,
-            legacy_id=self._legacy_wandb_id(),
         )
         self.peak = peak_flops(par.device)
         self._announce()
@@ -171,11 +170,6 @@ class Trainer:
         if self.rank0:
             (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
         return resolved
-
-    def _legacy_wandb_id(self) -> str | None:
-        """A checkpoint of this run from before the id had its file (config.json version 2) held it."""
-        same_run = self.ckpt_path is not None and self.ckpt_path.parent.resolve() == self.run_dir.resolve()
-        return self.state.legacy_wandb_id if same_run else None
 
     def _announce(self) -> None:
         if self.rank0:
