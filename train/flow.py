@@ -195,7 +195,7 @@ MASK_NAMES = (
 )
 
 
-class _Draw:
+class Draw:
     """uniform() in [0,1), randint(a, b) inclusive, rand(n) from a numpy or torch Generator."""
 
     def __init__(self, generator):
@@ -256,7 +256,7 @@ class MaskGenerator:
         i = int(np.searchsorted(self._cum, u, side="right"))
         return self._names[i] if i < len(self._names) else "identity"
 
-    def get_mask(self, num_frames: int, draw: _Draw) -> tuple[str, torch.Tensor]:
+    def get_mask(self, num_frames: int, draw: Draw) -> tuple[str, torch.Tensor]:
         name = self._pick(draw.uniform())
         t = num_frames
         mask = torch.ones(t, dtype=torch.bool)
@@ -293,7 +293,7 @@ class MaskGenerator:
 
     def get_masks(self, num_samples: int, num_latent_frames: int, generator) -> torch.Tensor:
         """(num_samples, num_latent_frames) bool, drawn from ``generator`` (numpy or torch)."""
-        draw = _Draw(generator)
+        draw = Draw(generator)
         return torch.stack([self.get_mask(num_latent_frames, draw)[1] for _ in range(num_samples)])
 
 

@@ -300,7 +300,7 @@ def run(request: Request) -> Response:
         losses=losses[-MAX_ROWS:],
         logged=len(losses),
         bad=bad,
-        svg=_loss_svg(name, losses, {b["step"] for b in bad}),
+        svg=loss_svg(name, losses, {b["step"] for b in bad}),
         samples=runs.eval_samples(root, d),
         has_config=(d / "config.json").exists(),
     )
@@ -461,7 +461,7 @@ def _ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[floa
     return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
 
 
-def _loss_svg(name: str, losses: list[dict], bad: set[int], w: int = 720, h: int = 240) -> dict | None:
+def loss_svg(name: str, losses: list[dict], bad: set[int], w: int = 720, h: int = 240) -> dict | None:
     """The loss curve: points (bad or skipped steps marked), axes with round ticks, and a line where a
     resumed generation's steps begin (the run was stopped or killed before it)."""
     pts = [r for r in losses if r["loss"] is not None and math.isfinite(r["loss"])]

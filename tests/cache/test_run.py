@@ -176,6 +176,17 @@ def test_no_bucket_is_a_recorded_reason(cache_root, tmp_path):
     assert set(reasons) <= {"no_bucket:too_small", None} and reasons["no_bucket:too_small"] > 0
 
 
+def _grown(paths, past: int = 64 * 1024) -> bool:
+    """Whether one of the temporary shards holds more than its first samples' worth of bytes."""
+    for p in paths:
+        try:
+            if p.stat().st_size > past:
+                return True
+        except FileNotFoundError:  # renamed into place meanwhile
+            pass
+    return False
+
+
 @pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path):
     cfg = cache_config(tmp_path, "m", clips_per_unit=100)
@@ -189,7 +200,8 @@ def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path
     deadline = time.monotonic() + 120
     while not any(vdir.glob(".000000-*-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.5)  # some samples are in the temporary shard
+    while not _grown(vdir.glob(".000000-*-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # until some samples are in the temporary shard
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (cdir / "000000.parquet").exists()

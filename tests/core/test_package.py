@@ -192,6 +192,34 @@ def test_no_cycle_inside_a_package():
             raise AssertionError(f"a cycle in {package}/: {' -> '.join(e.args[1])}") from None
 
 
+def test_the_test_helper_modules_are_the_ones_style_md_names():
+    """docs/STYLE.md: helpers live in tests/support.py, but for the modules it names (a data world, a
+    cluster on one machine, a program run in other processes)."""
+    import re
+
+    style = (REPO / "docs/STYLE.md").read_text()
+    rule = style[style.index("**Test helpers live in `tests/support.py`**") :].split("\n\n")[0]
+    named = set(re.findall(r"`(\w+\.py)`", rule)) - {"support.py", "test_package.py"}
+    present = {p.name for p in (REPO / "tests").glob("*.py")} - {"support.py", "conftest.py"}
+    assert present == named, (
+        f"in tests/ but not in STYLE.md: {sorted(present - named)}; gone: {sorted(named - present)}"
+    )
+
+
+def test_tests_import_no_private_name():
+    """docs/STYLE.md: a test imports what a module offers, never a `_private` name of reelcache."""
+    import ast
+
+    bad = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reelcache"):
+                bad += [
+                    f"{path.relative_to(REPO)}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")
+                ]
+    assert not bad, bad
+
+
 def test_root_cli_only_assembles_the_stages():
     """A stage owns its commands (<stage>/cli.py: add_commands, add_demo); reelcache/cli.py registers
     them in pipeline order and runs them, naming no stage module and declaring no stage argument."""

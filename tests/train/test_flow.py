@@ -124,9 +124,9 @@ def test_mask_generator_validation():
 def test_mask_generator_ratios_and_shapes(make_gen):
     gen = MaskGenerator(STAGE1)
     t = 15
-    from reelcache.train.flow import _Draw
+    from reelcache.train.flow import Draw
 
-    draw = _Draw(make_gen(0))
+    draw = Draw(make_gen(0))
     counts = dict.fromkeys(MASK_NAMES, 0)
     n = 20_000
     for _ in range(n):
