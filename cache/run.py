@@ -22,7 +22,7 @@ captions the store lacks, each given to one unit) into its caption shard. Then, 
 
 Then the store indexes of what the unit wrote, and last the sidecar parquet (one row per planned clip
 and view with its bucket, latent shape, shard and offset, caption key and location, or its reject
-reason: cache/outputs.py: Reason) are written.
+reason: reelcache/rejects.py: Reason) are written.
 
 A unit whose sidecar exists is skipped; one killed at any moment is cleaned and redone; a unit
 another live run holds (catalog/shards.py: the lease) is refused. Reading a source may reject a
@@ -48,6 +48,7 @@ import torch
 
 from reelcache import UserError
 from reelcache.cache import outputs
+from reelcache.cache.captions import encode_captions
 from reelcache.cache.costs import projection
 from reelcache.cache.decode import (
     FrameBufferError,
@@ -55,7 +56,7 @@ from reelcache.cache.decode import (
     decode_clip_shared,
 )
 from reelcache.cache.encoders import VideoEncoder, default_device
-from reelcache.cache.outputs import Reason, encode_captions, no_bucket, planned_rows, repeat_views
+from reelcache.cache.outputs import no_bucket, planned_rows, repeat_views
 from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache
 from reelcache.cache.store import (
     clear_store_unit,
@@ -72,6 +73,7 @@ from reelcache.catalog.shards import OutputError, ShardWriter, content_hash, par
 from reelcache.catalog.units import Batch, Reject, Unit, claimed
 from reelcache.isolate import Failed, isolated_map
 from reelcache.progress import say
+from reelcache.rejects import Reason
 
 _CALLS = itertools.count()
 

@@ -21,7 +21,7 @@ CREATE TABLE IF NOT EXISTS clips (
     relpath        VARCHAR,            -- path as the table gives it, relative to --videos
     text           VARCHAR,            -- caption used for training
     status         VARCHAR NOT NULL,   -- 'ok' | 'rejected'
-    reject_reason  VARCHAR,            -- fixed vocabulary, ingest/filters.py: Reason
+    reject_reason  VARCHAR,            -- fixed vocabulary, reelcache/rejects.py: Reason
     reject_detail  VARCHAR,            -- free text: what exactly was wrong
 
     -- probe of the file (headers and packets, never a full decode unless --verify decode)
@@ -121,7 +121,7 @@ CREATE TABLE IF NOT EXISTS latents (
     cache         VARCHAR NOT NULL,    -- cache name; ROOT/latents/<cache>/cache.json is its identity
     unit          VARCHAR NOT NULL,
     status        VARCHAR NOT NULL,    -- 'ok' | 'rejected'
-    reject_reason VARCHAR,             -- fixed vocabulary, cache/outputs.py: Reason
+    reject_reason VARCHAR,             -- fixed vocabulary, reelcache/rejects.py: Reason
     reject_detail VARCHAR,
     bucket        VARCHAR,             -- '<resolution>/<num_frames>/<aspect ratio>'
     num_frames    INTEGER,             -- frames encoded (the bucket's T)

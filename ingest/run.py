@@ -30,11 +30,12 @@ from reelcache.catalog.levels import count_nouns, tagger_name
 from reelcache.catalog.shards import ShardWriter, ShortRead, SourceError, content_hash, parse_unit, unit_rows
 from reelcache.catalog.units import Reject, Unit, claimed
 from reelcache.catalog.withdrawn import withdrawn_hashes
-from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason
+from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS
 from reelcache.ingest.plan import load_plan, source_dir
 from reelcache.ingest.probe import probe
 from reelcache.isolate import isolated_map
 from reelcache.progress import say
+from reelcache.rejects import Reason
 
 # Metadata columns that are not copied into the sample's .json inside the shard.
 _NOT_IN_JSON = {

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from support import REPO, cache_config, cache_plan, sql
 
-from reelcache.cache.outputs import Reason
 from reelcache.catalog.buckets import BucketConfig
 from reelcache.cli import main
+from reelcache.rejects import Reason
 
 
 def test_the_finite_step_keeps_a_latent_and_rejects_nan_or_inf():

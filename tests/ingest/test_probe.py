@@ -7,8 +7,9 @@ from fractions import Fraction
 import pytest
 
 from reelcache.ingest.demo import ClipSpec, write_clip
-from reelcache.ingest.filters import Reason, Rejected
+from reelcache.ingest.filters import Rejected
 from reelcache.ingest.probe import probe
+from reelcache.rejects import Reason
 
 
 @pytest.mark.parametrize(
