@@ -81,8 +81,15 @@ class Source:
     view: np.ndarray | None = None  # int32 view of each row (a cache of several views); None: one view
     views: int = 1  # K: the cache's views per clip
     clip_key: np.ndarray | None = None  # uint64 hash of each row's clip id (clip_keys), computed if None
-    text_shard: np.ndarray | None = None  # object array: each row's caption shard (None: in the sample)
-    text_offset: np.ndarray | None = None  # int64: where its caption embedding starts
+    # object array: each row's caption shard, None where the sample holds its caption (a manifest without
+    # these columns: cache format 1, or samples written by another tool); catalog/latents.py reads either
+    text_shard: np.ndarray | None = None
+    text_offset: np.ndarray | None = None  # int64: where its caption embedding starts (0 where none)
+
+    def __post_init__(self):
+        if self.text_shard is None:  # every row's caption in its sample
+            object.__setattr__(self, "text_shard", np.full(len(self.clip_id), None, dtype=object))
+            object.__setattr__(self, "text_offset", np.zeros(len(self.clip_id), dtype=np.int64))
 
     def __len__(self):
         return len(self.clip_id)

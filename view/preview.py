@@ -68,8 +68,8 @@ def _key(latent: dict, ident: dict) -> str:
 
 
 def read_latent(root: Path, latent: dict) -> dict:
-    """The video latent of a ``latents`` row, wherever its cache keeps it (a store shard, or a cache of
-    format 1): catalog/latents.py's reader, the loader's own. The caption is not read."""
+    """The video latent of a ``latents`` row (its shard and offset; its caption shard is not read):
+    catalog/latents.py's reader, the loader's own, which knows every form of a sample."""
     from reelcache.catalog.latents import read_latent as read
 
     return read(root, {"shard": latent["shard"], "shard_offset": latent["shard_offset"]})
