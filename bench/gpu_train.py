@@ -103,7 +103,6 @@ class Trainer:
             flow=cfg.flow,
             optim=cfg.optim,
             seed=cfg.run.seed,
-            grad_clip=cfg.parallel.grad_clip,
         )
         self.state = SimpleNamespace(global_step=0, opt_steps=0)
         self.params = sum(p.numel() for p in model.parameters())

@@ -48,6 +48,7 @@ class Parallel:
     dtype: torch.dtype  # working dtype of the boosted model
     plugin_name: str
     booster: object = None
+    cfg: ParallelConfig | None = None  # [parallel]: what it was set up with (its grad_clip clips here)
 
     @classmethod
     def setup(cls, cfg: ParallelConfig) -> Parallel:
@@ -100,6 +101,7 @@ class Parallel:
             wdtype,
             name,
             Booster(plugin=plug),
+            cfg,
         )
 
     @property
@@ -123,8 +125,8 @@ class Parallel:
     def backward(self, loss, optimizer) -> None:
         self.booster.backward(loss, optimizer)
 
-    def grad_norm(self, model, optimizer, max_norm: float) -> torch.Tensor:
-        """The global L2 gradient norm, before the step; clips to max_norm where the step will not.
+    def grad_norm(self, model, optimizer) -> torch.Tensor:
+        """The global L2 gradient norm, before the step; clips to [parallel]'s grad_clip where the step will not.
 
         DDP: gradients are already averaged on every rank, so the local norm is global; clipping
         happens here. ZeRO: each rank holds a shard; the norm is reduced over the data-parallel
@@ -138,6 +140,7 @@ class Parallel:
                     total += optimizer._compute_grad_norm(dp_pg=store.torch_pg, gradients=grads) ** 2
             return torch.tensor(total**0.5)
         params = [p for p in model.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip
         if max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm).detach().float().cpu()
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])).cpu()

@@ -239,7 +239,7 @@ class StepConfig:
     )
 
     def build(self, **runtime):
-        """``Step(self, par=, model=, optimizer=, guard=, ema=, cond=, flow=, optim=, seed=, grad_clip=)``."""
+        """``Step(self, par=, model=, optimizer=, guard=, ema=, cond=, flow=, optim=, seed=)``."""
         from reelcache.train.step import Step
 
         return Step(self, **runtime)

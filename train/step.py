@@ -83,11 +83,10 @@ class Step:
         flow: FlowConfig,
         optim: OptimConfig,
         seed: int,
-        grad_clip: float,
     ):
         self.cfg, self.par, self.model, self.optimizer = cfg, par, model, optimizer
         self.guard, self.ema, self.cond = guard, ema, cond
-        self.flow, self.optim, self.seed, self.grad_clip = flow, optim, seed, grad_clip
+        self.flow, self.optim, self.seed = flow, optim, seed
         self.masks = MaskGenerator(flow.mask_ratios) if flow.mask_ratios else None
 
     def __call__(self, batch, state) -> StepResult:
@@ -158,7 +157,7 @@ class Step:
         """Guard, optimizer step (unless the guard skips it), EMA; gradients cleared either way."""
         par = self.par
         guard = self.guard
-        out.grad_norm = float(par.grad_norm(self.model, self.optimizer, self.grad_clip))
+        out.grad_norm = float(par.grad_norm(self.model, self.optimizer))
         reason = guard.verdict(out.loss, out.grad_norm)
         skip = reason is not None and guard.skips(out.loss, out.grad_norm)
         bad, skip = (par.max([1.0 if reason else 0.0, 1.0 if skip else 0.0]) > 0).tolist()

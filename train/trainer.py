@@ -106,7 +106,6 @@ class Trainer:
             flow=cfg.flow,
             optim=cfg.optim,
             seed=cfg.run.seed,
-            grad_clip=cfg.parallel.grad_clip,
         )
         saved = self.state.global_step if self.ckpt_path is not None else None
         self.ckpt = cfg.checkpoint.build(

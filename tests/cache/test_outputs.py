@@ -1,6 +1,6 @@
 """A cache unit's outcome rows (cache/outputs.py): the one reject vocabulary (reelcache/rejects.py) is the
-names catalogs already hold, ``no_bucket`` (a step before any work) records the plan's reason, and a view that repeats an
-earlier view's draw gets that view's outcome in the sidecar."""
+names catalogs already hold, ``no_bucket`` (a step before any work) records the plan's reason, and a view
+that repeats an earlier view's draw gets that view's outcome in the sidecar."""
 
 from __future__ import annotations
 

@@ -51,9 +51,7 @@ def test_the_step_section_builds_the_step_with_its_reduction():
     optimizer = cfg.optim.build(par=_Adam(), params=model.parameters())
     cond = cfg.conditioning.build(frame_interval=1)
     runtime = dict(par=FakePar(), model=model, optimizer=optimizer, guard=cfg.guard.build(), ema=None, cond=cond)
-    step = cfg.step.build(
-        **runtime, flow=cfg.flow, optim=cfg.optim, seed=cfg.run.seed, grad_clip=cfg.parallel.grad_clip
-    )
+    step = cfg.step.build(**runtime, flow=cfg.flow, optim=cfg.optim, seed=cfg.run.seed)
     assert step.cfg.loss_reduction == "rank" and step.cond.cfg.image_fps == 120.0 and step.masks is not None
     group = step.optimizer.param_groups[0]
     assert (group["weight_decay"], group["eps"], group["betas"]) == (0.0, 1e-15, (0.9, 0.999))

@@ -23,7 +23,7 @@ def _cfg(name: str = "debug/original-stage1", *overrides: str):
 def _build_step(cfg, model, optimizer, ema=None):
     """The step as the trainer builds it (StepConfig.build), on the fake one-process Parallel."""
     return cfg.step.build(
-        par=FakePar(),
+        par=FakePar(cfg.parallel),
         model=model,
         optimizer=optimizer,
         guard=cfg.guard.build(),
@@ -32,7 +32,6 @@ def _build_step(cfg, model, optimizer, ema=None):
         flow=cfg.flow,
         optim=cfg.optim,
         seed=cfg.run.seed,
-        grad_clip=cfg.parallel.grad_clip,
     )
 
 
