@@ -21,50 +21,26 @@ gives the clean result. A full disk must never turn good clips into rejects.
 A unit's files are written through its claim (base/units.py: ``Claim``): ``ShardWriter(..., claim=)`` checks
 the unit's lease before it renames each shard into place and removes its shards through the claim, so a run
 that lost its lease (frozen past the TTL on another node, its unit taken over) neither publishes over nor
-deletes the new holder's files. ``atomic_path`` is the plain file helper beneath them all: a temporary name,
-fsync, rename. Temporary names are unique to the writer (pid and a random tag), so a run only ever removes
-its own.
+deletes the new holder's files. ``atomic_path`` (reelcache/files.py) is the plain file helper beneath them
+all: a temporary name, fsync, rename. Temporary names are unique to the writer (pid and a random tag), so a run
+only ever removes its own.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
-import secrets
 import tarfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
-from reelcache import UserError
+from reelcache.files import OUTPUT_ERRNOS, OutputError, tmp_name
 
-# Nothing here imports tqdm or pyarrow: cluster/ranks.py imports this module for atomic_path, and `reelcache
-# --help` and `reelcache cluster` (head nodes) start without them.
+# Nothing here imports tqdm or pyarrow: `reelcache --help` and `reelcache cluster` (head nodes) start without them.
 
 BLOCK = 512
 # The one member a sample removed by a takedown becomes (lineage/holes.py): not a sample, a hole of zeros.
 HOLE = "__withdrawn__"
-
-# Errors that can only come from the side being written.
-OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
-
-
-class OutputError(UserError):
-    """Writing our own output failed: the unit fails (no sidecar), nothing is recorded as a reject."""
-
-    def __init__(self, path, err: OSError, unit: bool = True):
-        code = errno.errorcode.get(err.errno, "") if isinstance(err.errno, int) else ""
-        what = err.strerror or str(err)
-        consequence = "the unit is not finished and none of its clips was recorded; " if unit else ""
-        super().__init__(
-            f"cannot write {path}: {what}"
-            + (f" [errno {err.errno} {code}]" if code else "")
-            + ". Our own output failed (disk full, quota, file-size limit or I/O error): "
-            + consequence
-            + "free space and run it again."
-        )
-        self.path, self.errno = str(path), err.errno
 
 
 class SourceError(OSError):
@@ -129,11 +105,6 @@ def _copy_fd(src: int, dst: int, n: int) -> int:
     return done
 
 
-def _tmp_name(path: Path) -> Path:
-    """A hidden temporary name beside `path`, unique to this writer: ``.<name>.tmp<pid>-<tag>``."""
-    return path.parent / f".{path.name}.tmp{os.getpid()}-{secrets.token_hex(4)}"
-
-
 class ShardWriter:
     """Writes members into ``<stem>-KK.tar`` files of at most ``max_bytes`` each.
 
@@ -158,7 +129,7 @@ class ShardWriter:
     def _open_next(self):
         self._close_current()
         self.index += 1
-        self.tmp = _tmp_name(self.dir / self.name)
+        self.tmp = tmp_name(self.dir / self.name)
         try:
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as e:
@@ -263,28 +234,3 @@ class ShardWriter:
             for p in self.finished:
                 p.unlink(missing_ok=True)
         self.finished = []
-
-
-@contextmanager
-def atomic_path(path):
-    """Yield a temporary name beside `path`; once the body wrote it, fsync and rename it into place.
-
-    Readers see the old file or the complete new one, never a partial one; a failure leaves nothing, and an
-    OSError while writing is an OutputError naming `path`. A plain file helper: a unit's files are published
-    through its claim (base/units.py: ``Claim.publish``), which checks the unit's lease first.
-    """
-    path = Path(path)
-    tmp = _tmp_name(path)
-    try:
-        try:
-            yield tmp
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise OutputError(path, e, unit=False) from e
-    finally:
-        tmp.unlink(missing_ok=True)

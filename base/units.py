@@ -45,7 +45,8 @@ from typing import Any
 
 from reelcache import UserError
 from reelcache.base import lease as leases
-from reelcache.base.shards import OutputError, ShardWriter, atomic_path
+from reelcache.base.shards import ShardWriter
+from reelcache.files import OutputError, atomic_path
 from reelcache.isolate import Failed
 
 # reelcache.progress (tqdm) and pyarrow are imported where used: `reelcache --help` starts without them.

@@ -171,7 +171,7 @@ def _deliver_pickled(jobs, gpu_s_per_clip, workers, batch):
     """Windows pickled through the worker pipe and consumed in the same loop (before issue 9)."""
     import functools
 
-    from reelcache.cache.run import decode_clip
+    from reelcache.cache.decode import decode_clip
     from reelcache.isolate import Failed, isolated_map
 
     pending = []

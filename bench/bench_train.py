@@ -105,12 +105,12 @@ def online(tr):
     import torch
 
     from reelcache.base.buckets import BucketConfig
+    from reelcache.cache.decode import decode_clip
     from reelcache.cache.encoders import TextEncoder, VideoEncoder
     from reelcache.cache.plan import load_cache
-    from reelcache.cache.run import decode_clip
     from reelcache.train.loader import pad_text
 
-    _, cfg_cache, _ = load_cache(ROOT, "tiny")
+    cfg_cache, _, _ = load_cache(ROOT, "tiny")
     frame_interval = BucketConfig.from_toml(cfg_cache.buckets).frame_interval
     jobs = {r["clip_id"]: r for r in pq.read_table(ROOT / "latents/tiny/_plan/input.parquet").to_pylist()}
     video, text = VideoEncoder(cfg_cache.video_encoder, "cpu"), TextEncoder(cfg_cache.text_encoder, "cpu")

@@ -130,7 +130,7 @@ class Ctx:
         self.cfg = load_config(STAGE, [*profile.overrides, 'parallel.plugin="zero2"', 'log.wandb_mode="disabled"'])
         table = BucketConfig.from_toml(B1)
         self.batch = {b: profile.batch.get(b) or table.batch_size(bucket_name(b)) for b in profile.buckets}
-        self.model_cfg = self.cfg.model_config()
+        self.model_cfg = self.cfg.model.stdit3()
         self.caption = self.model_cfg.model_max_length
         self.vae = self.t5 = self.trainer = None
         self.kernels: threading.Thread | None = None

@@ -4,6 +4,7 @@ projection should assume."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -83,7 +84,7 @@ class Trainer:
 
         cfg = ctx.cfg
         t0 = time.perf_counter()
-        self.par = par = Parallel.setup(plugin, cfg.parallel.dtype, cfg.parallel.grad_clip)
+        self.par = par = Parallel.setup(dataclasses.replace(cfg.parallel, plugin=plugin))
         torch.manual_seed(cfg.run.seed)
         with torch.device(par.device):  # random init where it trains: seconds, not minutes, for 1.1B
             model = STDiT3(ctx.model_cfg)
@@ -102,7 +103,6 @@ class Trainer:
             flow=cfg.flow,
             optim=cfg.optim,
             seed=cfg.run.seed,
-            grad_clip=cfg.parallel.grad_clip,
         )
         self.state = SimpleNamespace(global_step=0, opt_steps=0)
         self.params = sum(p.numel() for p in model.parameters())

@@ -6,22 +6,18 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
-from reelcache.cache.encoders import spatial_multiple, temporal_ratio
+from reelcache.cache.spec import spatial_multiple, temporal_ratio
 from reelcache.progress import say
-
-if TYPE_CHECKING:
-    from reelcache.cache.plan import CacheConfig
 
 # Latent channels of the real VAEs where their config does not say (cache/encoders.py's kinds).
 LATENT_CHANNELS = {"wan": 16, "cogvideox": 16, "hunyuan": 16, "ltx": 128, "opensora-v1.2": 4, "sd-per-frame": 4}
 SAMPLE_OVERHEAD = 1536  # bytes per latent sample besides its tensors: tar header and padding, safetensors header
 
 
-def latent_bytes(cfg: CacheConfig, ident: dict, frames: int, height: int, width: int) -> int:
+def latent_bytes(cfg, ident: dict, frames: int, height: int, width: int) -> int:
     """Bytes of one stored latent (bf16; mean and logvar for a posterior) from the encoder's geometry:
     C x t x H/f x W/f, with f its spatial multiple and t its temporal compression of the frames. An
     estimate where a VAE's geometry is not these rules; `cache run` reports the real shapes."""
@@ -38,9 +34,7 @@ def latent_bytes(cfg: CacheConfig, ident: dict, frames: int, height: int, width:
     return int(channels) * t * (height // f) * (width // f) * 2 * (2 if cfg.store == "posterior" else 1)
 
 
-def view_costs(
-    draws: list, cfg: CacheConfig, ident: dict, tokens: float | None = None, upto: int | None = None
-) -> list[dict]:
+def view_costs(draws: list, cfg, ident: dict, tokens: float | None = None, upto: int | None = None) -> list[dict]:
     """What a cache of K = 1 .. upto views encodes and stores. `draws`: (caption, caption key, caption
     already stored, [draw of view 0, 1, ...]) per clip, a draw's ``reused`` true when the store holds its
     latent; `upto` at most as many views as each has (default: that many); `tokens`: measured tokens per
@@ -126,7 +120,7 @@ def report(rows: list[dict], cdir: Path, clips: int, views: int, costs: list[dic
     say(projection(cdir, costs[views - 1]["new"], costs[views - 1]["new_pixels"]))
 
 
-def _measured(cdir: Path) -> dict:
+def measured(cdir: Path) -> dict:
     """What finished units measured: encode seconds, encoded samples and their pixels and caption tokens."""
     m = {"units": 0, "seconds": 0.0, "encoded": 0, "pixels": 0, "tokens": 0, "texts": 0, "with_pixels": True}
     for p in sorted(cdir.glob("[0-9]*.parquet")):
@@ -167,7 +161,7 @@ def cost_table(cdir: Path, clips: int, views: int, costs: list[dict]) -> list[st
     """`cache plan`'s table of what K views cost (the planned K marked *): all encodes and the new ones,
     bytes in cache format 1 (each sample holds its caption) and in the store (each caption once), what
     this plan adds to the store, and GPU-hours for the new encodes."""
-    m = _measured(cdir)
+    m = measured(cdir)
     base = costs[0]
     tokens = "measured" if costs[0]["measured_tokens"] else "estimated from word counts"
     lines = [
@@ -192,7 +186,7 @@ def cost_table(cdir: Path, clips: int, views: int, costs: list[dict]) -> list[st
 def projection(cdir: Path, encodes: int, pixels: int | None = None) -> str:
     """GPU-hours for the whole cache (`encodes` latents of `pixels` pixels, None: unknown) from the rate
     finished units measured, if any."""
-    m = _measured(cdir)
+    m = measured(cdir)
     if not m["encoded"]:
         return "  projection: run a unit to measure clips/s per GPU"
     rate = m["encoded"] / max(1e-9, m["seconds"])

@@ -17,14 +17,14 @@ evaluation server's samples: z = z' / scale + shift, then the VAE's own decoder.
 shift and scale are tensors built once with the encoder, in fp32 whatever its dtype: the
 normalization is computed in fp32 and only its result is stored in bf16.
 
-Frames are folded into the batch (``fold_frames``: [B, C, T, H, W] -> [(B T), C, H, W], and
+Frames are folded into the batch (cache/frames.py: ``fold_frames``, [B, C, T, H, W] -> [(B T), C, H, W], and
 ``unfold_frames`` back) for the VAEs whose convolutions are 2-D: ``sd-per-frame`` (an image VAE,
 so every frame is encoded alone) and the Open-Sora VAE's spatial stage (the SDXL VAE, per frame
 before its temporal VAE compresses time). The video VAEs (``wan``, ``cogvideox``, ``hunyuan``,
 ``ltx``) take [B, C, T, H, W] as it is: their 3-D causal convolutions see time themselves.
 
 What an encoder is (settings, tiny configurations, shape rules, identity) lives in cache/spec.py,
-which loads nothing; it is re-exported here.
+which loads nothing: import those names from there.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import os
 import re
 
 from reelcache import UserError
+from reelcache.cache.frames import fold_frames, unfold_frames
 from reelcache.cache.spec import TINY_VIDEO, EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
 from reelcache.words import ADJ, CAMERA, PLACES, SUBJECTS, THINGS, VERBS
 
@@ -157,18 +158,6 @@ class VideoEncoder:
                 f"fewer than the {num_frames} asked for"
             )
         return to_uint8(x[:, :, :num_frames])
-
-
-def fold_frames(x):
-    """[B, C, T, H, W] -> [(B T), C, H, W], batch-major: every frame an image, for a VAE that sees
-    one frame at a time (the module docstring says which)."""
-    b, c, t, h, w = x.shape
-    return x.transpose(1, 2).reshape(b * t, c, h, w)
-
-
-def unfold_frames(x, batch: int):
-    """[(B T), C, H, W] -> [B, C, T, H, W] for ``batch`` = B: the inverse of ``fold_frames``."""
-    return x.reshape(batch, -1, *x.shape[1:]).transpose(1, 2)
 
 
 def to_uint8(x):

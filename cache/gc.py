@@ -35,10 +35,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from reelcache.base.shards import HOLE, atomic_path
+from reelcache.base.shards import HOLE
 from reelcache.cache.store import TEXT_INDEX, VIDEO_INDEX
 from reelcache.catalog.references import read_or_say as _read
 from reelcache.catalog.references import references
+from reelcache.files import atomic_path
 from reelcache.progress import say
 
 
@@ -100,7 +101,7 @@ def gc(root, delete: bool = False) -> dict:
     by_shard = defaultdict(list)
     for g in found["garbage"]:
         by_shard[g[2]].append(g)
-    live_shards = {s for s in by_shard if _has_live(root, s, len(by_shard[s]))}
+    live_shards = {s for s in by_shard if has_live(root, s, len(by_shard[s]))}
     total = sum(g[4] for g in found["garbage"]) + sum(p.stat().st_size for p in found["orphans"])
     for kind in ("video", "text"):
         mine = [g for g in found["garbage"] if g[0] == kind]
@@ -136,7 +137,7 @@ def gc(root, delete: bool = False) -> dict:
     return {"entries": len(found["garbage"]), "bytes": total, "orphans": len(found["orphans"]), "deleted": len(gone)}
 
 
-def _has_live(root: Path, shard: str, garbage: int) -> bool:
+def has_live(root: Path, shard: str, garbage: int) -> bool:
     """A shard holds entries besides its `garbage` ones (counted from its tar's members; a takedown's hole,
     lineage/holes.py, is no entry)."""
     import tarfile

@@ -36,7 +36,7 @@ from diffusers import AutoencoderKL
 from safetensors.torch import load_file
 from torch import nn
 
-from reelcache.cache.encoders import fold_frames, unfold_frames
+from reelcache.cache.frames import fold_frames, unfold_frames
 
 SHIFT = (-0.10, 0.34, 0.27, 0.98)
 SCALE = (3.85, 2.32, 2.33, 3.06)

@@ -1,35 +1,13 @@
-"""What a cache unit writes besides its latents (cache/run.py runs it): its reject vocabulary, the unit's
-outcome rows before any work (draws the store holds are ok from the start, cache/reuse.py) and its
-sidecar table (the ``latents`` table of catalog/schema.sql), and its caption shard: the captions the plan
-gave the unit (``encode_text``), each encoded once into ``ROOT/store/text/<cache>/<unit>-<plan>-KK.tar``
-(cache/store.py)."""
+"""A cache unit's outcome rows (cache/run.py runs the unit): one per planned (clip, view), made before any
+work (draws the store holds are ok from the start, cache/reuse.py), a clip that fits no bucket rejected
+with its reason (reelcache/rejects.py: ``Reason``), a view that repeats an earlier view's draw given that
+view's sample, and the unit's sidecar: the rows as the ``latents`` table of catalog/schema.sql. The unit's
+captions are cache/captions.py's."""
 
 from __future__ import annotations
 
-from enum import Enum
-from pathlib import Path
-
-import torch
-
-from reelcache import UserError
-from reelcache.base.latents import LATENT_EXT, encode
-from reelcache.base.shards import ShardWriter
-from reelcache.cache.encoders import TextEncoder
-from reelcache.cache.store import store_dir
 from reelcache.catalog.db import arrow_schema, sidecar_table
-
-
-class Reason(str, Enum):
-    """Why a planned (clip, view) has no latent: the ``reject_reason`` of its ``latents`` row."""
-
-    no_bucket_too_small = "no_bucket:too_small"  # fewer pixels than 0.8 x the smallest resolution's budget
-    no_bucket_too_short = "no_bucket:too_short"  # large enough, but fewer frames than any bucket's span
-    no_bucket_not_kept = "no_bucket:not_kept"  # it fits buckets, but their keep-probability draws dropped it
-    undecodable = "undecodable"  # the window could not be decoded from the raw shard (the decoder's error)
-    timeout = "timeout"  # decoding did not finish within decode_timeout; its worker was killed
-    crashed = "crashed"  # the decode worker died on it (a decoder crash, worker_memory_mb exceeded)
-    invalid_latent = "invalid_latent"  # the VAE gave non-finite values (NaN, inf): nothing stored
-    withdrawn = "withdrawn"  # its clip was withdrawn by a takedown (lineage/takedown.py): latent removed
+from reelcache.rejects import Reason
 
 
 def no_bucket(row: dict):
@@ -91,38 +69,3 @@ def sidecar(rows: list[dict], metadata: dict):
     return sidecar_table("latents", rows, strict=False).replace_schema_metadata(
         {k: str(v) for k, v in metadata.items()}
     )
-
-
-def encode_captions(root, rows, cfg, device, name: str, stem: str, claim) -> tuple[dict, list[dict], int]:
-    """The captions this unit owns (the plan's ``encode_text``), each encoded once into the unit's caption
-    shard (published through the unit's `claim`): ({text_key: (shard, offset, tokens)}, their index rows, tokens)."""
-    todo = list({r["text_key"]: r["text"] or "" for r in rows if r["encode_text"]}.items())
-    if not todo:
-        return {}, [], 0
-    text = TextEncoder(cfg.text_encoder, device)
-    d = store_dir(root, "text", name)
-    d.mkdir(parents=True, exist_ok=True)
-    writer = ShardWriter(d, stem, int(cfg.shard_mb * 1e6), claim=claim)
-    where, index, tokens = {}, [], 0
-    try:
-        for i in range(0, len(todo), cfg.text_batch_size):
-            chunk = todo[i : i + cfg.text_batch_size]
-            for (key, _), emb in zip(chunk, text.encode([c for _, c in chunk])):
-                if not torch.isfinite(emb.float()).all():
-                    raise UserError(
-                        f"{name}: the text encoder gave non-finite values for caption {key}; nothing stored"
-                    )
-                data = encode({"text": emb}, text_key=key)
-                shard, offsets = writer.write_sample(key, [(LATENT_EXT, data, None)])
-                rel = str(Path("store", "text", name, shard))
-                where[key] = (rel, offsets[LATENT_EXT], int(emb.shape[0]))
-                index.append(
-                    {"text_key": key, "shard": rel, "shard_offset": offsets[LATENT_EXT]}
-                    | {"text_len": int(emb.shape[0]), "bytes": len(data)}
-                )
-                tokens += int(emb.shape[0])
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    return where, index, tokens

@@ -41,12 +41,12 @@ import pyarrow.parquet as pq
 from reelcache import UserError
 from reelcache.base.aspect_tables import SOURCE as BUCKET_SIZES
 from reelcache.base.buckets import BucketConfig
-from reelcache.base.shards import atomic_path
-from reelcache.cache.costs import _measured, projection, report, view_costs  # noqa: F401 - projection: run.py
+from reelcache.cache.costs import measured, report, view_costs
 from reelcache.cache.decode import RESIZES, WINDOWS, window_start
-from reelcache.cache.encoders import TINY_VIDEO, EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
 from reelcache.cache.reuse import plan_id, plan_store
+from reelcache.cache.spec import TINY_VIDEO, EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
 from reelcache.catalog.manifest import read_manifest, resolve_manifest
+from reelcache.files import atomic_path
 from reelcache.progress import say
 from reelcache.settings import NAME, TEXT, build, load_toml, setting
 
@@ -185,15 +185,16 @@ def diff(a, b, prefix="") -> list[str]:
     return [] if a == b else [f"{prefix.rstrip('.')}: {json.dumps(a)[:80]} != {json.dumps(b)[:80]}"]
 
 
-def load_cache(root, name: str) -> tuple[dict, CacheConfig, dict]:
-    """A planned cache: (its plan.json, the CacheConfig it was planned with, its cache.json identity)."""
+def load_cache(root, name: str) -> tuple[CacheConfig, dict, dict]:
+    """A planned cache: (the CacheConfig it was planned with, its plan.json, its cache.json identity): the
+    config first and then the plan, as ingest's ``load_plan`` returns them."""
     cdir = cache_dir(root, name)
     try:
         plan = json.loads((cdir / "_plan" / "plan.json").read_text())
         ident = json.loads((cdir / "cache.json").read_text())
     except FileNotFoundError:
         raise UserError(f"no cache {name!r} under {root}: run `reelcache cache plan` first") from None
-    return plan, CacheConfig.from_dict(plan["config"], str(cdir / "_plan" / "plan.json")), ident
+    return CacheConfig.from_dict(plan["config"], str(cdir / "_plan" / "plan.json")), plan, ident
 
 
 def _checked_buckets(cfg: CacheConfig) -> BucketConfig:
@@ -291,7 +292,7 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
         pq.write_table(pa.Table.from_pylist(rows), tmp, row_group_size=cfg.clips_per_unit * cfg.views)
     num_clips = len(clips)
     num_units = -(-num_clips // cfg.clips_per_unit)
-    costs = view_costs(draws, cfg, ident, _measured(cdir).get("text_tokens"), table_views)
+    costs = view_costs(draws, cfg, ident, measured(cdir).get("text_tokens"), table_views)
     doc = {
         "config": dataclasses.asdict(cfg),
         "num_units": num_units,

@@ -22,7 +22,7 @@ captions the store lacks, each given to one unit) into its caption shard. Then, 
 
 Then the store indexes of what the unit wrote, and last the sidecar parquet (one row per planned clip
 and view with its bucket, latent shape, shard and offset, caption key and location, or its reject
-reason: cache/outputs.py: Reason) are written.
+reason: reelcache/rejects.py: Reason) are written.
 
 A unit whose sidecar exists is skipped; one killed at any moment is cleaned and redone; a unit
 another live run holds (base/units.py: its lease) is refused. Reading a source may reject a
@@ -50,18 +50,19 @@ from reelcache import UserError
 from reelcache.base import units
 from reelcache.base.buckets import BucketConfig
 from reelcache.base.latents import LATENT_EXT, encode
-from reelcache.base.shards import OutputError, ShardWriter, content_hash
+from reelcache.base.shards import ShardWriter, content_hash
 from reelcache.base.units import Batch, Reject, Unit, claimed, parse_unit, unit_rows
 from reelcache.cache import outputs
+from reelcache.cache.captions import encode_captions
+from reelcache.cache.costs import projection
 from reelcache.cache.decode import (
     FrameBufferError,
     clip_seed,
-    decode_clip,  # noqa: F401 - tests and bench/ import it from here
     decode_clip_shared,
 )
 from reelcache.cache.encoders import VideoEncoder, default_device
-from reelcache.cache.outputs import Reason, encode_captions, no_bucket, planned_rows, repeat_views
-from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, projection
+from reelcache.cache.outputs import no_bucket, planned_rows, repeat_views
+from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache
 from reelcache.cache.store import (
     clear_store_unit,
     raw_stamp,
@@ -70,8 +71,10 @@ from reelcache.cache.store import (
     video_key,
     write_index,
 )
+from reelcache.files import OutputError
 from reelcache.isolate import Failed, isolated_map
 from reelcache.progress import say
+from reelcache.rejects import Reason
 
 _CALLS = itertools.count()
 
@@ -170,7 +173,7 @@ def decoded(
 
 def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False) -> dict:
     name, index = parse_unit(unit)
-    plan, cfg, ident = load_cache(root, name)
+    cfg, plan, ident = load_cache(root, name)
     if not 0 <= index < plan["num_units"]:
         raise UserError(f"{unit}: cache {name!r} has units 0..{plan['num_units'] - 1}")
     buckets = BucketConfig.from_toml(cfg.buckets)
@@ -185,7 +188,7 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
             say(f"{unit}: already done, skipped")
             return {"unit": unit, "skipped": True}
         clear_store_unit(root, name, f"{index:06d}-{plan['plan_id']}", claim)  # what a killed run left
-        return _run(root, unit, plan, cfg, buckets, cdir, index, claim, device or default_device())
+        return _run(root, unit, cfg, plan, buckets, cdir, index, claim, device or default_device())
 
 
 def finite(row: dict) -> Reject | None:
@@ -285,7 +288,7 @@ def _to_encode(row: dict) -> bool:
     return row["plan"]["same_as"] is None and row["plan"]["reuse_shard"] is None
 
 
-def _run(root, unit, plan, cfg: CacheConfig, buckets, cdir: Path, index: int, claim, device: str) -> dict:
+def _run(root, unit, cfg: CacheConfig, plan, buckets, cdir: Path, index: int, claim, device: str) -> dict:
     name, stem = cdir.name, f"{index:06d}-{plan['plan_id']}"
     t0 = time.monotonic()
     rows = planned_rows(unit_rows(cdir, index), name, unit)

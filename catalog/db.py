@@ -27,7 +27,8 @@ DB_NAME = "catalog.duckdb"
 WRITE_WAIT_S = 6.0
 WRITER = ".writer"  # catalog.duckdb.writer: "pid host" of a writer waiting for the file; readers step aside
 
-# version -> SQL that upgrades version-1 to version. Explicit, applied by `open_catalog`.
+# version -> SQL that upgrades version-1 to version: the one way a catalog's tables change after it was
+# made. Explicit, applied in order by `open_catalog` when it opens a catalog for writing.
 MIGRATIONS: dict[int, str] = {
     # 2: anamorphic video (SAR) and the size a source table states
     2: """ALTER TABLE clips ADD COLUMN sar_num INTEGER;
@@ -36,6 +37,15 @@ MIGRATIONS: dict[int, str] = {
           ALTER TABLE clips ADD COLUMN stated_height INTEGER;""",
     # 3: the content hash of a clip's raw bytes (lineage, takedown; the table `withdrawn` is new: schema.sql)
     3: "ALTER TABLE clips ADD COLUMN content_hash VARCHAR;",
+    # 4: the columns `latents` gained without a version of their own: `view` (caches of several views, 0
+    # for the rows already there) and the store's (cache format 2, NULL before it). A catalog of version
+    # 2 or 3 may hold some of them already (merges added them before this migration existed): IF NOT EXISTS.
+    4: """ALTER TABLE latents ADD COLUMN IF NOT EXISTS view INTEGER DEFAULT 0;
+          ALTER TABLE latents ADD COLUMN IF NOT EXISTS video_key VARCHAR;
+          ALTER TABLE latents ADD COLUMN IF NOT EXISTS reused BOOLEAN;
+          ALTER TABLE latents ADD COLUMN IF NOT EXISTS text_key VARCHAR;
+          ALTER TABLE latents ADD COLUMN IF NOT EXISTS text_shard VARCHAR;
+          ALTER TABLE latents ADD COLUMN IF NOT EXISTS text_offset BIGINT;""",
 }
 
 
@@ -175,8 +185,10 @@ def open_catalog(root: str | Path, *, write: bool = False, files: bool = False):
         for v in range(have + 1, want + 1):
             if v not in MIGRATIONS:
                 raise UserError(f"{path} has schema version {have}; no migration to {v} exists")
+            con.execute("BEGIN TRANSACTION")  # a migration and its version together, or neither
             con.execute(MIGRATIONS[v])
             con.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", [str(v)])
+            con.execute("COMMIT")
     return con
 
 

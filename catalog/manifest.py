@@ -35,10 +35,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from reelcache import UserError
-from reelcache.base.shards import atomic_path
 from reelcache.catalog.db import db_path, open_catalog
-from reelcache.catalog.merge import migrate
 from reelcache.catalog.sql import check_where, read_only_connection, where_sql
+from reelcache.files import atomic_path
 from reelcache.progress import say
 
 MANIFEST_COLUMNS = [
@@ -145,11 +144,8 @@ def make_manifest(root, name: str, where: str = "true", cache: str | None = None
     root = Path(root)
     if not db_path(root).exists():  # never create an empty catalog to select nothing from
         raise UserError(f"no catalog at {db_path(root)}: run `reelcache catalog merge --root {root}` first")
-    con = open_catalog(root, write=True)  # busy (a merge runs) is said here, before any work
-    try:
-        migrate(con)  # a catalog not merged since latents gained `view`
-    finally:
-        con.close()
+    # busy (a merge runs) is said here, before any work; an older catalog is migrated (catalog/db.py)
+    open_catalog(root, write=True).close()
     # The user's condition runs where it cannot write; the catalog is opened for writing again only to
     # record the manifest (a merge in between changes nothing: the file is named by its rows' content).
     table, selected = _select(root, where, cache)

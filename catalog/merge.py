@@ -13,10 +13,8 @@ re-planned source never leaves a clip id twice. Only when the source's folder it
 All of it, including the recomputed difficulty levels, happens in one transaction: a merge
 killed half-way leaves the catalog as it was.
 
-Columns appended to a table after a catalog was made are added to it here before anything is
-inserted (``migrate``): ``latents.view`` (caches of several views), 0 for the rows already there
-and for sidecars written before it; the store's columns (``video_key``, ``reused``, ``text_key``,
-``text_shard``, ``text_offset``), NULL for caches of format 1. Every merge reloads table
+A catalog made by an older reelcache gains its missing columns when merge opens it
+(``open_catalog``: catalog/db.py's ``MIGRATIONS``, the one way a table changes). Every merge reloads table
 ``captions`` from the store's caption indexes and fills the caption location of latent rows whose
 caption another unit of their plan encoded (``merge_captions``), and table ``withdrawn`` from the
 takedowns' record (catalog/withdrawn.py).
@@ -43,25 +41,6 @@ def _signature(p: Path) -> str:
 
 # stage -> (folder under ROOT holding <name>/NNNNNN.parquet sidecars, catalog table)
 STAGES = {"ingest": ("raw", "clips"), "cache": ("latents", "latents")}
-# Columns appended to a table of schema.sql (with its DEFAULT), added to a catalog made before them.
-APPENDED = {
-    "latents": [
-        "view INTEGER DEFAULT 0",
-        "video_key VARCHAR",
-        "reused BOOLEAN",
-        "text_key VARCHAR",
-        "text_shard VARCHAR",
-        "text_offset BIGINT",
-    ]
-}
-
-
-def migrate(con) -> None:
-    """Give an existing catalog the columns appended since it was made (idempotent). Sidecars that
-    lack such a column insert its default (INSERT BY NAME)."""
-    for table, columns in APPENDED.items():
-        for col in columns:
-            con.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {col}")
 
 
 def merge_captions(con, root: Path) -> int:
@@ -152,7 +131,6 @@ def merge(root: str | Path) -> dict:
     merged, removed, orphans = {}, {}, []
     try:
         con.execute("BEGIN TRANSACTION")
-        migrate(con)
         with bar(sum(map(len, sidecars.values())), "merging units", "unit") as pbar:
             for stage in STAGES:
                 merged[stage], removed[stage], orph = _merge_stage(con, root, stage, sidecars[stage], pbar)

@@ -13,9 +13,9 @@ from pathlib import Path
 import duckdb
 
 from reelcache import UserError
-from reelcache.base.shards import atomic_path
 from reelcache.catalog.db import open_catalog
 from reelcache.catalog.sql import check_query, check_where, where_sql
+from reelcache.files import atomic_path
 
 OPENSORA_COLUMNS = ["path", "text", "num_frames", "height", "width", "aspect_ratio", "resolution", "fps", "file_size"]
 WRITERS = {".csv": "(FORMAT csv, HEADER)", ".json": "(FORMAT json, ARRAY true)", ".parquet": "(FORMAT parquet)"}

@@ -1,5 +1,5 @@
 -- reelcache catalog schema.
--- schema_version: 3
+-- schema_version: 4
 --
 -- The one definition of the catalog. Sidecar parquets are cast to a table's columns below (ingest's
 -- to `clips`, the cache's to `latents`: catalog/db.py derives their Arrow schemas from this file), so
@@ -21,7 +21,7 @@ CREATE TABLE IF NOT EXISTS clips (
     relpath        VARCHAR,            -- path as the table gives it, relative to --videos
     text           VARCHAR,            -- caption used for training
     status         VARCHAR NOT NULL,   -- 'ok' | 'rejected'
-    reject_reason  VARCHAR,            -- fixed vocabulary, ingest/filters.py: Reason
+    reject_reason  VARCHAR,            -- fixed vocabulary, reelcache/rejects.py: Reason
     reject_detail  VARCHAR,            -- free text: what exactly was wrong
 
     -- probe of the file (headers and packets, never a full decode unless --verify decode)
@@ -121,7 +121,7 @@ CREATE TABLE IF NOT EXISTS latents (
     cache         VARCHAR NOT NULL,    -- cache name; ROOT/latents/<cache>/cache.json is its identity
     unit          VARCHAR NOT NULL,
     status        VARCHAR NOT NULL,    -- 'ok' | 'rejected'
-    reject_reason VARCHAR,             -- fixed vocabulary, cache/outputs.py: Reason
+    reject_reason VARCHAR,             -- fixed vocabulary, reelcache/rejects.py: Reason
     reject_detail VARCHAR,
     bucket        VARCHAR,             -- '<resolution>/<num_frames>/<aspect ratio>'
     num_frames    INTEGER,             -- frames encoded (the bucket's T)
@@ -132,9 +132,9 @@ CREATE TABLE IF NOT EXISTS latents (
     text_len      INTEGER,             -- caption tokens kept
     shard         VARCHAR,             -- latent shard, relative to ROOT
     shard_offset  BIGINT,              -- byte offset of the sample's .safetensors data
-    -- appended (a catalog made before it gains it at its next merge, catalog/merge.py: migrate)
+    -- schema version 4 (a catalog made before gains them when it is opened for writing: catalog/db.py)
     view          INTEGER DEFAULT 0,   -- which of the cache's K draws of the clip (0 .. K-1)
-    -- appended with the content-addressed store (cache format 2, cache/store.py); NULL in format 1,
+    -- the content-addressed store's (cache format 2, cache/store.py); NULL in format 1,
     -- whose samples hold their caption: shard/shard_offset then name latent and caption together
     video_key     VARCHAR,             -- the latent's store key (shard, shard_offset: where it lives)
     reused        BOOLEAN,             -- true: encoded before (by an earlier plan or another cache)

@@ -1,7 +1,7 @@
 """SQL a user writes, on the catalog: the one place such text reaches DuckDB, and why it cannot write.
 
-Three commands take SQL from a user: ``catalog sql QUERY``, ``catalog manifest --where`` and
-``catalog export --where`` (the coming web viewer will be a fourth). Each gets two guards, either
+Four places take SQL from a user: ``catalog sql QUERY``, ``catalog manifest --where``,
+``catalog export --where`` and the web viewer's filters (view/store.py). Each gets two guards, either
 of which alone would keep the catalog intact against a mistake, and both against a clause written
 to break out:
 
@@ -24,11 +24,15 @@ to break out:
 ``catalog manifest`` writes one row into the ``manifests`` table: it selects on a read-only
 connection, closes it, and opens the catalog for writing only to record the manifest it made.
 
-Usage (the viewer does the same)::
+Usage::
 
     where = check_where(user_text)                        # UserError: one line, nothing ran
     with read_only_connection(root) as con:
         con.sql(f"SELECT ... FROM clips WHERE {where_sql(where)}")
+
+The viewer parses its filters the same way (``check_where``, ``where_sql``) but keeps a connection of its
+own (view/store.py), read-only with external access off (as catalog/db.py's ``NO_FILES``), because it
+holds one across requests and closes it when a writer waits; it does not use ``read_only_connection``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from reelcache import UserError
 from reelcache.base.lease import boot_id, pid_start
-from reelcache.base.shards import atomic_path
+from reelcache.files import atomic_path
 
 _NAME = re.compile(r"rank(\d+)\.json")
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from reelcache import UserError
-from reelcache.cache.encoders import TextEncoder, VideoEncoder, spec_identity
+from reelcache.cache.encoders import TextEncoder, VideoEncoder
 from reelcache.cache.plan import diff
+from reelcache.cache.spec import spec_identity
 from reelcache.progress import say
 
 

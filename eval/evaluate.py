@@ -56,12 +56,12 @@ from reelcache.eval.records import write_json, write_val_loss_parquet
 from reelcache.eval.runlog import log_eval
 from reelcache.eval.samples import PRESETS, sample
 from reelcache.eval.valloss import validation_loss
-from reelcache.eval.video import write_mp4
+from reelcache.media import write_mp4
 from reelcache.progress import fmt_eta, say
 from reelcache.train.checkpoint import list_checkpoints, read_state
 from reelcache.train.config import from_dict
-from reelcache.train.loader import check_shards, load_source
 from reelcache.train.model import STDiT3
+from reelcache.train.source import check_shards, load_source
 from reelcache.train.weights import load_weights
 
 __all__ = ["Evaluator", "select"]
@@ -258,7 +258,7 @@ class Evaluator:
 
     def _model(self, ckpt: Path):
         """STDiT3 as configured in the checkpoint's config.json, with its EMA (or model) weights."""
-        model = STDiT3(self._config(ckpt).model_config())
+        model = STDiT3(self._config(ckpt).model.stdit3())
         used = self.weights
         if used == "ema" and not (ckpt / "ema").is_dir():
             say(f"  {ckpt.name} has no ema/ (ema.decay = 0): using model/")
@@ -352,7 +352,7 @@ class Evaluator:
         return made_from(candidates)
 
     def _cache(self):
-        """(plan, CacheConfig, identity) of the cache whose encoders this evaluator uses, read once."""
+        """(CacheConfig, plan, identity) of the cache whose encoders this evaluator uses, read once."""
         if self._cache_doc is None:
             self._cache_doc = load_cache(self.root, self._cache_name())
         return self._cache_doc
@@ -360,7 +360,8 @@ class Evaluator:
     def encoders(self):
         """(VideoEncoder, TextEncoder) rebuilt from the cache's plan, checked against its cache.json."""
         if self._encoders is None:
-            self._encoders = cache_encoders(*self._cache()[1:], self.device)
+            cfg, _plan, ident = self._cache()
+            self._encoders = cache_encoders(cfg, ident, self.device)
         return self._encoders
 
     def prompt_text(self) -> list:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from reelcache.base.shards import atomic_path
+from reelcache.files import atomic_path
 
 VAL_LOSS_PARQUET = "val_loss.parquet"
 

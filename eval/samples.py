@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from reelcache.cache.encoders import spatial_multiple, temporal_ratio
+from reelcache.cache.spec import spatial_multiple, temporal_ratio
 from reelcache.settings import check, setting
 from reelcache.train.flow import Conditioning, euler_sample
 from reelcache.train.loader import pad_text

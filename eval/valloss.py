@@ -30,12 +30,14 @@ import numpy as np
 import torch
 
 from reelcache.train.flow import NUM_TIMESTEPS, Conditioning, stable_seed, training_losses
-from reelcache.train.loader import load_source, pad_text, source_row
+from reelcache.train.loader import pad_text
+from reelcache.train.sections import ConditioningConfig
+from reelcache.train.source import load_source, source_row
 
 __all__ = ["TIMESTEPS", "eval_timesteps", "validation_loss"]
 
 TIMESTEPS = 10
-DEFAULT_CONDITIONING = Conditioning()  # frame interval 1, 24 fps: a manifest of videos without fps
+DEFAULT_CONDITIONING = ConditioningConfig().build(frame_interval=1)  # 24 fps: a manifest of videos without fps
 
 
 def eval_timesteps(k: int = TIMESTEPS) -> list[float]:

@@ -261,8 +261,8 @@ def _write_bad_files(vdir: Path, seed: int) -> None:
         cut.write_bytes(data[: len(data) // 2])
     (vdir / "zero_bytes.mp4").write_bytes(b"")
     (vdir / "random_bytes.mp4").write_bytes(random.Random(seed).randbytes(20000))
-    _write_audio_only(vdir / "audio_only.mp4")
-    _write_audio_only(vdir / "cover_art.m4a", cover=True)
+    write_audio_only(vdir / "audio_only.mp4")
+    write_audio_only(vdir / "cover_art.m4a", cover=True)
 
 
 def _row(rng: random.Random, name, text, nf, fps, secs) -> list:
@@ -320,7 +320,7 @@ def _mux_tone(out, stream, seconds: float, rate: int = 16000) -> None:
         out.mux(p)
 
 
-def _write_audio_only(path: Path, cover: bool = False) -> None:
+def write_audio_only(path: Path, cover: bool = False) -> None:
     """An AAC tone; with `cover`, plus cover art: a JPEG in a video stream marked as an attached picture."""
     out = av.open(str(path), "w", format="mp4")
     try:

@@ -1,4 +1,5 @@
-"""Why a row is rejected: a fixed vocabulary, and the filters that apply it.
+"""Ingest's filters: which rows and probed files are rejects, each with a reason of the one reject
+vocabulary (reelcache/rejects.py: ``Reason``).
 
 A filter is a plain function ``(row or probe, thresholds) -> None | (Reason, detail)``: with its
 thresholds bound, a step of the unit runner (base/units.py). A unit applies ``ROW_FILTERS``
@@ -10,25 +11,9 @@ empty, too large, undecodable, truncated, ...).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
+from reelcache.rejects import Reason
 from reelcache.settings import check, setting
-
-
-class Reason(str, Enum):
-    bad_row = "bad_row"  # the table row itself is malformed (no path, wrong field count)
-    duplicate_row = "duplicate_row"  # same path listed again in the same source
-    empty_caption = "empty_caption"  # no caption text
-    missing_file = "missing_file"  # path does not exist (or is not a regular file)
-    empty_file = "empty_file"  # zero bytes
-    too_large = "too_large"  # file over --max-file-mb
-    no_video_stream = "no_video_stream"  # container has no video stream (audio only, image sequence...)
-    undecodable = "undecodable"  # container or bitstream FFmpeg cannot read, or no decoder
-    truncated = "truncated"  # index points past the end of file / fewer frames than stated
-    too_short = "too_short"  # fewer than --min-frames frames or --min-seconds
-    timeout = "timeout"  # probe or decode did not finish within its time limit
-    crashed = "crashed"  # the probe process died on this file (e.g. a decoder segfault)
-    withdrawn = "withdrawn"  # the same video (content hash) was withdrawn by a takedown (catalog/withdrawn.py)
 
 
 class Rejected(Exception):

@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 
 from reelcache import UserError
 from reelcache.base.lease import live_holders
-from reelcache.base.shards import atomic_path
 from reelcache.catalog.levels import TAGGERS
+from reelcache.files import atomic_path
 from reelcache.ingest.filters import Thresholds
 from reelcache.ingest.sources import FORMATS, MIRADATA_CAPTIONS, read_source
 from reelcache.progress import say

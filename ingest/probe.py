@@ -29,8 +29,9 @@ from fractions import Fraction
 
 import av
 
-from reelcache.ingest.filters import Reason, Rejected
+from reelcache.ingest.filters import Rejected
 from reelcache.media import sample_aspect_ratio, video_stream
+from reelcache.rejects import Reason
 
 # Containers whose sample table gives an exact frame count without reading packets.
 INDEXED_FORMATS = ("mov", "mp4")

@@ -14,7 +14,7 @@ sidecar exists is skipped; anything else a killed run left behind is deleted fir
 unit's lease is held (a second run of the same unit refuses, or waits with ``--wait``).
 
 Reading a source may reject a clip; writing our outputs may not: a failed write of a shard or
-the sidecar (base/shards.py: OutputError) fails the unit with no sidecar and no shards left.
+the sidecar (reelcache/files.py: OutputError) fails the unit with no sidecar and no shards left.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from reelcache.base.units import Reject, Unit, claimed, parse_unit, unit_rows
 from reelcache.catalog.db import clips_table
 from reelcache.catalog.levels import count_nouns, tagger_name
 from reelcache.catalog.withdrawn import withdrawn_hashes
-from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS, Reason
+from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS
 from reelcache.ingest.plan import load_plan, source_dir
 from reelcache.ingest.probe import probe
 from reelcache.isolate import isolated_map
 from reelcache.progress import say
+from reelcache.rejects import Reason
 
 # Metadata columns that are not copied into the sample's .json inside the shard.
 _NOT_IN_JSON = {

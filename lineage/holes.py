@@ -22,7 +22,8 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from reelcache.base.shards import BLOCK, HOLE, OutputError
+from reelcache.base.shards import BLOCK, HOLE
+from reelcache.files import OutputError
 
 _KEY = re.compile(r"^((?:.*/|)[^./]+)[.]")  # webdataset's sample key: folder + the base name up to its first dot
 

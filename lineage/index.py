@@ -26,7 +26,7 @@ from pathlib import Path
 
 import duckdb
 
-from reelcache.base.shards import atomic_path
+from reelcache.files import atomic_path
 
 DIR = "lineage"
 ROW_GROUP = 65_536  # rows per row group: the unit DuckDB skips by its clip_id statistics

@@ -43,10 +43,11 @@ import pyarrow.parquet as pq
 
 from reelcache import UserError
 from reelcache.base import lease as leases
-from reelcache.base.shards import atomic_path, content_hash
+from reelcache.base.shards import content_hash
 from reelcache.catalog.db import arrow_schema
 from reelcache.catalog.references import references
 from reelcache.catalog.withdrawn import read_record, view_cache_files, withdrawn_dir
+from reelcache.files import atomic_path
 from reelcache.lineage.holes import punch, sample_spans
 from reelcache.lineage.lineage import lineage
 from reelcache.progress import say

@@ -13,7 +13,8 @@ statement of those rules: ``tests/core/test_layers.py`` checks them, ``make impo
 The graph is read with ``ast``, nothing is imported, so the check is fast and sees imports deferred into
 functions. An import is an arrow from the importing module to the module it names (``from reelcache.x import
 y`` names ``reelcache.x.y`` when that is a module, else ``reelcache.x``), wherever it stands: in a function,
-or under ``if TYPE_CHECKING:`` (a module that names another's types depends on it). ``reelcache/cli.py``
+but not under ``if TYPE_CHECKING:`` (annotations only, never run: a config section builds its component
+lazily, and the component names its section's type back). ``reelcache/cli.py``
 imports each stage's ``cli`` by name at run time (``importlib``): the assembler above the floors, not an
 arrow the graph shows.
 """
@@ -43,12 +44,11 @@ ACROSS = {
 }
 # What a stage offers the stages above it: the modules another stage may import (None: any of them).
 PUBLIC = {
-    "cache": {"encoders", "opensora_vae", "plan", "decode"},  # the encoders, a cache's config, a clip's window
+    "cache": {"encoders", "opensora_vae", "plan", "decode", "spec"},  # the encoders, a cache's config, a clip's window
     "cluster": {"ranks", "slurm.checks", "slurm.client", "slurm.jobs", "slurm.options"},
     "lineage": {"lineage"},
     "eval": {"video"},  # write_mp4, for the viewer's previews
-    # Any train module, for now: issue 31's other half names the public ones eval and view may use.
-    "train": None,
+    "train": None,  # what train/__init__.py declares public (its PUBLIC), read by public_of
 }
 
 
@@ -80,11 +80,37 @@ def package_of(module: str) -> str:
     return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else GROUND
 
 
+def public_of(stage: str, dirs: dict[str, Path] | None = None) -> set[str] | None:
+    """The modules `stage` offers the others: PUBLIC's entry, or where that is None the ``PUBLIC`` tuple its
+    ``__init__.py`` declares (read, not imported: train's loads torch), or None (any module)."""
+    if PUBLIC.get(stage) is not None:
+        return PUBLIC[stage]
+    init = (dirs or package_dirs())[stage] / "__init__.py"
+    for node in ast.parse(init.read_text()).body if init.exists() else ():
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PUBLIC" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def _type_only(tree) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:``."""
+    return {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+        for n in ast.walk(node)
+    }
+
+
 def imports_of(module: str, path: Path, known) -> set[str]:
-    """The modules of ours `module` (in `path`) imports, anywhere in it."""
+    """The modules of ours `module` (in `path`) imports, anywhere in it but under ``if TYPE_CHECKING:``."""
     out = set()
     here = module.split(".") if path.stem == "__init__" else module.split(".")[:-1]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -121,16 +147,17 @@ def allowed(src: str, dst: str) -> bool:
     return dst in FLOORS_OF.get(src, FLOORS) or dst in ACROSS.get(src, ())
 
 
-def problems(g: dict[str, set[str]], known_cycles=()) -> list[str]:
+def problems(g: dict[str, set[str]], known_cycles=(), dirs: dict[str, Path] | None = None) -> list[str]:
     """What breaks the rules, one line each: an arrow to a package `src` may not import, an arrow into a
     module another stage does not offer, a cycle inside a package (but those in `known_cycles`)."""
     out = []
     for (src, dst), pairs in sorted(package_arrows(g).items()):
+        offered = public_of(dst, dirs) if dst in STAGES else None
         for m, t in sorted(pairs):
             if not allowed(src, dst):
                 out.append(f"{m} imports {t}: {src} may not import {dst}")
-            elif dst in STAGES and PUBLIC.get(dst) is not None and t.split(".", 2)[-1] not in PUBLIC[dst]:
-                out.append(f"{m} imports {t}: {dst} offers other stages {sorted(PUBLIC[dst])} only")
+            elif offered is not None and t.split(".", 2)[-1] not in offered:
+                out.append(f"{m} imports {t}: {dst} offers other stages {sorted(offered)} only")
     known = [sorted(c) for c in known_cycles]
     out += [f"an import cycle inside {package_of(c[0])}: {' <-> '.join(c)}" for c in cycles(g) if c not in known]
     return out

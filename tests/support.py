@@ -450,9 +450,15 @@ def poisoned_manifest(root: Path, manifest: Path) -> tuple[Path, str]:
 
 
 class FakePar:
-    """The part of train/parallel.py's ``Parallel`` a step uses, for one process without a group."""
+    """The part of train/parallel.py's ``Parallel`` a step uses, for one process without a group; `cfg`: its
+    [parallel] section (grad_clip), the default one unless given."""
 
     device, world, rank, zero = torch.device("cpu"), 1, 0, False
+
+    def __init__(self, cfg=None):
+        from reelcache.train.sections import ParallelConfig
+
+        self.cfg = cfg or ParallelConfig()
 
     def sum(self, values):
         return torch.as_tensor(values, dtype=torch.float64)
@@ -462,8 +468,8 @@ class FakePar:
     def backward(self, loss, optimizer):
         loss.backward()
 
-    def grad_norm(self, model, optimizer, max_norm):
-        params = [p for p in model.parameters() if p.grad is not None]
+    def grad_norm(self, model, optimizer):
+        params, max_norm = [p for p in model.parameters() if p.grad is not None], self.cfg.grad_clip
         return torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm > 0 else torch.tensor(0.0)
 
     def master_chunks(self, model, optimizer):

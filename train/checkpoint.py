@@ -38,6 +38,9 @@ from pathlib import Path
 
 from reelcache.settings import setting
 
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = ["CheckpointConfig", "Checkpointer", "ckpt_step", "list_checkpoints", "read_state"]
+
 # train.parallel and train.weights (torch, safetensors) are imported by the writer thread that uses them:
 # train/config.py imports this module (CheckpointConfig), and importing a config module loads no torch.
 
@@ -93,7 +96,7 @@ class CheckpointConfig:
     )
 
     def build(self, *, run_dir, par, snapshot, saved_step: int | None = None, lease=None) -> Checkpointer:
-        return Checkpointer(self, run_dir, par, snapshot=snapshot, saved_step=saved_step, lease=lease)
+        return Checkpointer(self, run_dir=run_dir, par=par, snapshot=snapshot, saved_step=saved_step, lease=lease)
 
 
 def library_versions() -> dict:
@@ -151,7 +154,9 @@ class Checkpointer:
     last=True)`` at its end; the checkpointer saves at the start if asked (``at_start``), on its
     cadence, at the last step, or when a stop was requested on any rank, and then sets ``stopping``."""
 
-    def __init__(self, cfg: CheckpointConfig, run_dir, par, snapshot=None, saved_step: int | None = None, lease=None):
+    def __init__(
+        self, cfg: CheckpointConfig, *, run_dir, par, snapshot=None, saved_step: int | None = None, lease=None
+    ):
         self.cfg, self.run_dir, self.par, self.snapshot = cfg, Path(run_dir), par, snapshot
         self.lease = lease  # rank 0's run lease (train/runlease.py): verified before each checkpoint is published
         self.saved_step = saved_step  # the step of the newest checkpoint this run wrote or loaded

@@ -29,13 +29,11 @@ from reelcache.settings import build, check, load_toml, read, setting
 from reelcache.train.checkpoint import CheckpointConfig
 from reelcache.train.guard import GuardConfig
 from reelcache.train.runlog import LogConfig
-from reelcache.train.sections import (  # noqa: F401 - Manifest, MODEL_PRESETS: read from here too
-    MODEL_PRESETS,
+from reelcache.train.sections import (
     ConditioningConfig,
     DataConfig,
     EMAConfig,
     FlowConfig,
-    Manifest,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -43,6 +41,9 @@ from reelcache.train.sections import (  # noqa: F401 - Manifest, MODEL_PRESETS: 
     StepConfig,
 )
 from reelcache.train.watchdog import WatchdogConfig
+
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = ["TrainConfig", "from_dict", "load_config"]
 
 # train.flow and train.model (torch) are imported by the checks that build them: importing this module
 # loads no torch, pyarrow or wandb (nor do the section modules it imports). Reading a config does:
@@ -130,7 +131,7 @@ class TrainConfig:
 
         read(STDiT3Config, self.model.overrides, "model.overrides")
         try:
-            self.model_config()
+            self.model.stdit3()
         except ValueError as e:
             raise UserError(f"model.overrides = {self.model.overrides!r}: {e}") from None
         try:
@@ -141,10 +142,6 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """config.json: every section, and the format's version (``from_dict`` reads older ones)."""
         return {"version": VERSION, **dataclasses.asdict(self)}
-
-    def model_config(self):
-        """The STDiT3Config this stage trains (``ModelConfig.stdit3``)."""
-        return self.model.stdit3()
 
     def frame_interval(self) -> int:
         """The bucket config's frame interval (what the model's fps input is divided by)."""

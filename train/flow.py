@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,8 +36,12 @@ from tqdm.auto import tqdm
 
 from reelcache.base.buckets import bucket_geometry
 
+if TYPE_CHECKING:  # the section module builds a Conditioning (lazily): annotations only, no import cycle
+    from reelcache.train.sections import ConditioningConfig
+
 __all__ = [
     "MASK_NAMES",
+    "NUM_TIMESTEPS",
     "MaskGenerator",
     "add_noise",
     "Conditioning",
@@ -70,15 +75,14 @@ class Conditioning:
     divided by the frame interval): Open-Sora's images carry IMG_FPS = 120. 0: an image's fps is
     found as a video's. The sampler gives its sizes and fps as they are (``inputs``)."""
 
-    frame_interval: int = 1
-    default_fps: float = 24.0
-    image_fps: float = 0.0
+    cfg: ConditioningConfig  # [conditioning]: the fps defaults (``ConditioningConfig.build``)
+    frame_interval: int = field(kw_only=True)  # the bucket table's
 
     def __call__(self, bucket: str, fps) -> dict:
         frames, height, width = bucket_geometry(bucket)
-        fps = torch.nan_to_num(torch.as_tensor(fps).float(), nan=self.default_fps)
-        if frames == 1 and self.image_fps > 0:
-            fps = torch.full(fps.shape, float(self.image_fps))
+        fps = torch.nan_to_num(torch.as_tensor(fps).float(), nan=self.cfg.default_fps)
+        if frames == 1 and self.cfg.image_fps > 0:
+            fps = torch.full(fps.shape, float(self.cfg.image_fps))
         else:
             fps = torch.floor(fps / self.frame_interval)
         return self.inputs(fps.shape[0], frames, height, width, fps)
@@ -191,7 +195,7 @@ MASK_NAMES = (
 )
 
 
-class _Draw:
+class Draw:
     """uniform() in [0,1), randint(a, b) inclusive, rand(n) from a numpy or torch Generator."""
 
     def __init__(self, generator):
@@ -252,7 +256,7 @@ class MaskGenerator:
         i = int(np.searchsorted(self._cum, u, side="right"))
         return self._names[i] if i < len(self._names) else "identity"
 
-    def get_mask(self, num_frames: int, draw: _Draw) -> tuple[str, torch.Tensor]:
+    def get_mask(self, num_frames: int, draw: Draw) -> tuple[str, torch.Tensor]:
         name = self._pick(draw.uniform())
         t = num_frames
         mask = torch.ones(t, dtype=torch.bool)
@@ -289,7 +293,7 @@ class MaskGenerator:
 
     def get_masks(self, num_samples: int, num_latent_frames: int, generator) -> torch.Tensor:
         """(num_samples, num_latent_frames) bool, drawn from ``generator`` (numpy or torch)."""
-        draw = _Draw(generator)
+        draw = Draw(generator)
         return torch.stack([self.get_mask(num_latent_frames, draw)[1] for _ in range(num_samples)])
 
 

@@ -4,13 +4,13 @@ A step is bad when the global loss or the global gradient norm is not finite, or
 lies more than ``spike_z`` standard deviations above the mean of the last ``window`` good steps
 (checked once the window is full). Every rank decides from the same all-reduced numbers and the
 flags are max-reduced once more, so all ranks skip the optimizer step together: no collective
-ever falls out of step. Bad steps do not enter the window. After ``max_bad`` consecutive bad
+ever falls out of step. Bad steps do not enter the window. After ``max_bad_steps`` consecutive bad
 steps the run stops, naming the last good checkpoint and the command that resumes from it.
 
 Open-Sora never skips a step. ``spike_z = 0`` and ``skip_nonfinite = false`` (the
 ``opensora12-original`` configs) give its behaviour: a non-finite step then updates the weights
 as upstream's would (they usually become NaN, and so does every later loss). Such a step is still
-bad: it is recorded and logged, and ``max_bad`` of them in a row stop the run where upstream would
+bad: it is recorded and logged, and ``max_bad_steps`` of them in a row stop the run where upstream would
 train on NaN weights to the end; the checkpoint the message names is then the newest one saved
 before the first of them (``stepped_from``), not one holding the NaN weights.
 """
@@ -42,7 +42,7 @@ class GuardConfig:
     )
 
     def build(self) -> Guard:
-        return Guard(self.spike_z, self.window, self.max_bad_steps, self.skip_nonfinite)
+        return Guard(self)
 
 
 class DivergedError(RuntimeError):
@@ -50,9 +50,11 @@ class DivergedError(RuntimeError):
 
 
 class Guard:
-    def __init__(self, spike_z: float = 6.0, window: int = 100, max_bad: int = 5, skip_nonfinite: bool = True):
-        self.spike_z, self.max_bad, self.skip_nonfinite = spike_z, max_bad, skip_nonfinite
-        self.window: deque[float] = deque(maxlen=max(2, window))
+    """The guard of one run (``GuardConfig.build``): its [guard] section, and the window and streak it keeps."""
+
+    def __init__(self, cfg: GuardConfig):
+        self.cfg = cfg
+        self.window: deque[float] = deque(maxlen=max(2, cfg.window))
         self.bad = 0
         self.stepped_from: int | None = None  # the first bad step of this streak that updated the weights
 
@@ -62,11 +64,11 @@ class Guard:
             return f"loss is {loss}"
         if not math.isfinite(grad_norm):
             return f"gradient norm is {grad_norm}"
-        if self.spike_z > 0 and len(self.window) == self.window.maxlen:
+        if self.cfg.spike_z > 0 and len(self.window) == self.window.maxlen:
             mean = sum(self.window) / len(self.window)
             std = math.sqrt(sum((v - mean) ** 2 for v in self.window) / (len(self.window) - 1))
             z = (loss - mean) / max(std, 1e-12)
-            if z > self.spike_z:
+            if z > self.cfg.spike_z:
                 return (
                     f"loss {loss:.4g} is a spike: z = {z:.1f} over the last {len(self.window)} steps "
                     f"(mean {mean:.4g}, std {std:.3g})"
@@ -75,7 +77,7 @@ class Guard:
 
     def skips(self, loss: float, grad_norm: float) -> bool:
         """Whether a bad step is skipped: always for a spike; a non-finite one unless skip_nonfinite is off."""
-        return self.skip_nonfinite or (math.isfinite(loss) and math.isfinite(grad_norm))
+        return self.cfg.skip_nonfinite or (math.isfinite(loss) and math.isfinite(grad_norm))
 
     def record(self, loss: float, bad: bool, stepped_at: int | None = None) -> None:
         """``stepped_at``: the global step of a bad step the optimizer took anyway."""
@@ -90,7 +92,7 @@ class Guard:
 
     @property
     def exhausted(self) -> bool:
-        return self.bad >= self.max_bad
+        return self.bad >= self.cfg.max_bad_steps
 
     def state_dict(self) -> dict:
         return {"window": list(self.window), "bad": self.bad, "stepped_from": self.stepped_from}

@@ -16,11 +16,12 @@ or batch sizes is refused unless the caller resets the data position on purpose.
 
 Samples are read with ranged reads from local or shared storage (train/source.py: the manifest
 records where each member's data starts): the latent, and its caption embedding where the manifest names a caption
-shard (the content-addressed store, cache/store.py: each caption stored once); a cache of format 1
-holds both in one member, one read. URLs and ``pipe:`` commands are streamed through webdataset's
-``gopen``. Both go through base/latents.py's ``read_latent``. Posterior latents are sampled here,
-seeded from (seed, epoch, position), so noise is fresh each epoch, identical after a resume, and
-different across ranks and workers.
+shard (the content-addressed store, cache/store.py: each caption stored once); a row without one (cache
+format 1, or samples another tool wrote) holds both in one member, one read. URLs and ``pipe:`` commands
+are streamed through webdataset's ``gopen``. Every read goes through base/latents.py's ``read_latent``,
+the one place that knows both forms; a ``Source`` carries each row's caption shard or None (train/plan.py).
+Posterior latents are sampled here, seeded from (seed, epoch, position), so noise is fresh each epoch,
+identical after a resume, and different across ranks and workers.
 """
 
 from __future__ import annotations
@@ -35,16 +36,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache.base.buckets import BucketConfig
-from reelcache.base.shards import atomic_path
 from reelcache.catalog.manifest import resolve_manifest
+from reelcache.files import atomic_path
 from reelcache.train.plan import PLAN_VERSION, Plan, Source, epoch_plan, stage_fingerprint
-from reelcache.train.source import (  # noqa: F401 - read_sample, source_row: tests and eval import them from here
+from reelcache.train.source import (
     check_shards,
     load_source,
     read_row,
-    read_sample,
-    source_row,
 )
+
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = ["LatentLoader", "pad_text"]
 
 # torch is imported where tensors are made: `reelcache loader simulate` runs the loader with read=False,
 # which makes none, on a machine without torch. webdataset (~0.9 s to import) only for shards given as
@@ -105,12 +107,8 @@ class LatentLoader:
         self.clip_id = np.concatenate([s.clip_id for s in self.sources])
         self.shard = np.concatenate([s.shard for s in self.sources])
         self.offset = np.concatenate([s.offset for s in self.sources])
-        self.text_shard = np.concatenate(
-            [s.text_shard if s.text_shard is not None else np.full(len(s), None, object) for s in self.sources]
-        )
-        self.text_offset = np.concatenate(
-            [s.text_offset if s.text_offset is not None else np.zeros(len(s), np.int64) for s in self.sources]
-        )
+        self.text_shard = np.concatenate([s.text_shard for s in self.sources])
+        self.text_offset = np.concatenate([s.text_offset for s in self.sources])
         self.view = np.concatenate([s.view if s.view is not None else np.zeros(len(s), np.int32) for s in self.sources])
         self.views = max(s.views for s in self.sources)  # K (per manifest: Source.views)
         self.fps = np.concatenate([s.fps if s.fps is not None else np.full(len(s), np.nan) for s in self.sources])
@@ -304,7 +302,8 @@ class _BatchMaker:
         return batch
 
     def sample(self, i: int) -> dict:
-        """Row i's latent and caption embedding: one ranged read each (format 1: one, its sample holds both)."""
+        """Row i's latent and caption embedding (base/latents.py's read_latent: one ranged read each, or one
+        where the sample holds its caption)."""
         return read_row(self.root, self.shard[i], self.offset[i], self.text_shard[i], self.text_offset[i])
 
 

@@ -47,7 +47,6 @@ from reelcache.train.layers import (
     FinalLayer,
     Mlp,
     PatchEmbed3D,
-    RMSNorm,
     Rope,
     ScalarEmbedder,
     SelfAttention,
@@ -55,8 +54,8 @@ from reelcache.train.layers import (
     pos_embed_2d,
 )
 
-# CrossAttention and RMSNorm moved to train/layers.py; tests still import them from here.
-__all__ = ["PRESETS", "STDiT3", "STDiT3Config", "flops_per_sample", "CrossAttention", "RMSNorm"]
+# what other stages may use (train/__init__.py: PUBLIC); the layers are train/layers.py's
+__all__ = ["PRESETS", "STDiT3", "STDiT3Config", "flops_per_sample"]
 
 
 @dataclass

@@ -23,12 +23,16 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from reelcache.progress import quiet_libraries
+
+if TYPE_CHECKING:  # train/sections.py builds these lazily: annotations only, no import cycle
+    from reelcache.train.sections import OptimConfig, ParallelConfig
 
 # colossalai is imported by Parallel.setup, first through _colossalai() (quietly: its import prints
 # notices about optional CUDA kernels), and so is train/zero_cpu.py, which imports it at its top; what
@@ -44,10 +48,13 @@ class Parallel:
     dtype: torch.dtype  # working dtype of the boosted model
     plugin_name: str
     booster: object = None
+    cfg: ParallelConfig | None = None  # [parallel]: what it was set up with (its grad_clip clips here)
 
     @classmethod
-    def setup(cls, plugin: str = "auto", dtype: str = "bf16", grad_clip: float = 0.0) -> Parallel:
-        """Join the process group that torchrun / ``colossalai run`` describe (or a 1-process one)."""
+    def setup(cls, cfg: ParallelConfig) -> Parallel:
+        """Join the process group that torchrun / ``colossalai run`` describe (or a 1-process one), with
+        [parallel]'s plugin, working dtype and gradient clipping (``ParallelConfig.build``)."""
+        plugin, dtype, grad_clip = cfg.plugin, cfg.dtype, cfg.grad_clip
         cuda = torch.cuda.is_available() and os.environ.get("REELCACHE_DEVICE", "") != "cpu"
         name = ("zero2" if cuda else "ddp") if plugin == "auto" else plugin
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
@@ -94,18 +101,20 @@ class Parallel:
             wdtype,
             name,
             Booster(plugin=plug),
+            cfg,
         )
 
     @property
     def zero(self) -> bool:
         return self.plugin_name == "zero2"
 
-    def optimizer(self, params, lr: float, weight_decay: float, eps: float, betas) -> torch.optim.Optimizer:
+    def optimizer(self, cfg: OptimConfig, *, params) -> torch.optim.Optimizer:
+        """[optim]'s AdamW over ``params`` (``OptimConfig.build``): HybridAdam under ZeRO, torch's under DDP."""
         if self.zero:
             from colossalai.nn.optimizer import HybridAdam
 
-            return HybridAdam(params, lr=lr, weight_decay=weight_decay, eps=eps, betas=tuple(betas), adamw_mode=True)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps, betas=tuple(betas))
+            return HybridAdam(params, lr=cfg.lr, **cfg.hyper(), adamw_mode=True)
+        return torch.optim.AdamW(params, lr=cfg.lr, **cfg.hyper())
 
     def boost(self, model, optimizer):
         with warnings.catch_warnings():  # torch's notice about DDP's broadcast_buffers, set by the plugin
@@ -116,8 +125,8 @@ class Parallel:
     def backward(self, loss, optimizer) -> None:
         self.booster.backward(loss, optimizer)
 
-    def grad_norm(self, model, optimizer, max_norm: float) -> torch.Tensor:
-        """The global L2 gradient norm, before the step; clips to max_norm where the step will not.
+    def grad_norm(self, model, optimizer) -> torch.Tensor:
+        """The global L2 gradient norm, before the step; clips to [parallel]'s grad_clip where the step will not.
 
         DDP: gradients are already averaged on every rank, so the local norm is global; clipping
         happens here. ZeRO: each rank holds a shard; the norm is reduced over the data-parallel
@@ -131,6 +140,7 @@ class Parallel:
                     total += optimizer._compute_grad_norm(dp_pg=store.torch_pg, gradients=grads) ** 2
             return torch.tensor(total**0.5)
         params = [p for p in model.parameters() if p.grad is not None]
+        max_norm = self.cfg.grad_clip
         if max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm).detach().float().cpu()
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])).cpu()

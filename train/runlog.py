@@ -20,8 +20,7 @@ run's generation (resumes so far): after a resume, steps past the checkpoint are
 and the newest generation of each step is the one that trained, as in the consumed log. wandb
 runs offline by default (``wandb sync runs/<run>/wandb/offline-run-*`` uploads later); the run
 id is stored once, in ``runs/<run>/wandb_id``, and every later start of the run (``--load``,
-``--resume``, a requeue) logs into it, so a stage is one wandb run. A run directory of an older
-layout without that file gives the id its checkpoint's state.json held (``TrainState.legacy_wandb_id``).
+``--resume``, a requeue) logs into it, so a stage is one wandb run.
 """
 
 from __future__ import annotations
@@ -33,9 +32,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from reelcache.base.shards import atomic_path
+from reelcache.files import atomic_path
 from reelcache.progress import fmt_eta, say
 from reelcache.settings import TEXT, setting
+
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = ["LogConfig", "RunLog", "read_run_id", "wandb_settings"]
 
 # wandb (optional: the [train] extra; 0.3 s to import) and pyarrow are imported where used:
 # train/config.py imports this module (LogConfig), and importing a config module stays light.
@@ -49,15 +51,13 @@ class LogConfig:
     wandb_project: str = setting("reelcache", "wandb project", pattern=TEXT)
     wandb_mode: str = setting("offline", "offline | online | disabled", choices=("offline", "online", "disabled"))
 
-    def build(
-        self, *, run_dir, enabled: bool, name: str, config: dict, generation: int, total_steps: int, legacy_id=None
-    ):
+    def build(self, *, run_dir, enabled: bool, name: str, config: dict, generation: int, total_steps: int):
         """Rank 0's log (``enabled``; the others' log nothing), in the run's wandb run: the id in
-        ``runs/<run>/wandb_id``, else ``legacy_id`` (an old checkpoint's), else a new one, written there."""
-        run_id = read_run_id(run_dir) or legacy_id
+        ``runs/<run>/wandb_id``, else a new one, written there."""
+        run_id = read_run_id(run_dir)
         return RunLog(
             self,
-            run_dir,
+            run_dir=run_dir,
             enabled=enabled,
             name=name,
             config=config,
@@ -96,8 +96,8 @@ class RunLog:
     def __init__(
         self,
         cfg: LogConfig,
-        run_dir,
         *,
+        run_dir,
         enabled: bool,
         name: str,
         config: dict,
@@ -127,7 +127,7 @@ class RunLog:
                 config=config,
                 settings=wandb_settings(cfg.wandb_mode, label="train", primary=True),
             )
-            if read_run_id(self.run_dir) != self.run_id:  # a new run, or one of the old layout (legacy_id)
+            if read_run_id(self.run_dir) != self.run_id:  # a new run
                 (self.run_dir / ID_FILE).write_text(self.run_id)
             self.wandb.define_metric("global_step")
             for prefix in ("train/*", "buckets/*"):

@@ -20,6 +20,21 @@ from dataclasses import dataclass
 from reelcache import UserError
 from reelcache.settings import NAME, TEXT, Pattern, setting
 
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = [
+    "MODEL_PRESETS",
+    "ConditioningConfig",
+    "DataConfig",
+    "EMAConfig",
+    "FlowConfig",
+    "Manifest",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "StepConfig",
+]
+
 # Importing this module loads no torch, pyarrow or wandb (train/config.py imports it, and reading a
 # config stays light): each build() imports the module of what it builds (torch, the loader).
 
@@ -130,7 +145,7 @@ class ConditioningConfig:
     def build(self, *, frame_interval: int):
         from reelcache.train.flow import Conditioning
 
-        return Conditioning(frame_interval, self.default_fps, self.image_fps)
+        return Conditioning(self, frame_interval=frame_interval)
 
 
 @dataclass
@@ -157,7 +172,7 @@ class OptimConfig:
 
     def build(self, *, par, params):
         """The optimizer of this plugin (HybridAdam under ZeRO, torch's AdamW under DDP)."""
-        return par.optimizer(params, lr=self.lr, **self.hyper())
+        return par.optimizer(self, params=params)
 
 
 @dataclass
@@ -196,7 +211,7 @@ class ParallelConfig:
         """Join the process group torchrun / ``colossalai run`` describe (or a 1-process one)."""
         from reelcache.train.parallel import Parallel
 
-        return Parallel.setup(self.plugin, self.dtype, self.grad_clip)
+        return Parallel.setup(self)
 
 
 @dataclass
@@ -210,7 +225,7 @@ class EMAConfig:
         weights themselves; called only with an EMA); None when decay = 0."""
         from reelcache.train.step import EMA
 
-        return EMA(self.decay, chunks()) if self.decay > 0 else None
+        return EMA(self, chunks=chunks()) if self.decay > 0 else None
 
 
 @dataclass
@@ -224,7 +239,7 @@ class StepConfig:
     )
 
     def build(self, **runtime):
-        """``Step(self, par=, model=, optimizer=, guard=, ema=, cond=, flow=, optim=, seed=, grad_clip=)``."""
+        """``Step(self, par=, model=, optimizer=, guard=, ema=, cond=, flow=, optim=, seed=)``."""
         from reelcache.train.step import Step
 
         return Step(self, **runtime)

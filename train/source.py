@@ -34,6 +34,9 @@ from reelcache.base.latents import (
 from reelcache.catalog.manifest import fingerprint
 from reelcache.train.plan import Source, clip_keys
 
+# what other stages may use (train/__init__.py: PUBLIC)
+__all__ = ["check_shards", "load_source", "read_row", "source_row"]
+
 
 def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | None = None) -> Source:
     """A loader manifest -> Source. Rows without latents (no bucket/shard) are dropped, loudly.
@@ -105,11 +108,9 @@ def check_shards(root, src: Source, manifest, rows=None) -> None:
     past its last member, checked before a run reads any (one header read a shard): else a UserError
     naming the shard, the cache unit that wrote it, and how to write it again."""
     idx = np.arange(len(src.clip_id)) if rows is None else np.asarray(rows, dtype=np.int64)
-    pairs = [(src.shard, src.offset)]
-    if src.text_shard is not None:
-        pairs.append((src.text_shard, src.text_offset))
-    for shards, offsets in pairs:
+    for shards, offsets in ((src.shard, src.offset), (src.text_shard, src.text_offset)):
         table = pa.table({"shard": pa.array(shards[idx].tolist(), pa.string()), "offset": offsets[idx]})
+        table = table.filter(pc.is_valid(table["shard"]))  # no caption shard: the sample holds its caption
         last = table.group_by("shard").aggregate([("offset", "max"), ("offset", "count")])
         for shard, offset, n in zip(*(last[c].to_pylist() for c in ("shard", "offset_max", "offset_count"))):
             problem = shard_problem(shard_path(root, shard), offset)
@@ -159,5 +160,5 @@ def read_row(root, shard, offset, text_shard=None, text_offset=None) -> dict:
 
 def source_row(root, src: Source, i: int) -> dict:
     """Row i of a Source as a sample with its ``text`` (the validation loss reads it so)."""
-    ts = src.text_shard[i] if src.text_shard is not None else None
+    ts = src.text_shard[i]
     return read_row(root, src.shard[i], int(src.offset[i]), ts, int(src.text_offset[i]) if ts is not None else None)

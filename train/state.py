@@ -11,8 +11,8 @@ loader's; the learning rate follows from ``opt_steps`` and the config's [optim].
 writer adds ``write_seconds``, what its write took.
 
 The wandb run id is the run's, not a checkpoint's: it lives in ``runs/<run>/wandb_id`` (train/runlog.py).
-Checkpoints written before that (config.json version 2) carry it here as ``wandb_id``: ``legacy_wandb_id``
-gives it to a run resumed from one whose run directory has no id file.
+Checkpoints written before that (config.json version 2) carry it here as ``wandb_id``, which is not read:
+a run directory of that layout gets its id file by hand (docs/CHANGELOG.md).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ class TrainState:
     opt_steps: int = 0
     init_from: str | None = None  # the weights this run's model was first loaded from (a checkpoint, --init-from)
     init_weights: str | None = None  # model or ema: which of init_from's weights
-    legacy_wandb_id: str | None = None  # read from an old checkpoint, never written
 
     def state_dict(self) -> dict:
         return {
@@ -59,4 +58,3 @@ class TrainState:
         self.loader.load_state_dict(state["loader"], reset_data=reset_data)
         self.global_step, self.opt_steps = int(state["global_step"]), int(state["opt_steps"])
         self.guard.load_state_dict(state.get("guard", {}))
-        self.legacy_wandb_id = state.get("wandb_id")

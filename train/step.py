@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from reelcache.train.flow import (
     training_losses,
 )
 from reelcache.train.schedule import lr_at
+
+if TYPE_CHECKING:  # train/sections.py builds these lazily: annotations only, no import cycle
+    from reelcache.train.sections import EMAConfig, FlowConfig, OptimConfig, StepConfig
 
 
 @dataclass
@@ -52,13 +56,13 @@ class StepResult:
 class EMA:
     """fp32 exponential moving average of this rank's master chunks (all of them under DDP)."""
 
-    def __init__(self, decay: float, chunks: dict[str, torch.Tensor]):
-        self.decay, self.chunks = decay, chunks
+    def __init__(self, cfg: EMAConfig, *, chunks: dict[str, torch.Tensor]):
+        self.cfg, self.chunks = cfg, chunks
 
     @torch.no_grad()
     def update(self, masters: dict[str, torch.Tensor]) -> None:
         names = list(self.chunks)
-        torch._foreach_lerp_([self.chunks[n] for n in names], [masters[n] for n in names], 1 - self.decay)
+        torch._foreach_lerp_([self.chunks[n] for n in names], [masters[n] for n in names], 1 - self.cfg.decay)
 
 
 class Step:
@@ -67,11 +71,22 @@ class Step:
     schedule's position). ``flow`` and ``optim`` are their [flow] and [optim] sections."""
 
     def __init__(
-        self, cfg, *, par, model, optimizer, guard, ema: EMA | None, cond: Conditioning, flow, optim, seed, grad_clip
+        self,
+        cfg: StepConfig,
+        *,
+        par,
+        model,
+        optimizer,
+        guard,
+        ema: EMA | None,
+        cond: Conditioning,
+        flow: FlowConfig,
+        optim: OptimConfig,
+        seed: int,
     ):
         self.cfg, self.par, self.model, self.optimizer = cfg, par, model, optimizer
         self.guard, self.ema, self.cond = guard, ema, cond
-        self.flow, self.optim, self.seed, self.grad_clip = flow, optim, seed, grad_clip
+        self.flow, self.optim, self.seed = flow, optim, seed
         self.masks = MaskGenerator(flow.mask_ratios) if flow.mask_ratios else None
 
     def __call__(self, batch, state) -> StepResult:
@@ -142,7 +157,7 @@ class Step:
         """Guard, optimizer step (unless the guard skips it), EMA; gradients cleared either way."""
         par = self.par
         guard = self.guard
-        out.grad_norm = float(par.grad_norm(self.model, self.optimizer, self.grad_clip))
+        out.grad_norm = float(par.grad_norm(self.model, self.optimizer))
         reason = guard.verdict(out.loss, out.grad_norm)
         skip = reason is not None and guard.skips(out.loss, out.grad_norm)
         bad, skip = (par.max([1.0 if reason else 0.0, 1.0 if skip else 0.0]) > 0).tolist()

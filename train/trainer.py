@@ -106,7 +106,6 @@ class Trainer:
             flow=cfg.flow,
             optim=cfg.optim,
             seed=cfg.run.seed,
-            grad_clip=cfg.parallel.grad_clip,
         )
         saved = self.state.global_step if self.ckpt_path is not None else None
         self.ckpt = cfg.checkpoint.build(
@@ -120,7 +119,6 @@ class Trainer:
             config=self._write_config(),
             generation=self.loader.generation,
             total_steps=self.total_steps,
-            legacy_id=self._legacy_wandb_id(),
         )
         self.peak = peak_flops(par.device)
         self._announce()
@@ -171,11 +169,6 @@ class Trainer:
         if self.rank0:
             (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2, default=str))
         return resolved
-
-    def _legacy_wandb_id(self) -> str | None:
-        """A checkpoint of this run from before the id had its file (config.json version 2) held it."""
-        same_run = self.ckpt_path is not None and self.ckpt_path.parent.resolve() == self.run_dir.resolve()
-        return self.state.legacy_wandb_id if same_run else None
 
     def _announce(self) -> None:
         if self.rank0:
@@ -273,7 +266,9 @@ class Trainer:
         cfg, par, st = self.cfg, self.par, self.state
         self.model.train()
         self._since_log: list[float] = []  # losses of the good steps since the last metrics row
-        dog = cfg.watchdog.build(self.run_dir, par.rank, alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}"))
+        dog = cfg.watchdog.build(
+            run_dir=self.run_dir, rank=par.rank, alert=lambda m: say(f"WATCHDOG rank {par.rank}: {m}")
+        )
         try:
             path = self.ckpt.start(st.global_step)
             if path is not None and self.rank0:

@@ -44,8 +44,9 @@ class WatchdogConfig:
     floor_s: float = setting(600.0, "... and slower than this many seconds: every rank dumps its stacks", ge=0)
     limit_s: float = setting(0.0, "a step this long ends the run with a message (0 = wait for NCCL)", ge=0)
 
-    def build(self, run_dir, rank: int, alert=None) -> Watchdog:
-        return Watchdog(run_dir, rank, self.factor, self.floor_s, self.limit_s, alert=alert)
+    def build(self, *, run_dir, rank: int, alert=None) -> Watchdog:
+        """This rank's watchdog over ``run_dir``; ``alert``: where a hang is said (rank 0's log)."""
+        return Watchdog(self, run_dir=run_dir, rank=rank, alert=alert)
 
 
 def install_stack_signal(run_dir, rank: int):
@@ -57,20 +58,17 @@ def install_stack_signal(run_dir, rank: int):
     return f
 
 
+# step times the median is taken over
+WINDOW = 50
+
+
 class Watchdog:
-    def __init__(
-        self,
-        run_dir,
-        rank: int,
-        factor: float = 10.0,
-        floor_s: float = 600.0,
-        limit_s: float = 0.0,
-        window: int = 50,
-        alert=None,
-    ):
+    """One rank's watchdog (``WatchdogConfig.build``): its [watchdog] section, and the run's directory and rank."""
+
+    def __init__(self, cfg: WatchdogConfig, *, run_dir, rank: int, alert=None):
+        self.cfg = cfg
         self.dir, self.rank = Path(run_dir) / "hangs", rank
-        self.factor, self.floor_s, self.limit_s = factor, floor_s, limit_s
-        self.times: deque[float] = deque(maxlen=window)
+        self.times: deque[float] = deque(maxlen=WINDOW)
         self.alert = alert or (lambda msg: None)
         self._lock = threading.Lock()
         self._start: float | None = None
@@ -100,10 +98,10 @@ class Watchdog:
 
     def threshold(self) -> float:
         median = statistics.median(self.times) if self.times else 0.0
-        return max(self.floor_s, self.factor * median)
+        return max(self.cfg.floor_s, self.cfg.factor * median)
 
     def _run(self) -> None:
-        while not self._stop.wait(min(1.0, max(0.05, self.floor_s / 10))):
+        while not self._stop.wait(min(1.0, max(0.05, self.cfg.floor_s / 10))):
             with self._lock:
                 start, info, fired = self._start, dict(self._info), self._fired
             if start is None:
@@ -117,12 +115,12 @@ class Watchdog:
                     f"step {info.get('step')} has run {elapsed:.0f} s (threshold {self.threshold():.0f} s): "
                     f"rank stacks in {path.parent}"
                 )
-            if self.limit_s and elapsed > self.limit_s:
+            if self.cfg.limit_s and elapsed > self.cfg.limit_s:
                 path = self.report(info, elapsed)
                 os.write(
                     2,
                     f"reelcache: rank {self.rank}: step {info.get('step')} exceeded the hard limit "
-                    f"({elapsed:.0f} s > watchdog.limit_s = {self.limit_s:.0f} s); stacks in {path}. "
+                    f"({elapsed:.0f} s > watchdog.limit_s = {self.cfg.limit_s:.0f} s); stacks in {path}. "
                     f"{self.silent_ranks(path.parent)}"
                     "Ending this process instead of waiting for the collective timeout.\n".encode(),
                 )

@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 
 from reelcache.train.load_report import LoadReport
 
-__all__ = ["LoadReport", "check_config", "load_weights", "read_sharded", "save_sharded"]
+__all__ = ["INDEX", "LoadReport", "check_config", "load_weights", "read_sharded", "save_sharded"]
 
 INDEX = "model.safetensors.index.json"
 

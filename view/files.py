@@ -41,6 +41,10 @@ class Gone(Refused):
     """What a takedown withdrew (lineage/takedown.py): never served again (410)."""
 
 
+class NotFound(LookupError):
+    """A clip, manifest, run or latent the catalog or the root does not hold (404)."""
+
+
 def confined(base: Path, rel: str) -> Path:
     """``rel`` (from a URL) as a path under ``base``, or Refused."""
     p = PurePosixPath(rel)

@@ -22,7 +22,17 @@ from starlette.templating import Jinja2Templates
 
 from reelcache.catalog.levels import NOUN_TAGS
 from reelcache.view import preview, runs
-from reelcache.view.files import Gone, Refused, confined, file_response, playable, served_as, slice_response, within
+from reelcache.view.files import (
+    Gone,
+    NotFound,
+    Refused,
+    confined,
+    file_response,
+    playable,
+    served_as,
+    slice_response,
+    within,
+)
 from reelcache.view.store import PAGE, REJECTS_PAGE, SLOT_WAIT_S, SORTS, BadQuery, Budget, Busy
 
 templates = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
@@ -61,8 +71,6 @@ RAW_KEYS = ("clip_id", "shard", "shard_offset", "file_size", "ext")
 
 
 def _clip(request: Request, clip_id: str | None = None) -> dict:
-    from reelcache.view.server import NotFound
-
     clip_id = clip_id or request.query_params.get("id", "")
     clip = _store(request).clip(clip_id)
     if clip is None:
@@ -240,8 +248,6 @@ def _members(path: Path, fingerprint: str):
 
 
 def _manifest(request: Request, name: str, fp: str | None) -> dict:
-    from reelcache.view.server import NotFound
-
     m = _store(request).manifest(name, fp)
     if m is None:
         raise NotFound(f"no manifest {name!r} in the catalog")
@@ -294,7 +300,7 @@ def run(request: Request) -> Response:
         losses=losses[-MAX_ROWS:],
         logged=len(losses),
         bad=bad,
-        svg=_loss_svg(name, losses, {b["step"] for b in bad}),
+        svg=loss_svg(name, losses, {b["step"] for b in bad}),
         samples=runs.eval_samples(root, d),
         has_config=(d / "config.json").exists(),
     )
@@ -312,8 +318,6 @@ def step(request: Request) -> Response:
 
 
 def stage(request: Request) -> Response:
-    from reelcache.view.server import NotFound
-
     root, name = _root(request), request.query_params.get("name", "")
     d = runs.run_dir(root, name)
     if not (d / "config.json").is_file():  # no run, or one that never started: its stage is not known
@@ -387,8 +391,6 @@ def media_thumb(request: Request) -> Response:
 
 
 def _latent(request: Request) -> tuple[dict, dict]:
-    from reelcache.view.server import NotFound
-
     c = _clip(request)
     cache, view = request.query_params.get("cache", ""), int(request.query_params.get("view", 0))
     lat = _store(request).latent(cache, c["clip_id"], view)
@@ -459,7 +461,7 @@ def _ticks(lo: float, hi: float, n: int = 5, integer: bool = False) -> list[floa
     return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
 
 
-def _loss_svg(name: str, losses: list[dict], bad: set[int], w: int = 720, h: int = 240) -> dict | None:
+def loss_svg(name: str, losses: list[dict], bad: set[int], w: int = 720, h: int = 240) -> dict | None:
     """The loss curve: points (bad or skipped steps marked), axes with round ticks, and a line where a
     resumed generation's steps begin (the run was stopped or killed before it)."""
     pts = [r for r in losses if r["loss"] is not None and math.isfinite(r["loss"])]

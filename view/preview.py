@@ -24,11 +24,12 @@ from pathlib import Path
 import av
 
 from reelcache import UserError
-from reelcache.base.shards import atomic_path
 from reelcache.cache.decode import FileSlice, decode_clip
 from reelcache.catalog.withdrawn import VIEW_CACHE, view_cache_key
+from reelcache.files import atomic_path
+from reelcache.media import write_mp4
 
-# torch, diffusers and the cache's encoders (cache/encoders.py, eval/video.py) are imported when the
+# torch, diffusers and the cache's encoders (cache/encoders.py) are imported when the
 # first latent preview is made: the pages start and serve without torch.
 
 CACHE_DIR = VIEW_CACHE  # every file of a clip here is named view_cache_key(clip id)...: a takedown deletes them
@@ -67,8 +68,8 @@ def _key(latent: dict, ident: dict) -> str:
 
 
 def read_latent(root: Path, latent: dict) -> dict:
-    """The video latent of a ``latents`` row, wherever its cache keeps it (a store shard, or a cache of
-    format 1): catalog/latents.py's reader, the loader's own. The caption is not read."""
+    """The video latent of a ``latents`` row (its shard and offset; its caption shard is not read):
+    base/latents.py's reader, the loader's own, which knows every form of a sample."""
     from reelcache.base.latents import read_latent as read
 
     return read(root, {"shard": latent["shard"], "shard_offset": latent["shard_offset"]})
@@ -113,7 +114,7 @@ def cache_doc(root: Path, cache: str) -> tuple[object, dict]:
     """(the cache's CacheConfig, its cache.json)."""
     from reelcache.cache.plan import load_cache
 
-    _plan, cfg, ident = load_cache(root, cache)
+    cfg, _plan, ident = load_cache(root, cache)
     return cfg, ident
 
 
@@ -127,8 +128,6 @@ def window_preview(root: Path, clip: dict, latent: dict) -> Path:
     key = _key(latent, ident)
 
     def make(path: Path) -> None:
-        from reelcache.eval.video import write_mp4
-
         job = {
             "raw_shard": clip["shard"],
             "raw_offset": clip["shard_offset"],
@@ -164,8 +163,9 @@ def _encoder(root: Path, cache: str):
     import_vae_libraries()
     with _lock(f"encoder:{cache}"), _imports:  # building one resolves diffusers' lazy attributes
         if cache not in _encoders:
-            from reelcache.cache.encoders import VideoEncoder, spec_identity
+            from reelcache.cache.encoders import VideoEncoder
             from reelcache.cache.plan import diff
+            from reelcache.cache.spec import spec_identity
 
             cfg, ident = cache_doc(root, cache)
             changed = diff(ident["video_encoder"], spec_identity(cfg.video_encoder))
@@ -181,8 +181,6 @@ def latent_preview(root: Path, clip: dict, latent: dict) -> Path:
     key = _key(latent, ident)
 
     def make(path: Path) -> None:
-        from reelcache.eval.video import write_mp4
-
         tensors = read_latent(root, latent)
         z = tensors["mean"] if "mean" in tensors else tensors["sample"]
         frames = _encoder(root, latent["cache"]).decode(z[None].float(), latent["num_frames"])[0]

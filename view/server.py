@@ -26,15 +26,11 @@ from starlette.staticfiles import StaticFiles
 
 from reelcache import UserError
 from reelcache.view import pages, preview
-from reelcache.view.files import Gone, Refused
+from reelcache.view.files import Gone, NotFound, Refused
 from reelcache.view.guard import LOOPBACK_NAMES, TOKEN_ENV, Guard, check_token, host_names, loopback, wildcard
 from reelcache.view.store import Busy, Store
 
 log = logging.getLogger("reelcache.view")
-
-
-class NotFound(LookupError):
-    pass
 
 
 def build_app(

@@ -12,7 +12,6 @@ evaluation job (``eval serve --slurm``) ``--gpus-per-node``, ``--after``. The st
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 
 from reelcache.args import arg
@@ -70,19 +69,16 @@ class Resources:
         return words + [f"--sbatch-arg={x}" for x in self.sbatch_args]
 
 
-class Renamed(argparse.Action):
-    """An option's old spelling: it still works as the new one, and says the new name in one line."""
+class Removed(argparse.Action):
+    """A spelling that is no option any more, refused in one line naming the option to use. Without it argparse
+    would take ``--sbatch`` as an abbreviation of ``--sbatch-arg`` (docs/CHANGELOG.md)."""
 
-    def __init__(self, option_strings, dest, new: str, **kwargs):
-        self.new = new
+    def __init__(self, option_strings, dest, use: str, **kwargs):
+        self.use = use
         super().__init__(option_strings, dest, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(
-            f"reelcache: warning: {option_string} is now {self.new} (the old name still works, for now)",
-            file=sys.stderr,
-        )
-        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), values])
+        raise argparse.ArgumentError(self, f"is no option any more: write {self.use}")
 
 
 def add_arguments(p, kind: str) -> None:
@@ -107,7 +103,7 @@ def add_arguments(p, kind: str) -> None:
         metavar="OPT",
         help="one more sbatch option, verbatim, e.g. --sbatch-arg=--qos=high (repeatable)",
     )
-    g.add_argument("--sbatch", action=Renamed, dest="sbatch_arg", new="--sbatch-arg", help=argparse.SUPPRESS)
+    g.add_argument("--sbatch", action=Removed, use="--sbatch-arg=OPT", help=argparse.SUPPRESS)
     g.add_argument(
         "--dry-run",
         action="store_true",

@@ -95,7 +95,7 @@ def test_a_manifest_of_a_cache_from_before_the_tables_is_refused_before_training
     "512/17/0.56", which upstream's 512 table lacks (its 16:9 key there is 0.57)."""
     from latent_data import write_latents
 
-    from reelcache.train.loader import load_source
+    from reelcache.train.source import load_source
 
     assert load_source(write_latents(tmp_path, 4, name="now", buckets=["512/17/0.57", "144p/17/0.56"]))
     old = write_latents(tmp_path, 4, name="old", buckets=["512/17/0.56", "144p/17/0.56"])

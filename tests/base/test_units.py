@@ -29,9 +29,10 @@ from support import plan_ingest, sql
 from workers import work
 
 from reelcache.base import units
-from reelcache.base.shards import OutputError, ShardWriter
+from reelcache.base.shards import ShardWriter
 from reelcache.base.units import Batch, Unit, claimed, worker_reject
 from reelcache.cli import main
+from reelcache.files import OutputError
 from reelcache.isolate import Failed, isolated_map
 
 UNIT = "openvid/000000"
@@ -296,8 +297,7 @@ def test_a_second_run_is_refused_names_the_holder_and_touches_nothing(demo_datas
         waiter = _run(root, UNIT, wait=True)
         line = waiter.stderr.readline()
         assert "waiting for" in line and f"pid {holder.pid}" in line, line
-        time.sleep(0.5)
-        assert waiter.poll() is None and not (src / "000000.parquet").exists()
+        assert waiter.poll() is None and not (src / "000000.parquet").exists()  # it said it waits, and does
         holder.communicate("\n", timeout=30)
         waiter.communicate(timeout=120)
         assert waiter.returncode == 0
@@ -322,15 +322,20 @@ def test_the_lease_of_a_killed_run_is_stale_at_once(demo_dataset, ingested, tmp_
     _same_as_clean(root, ingested)
 
 
-# `ingest run` with a heartbeat every 0.05 s (30 s in production) and a unit slowed by 2 s before
-# its work, so that a test sees many heartbeats while the unit runs.
+# `ingest run` with a heartbeat every 0.05 s (30 s in production) and a unit held before its work until
+# the file argv[3] exists (the test makes it once it has seen the heartbeats it wants; 120 s at most).
 HEARTBEAT_RUN = """
-import sys, time
+import os, sys, time
 from reelcache.base import lease
 from reelcache.ingest import run
 lease.HEARTBEAT_S = 0.05
 rows = run.unit_rows
-run.unit_rows = lambda *a: time.sleep(2) or rows(*a)
+def held(*a):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sys.argv[3]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return rows(*a)
+run.unit_rows = held
 from reelcache.cli import main
 sys.exit(main(["ingest", "run", "--root", sys.argv[1], sys.argv[2]]))
 """
@@ -343,8 +348,9 @@ def test_a_held_leases_heartbeat_advances_while_the_unit_runs(demo_dataset, inge
     root = tmp_path / "r"
     _plan(root, demo_dataset)
     lease = root / "raw/openvid/000000.lease"
+    go = tmp_path / "go"
     proc = subprocess.Popen(
-        [sys.executable, "-c", HEARTBEAT_RUN, str(root), UNIT],
+        [sys.executable, "-c", HEARTBEAT_RUN, str(root), UNIT, str(go)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -368,6 +374,7 @@ def test_a_held_leases_heartbeat_advances_while_the_unit_runs(demo_dataset, inge
         assert len(set(beats)) >= 5 and beats == sorted(beats), beats  # it keeps advancing
         assert json.loads(lease.read_text())["token"] == token  # refreshed, not replaced
     finally:
+        go.touch()
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert not lease.exists()

@@ -51,7 +51,8 @@ def test_closing_the_decode_stream_early_frees_every_block(tmp_path):
     """A unit that stops early (an encoder error, a kill) closes the stream: the window handed out is
     the consumer's to release; every other block (queued, finished out of order, or being written
     by a worker when it was stopped) is gone from /dev/shm."""
-    from reelcache.cache.run import decode_clip, decoded
+    from reelcache.cache.decode import decode_clip
+    from reelcache.cache.run import decoded
     from reelcache.ingest.demo import ClipSpec, write_clip
 
     jobs = []
@@ -74,7 +75,11 @@ def test_closing_the_decode_stream_early_frees_every_block(tmp_path):
     stream = decoded(jobs, str(tmp_path), workers=2, timeout=60, memory_mb=None, prefetch=2)
     job, frames = next(stream)
     assert np.array_equal(frames.array, decode_clip(job, str(tmp_path)))
-    time.sleep(1.0)  # the workers run ahead: queued, in the pipe, in flight
+    # the workers run ahead (queued, in the pipe, in flight): wait until they hold blocks beside the one handed out
+    deadline = time.monotonic() + 60
+    while len(list(Path("/dev/shm").glob(f"rc{os.getpid()}-*"))) < 3:
+        assert time.monotonic() < deadline, "the workers made no window past the first two"
+        time.sleep(0.01)
     stream.close()
     assert [p.name for p in Path("/dev/shm").glob(f"rc{os.getpid()}-*")] == [frames.shm.name.lstrip("/")]
     frames.release()

@@ -182,7 +182,8 @@ def kind_of(vae) -> str:
 def test_video_latents_are_the_pipelines_normalized_posterior(case, tmp_path):
     import diffusers
 
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.cache.encoders import VideoEncoder
+    from reelcache.cache.spec import EncoderSpec
 
     cls_name, config, buffers, rule = CASES[case]
     kind = "sd-per-frame" if case.startswith("sd-per-frame") else case
@@ -213,7 +214,8 @@ TINY_STATS = {
 def test_tiny_configs_normalize_with_nontrivial_statistics(kind):
     """The tiny encoders (tests, the demo) store the pipeline's normalization of their own VAE's
     posterior, with statistics that are not 0/1 (read from the VAE's config and buffers)."""
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.cache.encoders import VideoEncoder
+    from reelcache.cache.spec import EncoderSpec
 
     enc = VideoEncoder(EncoderSpec(kind, tiny=True, dtype="float32"))
     shift, scale = TINY_STATS[kind](enc.model, enc.model.config)
@@ -225,7 +227,8 @@ def test_tiny_configs_normalize_with_nontrivial_statistics(kind):
 def test_t5_stores_each_captions_own_hidden_states(tmp_path):
     from transformers import T5Config, T5EncoderModel
 
-    from reelcache.cache.encoders import EncoderSpec, TextEncoder, tiny_tokenizer
+    from reelcache.cache.encoders import TextEncoder, tiny_tokenizer
+    from reelcache.cache.spec import EncoderSpec
 
     torch.manual_seed(0)
     tok = tiny_tokenizer()
@@ -246,7 +249,8 @@ def test_t5_stores_each_captions_own_hidden_states(tmp_path):
 
 
 def test_opensora_encoder_stores_the_published_normalization():
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.cache.encoders import VideoEncoder
+    from reelcache.cache.spec import EncoderSpec
 
     cfg = json.loads((FIX / "vae_config.json").read_text())
     spatial = {k: v for k, v in cfg["spatial_autoencoderkl_config"].items() if not k.startswith("_")}
@@ -298,7 +302,8 @@ def test_ltx_decode_equals_the_pipeline_denormalize_then_vae_decode():
     import torch
     from diffusers import LTXPipeline
 
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.cache.encoders import VideoEncoder
+    from reelcache.cache.spec import EncoderSpec
 
     enc = VideoEncoder(EncoderSpec("ltx", tiny=True, dtype="float32"))
     vae = enc.model
@@ -333,7 +338,8 @@ def test_per_frame_decode_matches_the_sd3_pipeline_formula():
     every frame decoded on its own and exported as the pipeline's image processor exports it."""
     import torch
 
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.cache.encoders import VideoEncoder
+    from reelcache.cache.spec import EncoderSpec
 
     enc = VideoEncoder(EncoderSpec("sd-per-frame", tiny=True, dtype="float32"))
     vae = enc.model

@@ -12,8 +12,9 @@ def test_opensora_vae_loads_the_public_key_layout_and_chunks_17_frames(tmp_path)
     import torch
     from safetensors.torch import save_file
 
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.cache.encoders import VideoEncoder
     from reelcache.cache.opensora_vae import OpenSoraVAE, latent_frames
+    from reelcache.cache.spec import EncoderSpec
 
     assert [latent_frames(t) for t in (17, 51, 102, 204)] == [5, 15, 30, 60]  # DATASETS.md
     torch.manual_seed(3)

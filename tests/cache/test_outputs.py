@@ -1,13 +1,14 @@
-"""A cache unit's outcome rows (cache/outputs.py): the reject vocabulary is the names catalogs already
-hold, ``no_bucket`` (a step before any work) records the plan's reason, and a view that repeats an
-earlier view's draw gets that view's outcome in the sidecar."""
+"""A cache unit's outcome rows (cache/outputs.py): the one reject vocabulary (reelcache/rejects.py) is the
+names catalogs already hold, ``no_bucket`` (a step before any work) records the plan's reason, and a view
+that repeats an earlier view's draw gets that view's outcome in the sidecar."""
 
 from __future__ import annotations
 
 from reelcache.base.buckets import BucketConfig
 from reelcache.base.units import reject
 from reelcache.cache import outputs
-from reelcache.cache.outputs import Reason, planned_rows, repeat_views
+from reelcache.cache.outputs import planned_rows, repeat_views
+from reelcache.rejects import Reason
 
 
 def _plan_row(clip_id="c", view=0, bucket="144p/17/0.56", **over) -> dict:
@@ -31,12 +32,15 @@ def _plan_row(clip_id="c", view=0, bucket="144p/17/0.56", **over) -> dict:
 
 
 def test_the_reject_vocabulary_is_what_catalogs_already_hold():
-    """The names rows of existing catalogs carry (schema.sql's comment before the vocabulary existed),
-    and each reason bucket assignment gives (base/buckets.py) is one of them."""
-    from reelcache.cache.outputs import Reason, no_bucket
+    """The one vocabulary (reelcache/rejects.py) is the names rows of existing catalogs carry, latents' (schema.sql's
+    comment before the cache had a vocabulary) and clips' (ingest's before the two became one), and each
+    reason bucket assignment gives (base/buckets.py) is one of them."""
+    from reelcache.cache.outputs import no_bucket
 
-    old = "no_bucket:too_small no_bucket:too_short no_bucket:not_kept undecodable timeout crashed invalid_latent"
-    assert sorted(r.value for r in Reason) == sorted([*old.split(), "withdrawn"])  # withdrawn: a takedown's
+    cache = "no_bucket:too_small no_bucket:too_short no_bucket:not_kept undecodable timeout crashed invalid_latent"
+    ingest = "bad_row duplicate_row empty_caption missing_file empty_file too_large no_video_stream undecodable"
+    ingest += " truncated too_short timeout crashed"
+    assert {r.value for r in Reason} == {*cache.split(), *ingest.split(), "withdrawn"}  # withdrawn: a takedown's
     cfg = BucketConfig.from_dict({"240p": {51: [0.0, 8]}})
     sizes = {"too_small": (100, 100, 60), "too_short": (240, 426, 30), "not_kept": (240, 426, 60)}
     for why, (h, w, t) in sizes.items():

@@ -151,6 +151,7 @@ def test_cache_run_decodes_with_the_planned_resize(fresh_root, tmp_path, monkeyp
 
     from reelcache.base.buckets import bucket_geometry
     from reelcache.cache import run
+    from reelcache.cache.decode import decode_clip
     from reelcache.cache.plan import make_plan
     from reelcache.catalog.manifest import make_manifest
 
@@ -166,8 +167,8 @@ def test_cache_run_decodes_with_the_planned_resize(fresh_root, tmp_path, monkeyp
     encode = run.VideoEncoder.encode
     monkeypatch.setattr(run.VideoEncoder, "encode", lambda self, x: seen.extend(x.copy()) or encode(self, x))
     run.run_unit(str(fresh_root), f"r/{unit:06d}")
-    want = [run.decode_clip(dict(r, resize="opensora"), str(fresh_root)) for r in rows]
-    area = [run.decode_clip(r, str(fresh_root)) for r in rows]
+    want = [decode_clip(dict(r, resize="opensora"), str(fresh_root)) for r in rows]
+    area = [decode_clip(r, str(fresh_root)) for r in rows]
     assert len(seen) == len(rows)
     assert any(bucket_geometry(r["bucket"])[1:] != (r["height"], r["width"]) for r in rows)  # e.g. 426 -> 424
     for f in seen:

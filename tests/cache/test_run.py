@@ -20,8 +20,8 @@ import pytest
 from support import REPO, cache_config, cache_plan, sql
 
 from reelcache.base.buckets import BucketConfig
-from reelcache.cache.outputs import Reason
 from reelcache.cli import main
+from reelcache.rejects import Reason
 
 
 def test_the_finite_step_keeps_a_latent_and_rejects_nan_or_inf():
@@ -53,7 +53,8 @@ def test_cache_end_to_end_bit_exact_and_merged(cache_root, tmp_path):
 
     from reelcache.base.latents import read_latent
     from reelcache.cache.decode import FileSlice, decode_window
-    from reelcache.cache.encoders import EncoderSpec, TextEncoder, VideoEncoder
+    from reelcache.cache.encoders import TextEncoder, VideoEncoder
+    from reelcache.cache.spec import EncoderSpec
 
     cfg = cache_config(tmp_path, "m")
     units = cache_plan(cache_root, cfg)
@@ -175,6 +176,17 @@ def test_no_bucket_is_a_recorded_reason(cache_root, tmp_path):
     assert set(reasons) <= {"no_bucket:too_small", None} and reasons["no_bucket:too_small"] > 0
 
 
+def _grown(paths, past: int = 64 * 1024) -> bool:
+    """Whether one of the temporary shards holds more than its first samples' worth of bytes."""
+    for p in paths:
+        try:
+            if p.stat().st_size > past:
+                return True
+        except FileNotFoundError:  # renamed into place meanwhile
+            pass
+    return False
+
+
 @pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path):
     cfg = cache_config(tmp_path, "m", clips_per_unit=100)
@@ -188,7 +200,8 @@ def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path
     deadline = time.monotonic() + 120
     while not any(vdir.glob(".000000-*-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.5)  # some samples are in the temporary shard
+    while not _grown(vdir.glob(".000000-*-00.tar.tmp*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # until some samples are in the temporary shard
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (cdir / "000000.parquet").exists()
@@ -283,7 +296,7 @@ def test_write_failure_fails_the_unit_loudly_and_its_rerun_is_clean(cache_root, 
     (the shard) in the process that writes it; the decode workers already run without it."""
     import resource
 
-    from reelcache.train.loader import read_sample
+    from reelcache.train.source import read_sample
 
     cfg = cache_config(tmp_path, "m", clips_per_unit=100)
     (unit,) = cache_plan(cache_root, cfg)
@@ -332,7 +345,7 @@ def test_two_runs_of_one_unit_never_touch_each_others_files(cache_root, tmp_path
     out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     rows = _sidecar_rows(cdir)
-    from reelcache.train.loader import read_sample
+    from reelcache.train.source import read_sample
 
     for r in rows:  # every sample the first run recorded is intact
         if r["status"] == "ok":

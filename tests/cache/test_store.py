@@ -73,7 +73,8 @@ def test_each_caption_is_stored_once_and_every_sample_reads_it(fresh_root, tmp_p
     import torch
 
     from reelcache.base.latents import read_latent
-    from reelcache.cache.encoders import EncoderSpec, TextEncoder
+    from reelcache.cache.encoders import TextEncoder
+    from reelcache.cache.spec import EncoderSpec
     from reelcache.catalog.db import open_catalog
 
     con = open_catalog(fresh_root, write=True)
@@ -313,7 +314,8 @@ def test_two_windows_of_a_clip_in_one_bucket_are_two_entries_and_a_reuse_reads_i
     import torch
 
     from reelcache.cache.decode import FileSlice, decode_window
-    from reelcache.cache.encoders import EncoderSpec, VideoEncoder
+    from reelcache.cache.encoders import VideoEncoder
+    from reelcache.cache.spec import EncoderSpec
 
     a = {(r["clip_id"], r["view"]): r for r in _sidecar(one_clip, "a")}
     b = {(r["clip_id"], r["view"]): r for r in _sidecar(one_clip, "b")}

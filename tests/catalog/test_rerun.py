@@ -224,14 +224,14 @@ def test_the_demo_data_steps_run_twice(demo_dataset, tmp_path, monkeypatch):
 @pytest.mark.slow  # end to end over the ingested demo
 def test_a_schema_1_catalog_is_migrated_and_merges(fresh_root):
     """A catalog made before schema 2 (no SAR, no stated size, no content hash) gains the columns on open
-    (migrations 2 and 3) and merges."""
+    (migrations 2 to 4) and merges."""
     import duckdb
 
-    from reelcache.catalog.db import open_catalog, schema_sql
+    from reelcache.catalog.db import open_catalog, schema_sql, schema_version
 
     db = fresh_root / "catalog.duckdb"
     db.unlink()
-    v1 = schema_sql().replace("schema_version: 3", "schema_version: 1")
+    v1 = schema_sql()
     for col in ("sar_num", "sar_den", "stated_width", "stated_height", "content_hash"):
         v1 = "\n".join(line for line in v1.splitlines() if not line.strip().startswith(col))
     v1 = v1.replace("caption_column      VARCHAR,", "caption_column      VARCHAR")
@@ -245,5 +245,5 @@ def test_a_schema_1_catalog_is_migrated_and_merges(fresh_root):
     con.close()
     assert cols[-5:] == ["sar_num", "sar_den", "stated_width", "stated_height", "content_hash"]
     assert main(["catalog", "merge", "--root", str(fresh_root)]) == 0
-    assert sql(fresh_root, "SELECT value FROM meta WHERE key = 'schema_version'") == [("3",)]
+    assert sql(fresh_root, "SELECT value FROM meta WHERE key = 'schema_version'") == [(str(schema_version()),)]
     assert sql(fresh_root, "SELECT count(*) FROM clips WHERE status = 'ok' AND sar_num IS NULL") == [(0,)]

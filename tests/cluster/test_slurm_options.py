@@ -48,15 +48,19 @@ def test_every_command_that_submits_takes_the_same_options():
     assert {opts["--sbatch"] for opts in seen} == {argparse.SUPPRESS}  # the old spelling, hidden
 
 
-def test_the_old_spelling_still_works_and_says_the_new_name_in_one_line(capsys):
+def test_the_old_spelling_is_refused_in_one_line_naming_the_option(capsys):
+    """--sbatch (renamed --sbatch-arg) is refused, not taken as an abbreviation of --sbatch-arg (docs/CHANGELOG.md)."""
     for argv in (TRAIN, EVAL, [*SUBMIT, "--partition", "p"]):
-        a, _ = build_parser().parse_known_args([*argv, "--sbatch-arg=--qos=high", "--sbatch=--exclusive", "--", "true"])
-        assert a.sbatch_arg == ["--qos=high", "--exclusive"]
-        assert capsys.readouterr().err == (
-            "reelcache: warning: --sbatch is now --sbatch-arg (the old name still works, for now)\n"
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_known_args([*argv, "--sbatch-arg=--qos=high", "--sbatch=--exclusive", "--", "true"])
+        assert e.value.code == 2
+        assert (
+            capsys.readouterr()
+            .err.splitlines()[-1]
+            .endswith("error: argument --sbatch: is no option any more: write --sbatch-arg=OPT")
         )
-    a, _ = build_parser().parse_known_args([*TRAIN])
-    assert a.sbatch_arg == [] and capsys.readouterr().err == ""
+    a, _ = build_parser().parse_known_args([*TRAIN, "--sbatch-arg=--qos=high"])
+    assert a.sbatch_arg == ["--qos=high"] and capsys.readouterr().err == ""
 
 
 def test_the_options_read_back_as_resources():
@@ -102,7 +106,7 @@ def test_a_training_script_has_the_directives_written_out_by_hand(tmp_path):
 
 def test_an_eval_script_runs_eval_serve_without_its_slurm_options(tmp_path):
     argv = ["--root", "R", "--run", "runs/x", "--slurm", "--partition", "gpu", "--after=7", "--gpus-per-node", "1"]
-    argv += ["--sbatch", "--qos=high", "--val-manifest", "v", "--dry-run"]
+    argv += ["--sbatch-arg", "--qos=high", "--val-manifest", "v", "--dry-run"]
     args = options.without_slurm_options(argv, "eval")
     assert args == ["--root", "R", "--run", "runs/x", "--val-manifest", "v"]
     job = jobs.eval_script(tmp_path / "runs/x", options.Resources(gpus_per_node=1), after="7", args=args, python="py")

@@ -81,6 +81,77 @@ def test_importing_the_train_config_loads_no_torch(tmp_path):
     assert out.stdout.strip() == "[] []"
 
 
+def _names_all(path) -> set[str]:
+    """The ``__all__`` a module declares (read from its source: importing train's modules loads torch)."""
+    import ast
+
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def test_other_stages_use_only_trains_public_names():
+    """train/__init__.py: another stage imports from train only the names in the ``__all__`` of the modules
+    in PUBLIC, from the module that defines them (function-level imports included)."""
+    import ast
+
+    from reelcache.train import PUBLIC
+
+    public = {m: _names_all(REPO / "train" / f"{m}.py") for m in PUBLIC}
+    assert all(public.values()), [m for m, names in public.items() if not names]
+    bad = []
+    for stage in ("ingest", "catalog", "cache", "eval", "cluster", "lineage", "view"):
+        for path in sorted((REPO / stage).rglob("*.py")):
+            text = path.read_text()
+            if "reelcache.train" not in text:
+                continue
+            for node in ast.walk(ast.parse(text)):
+                where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reelcache.train"):
+                    module = node.module.removeprefix("reelcache.train").lstrip(".")
+                    if not module:  # from reelcache.train import <module>
+                        bad += [f"{where} {a.name}" for a in node.names if a.name not in PUBLIC]
+                    elif module not in public:
+                        bad.append(f"{where} reelcache.train.{module} (not a public module)")
+                    else:
+                        bad += [f"{where} {module}.{a.name}" for a in node.names if a.name not in public[module]]
+                elif isinstance(node, ast.Import):
+                    for a in node.names:
+                        if a.name.startswith("reelcache.train."):
+                            if a.name.split(".")[2] not in PUBLIC:
+                                bad.append(f"{where} {a.name}")
+    assert not bad, "imports of train's own names:\n" + "\n".join(bad)
+
+
+def test_the_test_helper_modules_are_the_ones_style_md_names():
+    """docs/STYLE.md: helpers live in tests/support.py, but for the modules it names (a data world, a
+    cluster on one machine, a program run in other processes)."""
+    import re
+
+    style = (REPO / "docs/STYLE.md").read_text()
+    rule = style[style.index("**Test helpers live in `tests/support.py`**") :].split("\n\n")[0]
+    named = set(re.findall(r"`(\w+\.py)`", rule)) - {"support.py", "test_package.py"}
+    present = {p.name for p in (REPO / "tests").glob("*.py")} - {"support.py", "conftest.py"}
+    assert present == named, (
+        f"in tests/ but not in STYLE.md: {sorted(present - named)}; gone: {sorted(named - present)}"
+    )
+
+
+def test_tests_import_no_private_name():
+    """docs/STYLE.md: a test imports what a module offers, never a `_private` name of reelcache."""
+    import re
+
+    imports = re.compile(r"^\s*from (reelcache[\w.]*) import (\([^)]*\)|[^\n]*)", re.M)
+    bad = [
+        f"{path.relative_to(REPO)}: from {m.group(1)} import {name}"
+        for path in sorted((REPO / "tests").rglob("*.py"))
+        for m in imports.finditer(path.read_text())
+        for name in re.findall(r"\b_\w+", re.sub(r"#[^\n]*", "", m.group(2)))
+    ]
+    assert not bad, bad
+
+
 def test_root_cli_only_assembles_the_stages():
     """A stage owns its commands (<stage>/cli.py: add_commands, add_demo); reelcache/cli.py registers
     them in pipeline order and runs them, naming no stage module and declaring no stage argument."""

@@ -376,8 +376,9 @@ def test_model_overrides_are_stdit3_fields_of_their_type():
 
 def test_model_presets_named_by_the_config_are_the_models():
     from reelcache.train.model import PRESETS
+    from reelcache.train.sections import MODEL_PRESETS
 
-    assert train_config.MODEL_PRESETS == tuple(PRESETS)
+    assert MODEL_PRESETS == tuple(PRESETS)
 
 
 def test_a_bad_bucket_file_is_one_line_naming_it_before_training(tmp_path):

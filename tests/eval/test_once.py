@@ -121,7 +121,7 @@ def _stdit(ckpt: Path, which: str = "model"):
     from reelcache.train.weights import load_weights
 
     cfg = from_dict(json.loads((ckpt / "config.json").read_text()))
-    model = STDiT3(cfg.model_config())
+    model = STDiT3(cfg.model.stdit3())
     load_weights(model, ckpt, which=which)
     return model.float().eval(), cfg
 
@@ -254,7 +254,7 @@ def test_sample_video_is_the_guided_euler_sampler_decoded(once_ref):
 
     root, run = once_ref
     model, _ = _stdit(root / run / "ckpt-00000002")
-    _, cache_cfg, _ = load_cache(root, "t")
+    cache_cfg, _, _ = load_cache(root, "t")
     vae, t5 = VideoEncoder(cache_cfg.video_encoder, "cpu"), TextEncoder(cache_cfg.text_encoder, "cpu")
     prompts = [ln for ln in PROMPTS.read_text().splitlines() if ln and not ln.startswith("#")]
     i, frames, height, width, steps, guidance = 1, 17, 72, 128, 4, 7.0

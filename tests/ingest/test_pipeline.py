@@ -13,7 +13,7 @@ import pytest
 from support import sql
 
 from reelcache.cli import main
-from reelcache.ingest.filters import Reason
+from reelcache.rejects import Reason
 
 pytestmark = pytest.mark.slow  # every test reads the demo ingested end to end (conftest: ingested)
 

@@ -7,8 +7,9 @@ from fractions import Fraction
 import pytest
 
 from reelcache.ingest.demo import ClipSpec, write_clip
-from reelcache.ingest.filters import Reason, Rejected
+from reelcache.ingest.filters import Rejected
 from reelcache.ingest.probe import probe
+from reelcache.rejects import Reason
 
 
 @pytest.mark.parametrize(
@@ -144,10 +145,10 @@ def test_probe_agrees_with_ffprobe(tmp_path, key):
 
 
 def test_cover_art_is_not_a_video_stream(tmp_path):
-    from reelcache.ingest.demo import _write_audio_only
+    from reelcache.ingest.demo import write_audio_only
 
     path = tmp_path / "song.m4a"
-    _write_audio_only(path, cover=True)
+    write_audio_only(path, cover=True)
     with pytest.raises(Rejected) as e:
         probe(str(path))
     assert e.value.reason == Reason.no_video_stream and "attached picture" in e.value.detail

@@ -20,8 +20,9 @@ from support import ingest, plan_ingest, sql
 from reelcache.base.shards import ShardWriter
 from reelcache.base.units import worker_reject
 from reelcache.cli import main
-from reelcache.ingest.filters import PROBE_FILTERS, Reason, Rejected, Thresholds
+from reelcache.ingest.filters import PROBE_FILTERS, Rejected, Thresholds
 from reelcache.ingest.run import mismatch, take_probe, write
+from reelcache.rejects import Reason
 
 
 def _csv_rows(data: Path) -> int:

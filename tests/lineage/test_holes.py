@@ -53,13 +53,13 @@ def test_a_punched_sample_is_gone_and_nothing_else_moves(tmp_path):
 
 def test_gc_counts_no_hole_as_a_live_entry(tmp_path):
     """A store shard whose entries are holes and garbage holds nothing live (cache gc may delete it)."""
-    from reelcache.cache.gc import _has_live
+    from reelcache.cache.gc import has_live
 
     w = ShardWriter(tmp_path, "000000", 10_000_000)
     offsets = [w.write_sample(k, [("safetensors", os.urandom(700), None)])[1]["safetensors"] for k in ("a", "b", "c")]
     (path,) = w.close()
     rel = str(path.relative_to(tmp_path))
-    assert _has_live(tmp_path, rel, 1)  # two entries besides the garbage one
+    assert has_live(tmp_path, rel, 1)  # two entries besides the garbage one
     punch(path, [(s, e) for s, e, _ in sample_spans(path, offsets[:2]).values()])  # a takedown took two
-    assert not _has_live(tmp_path, rel, 1)  # the garbage one is all that is left
-    assert _has_live(tmp_path, rel, 0)
+    assert not has_live(tmp_path, rel, 1)  # the garbage one is all that is left
+    assert has_live(tmp_path, rel, 0)

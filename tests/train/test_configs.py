@@ -264,7 +264,7 @@ def test_debug_twin_has_the_full_stages_shape(name):
     )
     assert twin.model.freeze_y_embedder == full.model.freeze_y_embedder
     # Open-Sora's behaviours where the full stage asks for them (the opensora12-original configs)
-    assert twin.model_config().pos_embed_bf16_freqs == full.model_config().pos_embed_bf16_freqs
+    assert twin.model.stdit3().pos_embed_bf16_freqs == full.model.stdit3().pos_embed_bf16_freqs
     assert twin.conditioning.image_fps == full.conditioning.image_fps
     assert twin.checkpoint.at_start == full.checkpoint.at_start
     assert (twin.guard.spike_z, twin.guard.skip_nonfinite) == (full.guard.spike_z, full.guard.skip_nonfinite)

@@ -21,6 +21,7 @@ from reelcache.train.flow import (
     training_losses,
 )
 from reelcache.train.model import STDiT3, STDiT3Config
+from reelcache.train.sections import ConditioningConfig
 
 STAGE1 = {
     "random": 0.05,
@@ -123,9 +124,9 @@ def test_mask_generator_validation():
 def test_mask_generator_ratios_and_shapes(make_gen):
     gen = MaskGenerator(STAGE1)
     t = 15
-    from reelcache.train.flow import _Draw
+    from reelcache.train.flow import Draw
 
-    draw = _Draw(make_gen(0))
+    draw = Draw(make_gen(0))
     counts = dict.fromkeys(MASK_NAMES, 0)
     n = 20_000
     for _ in range(n):
@@ -231,16 +232,25 @@ def test_sampler_cfg_one_equals_unguided_and_holds_condition_frames(tiny):
 def test_image_fps_replaces_an_image_buckets_fps_only():
     nan = float("nan")
     image, video = "144p/1/0.56", "144p/17/0.56"
-    assert Conditioning(1, 24.0)(image, [nan, 25.0])["fps"].tolist() == [24.0, 25.0]  # default: as videos
-    assert Conditioning(2, 24.0, image_fps=120.0)(image, [nan, 25.0])["fps"].tolist() == [120.0, 120.0]
-    assert Conditioning(1, 24.0, image_fps=120.0)(video, [nan, 25.0])["fps"].tolist() == [24.0, 25.0]
-    assert Conditioning(2, 24.0, image_fps=120.0)(video, [30.0])["fps"].tolist() == [15.0]
+    assert Conditioning(ConditioningConfig(24.0), frame_interval=1)(image, [nan, 25.0])["fps"].tolist() == [
+        24.0,
+        25.0,
+    ]  # default: as videos
+    assert Conditioning(ConditioningConfig(24.0, image_fps=120.0), frame_interval=2)(image, [nan, 25.0])[
+        "fps"
+    ].tolist() == [120.0, 120.0]
+    assert Conditioning(ConditioningConfig(24.0, image_fps=120.0), frame_interval=1)(video, [nan, 25.0])[
+        "fps"
+    ].tolist() == [24.0, 25.0]
+    assert Conditioning(ConditioningConfig(24.0, image_fps=120.0), frame_interval=2)(video, [30.0])["fps"].tolist() == [
+        15.0
+    ]
 
 
 def test_conditioning_gives_the_buckets_pixel_size_and_the_sampler_its_own():
     """A bucket's inputs are its pixel geometry (144p 9:16 = 144 x 256, 17 frames), fps floored by the frame
     interval (30000/1001 / 2 = 14.98 -> 14); the sampler's are the sizes and fps it asks for, as given."""
-    got = Conditioning(frame_interval=2)("144p/17/0.56", [30000 / 1001, float("nan")])
+    got = ConditioningConfig().build(frame_interval=2)("144p/17/0.56", [30000 / 1001, float("nan")])
     want = {"fps": [14.0, 12.0], "height": [144.0] * 2, "width": [256.0] * 2, "num_frames": [17.0] * 2}
     assert {k: v.tolist() for k, v in got.items()} == want and all(v.dtype == torch.float32 for v in got.values())
     sampled = Conditioning.inputs(3, 102, 360, 640, 24.0)

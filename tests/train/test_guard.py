@@ -11,9 +11,7 @@ from reelcache.train.guard import Guard, GuardConfig
 
 
 def test_guard_spike_rule():
-    from reelcache.train.guard import Guard
-
-    g = Guard(spike_z=4.0, window=10, max_bad=2)
+    g = Guard(GuardConfig(spike_z=4.0, window=10, max_bad_steps=2))
     for v in [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.1, 0.9, 1.0, 1.0]:
         assert g.verdict(v, 1.0) is None
         g.record(v, False)
@@ -28,7 +26,7 @@ def test_guard_spike_rule():
 
 
 def test_a_spike_is_skipped_even_when_non_finite_steps_are_not():
-    g = Guard(spike_z=4.0, window=4, max_bad=3, skip_nonfinite=False)
+    g = Guard(GuardConfig(spike_z=4.0, window=4, max_bad_steps=3, skip_nonfinite=False))
     for v in (1.0, 1.1, 0.9, 1.0):
         g.record(v, False)
     assert "spike" in g.verdict(5.0, 1.0) and g.skips(5.0, 1.0)
@@ -51,11 +49,11 @@ def test_the_diverged_message_names_a_checkpoint_from_before_the_stepped_nan(tmp
     for step in (0, 5, 10, 15):
         (run / f"ckpt-{step:08d}").mkdir(parents=True)
         (run / f"ckpt-{step:08d}/state.json").write_text("{}")
-    g = Guard(max_bad=2, skip_nonfinite=False)
+    g = Guard(GuardConfig(max_bad_steps=2, skip_nonfinite=False))
     g.record(float("nan"), True, stepped_at=12)  # ckpt-15 holds the NaN weights
     fake = SimpleNamespace(run_dir=run, root=tmp_path, state=SimpleNamespace(global_step=17, guard=g))
     assert f"--load {run / 'ckpt-00000010'}" in Trainer._diverged_message(fake)
-    g = Guard(max_bad=2)  # skipped bad steps left the weights alone: the newest checkpoint is good
+    g = Guard(GuardConfig(max_bad_steps=2))  # skipped bad steps left the weights alone: the newest checkpoint is good
     g.record(float("nan"), True)
     fake.state.guard = g
     assert f"--load {run / 'ckpt-00000015'}" in Trainer._diverged_message(fake)

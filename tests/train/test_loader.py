@@ -23,7 +23,8 @@ from latent_data import write_latents
 from support import REPO, ids, run_ranks
 
 from reelcache.base.buckets import BucketConfig
-from reelcache.train.loader import LatentLoader, read_sample
+from reelcache.train.loader import LatentLoader
+from reelcache.train.source import read_sample
 
 SIZES = BucketConfig.from_toml(REPO / "configs/buckets/tiny.toml")
 

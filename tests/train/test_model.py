@@ -10,7 +10,8 @@ import pytest
 import torch
 from opensora_fixtures import FIX
 
-from reelcache.train.model import PRESETS, RMSNorm, STDiT3, STDiT3Config, flops_per_sample
+from reelcache.train.layers import RMSNorm
+from reelcache.train.model import PRESETS, STDiT3, STDiT3Config, flops_per_sample
 
 
 def fixture_config() -> STDiT3Config:
@@ -102,7 +103,7 @@ def test_caption_without_valid_tokens_attends_to_nothing(tiny, cases):
     proj(0); the other sample is untouched."""
     from unittest import mock
 
-    from reelcache.train.model import CrossAttention
+    from reelcache.train.layers import CrossAttention
 
     kw = dict(cases["plain"])
     kw.pop("out")

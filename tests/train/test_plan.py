@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from reelcache.base.buckets import BucketConfig
-from reelcache.train.plan import Source, _cached_plan, _storage_order, epoch_plan
+from reelcache.train.plan import Source, clear_cache, epoch_plan
 
 B16 = BucketConfig.from_dict({"240p": {17: 16}})
 MIXED = BucketConfig.from_dict({"144p": {17: 4, 33: 2}, "240p": {17: 3, 33: 2}})
@@ -84,8 +84,7 @@ def test_heavy_upsampling_over_buckets_never_repeats_in_a_batch(weights):
 def test_the_plan_is_a_pure_function_and_changes_per_epoch():
     sources = [source("a", 3000, 0.3), source("b", 500, 0.7)]
     a = epoch_plan(sources, B16, seed=5, epoch=1, block=64)
-    _cached_plan.cache_clear()
-    _storage_order.cache_clear()
+    clear_cache()
     fresh = [source("a", 3000, 0.3), source("b", 500, 0.7)]  # equal content, new objects
     b = epoch_plan(fresh, B16, seed=5, epoch=1, block=64)
     assert a is not b and np.array_equal(a.order, b.order) and np.array_equal(a.starts, b.starts)
@@ -154,9 +153,9 @@ def test_a_clip_in_two_manifests_is_never_twice_in_a_batch():
 
 
 def test_packed_argsort_is_lexsort():
-    from reelcache.train.plan import _argsort
+    from reelcache.train.plan import argsort
 
     rng = np.random.default_rng(0)
     for bounds in ([3, 5, 7], [2, 2**20, 2**40], [2**30, 2**30, 2**30]):  # with ties; the last overflows 63 bits
         keys = [rng.integers(0, b, 5000) for b in bounds]
-        assert np.array_equal(_argsort(keys, bounds), np.lexsort(keys[::-1]))
+        assert np.array_equal(argsort(keys, bounds), np.lexsort(keys[::-1]))

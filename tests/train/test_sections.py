@@ -35,12 +35,14 @@ def test_the_model_section_builds_the_same_fresh_model_from_the_same_seed():
 
 
 def test_the_conditioning_and_ema_sections():
-    assert ConditioningConfig(25.0, 120.0).build(frame_interval=3) == Conditioning(3, 25.0, 120.0)
+    cfg = ConditioningConfig(25.0, 120.0)
+    assert cfg.build(frame_interval=3) == Conditioning(cfg, frame_interval=3)
+    assert cfg.build(frame_interval=3).cfg is cfg
     called = []
     assert EMAConfig(decay=0.0).build(chunks=lambda: called.append(1)) is None and not called  # no EMA: no copy
     ema = EMAConfig(decay=0.5).build(chunks=lambda: {"w": torch.zeros(2)})
     ema.update({"w": torch.ones(2)})
-    assert ema.decay == 0.5 and ema.chunks["w"].tolist() == [0.5, 0.5]
+    assert ema.cfg.decay == 0.5 and ema.chunks["w"].tolist() == [0.5, 0.5]
 
 
 def test_the_step_section_builds_the_step_with_its_reduction():
@@ -49,10 +51,8 @@ def test_the_step_section_builds_the_step_with_its_reduction():
     optimizer = cfg.optim.build(par=_Adam(), params=model.parameters())
     cond = cfg.conditioning.build(frame_interval=1)
     runtime = dict(par=FakePar(), model=model, optimizer=optimizer, guard=cfg.guard.build(), ema=None, cond=cond)
-    step = cfg.step.build(
-        **runtime, flow=cfg.flow, optim=cfg.optim, seed=cfg.run.seed, grad_clip=cfg.parallel.grad_clip
-    )
-    assert step.cfg.loss_reduction == "rank" and step.cond.image_fps == 120.0 and step.masks is not None
+    step = cfg.step.build(**runtime, flow=cfg.flow, optim=cfg.optim, seed=cfg.run.seed)
+    assert step.cfg.loss_reduction == "rank" and step.cond.cfg.image_fps == 120.0 and step.masks is not None
     group = step.optimizer.param_groups[0]
     assert (group["weight_decay"], group["eps"], group["betas"]) == (0.0, 1e-15, (0.9, 0.999))
 
@@ -60,5 +60,5 @@ def test_the_step_section_builds_the_step_with_its_reduction():
 class _Adam:
     """The part of Parallel the optimizer section calls: DDP's AdamW."""
 
-    def optimizer(self, params, **kw):
-        return torch.optim.AdamW(params, **kw)
+    def optimizer(self, cfg, *, params):
+        return torch.optim.AdamW(params, lr=cfg.lr, **cfg.hyper())

@@ -36,7 +36,7 @@ def test_a_version_2_state_json_restores_the_counters_the_position_and_the_guard
     state.load_state_dict(saved)
     assert (state.global_step, state.opt_steps, state.loader.consumed, state.loader.epoch) == (2, 2, 2, 0)
     assert list(state.guard.window) == saved["guard"]["window"]
-    assert state.legacy_wandb_id == saved["wandb_id"] == "8ad0785d2310"
+    assert not hasattr(state, "legacy_wandb_id")  # its wandb_id is not read (docs/CHANGELOG.md)
 
 
 def test_state_json_is_the_train_states_and_holds_no_wandb_id(state):
@@ -53,22 +53,19 @@ def test_state_json_is_the_train_states_and_holds_no_wandb_id(state):
     assert "torch" in doc["versions"]
 
 
-@pytest.mark.slow  # three offline wandb runs: ~5 s
-def test_the_wandb_id_is_the_run_directorys_and_an_old_layout_gives_its_checkpoints(tmp_path):
-    """The id file wins; without one (a run directory of the old layout), the id the checkpoint's
-    state.json held; the id used is written to the file, so every later start finds it there."""
+@pytest.mark.slow  # two offline wandb runs: ~3 s
+def test_the_wandb_id_is_the_run_directorys(tmp_path):
+    """The id file wins; without one, a new id, written to the file, so every later start finds it there."""
     run = tmp_path / "run"
     assert read_run_id(run) is None
 
-    def start(legacy):
+    def start():
         log = LogConfig(wandb_mode="offline").build(
-            run_dir=run, enabled=True, name="r", config={}, generation=0, total_steps=1, legacy_id=legacy
+            run_dir=run, enabled=True, name="r", config={}, generation=0, total_steps=1
         )
         log.finish()
         return log.run_id
 
-    assert start("8ad0785d2310") == "8ad0785d2310" == read_run_id(run)
-    assert start("another") == "8ad0785d2310"  # the file, not a checkpoint's id
-    (run / "wandb_id").unlink()
-    fresh = start(None)
+    fresh = start()
     assert len(fresh) == 12 and read_run_id(run) == fresh
+    assert start() == fresh  # the file's

@@ -23,7 +23,7 @@ def _cfg(name: str = "debug/original-stage1", *overrides: str):
 def _build_step(cfg, model, optimizer, ema=None):
     """The step as the trainer builds it (StepConfig.build), on the fake one-process Parallel."""
     return cfg.step.build(
-        par=FakePar(),
+        par=FakePar(cfg.parallel),
         model=model,
         optimizer=optimizer,
         guard=cfg.guard.build(),
@@ -32,7 +32,6 @@ def _build_step(cfg, model, optimizer, ema=None):
         flow=cfg.flow,
         optim=cfg.optim,
         seed=cfg.run.seed,
-        grad_clip=cfg.parallel.grad_clip,
     )
 
 
@@ -81,7 +80,7 @@ def test_a_non_finite_step_is_skipped_or_stepped_as_configured(skip):
 def test_the_step_gives_the_model_the_image_fps(image_fps, want):
     overrides = ("model.overrides={caption_channels=8, model_max_length=300}", f"conditioning.image_fps={image_fps}")
     cfg = _cfg("debug/stage1", *overrides)
-    model = STDiT3(cfg.model_config())
+    model = STDiT3(cfg.model.stdit3())
     seen = []
     model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["fps"].tolist()), with_kwargs=True)
     step = _build_step(cfg, model, torch.optim.AdamW(model.parameters()))

@@ -42,7 +42,7 @@ def _cfg(name: str = "debug/original-stage1", *overrides: str):
 def test_original_configs_train_as_upstream(path):
     cfg = load_config(path)
     assert (cfg.guard.spike_z, cfg.guard.skip_nonfinite) == (0.0, False)
-    assert cfg.model_config().pos_embed_bf16_freqs is True
+    assert cfg.model.stdit3().pos_embed_bf16_freqs is True
     assert cfg.conditioning.image_fps == 120.0
     assert cfg.checkpoint.at_start is True
 
@@ -50,7 +50,7 @@ def test_original_configs_train_as_upstream(path):
 def test_defaults_keep_reelcaches_behaviour():
     cfg = _cfg("debug/stage1")
     assert (cfg.guard.spike_z, cfg.guard.skip_nonfinite) == (6.0, True)
-    assert (cfg.model_config().pos_embed_bf16_freqs, cfg.conditioning.image_fps, cfg.checkpoint.at_start) == (
+    assert (cfg.model.stdit3().pos_embed_bf16_freqs, cfg.conditioning.image_fps, cfg.checkpoint.at_start) == (
         False,
         0.0,
         False,
@@ -257,7 +257,7 @@ def test_an_original_run_saves_at_start_and_a_complete_ema_that_travels(tmp_path
         assert set(ema) == set(model) == upstream_keys and len(ema) == 89
         for k in ("rope.freqs", "y_embedder.y_embedding", "y_embedder.y_proj.fc1.weight"):  # frozen: model/'s
             assert torch.equal(ema[k], model[k])
-        fresh = STDiT3(from_dict(json.loads((ckpt / "config.json").read_text())).model_config())
+        fresh = STDiT3(from_dict(json.loads((ckpt / "config.json").read_text())).model.stdit3())
         fresh.load_state_dict(ema, strict=True)  # what an upstream loader does with ema/ alone
     e0, m0 = _read(c0 / "ema"), _read(c0 / "model")
     assert all(torch.equal(e0[k], m0[k]) for k in e0)  # the EMA starts as the weights
@@ -278,7 +278,7 @@ def test_an_original_run_saves_at_start_and_a_complete_ema_that_travels(tmp_path
     # the model it was trained as is checked: a silent difference is an error naming the field
     from reelcache.train.weights import load_weights
 
-    plain = STDiT3(_cfg("debug/stage1", "model.overrides={caption_channels=8, model_max_length=300}").model_config())
+    plain = STDiT3(_cfg("debug/stage1", "model.overrides={caption_channels=8, model_max_length=300}").model.stdit3())
     with pytest.raises(ValueError, match=r"pos_embed_bf16_freqs = True \(this model: False\)"):
         load_weights(plain, c2, which="ema")
 

@@ -13,9 +13,9 @@ def test_the_watchdog_watches_the_collectives_after_a_step_but_counts_no_step_ti
     after a step reports a hang like a step does, and ``end(record=False)`` keeps it out of the median."""
     import time
 
-    from reelcache.train.watchdog import Watchdog
+    from reelcache.train.watchdog import WatchdogConfig
 
-    dog = Watchdog(tmp_path, 0, factor=3.0, floor_s=0.05)
+    dog = WatchdogConfig(factor=3.0, floor_s=0.05).build(run_dir=tmp_path, rank=0)
     try:
         dog.begin(0)
         dog.end()

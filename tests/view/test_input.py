@@ -172,11 +172,11 @@ def test_only_loopback_addresses_go_without_a_token():
 def test_the_loss_curve_marks_a_resume_and_has_round_ticks():
     """A run killed after step 6 and resumed (generation 1 from step 5 on): one mark where generation 1's
     steps begin, ticks at round values inside the axes, losses shown to 4 significant digits."""
-    from reelcache.view.pages import _loss_svg
+    from reelcache.view.pages import loss_svg
 
     losses = [{"step": s, "loss": 1 / (s + 1) + 0.123456789, "skipped": False, "generation": int(s >= 5)}
               for s in range(12)]  # fmt: skip
-    svg = _loss_svg("r", losses, set())
+    svg = loss_svg("r", losses, set())
     assert [r["step"] for r in svg["resumes"]] == [5] and svg["resumes"][0]["generation"] == 1
     assert [label for _, label in svg["xticks"]] == [0, 5, 10]  # steps 0..11: about 5 ticks of 1, 2 or 5 x 10^k
     values = [float(label) for _, label in svg["yticks"]]

@@ -186,10 +186,15 @@ def test_a_reject_leads_to_its_input_file(server, browser, demo_root, tmp_path):
         assert r.read() == Path(path).read_bytes()
     video = browser.find_element(By.ID, "input-video")  # it may or may not play: the page says which
     browser.execute_script("arguments[0].load()", video)
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30  # until Chromium has read its header, or given up on it
+    while not browser.execute_script("return arguments[0].readyState >= 1 || arguments[0].error !== null", video):
+        assert time.monotonic() < deadline, "the input video neither loaded nor failed"
+        time.sleep(0.02)
     code = browser.execute_script("return arguments[0].error && arguments[0].error.code", video)
-    if code is not None:
-        assert "cannot play" in browser.find_element(By.ID, "play-error").text
+    if code is not None:  # the page's error handler says why, once the error event has run
+        while "cannot play" not in browser.find_element(By.ID, "play-error").text:
+            assert time.monotonic() < deadline, "the page did not say why the input cannot play"
+            time.sleep(0.02)
 
 
 def test_a_clip_and_its_views_play(server, browser, demo_root, tmp_path):
