@@ -23,7 +23,7 @@ import tarfile
 from pathlib import Path
 
 from reelcache.base.shards import BLOCK, HOLE
-from reelcache.files import OutputError
+from reelcache.files import OutputError, fsync_path
 
 _KEY = re.compile(r"^((?:.*/|)[^./]+)[.]")  # webdataset's sample key: folder + the base name up to its first dot
 
@@ -99,11 +99,7 @@ def punch(path, spans: list[tuple[int, int]]) -> int:
             os.close(fd)
         os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
         os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_path(path.parent)
     except OSError as e:
         raise OutputError(path, e, unit=False) from e
     finally:

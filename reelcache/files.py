@@ -43,6 +43,15 @@ def tmp_name(path: Path) -> Path:
     return path.parent / f".{path.name}.tmp{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def fsync_path(path) -> None:
+    """Make a file's data, or a folder's entries (a rename into it), durable: fsync on a read-only handle."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_path(path):
     """Yield a temporary name beside `path`; once the body wrote it, fsync and rename it into place.
@@ -56,11 +65,7 @@ def atomic_path(path):
     try:
         try:
             yield tmp
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(tmp)
             os.replace(tmp, path)
         except OSError as e:
             raise OutputError(path, e, unit=False) from e

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from reelcache.files import fsync_path
 from reelcache.settings import setting
 
 # what other stages may use (train/__init__.py: PUBLIC)
@@ -117,11 +118,7 @@ def read_state(ckpt) -> dict:
 def _fsync_tree(folder: Path) -> None:
     for dirpath, _, files in os.walk(folder):
         for f in files:
-            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(os.path.join(dirpath, f))
 
 
 class StopRequest:
@@ -248,11 +245,7 @@ class Checkpointer:
             if final.exists():  # a re-run of the same step (after --reset-data, say)
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            fd = os.open(self.run_dir, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(self.run_dir)
             self.prune()
         except BaseException as e:  # surfaced by wait(): a failed save must stop the run
             self._error = e
