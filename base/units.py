@@ -174,7 +174,7 @@ def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Claim | No
     Another live run holding the lease is a UserError naming it, or with `wait`, waited for. The lease is
     released by ``Claim.release`` (``claimed`` does it), or at exit.
     """
-    from reelcache.progress import say
+    from reelcache.log import say
 
     directory = Path(directory)
     stem = f"{index:06d}"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from reelcache.cache.spec import spatial_multiple, temporal_ratio
-from reelcache.progress import say
+from reelcache.log import say
 
 # Latent channels of the real VAEs where their config does not say (cache/encoders.py's kinds).
 LATENT_CHANNELS = {"wan": 16, "cogvideox": 16, "hunyuan": 16, "ltx": 128, "opensora-v1.2": 4, "sd-per-frame": 4}

@@ -40,7 +40,7 @@ from reelcache.cache.store import TEXT_INDEX, VIDEO_INDEX
 from reelcache.catalog.references import read_or_say as _read
 from reelcache.catalog.references import references
 from reelcache.files import atomic_path
-from reelcache.progress import say
+from reelcache.log import say
 
 
 def _unit(path: Path) -> tuple[str, str]:

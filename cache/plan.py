@@ -47,7 +47,7 @@ from reelcache.cache.reuse import plan_id, plan_store
 from reelcache.cache.spec import TINY_VIDEO, EncoderSpec, spatial_multiple, spec_identity, temporal_ratio
 from reelcache.catalog.manifest import read_manifest, resolve_manifest
 from reelcache.files import atomic_path
-from reelcache.progress import say
+from reelcache.log import say
 from reelcache.settings import NAME, TEXT, build, load_toml, setting
 
 CACHE_VERSION = 2  # 2: the content-addressed store (cache/store.py); 1: each sample held its caption

@@ -73,7 +73,7 @@ from reelcache.cache.store import (
 )
 from reelcache.files import OutputError
 from reelcache.isolate import Failed, isolated_map
-from reelcache.progress import say
+from reelcache.log import say
 from reelcache.rejects import Reason
 
 _CALLS = itertools.count()

@@ -38,7 +38,7 @@ from reelcache import UserError
 from reelcache.catalog.db import db_path, open_catalog
 from reelcache.catalog.sql import check_where, read_only_connection, where_sql
 from reelcache.files import atomic_path
-from reelcache.progress import say
+from reelcache.log import say
 
 MANIFEST_COLUMNS = [
     "clip_id",

@@ -31,7 +31,8 @@ from reelcache import UserError
 from reelcache.catalog.db import open_catalog
 from reelcache.catalog.levels import recompute_levels
 from reelcache.catalog.withdrawn import reload as reload_withdrawn
-from reelcache.progress import bar, say
+from reelcache.log import say
+from reelcache.progress import bar
 
 
 def _signature(p: Path) -> str:

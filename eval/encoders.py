@@ -13,7 +13,7 @@ from reelcache import UserError
 from reelcache.cache.encoders import TextEncoder, VideoEncoder
 from reelcache.cache.plan import diff
 from reelcache.cache.spec import spec_identity
-from reelcache.progress import say
+from reelcache.log import say
 
 
 def made_from(manifests: list[Path]) -> str:

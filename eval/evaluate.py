@@ -56,8 +56,9 @@ from reelcache.eval.records import write_json, write_val_loss_parquet
 from reelcache.eval.runlog import log_eval
 from reelcache.eval.samples import PRESETS, sample
 from reelcache.eval.valloss import validation_loss
+from reelcache.log import say
 from reelcache.media import write_mp4
-from reelcache.progress import fmt_eta, say
+from reelcache.progress import fmt_eta
 from reelcache.train.checkpoint import list_checkpoints, read_state
 from reelcache.train.config import from_dict
 from reelcache.train.model import STDiT3

@@ -39,7 +39,7 @@ import os
 import time
 from pathlib import Path
 
-from reelcache.progress import say
+from reelcache.log import say
 from reelcache.train.checkpoint import list_checkpoints, read_state
 from reelcache.train.config import from_dict
 from reelcache.train.runlog import read_run_id, wandb_settings

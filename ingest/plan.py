@@ -27,7 +27,7 @@ from reelcache.catalog.levels import TAGGERS
 from reelcache.files import atomic_path
 from reelcache.ingest.filters import Thresholds
 from reelcache.ingest.sources import FORMATS, MIRADATA_CAPTIONS, read_source
-from reelcache.progress import say
+from reelcache.log import say
 from reelcache.settings import NAME, TEXT, build, check, setting
 
 PLAN_VERSION = 1

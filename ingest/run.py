@@ -34,7 +34,7 @@ from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS
 from reelcache.ingest.plan import load_plan, source_dir
 from reelcache.ingest.probe import probe
 from reelcache.isolate import isolated_map
-from reelcache.progress import say
+from reelcache.log import say
 from reelcache.rejects import Reason
 
 # Metadata columns that are not copied into the sample's .json inside the shard.

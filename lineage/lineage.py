@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from reelcache import UserError
 from reelcache.lineage import index
-from reelcache.progress import say
+from reelcache.log import say
 from reelcache.train.checkpoint import list_checkpoints, read_state
 
 SAME_CAPTION_SHOWN = 20  # clips listed per shared caption (the count is always given)

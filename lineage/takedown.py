@@ -50,7 +50,7 @@ from reelcache.catalog.withdrawn import read_record, view_cache_files, withdrawn
 from reelcache.files import atomic_path
 from reelcache.lineage.holes import punch, sample_spans
 from reelcache.lineage.lineage import lineage
-from reelcache.progress import say
+from reelcache.log import say
 
 JOURNAL_VERSION = 1
 LEASE = "takedown.lease"  # ROOT/withdrawn/takedown.lease: held by the one takedown --apply running

@@ -2,7 +2,7 @@
 
 Bars show count, rate and ETA when stderr is a terminal; under GNU parallel or CI (no tty)
 they stay silent and the caller prints one summary line instead, so logs are not flooded.
-Status lines are ``say`` (reelcache/log.py), re-exported here where the stages import it.
+Status lines are ``say`` (reelcache/log.py).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import sys
 
 from tqdm import tqdm
 
-from reelcache.log import quiet_libraries, say
-
-__all__ = ["bar", "fmt_eta", "quiet_libraries", "say"]
+__all__ = ["bar", "fmt_eta"]
 
 
 def bar(total_or_iterable=None, desc: str = "", unit: str = "it", **kw) -> tqdm:

@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 
 from reelcache import UserError
 from reelcache.cluster import ranks
-from reelcache.progress import say
+from reelcache.log import say
 from reelcache.train.checkpoint import ckpt_step, list_checkpoints
 from reelcache.train.config import load_config
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from reelcache.progress import quiet_libraries
+from reelcache.log import quiet_libraries
 
 if TYPE_CHECKING:  # train/sections.py builds these lazily: annotations only, no import cycle
     from reelcache.train.sections import OptimConfig, ParallelConfig

@@ -28,7 +28,7 @@ from pathlib import Path
 from reelcache import UserError
 from reelcache.base import lease as leases
 from reelcache.base.lease import Busy, Lease, acquire
-from reelcache.progress import say
+from reelcache.log import say
 
 NAME = "run.lease"
 

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache.files import atomic_path
-from reelcache.progress import fmt_eta, say
+from reelcache.log import say
+from reelcache.progress import fmt_eta
 from reelcache.settings import TEXT, setting
 
 # what other stages may use (train/__init__.py: PUBLIC)

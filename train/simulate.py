@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache import UserError
-from reelcache.progress import bar, say
+from reelcache.log import say
+from reelcache.progress import bar
 from reelcache.train.loader import LatentLoader
 
 

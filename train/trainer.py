@@ -29,8 +29,7 @@ import torch
 
 from reelcache import UserError
 from reelcache.cluster import ranks
-from reelcache.log import log_to_file
-from reelcache.progress import say
+from reelcache.log import log_to_file, say
 from reelcache.train import checkpoint as ck
 from reelcache.train.config import TrainConfig, from_dict, resume_changes
 from reelcache.train.guard import DivergedError

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import textwrap
 
-from reelcache.log import LINE_PREFIX
-from reelcache.progress import fmt_eta, say
+from reelcache.log import LINE_PREFIX, say
+from reelcache.progress import fmt_eta
 
 TIME = r"\d\d:\d\d:\d\d"
 ISO = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d"
@@ -48,7 +48,7 @@ def _python(tmp_path, code: str, rank: str | None = None) -> subprocess.Complete
 def test_a_line_carries_the_time_and_the_rank(tmp_path):
     code = """
         from reelcache.log import setup_logging
-        from reelcache.progress import say
+        from reelcache.log import say
         setup_logging()
         say("hello")
         say("two\\nlines")
@@ -60,7 +60,7 @@ def test_a_line_carries_the_time_and_the_rank(tmp_path):
 
 
 def test_a_single_process_command_has_no_rank_tag(tmp_path):
-    p = _python(tmp_path, "from reelcache.progress import say; say('hello')")
+    p = _python(tmp_path, "from reelcache.log import say; say('hello')")
     assert re.fullmatch(rf"{TIME} hello\n", p.stderr), p.stderr
 
 
@@ -88,7 +88,7 @@ def test_library_warnings_arrive_once_through_the_logger_in_one_line(tmp_path):
 def test_setup_is_idempotent(tmp_path):
     code = """
         from reelcache.log import log_to_file, setup_logging
-        from reelcache.progress import say
+        from reelcache.log import say
         setup_logging()
         setup_logging()
         assert log_to_file("log/rank0.log") is log_to_file("log/rank0.log")
@@ -105,7 +105,7 @@ def test_a_command_logs_and_routes_warnings_and_keeps_libraries_quiet(tmp_path):
         import logging, warnings
         from reelcache import UserError
         from reelcache.cli import run_command
-        from reelcache.progress import say
+        from reelcache.log import say
 
         def command():
             say("working")
