@@ -40,14 +40,13 @@ ACROSS = {
     "train": {"cluster"},  # the rank records the cluster checks read, and the Slurm jobs train submits
     "lineage": {"train"},  # from a clip to the runs and checkpoints that saw it
     "eval": {"cache", "train", "cluster"},  # composes cache's encoders with train's model, loader and sampler
-    "view": {"cache", "train", "eval", "cluster", "lineage"},  # shows every stage's outputs through its code
+    "view": {"cache", "train", "cluster", "lineage"},  # shows every stage's outputs through its code
 }
 # What a stage offers the stages above it: the modules another stage may import (None: any of them).
 PUBLIC = {
     "cache": {"encoders", "opensora_vae", "plan", "decode", "spec"},  # the encoders, a cache's config, a clip's window
     "cluster": {"ranks", "slurm.checks", "slurm.client", "slurm.jobs", "slurm.options"},
     "lineage": {"lineage"},
-    "eval": {"video"},  # write_mp4, for the viewer's previews
     "train": None,  # what train/__init__.py declares public (its PUBLIC), read by public_of
 }
 
