@@ -105,11 +105,14 @@ def _video(driver, el, timeout: float = 120.0) -> tuple[int, float]:
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver.execute_script("arguments[0].play().catch(() => {})", el)
-    WebDriverWait(driver, timeout, 0.2).until(
-        lambda d: d.execute_script("return arguments[0].readyState >= 4 || arguments[0].error !== null", el)
-    )
-    state, duration, err = driver.execute_script(
-        "const v = arguments[0]; return [v.readyState, v.duration, v.error && v.error.code]", el
+    # read in the same script that saw it: a short clip that then plays to its end drops back to
+    # HAVE_CURRENT_DATA (2), as CI saw once between two scripts
+    state, duration, err = WebDriverWait(driver, timeout, 0.2).until(
+        lambda d: d.execute_script(
+            "const v = arguments[0]; return (v.readyState >= 4 || v.error !== null) && "
+            "[v.readyState, v.duration, v.error && v.error.code]",
+            el,
+        )
     )
     assert err is None, f"media error {err} for {el.get_attribute('src')}"
     return state, duration
