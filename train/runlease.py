@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -67,6 +68,11 @@ def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0) -> RunL
                 outcome = ("busy", _busy(run_dir, e) if not wait else f"{e}: waiting for it to end (--wait)")
             except OSError as e:
                 outcome = ("error", f"cannot write in {run_dir}: {e.strerror or e}")
+        launched = os.environ.get("REELCACHE_LAUNCH")  # `train --nproc`: its launcher says each distinct line once
+        if par.rank == 0 and outcome[0] != "held" and not (outcome[0] == "busy" and wait) and not launched:
+            # said before the gather: once the others have it they exit, and torchrun then stops this rank with
+            # SIGTERM, which under load came before a line said after it (CI saw the refusal with no line)
+            print(f"reelcache: error: {outcome[1]}", file=sys.stderr, flush=True)
         state, message = par.gather_objects(outcome)[0]
         if state == "held":
             return RunLease(lease, made)
@@ -77,9 +83,9 @@ def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0) -> RunL
                 told = True
             time.sleep(poll_s)
             continue
-        if par.rank == 0 or os.environ.get("REELCACHE_LAUNCH"):  # that launcher says each distinct line once
+        if launched:
             raise UserError(message)
-        raise SystemExit(2)  # rank 0 says why, once
+        raise SystemExit(2)  # rank 0 said why, once, above
 
 
 def _busy(run_dir: Path, e: Busy) -> str:
