@@ -72,7 +72,7 @@ def _tell_launcher(path: str, message: str, **extra) -> None:
 def run_command(fn) -> int:
     """Run a command: its exit status is what it returns (None: 0); a UserError is a message and
     exit status 2, never a traceback."""
-    from reelcache.log import setup_logging
+    from reelcache.log import say_error, setup_logging
 
     setup_logging()
     try:
@@ -81,7 +81,7 @@ def run_command(fn) -> int:
         if error_file := _launched():  # its launcher says each distinct line once
             _tell_launcher(error_file, str(e))
             return 2
-        print(f"reelcache: error: {e}", file=sys.stderr)
+        say_error(str(e))
         return 2
     except KeyboardInterrupt:
         return 130

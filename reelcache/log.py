@@ -115,6 +115,11 @@ def say(msg: str) -> None:
     log.info(msg)
 
 
+def say_error(message: str) -> None:
+    """The one line a command that fails says: ``reelcache: error: <message>`` on stderr."""
+    print(f"reelcache: error: {message}", file=sys.stderr, flush=True)
+
+
 def warning_text(message, category: type[Warning]) -> str:
     """A warning in one line: its text, and its category where that is not the plain UserWarning."""
     return str(message) if category is UserWarning else f"{message} ({category.__name__})"

@@ -37,6 +37,7 @@ def launch(rank_args: list[str], nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from reelcache.log import say_error
     from reelcache.train.parallel import free_port
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
@@ -69,7 +70,7 @@ def launch(rank_args: list[str], nproc: int) -> int:
             if r not in gone and os.path.isfile(failure.error_file) and failure.message not in said:
                 said.append(failure.message)
         for message in said:
-            print(f"reelcache: error: {message}", file=sys.stderr)
+            say_error(message)
         # in the order torch's agent saw them end: on a tie of its whole-second timestamps the first seen is
         # the cause, not a rank the agent then stopped with SIGTERM (which it records too)
         causes = [(r, f) for r, f in e.failures.items() if r not in gone] or list(e.failures.items())
@@ -83,6 +84,6 @@ def launch(rank_args: list[str], nproc: int) -> int:
         else:
             how = f"exited with status {failure.exitcode}" + ("" if said else " (its output is above)")
         others = f"; the launch stopped the other {nproc - 1} rank(s)" if nproc > 1 else ""
-        print(f"reelcache: error: rank {rank} (pid {failure.pid}) {how}{others}", file=sys.stderr)
+        say_error(f"rank {rank} (pid {failure.pid}) {how}{others}")
         return 1
     return 0

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
 from reelcache import UserError
 from reelcache.base import lease as leases
 from reelcache.base.lease import Busy, Lease, acquire
-from reelcache.log import say
+from reelcache.log import say, say_error
 
 NAME = "run.lease"
 
@@ -72,7 +71,7 @@ def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0) -> RunL
         if par.rank == 0 and outcome[0] != "held" and not (outcome[0] == "busy" and wait) and not launched:
             # said before the gather: once the others have it they exit, and torchrun then stops this rank with
             # SIGTERM, which under load came before a line said after it (CI saw the refusal with no line)
-            print(f"reelcache: error: {outcome[1]}", file=sys.stderr, flush=True)
+            say_error(outcome[1])
         state, message = par.gather_objects(outcome)[0]
         if state == "held":
             return RunLease(lease, made)
