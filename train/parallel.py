@@ -34,9 +34,10 @@ from reelcache.log import quiet_libraries
 if TYPE_CHECKING:  # train/sections.py builds these lazily: annotations only, no import cycle
     from reelcache.train.sections import OptimConfig, ParallelConfig
 
-# colossalai is imported by Parallel.setup, first through _colossalai() (quietly: its import prints
+# colossalai is imported when the booster is first needed (Parallel._booster: the optimizer or the boost,
+# after every check of a start has passed), first through _colossalai() (quietly: its import prints
 # notices about optional CUDA kernels), and so is train/zero_cpu.py, which imports it at its top; what
-# else uses this module (free_port, the optimizer files for the checkpoint writer) needs no colossalai.
+# else uses this module (setup, free_port, the optimizer files for the checkpoint writer) needs none.
 
 
 @dataclass
@@ -53,8 +54,9 @@ class Parallel:
     @classmethod
     def setup(cls, cfg: ParallelConfig) -> Parallel:
         """Join the process group that torchrun / ``colossalai run`` describe (or a 1-process one), with
-        [parallel]'s plugin, working dtype and gradient clipping (``ParallelConfig.build``)."""
-        plugin, dtype, grad_clip = cfg.plugin, cfg.dtype, cfg.grad_clip
+        [parallel]'s plugin, working dtype and gradient clipping (``ParallelConfig.build``); the booster
+        comes with the first optimizer or boost."""
+        plugin, dtype = cfg.plugin, cfg.dtype
         cuda = torch.cuda.is_available() and os.environ.get("REELCACHE_DEVICE", "") != "cpu"
         name = ("zero2" if cuda else "ddp") if plugin == "auto" else plugin
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
@@ -69,29 +71,6 @@ class Parallel:
             dist.init_process_group(
                 "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=collective_timeout_s())
             )
-        Booster, LowLevelZeroPlugin, TorchDDPPlugin = _colossalai()
-        if not cuda:  # else ColossalAI finds the GPU itself and moves the model there
-            from colossalai.accelerator import set_accelerator
-
-            set_accelerator("cpu")
-
-        if name == "zero2":
-            if not cuda:
-                from reelcache.train import zero_cpu
-
-                zero_cpu.enable()
-            prec = "bf16" if dtype == "bf16" else "fp32"
-            # overlap_communication records the flat gradients on a CUDA stream: CUDA only.
-            plug = LowLevelZeroPlugin(
-                stage=2,
-                precision=prec,
-                initial_scale=2**16,
-                max_norm=grad_clip,
-                reduce_bucket_size_in_m=20,
-                overlap_communication=cuda,
-            )
-        else:
-            plug = TorchDDPPlugin()
         wdtype = torch.bfloat16 if (name == "zero2" and dtype == "bf16") else torch.float32
         return cls(
             dist.get_rank(),
@@ -100,9 +79,40 @@ class Parallel:
             torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
             wdtype,
             name,
-            Booster(plugin=plug),
+            None,
             cfg,
         )
+
+    def _booster(self):
+        """ColossalAI's booster with [parallel]'s plugin, made on first use: ColossalAI's import costs a
+        process about 5 CPU-s (peft, transformers, bitsandbytes' torch.compile), which a start that a
+        check refuses (the run lease, the checkpoint, the manifests) never pays."""
+        if self.booster is not None:
+            return self.booster
+        cfg, cuda = self.cfg, self.device.type == "cuda"
+        Booster, LowLevelZeroPlugin, TorchDDPPlugin = _colossalai()
+        if not cuda:  # else ColossalAI finds the GPU itself and moves the model there
+            from colossalai.accelerator import set_accelerator
+
+            set_accelerator("cpu")
+        if self.zero:
+            if not cuda:
+                from reelcache.train import zero_cpu
+
+                zero_cpu.enable()
+            # overlap_communication records the flat gradients on a CUDA stream: CUDA only.
+            plug = LowLevelZeroPlugin(
+                stage=2,
+                precision="bf16" if cfg.dtype == "bf16" else "fp32",
+                initial_scale=2**16,
+                max_norm=cfg.grad_clip,
+                reduce_bucket_size_in_m=20,
+                overlap_communication=cuda,
+            )
+        else:
+            plug = TorchDDPPlugin()
+        self.booster = Booster(plugin=plug)
+        return self.booster
 
     @property
     def zero(self) -> bool:
@@ -111,6 +121,7 @@ class Parallel:
     def optimizer(self, cfg: OptimConfig, *, params) -> torch.optim.Optimizer:
         """[optim]'s AdamW over ``params`` (``OptimConfig.build``): HybridAdam under ZeRO, torch's under DDP."""
         if self.zero:
+            self._booster()  # HybridAdam after the accelerator and the CPU ZeRO mode are set
             from colossalai.nn.optimizer import HybridAdam
 
             return HybridAdam(params, lr=cfg.lr, **cfg.hyper(), adamw_mode=True)
@@ -119,11 +130,11 @@ class Parallel:
     def boost(self, model, optimizer):
         with warnings.catch_warnings():  # torch's notice about DDP's broadcast_buffers, set by the plugin
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*")
-            model, optimizer, *_ = self.booster.boost(model, optimizer)
+            model, optimizer, *_ = self._booster().boost(model, optimizer)
         return model, optimizer
 
     def backward(self, loss, optimizer) -> None:
-        self.booster.backward(loss, optimizer)
+        self._booster().backward(loss, optimizer)
 
     def grad_norm(self, model, optimizer) -> torch.Tensor:
         """The global L2 gradient norm, before the step; clips to [parallel]'s grad_clip where the step will not.

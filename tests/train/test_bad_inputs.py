@@ -54,11 +54,18 @@ def test_a_missing_shard_is_one_line_before_the_run_starts(root):
     n, _ = the_last_member(manifest, shard)
     (r / shard).unlink()
     try:
-        out = train(r, data_args(manifest, "--run.name=missing"), ok=False, timeout=120)
+        # -X importtime: the modules the refused start imported, one line each on stderr
+        entry = ("-X", "importtime", "-m", "reelcache.train")
+        out = train(r, data_args(manifest, "--run.name=missing"), entry=entry, ok=False, timeout=120)
     finally:
         (r / shard).write_bytes(saved)
+    imported = [ln.rsplit("|", 1)[-1].strip() for ln in out.splitlines() if ln.startswith("import time:")]
+    out = "\n".join(ln for ln in out.splitlines() if not ln.startswith("import time:"))
     assert errors(out) == [f"reelcache: error: {repair(r, manifest, shard, 'is missing', n)}"], out[-3000:]
     assert not (r / "runs").exists()
+    # a refused start never pays for ColossalAI's import (about 5 CPU-s: peft, transformers, bitsandbytes)
+    assert "torch.distributed" in imported and "reelcache.train.trainer" in imported
+    assert not [m for m in imported if m.startswith(("colossalai", "peft", "bitsandbytes"))]
 
 
 def test_a_short_shard_is_refused_when_the_loader_is_made(root):
