@@ -290,7 +290,8 @@ class Trainer:
                         self._since_log.append(out.loss)
                     if out.bad:
                         self._record_bad(batch, out)
-                        if st.guard.exhausted:
+                        if st.guard.exhausted:  # the same verdict on every rank (the guard's is max-reduced)
+                            self.ckpt.wait()  # a collective: the checkpoint in flight is on disk and can be named
                             raise DivergedError(self._diverged_message())
                     if st.global_step % cfg.log.every == 0 or out.bad:
                         self._log(batch, out, t_end - t_data, t_step - t_data)

@@ -389,6 +389,21 @@ def test_step_gradient_and_clipped_step_match_plain_torch(root, plugin, dtypes):
         assert by[("padding rank", "sample")]["samples"] < by[("two buckets", "sample")]["samples"]
 
 
+# The trainer with its background checkpoint writer 3 s slower: a checkpoint is still being written when
+# the steps after it run.
+SLOW_CHECKPOINT_WRITER = """
+import sys, time
+from reelcache.train import checkpoint
+write = checkpoint.Checkpointer._write
+def slow(self, *a, **kw):
+    time.sleep(3)
+    return write(self, *a, **kw)
+checkpoint.Checkpointer._write = slow
+from reelcache.train.cli import main
+sys.exit(main())
+"""
+
+
 def test_divergence_guard_skips_a_nan_step_on_every_rank_and_stops_after_n(root):
     r, manifest = root
     bad_manifest, clip = poisoned_manifest(r, manifest)
@@ -401,9 +416,12 @@ def test_divergence_guard_skips_a_nan_step_on_every_rank_and_stops_after_n(root)
     assert m[rec["step"]]["skipped"] and all(not m[s]["skipped"] for s in m if s != rec["step"])
     assert all(v.isfinite().all() for v in weights(run / f"ckpt-{max(m) + 1:08d}").values())
     assert "skipped" in out
-    # With max_bad_steps = 1 the same step stops the run, naming the checkpoint to resume from.
-    out = train(r, args + ["--run.name=stopped", "--guard.max_bad_steps=1"], nproc=2, ok=False)
-    assert "consecutive bad steps" in out and "--load" in out
+    # With max_bad_steps = 1 the same step stops the run, naming the checkpoint to resume from: the one
+    # still being written then too (its writer is slowed by 3 s here, as a loaded machine slows it).
+    stop = ["--run.name=stopped", "--guard.max_bad_steps=1"]
+    (r / "slow_writer.py").write_text(SLOW_CHECKPOINT_WRITER)  # torchrun runs a file, not -c
+    out = train(r, args + stop, nproc=2, ok=False, entry=[str(r / "slow_writer.py")])
+    assert "consecutive bad steps" in out and f"--load {r / 'runs/stopped/ckpt-00000003'}" in out, out[-3000:]
 
 
 def test_watchdog_writes_every_ranks_stack_when_a_read_hangs(root):
