@@ -203,11 +203,12 @@ format: install
 	$(BIN)/ruff check --fix --quiet .
 	$(BIN)/ruff format --quiet .
 
-# The suite, one test at a time. In 3 xdist workers (`.venv/bin/pytest -n 3`, grouped by tests/conftest.py)
-# a fresh clone on 2 cores took 30 min and 10 timer-bound tests failed: the training, Slurm and
-# namespace-cluster tests starve each other's timers there. Bigger machines may run `pytest -n`.
+# The suite in 3 xdist workers (TEST_WORKERS), grouped and ordered by tests/conftest.py: much of it waits
+# on timers (Slurm's node timeouts, lease TTLs, watchdog limits), so more workers than cores keep the two
+# cores busy. TEST_WORKERS=0 runs it one test at a time.
+TEST_WORKERS ?= 3
 test: test-sysdeps install lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 # The unit tests alone: every component in milliseconds, no multi-process or end-to-end run (those
 # are marked slow; multinode, slurm and browser tests count as slow too). Under a minute.
