@@ -18,6 +18,8 @@ default here is that scale; on a small shared machine set it down, e.g.
     BENCH_LINEAGE_CLIPS=130000 BENCH_LINEAGE_STEPS=10000 .venv/bin/python bench/bench_lineage.py
 
 (BENCH_LINEAGE_RANKS, _BATCH, _EVERY: 192, 2, 1000; BENCH_OUT: where the root is made, bench-out/lineage).
+At full scale the root is 1.1 GB (left in place for a rerun to replace), made and indexed in about 2 minutes on an
+idle 2-core machine; the unindexed baseline adds about 3.
 """
 
 from __future__ import annotations
