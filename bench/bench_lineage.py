@@ -5,9 +5,12 @@ caption shared by every 50 clips), one manifest holding every clip, and one run 
 clips per rank and step: its consumed log as the trainer writes it (train/loader.py ConsumedLog: a part per
 rank every ``every`` steps, named as ConsumedLog names them; the columns and types are checked against a part
 written by ConsumedLog itself), a checkpoint's state.json every ``every`` steps. Clip order is a permutation
-per epoch. The run's log is indexed (lineage/index.py; its time is printed), then ``lineage`` (lineage/lineage.py,
+per epoch. The run's log is indexed (lineage/index.py; its time is measured), then ``lineage`` (lineage/lineage.py,
 the command's code) is timed for one clip and for 10k clips, each once untimed first (page cache), then the
-median of ``BENCH_REPS`` runs.
+median of ``BENCH_REPS`` runs; last (so the parts' first read warms nothing the indexed runs use), the same
+without the index (moved aside, then put back): the run's parts read directly, the baseline the index is for.
+The end is a table (markdown) with each time (wall and CPU seconds), its goal and the 1-minute load average
+when it was taken.
 
 Goals at the replication's scale (1.3M clips, 100k steps x 192 ranks): one clip < 2 s, 10k clips < 30 s. The
 default here is that scale; on a small shared machine set it down, e.g.
@@ -15,6 +18,8 @@ default here is that scale; on a small shared machine set it down, e.g.
     BENCH_LINEAGE_CLIPS=130000 BENCH_LINEAGE_STEPS=10000 .venv/bin/python bench/bench_lineage.py
 
 (BENCH_LINEAGE_RANKS, _BATCH, _EVERY: 192, 2, 1000; BENCH_OUT: where the root is made, bench-out/lineage).
+At full scale the root is 1.1 GB (left in place for a rerun to replace), made and indexed in about 2 minutes on an
+idle 2-core machine; the unindexed baseline adds about 3.
 """
 
 from __future__ import annotations
@@ -114,37 +119,62 @@ def make_root(root: Path) -> None:
     shutil.rmtree(root / "_ref")
 
 
-def timed(fn) -> float:
-    fn()  # untimed: page cache
-    ts = []
+def timed(fn) -> tuple[float, float, object]:
+    """(the medians of BENCH_REPS timed calls' wall and CPU seconds, the result of one untimed call first: the
+    page cache). CPU seconds are the process's, every thread's (DuckDB's too): what contention does not change."""
+    got = fn()
+    ts, cs = [], []
     for _ in range(REPS):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        cs.append(time.process_time() - c0)
+    return statistics.median(ts), statistics.median(cs), got
+
+
+def load() -> float:
+    """The 1-minute load average now: the machine may be shared, so each time is given with it."""
+    return os.getloadavg()[0]
 
 
 def main() -> None:
     root = OUT / "root"
-    t0 = time.perf_counter()
+    run = root / "runs/bench"
+    rows = []  # (what, seconds, CPU seconds, goal, load)
+    t0, c0 = time.perf_counter(), time.process_time()
     make_root(root)
-    files = len(list((root / "runs/bench/consumed").glob("*.parquet")))
-    rows = STEPS * RANKS * BATCH
-    print(f"synthetic root: {N} clips, {STEPS} steps x {RANKS} ranks x {BATCH} = {rows} consumed rows in {files} "
-          f"parts, {STEPS // EVERY} checkpoints; made in {time.perf_counter() - t0:.0f} s")  # fmt: skip
-    t0 = time.perf_counter()
-    index.update(root / "runs/bench")
-    print(f"index of the consumed log (once; then each call indexes only new parts): {time.perf_counter() - t0:.0f} s")
+    files = len(list((run / "consumed").glob("*.parquet")))
+    consumed = STEPS * RANKS * BATCH
+    print(f"synthetic root: {N} clips, {STEPS} steps x {RANKS} ranks x {BATCH} = {consumed} consumed rows in {files} "
+          f"parts, {STEPS // EVERY} checkpoints", flush=True)  # fmt: skip
+    rows.append(("synthetic root made", time.perf_counter() - t0, time.process_time() - c0, "", load()))
+    t0, c0 = time.perf_counter(), time.process_time()
+    index.update(run)
+    rows.append(("index of the consumed log, once (then each call indexes only new parts)", time.perf_counter() - t0,
+                 time.process_time() - c0, "", load()))  # fmt: skip
     with read_only_connection(root) as con:
         ids = [r[0] for r in con.execute("SELECT clip_id FROM clips USING SAMPLE 10000 ROWS (reservoir, 7)").fetchall()]
-        one = ids[:1]
-        got = lineage(con, root, one)
-        steps = sum(len(r["steps"]) for r in got[0]["runs"])
-        print(f"one clip: {steps} trained steps found, {len(got[0]['same_caption']['clips'])} same-caption clips")
-        t1 = timed(lambda: lineage(con, root, one))
-        t10k = timed(lambda: lineage(con, root, ids))
-    print(f"lineage, 1 clip:    {t1:6.2f} s (goal < 2 s at 1.3M clips, 100k steps x 192 ranks)")
-    print(f"lineage, 10k clips: {t10k:6.2f} s (goal < 30 s)")
+
+        def both(how: str) -> None:
+            for sel, goal in ((ids[:1], "< 2 s"), (ids, "< 30 s")):
+                t, cpu, got = timed(lambda sel=sel: lineage(con, root, sel))
+                steps = sum(len(r["steps"]) for it in got for r in it["runs"])
+                what = "one clip" if len(sel) == 1 else f"{len(sel)} clips"
+                rows.append((f"lineage, {what}, {how} ({steps} trained steps found)", t, cpu, goal, load()))
+                print(f"{rows[-1][0]}: {t:.2f} s, {cpu:.2f} CPU s (load {rows[-1][-1]:.1f})", flush=True)
+
+        both("indexed")
+        aside = run / "lineage.bench-aside"
+        (run / index.DIR).rename(aside)
+        try:
+            both("unindexed: the log's parts")
+        finally:
+            aside.rename(run / index.DIR)
+    print(f"\nlineage at {N} clips, {STEPS} steps x {RANKS} ranks x {BATCH} = {consumed} consumed rows in {files} "
+          f"parts, {STEPS // EVERY} checkpoints; lineage: median of {REPS} runs after one untimed\n")  # fmt: skip
+    print("| measured | seconds | CPU seconds | goal | load (1 min) |\n|---|---|---|---|---|")
+    for what, t, cpu, goal, ld in rows:
+        print(f"| {what} | {t:.2f} | {cpu:.2f} | {goal} | {ld:.1f} |")
 
 
 if __name__ == "__main__":

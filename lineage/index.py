@@ -21,6 +21,7 @@ never change, so a segment stays right.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -33,9 +34,15 @@ ROW_GROUP = 65_536  # rows per row group: the unit DuckDB skips by its clip_id s
 
 
 def parts(run_dir: Path) -> dict[str, int]:
-    """The consumed log's parts: name -> size."""
-    d = run_dir / "consumed"
-    return {p.name: p.stat().st_size for p in sorted(d.glob("*.parquet")) if not p.name.startswith(".")}
+    """The consumed log's parts: name -> size, by name. One ``scandir``: a long run's log has tens of thousands
+    of parts; listing them through pathlib (a Path and a stat each) took 0.4 s of CPU at 19,200 parts, 0.1 s
+    this way (bench/bench_lineage.py at full scale)."""
+    try:
+        with os.scandir(Path(run_dir) / "consumed") as it:
+            found = {e.name: e.stat().st_size for e in it if e.name.endswith(".parquet") and not e.name.startswith(".")}
+    except FileNotFoundError:
+        return {}
+    return dict(sorted(found.items()))
 
 
 def segments(run_dir: Path) -> list[tuple[Path, dict[str, int]]]:
@@ -50,15 +57,16 @@ def segments(run_dir: Path) -> list[tuple[Path, dict[str, int]]]:
     return out
 
 
-def covered(run_dir: Path) -> tuple[list[Path], dict[str, int]]:
-    """(segment stems whose parts are all unchanged, the parts they cover)."""
+def covered(run_dir: Path) -> tuple[list[Path], list[str]]:
+    """(segment stems whose parts are all unchanged, the names of the parts none of them covers), from one
+    listing of the log."""
     now = parts(run_dir)
-    segs, cov = [], {}
+    segs, cov = [], set()
     for stem, ps in segments(run_dir):
         if all(now.get(n) == s for n, s in ps.items()):
             segs.append(stem)
             cov.update(ps)
-    return segs, cov
+    return segs, [n for n in now if n not in cov]
 
 
 def _sql_text(path: Path) -> str:

@@ -149,8 +149,8 @@ def runs_of(root: Path) -> list[Path]:
 def run_steps(con, run_dir: Path) -> tuple[list[dict], list[dict]]:  # con: one that may read files
     """(the selected clips' trained steps in this run, its checkpoints): from the run's index where it covers
     the log (lineage/index.py), from the log's parts where it does not."""
-    segs, cov = index.covered(run_dir)
-    raw = [str(run_dir / "consumed" / n) for n in index.parts(run_dir) if n not in cov]
+    segs, rest = index.covered(run_dir)
+    raw = [str(run_dir / "consumed" / n) for n in rest]
     ckpts = checkpoints(run_dir)
     if not segs and not raw:
         return [], ckpts
