@@ -460,10 +460,11 @@ def download(url, path) -> None:
         Path(tmp).write_bytes(get(url))
 
 
-def check_root(url) -> Url:
-    """Before any work on a root in S3: the bucket exists, the credentials work, and the store honours conditional
-    writes (a second create of one key with If-None-Match: * is refused), or one line saying which and what to
-    do. A bucket is checked first by HEAD: some stores (SeaweedFS) create a missing bucket on the first PUT."""
+def check_root(url, write: bool = True) -> Url:
+    """Before any work on a root in S3: the bucket exists, the credentials work, and (`write`) the store honours
+    conditional writes (a second create of one key with If-None-Match: * is refused), or one line saying which
+    and what to do. A bucket is checked first by HEAD: some stores (SeaweedFS) create a missing bucket on the
+    first PUT."""
     url = parse(url)
     bucket = Url(url.bucket)
     try:
@@ -480,6 +481,8 @@ def check_root(url) -> Url:
                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and the key's rights on the bucket"
             ) from None
         raise explain(e, bucket, "checking the bucket") from None
+    if not write:
+        return url
     probe = url / f".reelcache-check-{secrets.token_hex(6)}"
     put(probe, b"conditional write check", if_none_match=True)
     try:
@@ -502,3 +505,89 @@ def forget_clients() -> None:
     """Drop the clients made so far: the next call makes one from the environment as it is now (tests)."""
     with _clients_lock:
         _clients.clear()
+
+
+def get_with_age(url) -> tuple[bytes, str, float] | None:
+    """The whole object, its ETag and its age by the server's own clock (the response's Date minus the object's
+    Last-Modified, in seconds: the client's clock plays no part); None when absent. The object lease reads its
+    holder so (base/lease.py)."""
+    from email.utils import parsedate_to_datetime
+
+    url = parse(url)
+
+    def once():
+        try:
+            data, r = _read(url, None)
+        except Exception as e:
+            if _status(e) == 404 or _code(e) in ("NoSuchKey", "404"):
+                return None
+            raise
+        date = parsedate_to_datetime(r["ResponseMetadata"]["HTTPHeaders"]["date"])
+        return data, r["ETag"], max(0.0, (date - r["LastModified"]).total_seconds())
+
+    return _retrying(url, "reading", once)
+
+
+def mirror_dir(url) -> Path:
+    """The local folder that mirrors a root in S3: ``$REELCACHE_S3_MIRROR/<bucket>/<prefix>`` (default
+    ``~/.cache/reelcache/s3``, under ``$XDG_CACHE_HOME`` where set). It holds what the stages keep on a local disk
+    for that root: the catalog (``catalog.duckdb``), the sidecars and plans it was merged from, and the unit's
+    shards while they are written, before each is uploaded whole (docs/STORAGE.md)."""
+    url = parse(url)
+    base = os.environ.get("REELCACHE_S3_MIRROR")
+    if not base:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "reelcache" / "s3"
+    return Path(base) / url.bucket / url.key
+
+
+def sync_down(prefix, local: Path, keep) -> list[Path]:
+    """Mirror the objects under `prefix` whose path below it `keep(rel)` accepts into `local`: an object is
+    downloaded when the local copy's size or mtime differ from the object's (its mtime is set to the object's
+    Last-Modified), and a local file `keep` accepts whose object is gone is removed. Returns the local files."""
+    prefix = parse(prefix)
+    base = prefix.key.rstrip("/") + "/" if prefix.key else ""
+    want = {}
+    for o in list_objects(Url(prefix.bucket, base)):
+        rel = o["Key"][len(base) :]
+        if keep(rel):
+            want[rel] = o
+    out = []
+    for rel, o in want.items():
+        p = local / rel
+        mtime = o["LastModified"].timestamp()
+        try:
+            st = p.stat()
+            same = st.st_size == o["Size"] and st.st_mtime == mtime
+        except FileNotFoundError:
+            same = False
+        if not same:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            download(Url(prefix.bucket, o["Key"]), p)
+            os.utime(p, (mtime, mtime))
+        out.append(p)
+    if local.exists():
+        for p in local.rglob("*"):
+            rel = p.relative_to(local).as_posix()
+            if p.is_file() and keep(rel) and rel not in want:
+                p.unlink()
+    return sorted(out)
+
+
+def root_arg(text: str) -> str:
+    """argparse type of a ``--root``: an existing folder, or a well-formed ``s3://bucket/prefix`` (whether the
+    bucket exists and the credentials work is ``check_root``'s, once the command runs)."""
+    from reelcache.args import existing_dir
+
+    return new_root_arg(text) if text.startswith("s3://") else existing_dir(text)
+
+
+def new_root_arg(text: str) -> str:
+    """argparse type of a ``--root`` that may not exist yet: any folder, or a well-formed ``s3://bucket/prefix``."""
+    import argparse
+
+    if text.startswith("s3://"):
+        try:
+            parse(text)
+        except UserError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text

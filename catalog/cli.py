@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from reelcache.args import arg, existing_dir
+from reelcache.base.s3 import check_root, is_url, root_arg
 
 # merge, query, stats and manifest (duckdb, pyarrow, matplotlib) are imported by the command that
 # runs them: `reelcache --help` builds every stage's parser.
@@ -31,7 +32,12 @@ def add_commands(top) -> None:
     )
     sub = cat.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="load finished units' sidecars (idempotent), recompute levels")
-    m.add_argument("--root", required=True, type=existing_dir)
+    m.add_argument(
+        "--root",
+        required=True,
+        type=root_arg,
+        help="a folder, or s3://bucket/prefix: its sidecars are mirrored to a local folder, where the catalog is made",
+    )
     m.set_defaults(fn=_merge)
     q = sub.add_parser(
         "sql",
@@ -73,6 +79,8 @@ def add_commands(top) -> None:
 def _merge(a) -> None:
     from reelcache.catalog.merge import merge
 
+    if is_url(a.root):
+        check_root(a.root, write=False)
     merge(a.root)
 
 

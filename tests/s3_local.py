@@ -210,7 +210,8 @@ class Fault:
     'reset' (the response's headers and half its body, then a TCP reset), 'short' (the headers and half the
     body, then a clean close: a body short of its Content-Length), 'stall' (the headers, then nothing for
     `stall_s`), 'lost' (the request reaches the server, which commits it; the client's connection is then
-    reset without a response)."""
+    reset without a response), 'hold' (the request is read and never forwarded nor answered, until the proxy
+    closes: an upload cut off before the server has it, as when its process is killed)."""
 
     kind: str
     match: Callable[[str, str], bool] = lambda method, path: True
@@ -294,6 +295,9 @@ class FaultProxy:
                 if f is not None and f.kind in ("slowdown", "error500"):
                     _send_error(c, f)
                     continue
+                if f is not None and f.kind == "hold":
+                    self.closed.wait()
+                    return
                 if up is None:
                     up = socket.create_connection(self.upstream)
                 up.sendall(head + body)

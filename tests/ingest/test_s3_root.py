@@ -1,0 +1,169 @@
+"""Ingest onto a root in S3 (SeaweedFS on loopback, tests/s3_local.py) against the same input ingested onto a
+local folder (conftest's `ingested`, the reference): the shards and sidecars, downloaded by the test's own
+boto3 client, and the catalog rows are equal; a unit that dies mid-upload leaves no object and its rerun
+succeeds; faults end byte-identical or fail the unit cleanly; a bad root is one line before any work."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import catalog_rows, ingest, outputs, plan_ingest
+
+from reelcache.base import s3
+from reelcache.cli import main
+
+ARGS = ("--rows-per-unit", "8", "--max-file-mb", "8")  # as support.ingest plans the reference
+
+
+@pytest.fixture()
+def mirror(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "mirror"))
+    return tmp_path / "mirror"
+
+
+def download(s3_server, root: str, dest: Path) -> list[str]:
+    """Every object under the root into `dest` with a plain boto3 client (not the code under test); the keys."""
+    u = s3.parse(root)
+    c = s3_server.client()
+    keys = [o["Key"] for page in c.get_paginator("list_objects_v2").paginate(Bucket=u.bucket, Prefix=u.key + "/")
+            for o in page.get("Contents", [])]  # fmt: skip
+    for k in keys:
+        p = dest / k[len(u.key) + 1 :]
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(c.get_object(Bucket=u.bucket, Key=k)["Body"].read())
+    return [k[len(u.key) + 1 :] for k in keys]
+
+
+def uploads(s3_server, root: str) -> list[str]:
+    u = s3.parse(root)
+    return [x["Key"] for x in s3_server.client().list_multipart_uploads(Bucket=u.bucket).get("Uploads", [])
+            if x["Key"].startswith(u.key + "/")]  # fmt: skip
+
+
+def test_ingest_to_s3_equals_local(s3_server, s3_root, mirror, demo_dataset, ingested, tmp_path):
+    ingest(s3_root, demo_dataset)
+    keys = download(s3_server, s3_root, tmp_path / "dl")
+    assert not [k for k in keys if k.endswith(".lease") or "tmp" in k], keys  # no lease, no temporary left
+    assert outputs(tmp_path / "dl", "raw/openvid") == outputs(ingested, "raw/openvid")  # members and sidecar rows
+    for t in (ingested / "raw/openvid").glob("*.tar"):  # the same sizes: only the tar headers' mtime may differ
+        assert (tmp_path / "dl/raw/openvid" / t.name).stat().st_size == t.stat().st_size
+    local = s3.mirror_dir(s3_root)
+    assert local == mirror / s3.parse(s3_root).bucket / s3.parse(s3_root).key  # where the catalog lives
+    assert catalog_rows(local, "clips", "clip_id") == catalog_rows(ingested, "clips", "clip_id")
+    assert not list((local / "raw/openvid").glob("*.tar"))  # staged shards were uploaded and removed
+    assert uploads(s3_server, s3_root) == []
+    # merge again: nothing new is downloaded or merged
+    assert main(["catalog", "merge", "--root", s3_root]) == 0
+    assert catalog_rows(local, "clips", "clip_id") == catalog_rows(ingested, "clips", "clip_id")
+
+
+def test_unit_killed_mid_upload_leaves_no_object_and_reruns(
+    s3_server, s3_proxy, mirror, demo_dataset, ingested, tmp_path
+):
+    root = s3_proxy.root
+    units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
+    # the unit's shard upload reaches the proxy and goes no further; the run is then killed
+    held = s3_proxy.add("hold", lambda m, p: m == "PUT" and "/raw/openvid/000000-" in p)
+    env = {**os.environ, "REELCACHE_LEASE_TTL_S": "300"}
+    cmd = [sys.executable, "-m", "reelcache.cli", "ingest", "run", "--root", root, units[0]]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while held.hits == 0:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "the unit never uploaded its shard"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    s3_proxy.clear()
+    u = s3.parse(root)
+    left = [o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects(f"{root}/raw/openvid/")]
+    assert "000000.lease" in left and not [k for k in left if k.startswith("000000-") or k == "000000.parquet"], left
+    # a killed run's unfinished multipart upload of a shard is aborted by the rerun too
+    s3_server.client().create_multipart_upload(Bucket=u.bucket, Key=f"{u.key}/raw/openvid/000000-00.tar")
+    assert main(["ingest", "run", "--root", root, *units]) == 0  # the dead run's lease: its pid is gone here
+    assert main(["catalog", "merge", "--root", root]) == 0
+    download(s3_server, root, tmp_path / "dl")
+    assert outputs(tmp_path / "dl", "raw/openvid") == outputs(ingested, "raw/openvid")
+    assert catalog_rows(s3.mirror_dir(root), "clips", "clip_id") == catalog_rows(ingested, "clips", "clip_id")
+    assert uploads(s3_server, root) == []
+
+
+def test_a_second_run_of_a_unit_is_refused(s3_server, s3_proxy, mirror, demo_dataset, capsys):
+    root = s3_proxy.root
+    units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
+    held = s3_proxy.add("hold", lambda m, p: m == "PUT" and "/raw/openvid/000000-" in p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reelcache.cli", "ingest", "run", "--root", root, units[0]],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while held.hits == 0:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        capsys.readouterr()
+        assert main(["ingest", "run", "--root", root, units[0]]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "openvid/000000 is being run by host" in err[0] and f"pid {proc.pid}" in err[0]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("kind", ["slowdown", "error500", "reset", "short", "lost"])
+def test_faults_end_byte_identical(s3_server, s3_proxy, mirror, demo_dataset, ingested, tmp_path, kind):
+    """Each fault on every kind of request of a unit's run (its lease, shard and sidecar PUTs, its GETs)."""
+    root = s3_proxy.root
+    units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
+    s3_proxy.add(kind, lambda m, p: "/raw/openvid/0000" in p, times=3)
+    assert main(["ingest", "run", "--root", root, *units]) == 0
+    assert s3_proxy.faults[0].hits == 3
+    s3_proxy.clear()
+    assert main(["catalog", "merge", "--root", root]) == 0
+    download(s3_server, root, tmp_path / "dl")
+    assert outputs(tmp_path / "dl", "raw/openvid") == outputs(ingested, "raw/openvid")
+    assert catalog_rows(s3.mirror_dir(root), "clips", "clip_id") == catalog_rows(ingested, "clips", "clip_id")
+
+
+def test_a_shard_that_cannot_be_uploaded_fails_the_unit_cleanly(s3_server, s3_proxy, mirror, demo_dataset, capsys):
+    root = s3_proxy.root
+    units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
+    s3_proxy.add("error500", lambda m, p: m == "PUT" and "/raw/openvid/000001-" in p, times=1000)
+    capsys.readouterr()
+    assert main(["ingest", "run", "--root", root, units[1]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "raw/openvid/000001-00.tar" in err[0], err
+    s3_proxy.clear()
+    left = [o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects(f"{root}/raw/openvid/")]
+    assert not [k for k in left if k.startswith("000001")], left  # no shard, no sidecar, no lease
+    assert main(["ingest", "run", "--root", root, units[1]]) == 0
+
+
+@pytest.mark.parametrize("what", ["bucket", "credentials", "endpoint"])
+def test_a_bad_root_is_one_line_before_any_work(s3_server, s3_root, mirror, demo_dataset, monkeypatch, capsys, what):
+    from s3_local import free_ports
+
+    root = s3_root
+    if what == "bucket":
+        root = "s3://no-such-bucket-x/root"
+    elif what == "credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_ports(1)[0]}")
+    s3.forget_clients()
+    capsys.readouterr()
+    args = ["--source", "openvid", "--meta", str(demo_dataset / "OpenVid-demo.csv"), "--videos", str(demo_dataset)]
+    assert main(["ingest", "plan", "--root", root, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    expect = {"bucket": "no such bucket", "credentials": "refused the credentials", "endpoint": "cannot reach"}[what]
+    assert len(err) == 1 and expect in err[0], err
+    assert not mirror.exists() or not list(mirror.rglob("*.parquet"))  # no work was done
+    assert main(["catalog", "merge", "--root", root]) == 2
+    assert expect in capsys.readouterr().err
