@@ -286,6 +286,8 @@ class FaultProxy:
                 head = _read_head(rf)
                 if head is None:
                     return
+                if b"\r\nexpect: 100-continue" in head.lower():  # botocore's PUTs wait for it (up to a second)
+                    c.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = _read_body(rf, head)
                 line = head.split(b"\r\n", 1)[0].decode("latin-1")
                 method, path = line.split(" ")[0], line.split(" ")[1]

@@ -5,7 +5,6 @@ succeeds; faults end byte-identical or fail the unit cleanly; a bad root is one 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -46,6 +45,7 @@ def uploads(s3_server, root: str) -> list[str]:
             if x["Key"].startswith(u.key + "/")]  # fmt: skip
 
 
+@pytest.mark.slow  # the whole demo input: five units (about 20 s here)
 def test_ingest_to_s3_equals_local(s3_server, s3_root, mirror, demo_dataset, ingested, tmp_path):
     ingest(s3_root, demo_dataset)
     keys = download(s3_server, s3_root, tmp_path / "dl")
@@ -63,76 +63,89 @@ def test_ingest_to_s3_equals_local(s3_server, s3_root, mirror, demo_dataset, ing
     assert catalog_rows(local, "clips", "clip_id") == catalog_rows(ingested, "clips", "clip_id")
 
 
-def test_unit_killed_mid_upload_leaves_no_object_and_reruns(
-    s3_server, s3_proxy, mirror, demo_dataset, ingested, tmp_path
-):
-    root = s3_proxy.root
-    units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
-    # the unit's shard upload reaches the proxy and goes no further; the run is then killed
-    held = s3_proxy.add("hold", lambda m, p: m == "PUT" and "/raw/openvid/000000-" in p)
-    env = {**os.environ, "REELCACHE_LEASE_TTL_S": "300"}
-    cmd = [sys.executable, "-m", "reelcache.cli", "ingest", "run", "--root", root, units[0]]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while held.hits == 0:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        assert time.monotonic() < deadline, "the unit never uploaded its shard"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    s3_proxy.clear()
-    u = s3.parse(root)
-    left = [o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects(f"{root}/raw/openvid/")]
-    assert "000000.lease" in left and not [k for k in left if k.startswith("000000-") or k == "000000.parquet"], left
-    # a killed run's unfinished multipart upload of a shard is aborted by the rerun too
-    s3_server.client().create_multipart_upload(Bucket=u.bucket, Key=f"{u.key}/raw/openvid/000000-00.tar")
-    assert main(["ingest", "run", "--root", root, *units]) == 0  # the dead run's lease: its pid is gone here
+def unit_outputs(root: Path, stem: str) -> dict:
+    """outputs() of one unit: its shards and its sidecar's rows."""
+    return {k: v for k, v in outputs(root, "raw/openvid").items() if k.startswith(stem)}
+
+
+def unit_rows(root: Path, unit: str) -> list[tuple]:
+    import duckdb
+
+    with duckdb.connect(str(root / "catalog.duckdb"), read_only=True) as db:
+        cols = [
+            c for c in db.sql("SELECT * FROM clips LIMIT 0").columns if c not in ("level", "noun_pct")
+        ]  # of all clips
+        return db.sql(f"SELECT {', '.join(cols)} FROM clips WHERE unit = ? ORDER BY clip_id", params=[unit]).fetchall()
+
+
+def same_unit(s3_server, root: str, reference: Path, tmp_path: Path, unit: str) -> None:
+    """The unit's objects (downloaded by a plain client) and catalog rows equal the reference's."""
     assert main(["catalog", "merge", "--root", root]) == 0
     download(s3_server, root, tmp_path / "dl")
-    assert outputs(tmp_path / "dl", "raw/openvid") == outputs(ingested, "raw/openvid")
-    assert catalog_rows(s3.mirror_dir(root), "clips", "clip_id") == catalog_rows(ingested, "clips", "clip_id")
+    stem = unit.split("/")[1]
+    assert unit_outputs(tmp_path / "dl", stem) == unit_outputs(reference, stem)
+    assert unit_rows(s3.mirror_dir(root), unit) == unit_rows(reference, unit)
     assert uploads(s3_server, root) == []
 
 
-def test_a_second_run_of_a_unit_is_refused(s3_server, s3_proxy, mirror, demo_dataset, capsys):
+def test_two_runs_of_a_unit_and_a_run_killed_mid_upload(
+    s3_server, s3_proxy, mirror, demo_dataset, ingested, tmp_path, capsys
+):
+    """A run holds the unit's lease and its shard upload reaches the proxy and goes no further: a second run is
+    refused in one line naming it; the first is killed: no shard or sidecar object is left; the rerun takes the
+    dead run's lease (its pid is gone on this host), aborts what a killed run's multipart upload left, and ends
+    equal to the reference."""
     root = s3_proxy.root
     units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
     held = s3_proxy.add("hold", lambda m, p: m == "PUT" and "/raw/openvid/000000-" in p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reelcache.cli", "ingest", "run", "--root", root, units[0]],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    cmd = [sys.executable, "-m", "reelcache.cli", "ingest", "run", "--root", root, units[0]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while held.hits == 0:
-            assert proc.poll() is None and time.monotonic() < deadline
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the unit never uploaded its shard"
             time.sleep(0.05)
         capsys.readouterr()
         assert main(["ingest", "run", "--root", root, units[0]]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "openvid/000000 is being run by host" in err[0] and f"pid {proc.pid}" in err[0]
     finally:
-        proc.kill()
+        proc.send_signal(signal.SIGKILL)
         proc.wait()
+    s3_proxy.clear()
+    left = [o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects(f"{root}/raw/openvid/")]
+    assert "000000.lease" in left and not [k for k in left if k.startswith("000000-") or k == "000000.parquet"], left
+    u = s3.parse(root)
+    s3_server.client().create_multipart_upload(Bucket=u.bucket, Key=f"{u.key}/raw/openvid/000000-00.tar")
+    assert uploads(s3_server, root)
+    assert main(["ingest", "run", "--root", root, units[0]]) == 0
+    same_unit(s3_server, root, ingested, tmp_path, units[0])
 
 
-@pytest.mark.parametrize("kind", ["slowdown", "error500", "reset", "short", "lost"])
-def test_faults_end_byte_identical(s3_server, s3_proxy, mirror, demo_dataset, ingested, tmp_path, kind):
-    """Each fault on every kind of request of a unit's run (its lease, shard and sidecar PUTs, its GETs)."""
+def test_faults_end_byte_identical(s3_server, s3_proxy, mirror, demo_dataset, ingested, tmp_path):
+    """Every fault of the proxy at once, on the requests of one unit's run: its lease's create (SlowDown with
+    Retry-After, then a lost response), its shard's PUT (500, SlowDown without Retry-After), its reads of the
+    lease (a reset body, a short body), the sidecar's PUT (lost): the unit ends equal to the reference."""
     root = s3_proxy.root
     units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
-    s3_proxy.add(kind, lambda m, p: "/raw/openvid/0000" in p, times=3)
-    assert main(["ingest", "run", "--root", root, *units]) == 0
-    assert s3_proxy.faults[0].hits == 3
+    on = lambda method, name: lambda m, p: m == method and f"/raw/openvid/{name}" in p  # noqa: E731
+    s3_proxy.add("slowdown", on("PUT", "000000.lease"), retry_after=0)
+    s3_proxy.add("lost", on("PUT", "000000.lease"))
+    s3_proxy.add("error500", on("PUT", "000000-00.tar"))
+    s3_proxy.add("slowdown", on("PUT", "000000-00.tar"))
+    s3_proxy.add("reset", on("GET", "000000.lease"))
+    s3_proxy.add("short", on("GET", "000000.lease"))
+    s3_proxy.add("lost", on("PUT", "000000.parquet"))
+    assert main(["ingest", "run", "--root", root, units[0]]) == 0
+    assert [f.hits for f in s3_proxy.faults] == [1] * 7
     s3_proxy.clear()
-    assert main(["catalog", "merge", "--root", root]) == 0
-    download(s3_server, root, tmp_path / "dl")
-    assert outputs(tmp_path / "dl", "raw/openvid") == outputs(ingested, "raw/openvid")
-    assert catalog_rows(s3.mirror_dir(root), "clips", "clip_id") == catalog_rows(ingested, "clips", "clip_id")
+    same_unit(s3_server, root, ingested, tmp_path, units[0])
 
 
-def test_a_shard_that_cannot_be_uploaded_fails_the_unit_cleanly(s3_server, s3_proxy, mirror, demo_dataset, capsys):
+def test_a_shard_that_cannot_be_uploaded_fails_the_unit_cleanly(
+    s3_server, s3_proxy, mirror, demo_dataset, ingested, tmp_path, capsys
+):
     root = s3_proxy.root
     units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
     s3_proxy.add("error500", lambda m, p: m == "PUT" and "/raw/openvid/000001-" in p, times=1000)
@@ -144,6 +157,7 @@ def test_a_shard_that_cannot_be_uploaded_fails_the_unit_cleanly(s3_server, s3_pr
     left = [o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects(f"{root}/raw/openvid/")]
     assert not [k for k in left if k.startswith("000001")], left  # no shard, no sidecar, no lease
     assert main(["ingest", "run", "--root", root, units[1]]) == 0
+    same_unit(s3_server, root, ingested, tmp_path, units[1])
 
 
 @pytest.mark.parametrize("what", ["bucket", "credentials", "endpoint"])
