@@ -32,8 +32,8 @@ operation has its conditional-write twin (base/s3.py), one mechanism with two pl
 
 - taken by a create that only succeeds when no object is there (``If-None-Match: *``: a second create gets
   412 and loses, as ``O_EXCL`` does);
-- refreshed by rewriting it with ``If-Match`` on the ETag this holder last wrote (a holder whose lease was
-  taken over gets 412 and stops refreshing);
+- refreshed by rewriting it with ``If-Match`` on the ETag this holder last wrote, its heartbeat count one up
+  (new bytes, so a new ETag; a holder whose lease was taken over gets 412 and stops refreshing);
 - its age is the server's clock's: the response's ``Date`` minus the object's ``Last-Modified`` (the POSIX
   lease uses the storage's mtime);
 - a stale one is taken over by overwriting it with ``If-Match`` on the ETag it was judged stale by: of two
@@ -325,8 +325,12 @@ class _Objects:
 
     @staticmethod
     def refresh(lease: Lease) -> None:
+        """Rewrite it with its heartbeat count one up: a new body, so a new ETag (an ETag is the body's MD5 on most
+        stores: the same bytes again would keep the ETag a takeover judged stale, and let it through)."""
+        doc = json.loads(lease.body)
+        body = json.dumps({**doc, "beat": doc.get("beat", 0) + 1}).encode()
         try:
-            lease.tag = s3.put(lease.path, lease.body, if_match=lease.tag)
+            lease.tag, lease.body = s3.put(lease.path, body, if_match=lease.tag), body
         except s3.PreconditionFailed:
             pass  # taken over: no longer ours to refresh (`held` says so)
 
