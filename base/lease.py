@@ -192,10 +192,9 @@ class Lease:
     def held(self) -> bool:
         """Whether the lease (file or object) is still ours."""
         try:
-            holder = read_holder(self.path)
-        except (OSError, s3.S3Error):
+            return _place(self.path).token(self.path) == self.token
+        except (OSError, ValueError, s3.S3Error):
             return False
-        return holder is not None and holder.token == self.token
 
     def refresh(self) -> None:
         """The heartbeat: the lease's age back to zero, by the storage's clock."""
@@ -292,6 +291,10 @@ class _Files:
         return _holder(raw, max(0.0, _storage_now(path.parent) - st.st_mtime))
 
     @staticmethod
+    def token(path) -> str | None:
+        return json.loads(Path(path).read_text()).get("token")
+
+    @staticmethod
     def refresh(lease: Lease) -> None:
         os.utime(lease.path)  # no times given: stamped by the storage's clock
 
@@ -322,6 +325,11 @@ class _Objects:
     def read(path) -> Holder | None:
         got = s3.get_with_age(path)
         return None if got is None else _holder(got[0], got[2], got[1])
+
+    @staticmethod
+    def token(path) -> str | None:
+        holder = _Objects.read(path)
+        return None if holder is None else holder.token
 
     @staticmethod
     def refresh(lease: Lease) -> None:
@@ -355,6 +363,13 @@ class _Objects:
 
 def _place(path):
     return _Objects if s3.is_url(path) else _Files
+
+
+def take_over(path, stale: Holder) -> Lease | None:
+    """Take over the lease at `path` that `stale` was read from and judged stale: an object lease is overwritten
+    on the ETag it was read with (None: it changed since, refreshed or taken by another run); a file lease is
+    removed under its guard, and None returned: create it anew (``acquire`` does both)."""
+    return _place(path).take_over(path, stale)
 
 
 def _remove_if_stale(path: Path, stale: Holder) -> None:
@@ -394,7 +409,7 @@ def acquire(path, *, wait: bool = False, poll_s: float = 1.0, on_wait=None) -> L
             return held
         lease = place.create(path)
         if lease is None and (holder := read_holder(path)) is not None and is_stale(holder):
-            lease = place.take_over(path, holder)
+            lease = take_over(path, holder)
             if lease is None:
                 continue
         if lease is not None:
