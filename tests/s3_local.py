@@ -211,7 +211,9 @@ class Fault:
     body, then a clean close: a body short of its Content-Length), 'stall' (the headers, then nothing for
     `stall_s`), 'lost' (the request reaches the server, which commits it; the client's connection is then
     reset without a response), 'hold' (the request is read and never forwarded nor answered, until the proxy
-    closes: an upload cut off before the server has it, as when its process is killed)."""
+    closes: an upload cut off before the server has it, as when its process is killed), 'accept' (200 OK and
+    an ETag, not forwarded: a store that ignores a PUT's condition, which the proxy cannot strip, since the
+    client signed it)."""
 
     kind: str
     match: Callable[[str, str], bool] = lambda method, path: True
@@ -296,6 +298,11 @@ class FaultProxy:
                 f = self._pick(method, path)
                 if f is not None and f.kind in ("slowdown", "error500"):
                     _send_error(c, f)
+                    continue
+                if f is not None and f.kind == "accept":
+                    c.sendall(
+                        b'HTTP/1.1 200 OK\r\nETag: "00000000000000000000000000000000"\r\nContent-Length: 0\r\n\r\n'
+                    )
                     continue
                 if f is not None and f.kind == "hold":
                     self.closed.wait()

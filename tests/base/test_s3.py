@@ -116,6 +116,17 @@ def test_check_root_refused_endpoint(s3_root, monkeypatch):
     assert time.monotonic() - t0 < 30  # bounded retries, not a hang
 
 
+def test_check_root_refuses_a_store_that_ignores_conditional_writes(s3_proxy):
+    puts = []  # the probe's first create goes through; its second, conditional, is "accepted" by the store
+    s3_proxy.add(
+        "accept", lambda m, p: m == "PUT" and ".reelcache-check-" in p and bool(puts.append(p) or len(puts) > 1)
+    )
+    with pytest.raises(UserError, match="does not honour conditional writes") as e:
+        s3.check_root(s3_proxy.root)
+    assert "\n" not in str(e.value) and s3_proxy.faults[0].hits == 1
+    assert s3.list_objects(s3_proxy.root) == []  # the probe is gone
+
+
 @pytest.mark.parametrize(
     "kind,kw",
     [
