@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import catalog_rows, ingest, outputs, plan_ingest
+from support import catalog_rows, ingest, outputs, plan_ingest, sql
 
 from reelcache.base import s3
 from reelcache.cli import main
@@ -45,8 +45,8 @@ def uploads(s3_server, root: str) -> list[str]:
             if x["Key"].startswith(u.key + "/")]  # fmt: skip
 
 
-@pytest.mark.slow  # the whole demo input: five units (about 20 s here)
-def test_ingest_to_s3_equals_local(s3_server, s3_root, mirror, demo_dataset, ingested, tmp_path):
+@pytest.mark.slow  # the whole demo input: five units, and merge, sql
+def test_ingest_to_s3_equals_local(s3_server, s3_root, mirror, demo_dataset, ingested, tmp_path, capsys):
     ingest(s3_root, demo_dataset)
     keys = download(s3_server, s3_root, tmp_path / "dl")
     assert not [k for k in keys if k.endswith(".lease") or "tmp" in k], keys  # no lease, no temporary left
@@ -61,6 +61,10 @@ def test_ingest_to_s3_equals_local(s3_server, s3_root, mirror, demo_dataset, ing
     # merge again: nothing new is downloaded or merged
     assert main(["catalog", "merge", "--root", s3_root]) == 0
     assert catalog_rows(local, "clips", "clip_id") == catalog_rows(ingested, "clips", "clip_id")
+    capsys.readouterr()  # the read-only commands take the s3:// root and open its merged catalog
+    assert main(["catalog", "sql", "--root", s3_root, "SELECT count(*) AS n FROM clips WHERE status = 'ok'"]) == 0
+    ok = sql(ingested, "SELECT count(*) FROM clips WHERE status = 'ok'")[0][0]
+    assert f"\n{ok}" in capsys.readouterr().out
 
 
 def unit_outputs(root: Path, stem: str) -> dict:
