@@ -202,7 +202,9 @@ class Claim:
         ]
         if self.remote is not None and directory == self.directory:
             shard = re.compile(rf"{re.escape(stem)}-\d+\.tar")
-            found += [o for o in s3.list_objects(f"{self.remote}/") if shard.fullmatch(o["Key"].rsplit("/", 1)[-1])]
+            found += [
+                o for o in s3.list_objects(f"{self.remote}/{stem}-") if shard.fullmatch(o["Key"].rsplit("/", 1)[-1])
+            ]
             found = [s3.Url(self.remote.bucket, o["Key"]) if isinstance(o, dict) else o for o in found]
             for up in s3.list_uploads(f"{self.remote}/{stem}-"):  # a killed run's unfinished shard uploads
                 if self.held():

@@ -183,11 +183,6 @@ class LocalS3:
         with contextlib.suppress(ProcessLookupError):  # anything else of its group
             os.killpg(pgid, signal.SIGKILL)
 
-    def bucket(self, name: str | None = None) -> str:
-        name = name or f"t-{secrets.token_hex(6)}"
-        self.client().create_bucket(Bucket=name)
-        return name
-
 
 @contextlib.contextmanager
 def local_s3(directory=None, **kw) -> Iterator[LocalS3]:
