@@ -205,8 +205,9 @@ class Fault:
     'reset' (the response's headers and half its body, then a TCP reset), 'short' (the headers and half the
     body, then a clean close: a body short of its Content-Length), 'stall' (the headers, then nothing for
     `stall_s`), 'lost' (the request reaches the server, which commits it; the client's connection is then
-    reset without a response), 'hold' (the request is read and never forwarded nor answered, until the proxy
-    closes: an upload cut off before the server has it, as when its process is killed), 'accept' (200 OK and
+    reset without a response), 'hold' (the request is read and neither forwarded nor answered until `release`
+    is set, then forwarded: an upload cut off before the server has it, as when its process is killed, or a
+    run frozen at that request), 'accept' (200 OK and
     an ETag, not forwarded: a store that ignores a PUT's condition, which the proxy cannot strip, since the
     client signed it)."""
 
@@ -216,6 +217,7 @@ class Fault:
     retry_after: float | None = None
     stall_s: float = 60.0
     hits: int = 0
+    release: threading.Event = field(default_factory=threading.Event)  # 'hold': forward the request once set
 
 
 class FaultProxy:
@@ -300,8 +302,9 @@ class FaultProxy:
                     )
                     continue
                 if f is not None and f.kind == "hold":
-                    self.closed.wait()
-                    return
+                    while not f.release.wait(0.05):
+                        if self.closed.is_set():
+                            return
                 if up is None:
                     up = socket.create_connection(self.upstream)
                 up.sendall(head + body)

@@ -5,6 +5,7 @@ succeeds; faults end byte-identical or fail the unit cleanly; a bad root is one 
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -185,3 +186,36 @@ def test_a_bad_root_is_one_line_before_any_work(s3_server, s3_root, mirror, demo
     assert not mirror.exists() or not list(mirror.rglob("*.parquet"))  # no work was done
     assert main(["catalog", "merge", "--root", root]) == 2
     assert expect in capsys.readouterr().err
+
+
+def test_a_run_whose_lease_was_taken_over_publishes_nothing(s3_server, s3_proxy, mirror, demo_dataset):
+    """Two runs of one unit at once, the first frozen past its lease's TTL (held at its check of the lease before
+    its shard goes up) while another host took the lease over: the first loses, in one line, and publishes no
+    shard and no sidecar; the lease stays the new holder's."""
+    root = s3_proxy.root
+    units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
+    frozen = s3_proxy.add("hold", lambda m, p: m == "GET" and "/raw/openvid/000000.lease" in p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "reelcache.cli", "ingest", "run", "--root", root, units[0]],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while frozen.hits == 0:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the unit never checked its lease"
+            time.sleep(0.05)
+        u = s3.parse(f"{root}/raw/openvid/000000.lease")
+        body = b'{"host": "gpu-node-3", "boot_id": "b", "pid": 7, "pid_start": 1, "started_at": "t", "token": "new"}'
+        s3_server.client().put_object(Bucket=u.bucket, Key=u.key, Body=body)  # the other host's takeover
+        frozen.release.set()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    lines = [line for line in err.decode().splitlines() if "error" in line]
+    assert proc.returncode == 2 and len(lines) == 1 and "lost the lease" in lines[0], err.decode()
+    left = [o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects(f"{root}/raw/openvid/")]
+    assert not [k for k in left if k.startswith("000000-") or k == "000000.parquet"], left
+    assert json.loads(s3.get(f"{root}/raw/openvid/000000.lease"))["token"] == "new"
