@@ -201,8 +201,16 @@ class Lease:
         _place(self.path).refresh(self)
 
     def verify(self) -> None:
-        """Raise LostLease unless the lease file is still ours (checked before publishing results)."""
-        if not self.held():
+        """Raise LostLease unless the lease (file or object) is still ours (checked before publishing results). An
+        object lease that cannot be read (the store failing past its retries, a stall) is that S3Error, naming the
+        lease's object: not knowing is not having lost it, and nothing is published either way."""
+        try:
+            ours = _place(self.path).token(self.path) == self.token
+        except s3.S3Error:  # a UserError, so a ValueError: told apart from an unreadable lease first
+            raise
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
             raise self.lost()
 
     def lost(self, failure: BaseException | None = None) -> LostLease:

@@ -219,3 +219,22 @@ def test_a_run_whose_lease_was_taken_over_publishes_nothing(s3_server, s3_proxy,
     left = [o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects(f"{root}/raw/openvid/")]
     assert not [k for k in left if k.startswith("000000-") or k == "000000.parquet"], left
     assert json.loads(s3.get(f"{root}/raw/openvid/000000.lease"))["token"] == "new"
+
+
+def test_a_stalled_lease_check_fails_the_unit_in_one_line(
+    s3_server, s3_proxy, mirror, demo_dataset, monkeypatch, capsys
+):
+    """The store stalls on the unit's check of its lease before its shard goes up: the unit fails in one line naming
+    the lease's object (not a lost lease: it could not be read), publishes nothing, and its rerun succeeds."""
+    root = s3_proxy.root
+    units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
+    monkeypatch.setenv("REELCACHE_S3_STALL_S", "0.5")
+    s3.forget_clients()
+    s3_proxy.add("stall", lambda m, p: m == "GET" and "/raw/openvid/000000.lease" in p, stall_s=30)
+    capsys.readouterr()
+    assert main(["ingest", "run", "--root", root, units[0]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"reading {root}/raw/openvid/000000.lease: no byte for 0.5 s" in err[0], err
+    left = [o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects(f"{root}/raw/openvid/")]
+    assert not [k for k in left if k.startswith("000000")], left  # no shard, no sidecar, the lease released
+    assert main(["ingest", "run", "--root", root, units[0]]) == 0
