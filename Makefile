@@ -71,7 +71,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,train,view]' diffusers psutil einops peft accelerate bitsandbytes fabric
+	$(BIN)/pip install -q -e '.[dev,train,view,s3]' diffusers psutil einops peft accelerate bitsandbytes fabric
 	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
 	touch $@
 
@@ -84,7 +84,7 @@ $(GPU_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
 	$(BIN)/pip install -q torch==$(GPU_TORCH)
-	$(BIN)/pip install -q -e '.[dev,train,view]' $(GPU_PINS)
+	$(BIN)/pip install -q -e '.[dev,train,view,s3]' $(GPU_PINS)
 	$(BIN)/pip install -q $(GPU_PINS) psutil einops accelerate bitsandbytes fabric ninja
 	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
 	touch $@ $(STAMP)

@@ -24,6 +24,21 @@ than ``TTL_S`` loses its lease; it checks that the lease is still its own (``Lea
 ``Lease.held``) before each file it publishes (a shard, a store index, its sidecar) and each it deletes,
 wherever the unit writes (base/units.py: ``Claim``), so the loser fails, saying it lost the lease,
 instead of overwriting or deleting the winner's files.
+
+The same lease lives in object storage when the unit's outputs do (a root ``s3://bucket/prefix``,
+docs/STORAGE.md): the lease is then an object, ``<stem>.lease`` beside the unit's objects, and each file
+operation has its conditional-write twin (base/s3.py), one mechanism with two places (``_Files``,
+``_Objects``):
+
+- taken by a create that only succeeds when no object is there (``If-None-Match: *``: a second create gets
+  412 and loses, as ``O_EXCL`` does);
+- refreshed by rewriting it with ``If-Match`` on the ETag this holder last wrote, its heartbeat count one up
+  (new bytes, so a new ETag; a holder whose lease was taken over gets 412 and stops refreshing);
+- its age is the server's clock's: the response's ``Date`` minus the object's ``Last-Modified`` (the POSIX
+  lease uses the storage's mtime);
+- a stale one is taken over by overwriting it with ``If-Match`` on the ETag it was judged stale by: of two
+  runs finding it stale, one wins (no guard object needed);
+- released by a delete with ``If-Match`` on our ETag, checked to hold our token first.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.base import s3
 
 
 def _ttl_from_env() -> tuple[float, str]:
@@ -111,6 +127,7 @@ class Holder:
     token: str
     age_s: float = 0.0  # seconds since its last heartbeat, by the storage clock
     slurm_job: str | None = None  # SLURM_JOB_ID of the holder, where it runs in a Slurm job
+    tag: str | None = None  # an object lease's ETag when it was read (what a takeover's If-Match names)
 
     def describe(self) -> str:
         job = f", Slurm job {self.slurm_job}" if self.slurm_job else ""
@@ -129,13 +146,7 @@ def _me() -> dict:
     }
 
 
-def read_holder(path: Path) -> Holder | None:
-    """Who holds the lease at `path` (None: no lease). A lease still being written reads as live."""
-    try:
-        st = path.stat()
-        raw = path.read_text()
-    except FileNotFoundError:
-        return None
+def _holder(raw: bytes | str, age_s: float, tag: str | None = None) -> Holder:
     try:
         doc = json.loads(raw)
         holder = Holder(**{k: doc[k] for k in ("host", "boot_id", "pid", "pid_start", "started_at", "token")})
@@ -144,8 +155,14 @@ def read_holder(path: Path) -> Holder | None:
             holder.pid_start = int(holder.pid_start)
     except (ValueError, TypeError, KeyError):
         holder = Holder("?", "?", -1, None, "?", "unreadable")
-    holder.age_s = max(0.0, _storage_now(path.parent) - st.st_mtime)
+    holder.age_s, holder.tag = age_s, tag
     return holder
+
+
+def read_holder(path) -> Holder | None:
+    """Who holds the lease at `path` (a file, or an object ``s3://...``; None: no lease). A lease still being
+    written reads as live."""
+    return _place(path).read(path)
 
 
 def is_stale(holder: Holder) -> bool:
@@ -167,27 +184,40 @@ class Busy(Exception):
 class Lease:
     """A held lease; `release()` removes it (also at interpreter exit)."""
 
-    def __init__(self, path: Path, token: str):
+    def __init__(self, path, token: str, body: bytes = b"", tag: str | None = None):
         self.path, self.token = path, token
+        self.body, self.tag = body, tag  # an object lease: what it holds and the ETag of our last write of it
         self.owner = os.getpid()  # a forked child inherits this object (and atexit), not the lease
 
     def held(self) -> bool:
-        """Whether the lease file is still ours."""
+        """Whether the lease (file or object) is still ours."""
         try:
-            return json.loads(self.path.read_text()).get("token") == self.token
-        except (OSError, ValueError):
+            return _place(self.path).token(self.path) == self.token
+        except (OSError, ValueError, s3.S3Error):
             return False
 
+    def refresh(self) -> None:
+        """The heartbeat: the lease's age back to zero, by the storage's clock."""
+        _place(self.path).refresh(self)
+
     def verify(self) -> None:
-        """Raise LostLease unless the lease file is still ours (checked before publishing results)."""
-        if not self.held():
+        """Raise LostLease unless the lease (file or object) is still ours (checked before publishing results). An
+        object lease that cannot be read (the store failing past its retries, a stall) is that S3Error, naming the
+        lease's object: not knowing is not having lost it, and nothing is published either way."""
+        try:
+            ours = _place(self.path).token(self.path) == self.token
+        except s3.S3Error:  # a UserError, so a ValueError: told apart from an unreadable lease first
+            raise
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
             raise self.lost()
 
     def lost(self, failure: BaseException | None = None) -> LostLease:
         """The error of a run whose lease is no longer its own (`failure`: what then failed in it)."""
         try:
             holder = read_holder(self.path)
-        except OSError:
+        except (OSError, s3.S3Error):
             holder = None
         now = f"{holder.describe()} holds it now" if holder is not None else "its file is gone"
         then = f"; this run then failed: {str(failure).splitlines()[0][:300]}" if failure is not None else ""
@@ -200,11 +230,10 @@ class Lease:
     def release(self) -> None:
         if os.getpid() != self.owner:
             return
-        _HELD.pop(self.path, None)
+        _HELD.pop(str(self.path), None)
         try:
-            if json.loads(self.path.read_text()).get("token") == self.token:
-                self.path.unlink()
-        except (OSError, ValueError):
+            _place(self.path).remove(self)
+        except (OSError, ValueError, s3.S3Error):
             pass
 
 
@@ -212,7 +241,7 @@ class LostLease(UserError):
     """Another run took this run's lease over (it was frozen for longer than TTL_S)."""
 
 
-_HELD: dict[Path, Lease] = {}
+_HELD: dict[str, Lease] = {}
 _lock = threading.Lock()
 _beat: threading.Thread | None = None
 
@@ -224,9 +253,9 @@ def _heartbeat() -> None:
             held = list(_HELD.values())
         for lease in held:
             try:
-                os.utime(lease.path)  # no times given: stamped by the storage's clock
-            except OSError:
-                pass
+                lease.refresh()
+            except (OSError, s3.S3Error):
+                pass  # a missed beat; a lease lost for good is found by `held` before anything is published
 
 
 def _release_all() -> None:
@@ -237,18 +266,118 @@ def _release_all() -> None:
 atexit.register(_release_all)
 
 
-def _try_create(path: Path) -> Lease | None:
+def _body() -> tuple[str, bytes]:
     token = secrets.token_hex(8)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return None
-    try:
-        os.write(fd, json.dumps({**_me(), "token": token}).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return Lease(path, token)
+    return token, json.dumps({**_me(), "token": token}).encode()
+
+
+class _Files:
+    """A lease as a file: O_EXCL create, mtime heartbeat, takeover under a guard file, removal if ours."""
+
+    @staticmethod
+    def create(path) -> Lease | None:
+        token, body = _body()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return None
+        try:
+            os.write(fd, body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return Lease(Path(path), token)
+
+    @staticmethod
+    def read(path) -> Holder | None:
+        path = Path(path)
+        try:
+            st = path.stat()
+            raw = path.read_text()
+        except FileNotFoundError:
+            return None
+        return _holder(raw, max(0.0, _storage_now(path.parent) - st.st_mtime))
+
+    @staticmethod
+    def token(path) -> str | None:
+        return json.loads(Path(path).read_text()).get("token")
+
+    @staticmethod
+    def refresh(lease: Lease) -> None:
+        os.utime(lease.path)  # no times given: stamped by the storage's clock
+
+    @staticmethod
+    def take_over(path, stale: Holder) -> Lease | None:
+        _remove_if_stale(Path(path), stale)
+        return None  # the caller creates it anew
+
+    @staticmethod
+    def remove(lease: Lease) -> None:
+        if json.loads(Path(lease.path).read_text()).get("token") == lease.token:
+            Path(lease.path).unlink()
+
+
+class _Objects:
+    """A lease as an object in S3: every step a conditional write (the module's docstring)."""
+
+    @staticmethod
+    def create(path) -> Lease | None:
+        token, body = _body()
+        try:
+            tag = s3.put(path, body, if_none_match=True)
+        except s3.PreconditionFailed:
+            return None
+        return Lease(s3.parse(path), token, body, tag)
+
+    @staticmethod
+    def read(path) -> Holder | None:
+        got = s3.get_with_age(path)
+        return None if got is None else _holder(got[0], got[2], got[1])
+
+    @staticmethod
+    def token(path) -> str | None:
+        holder = _Objects.read(path)
+        return None if holder is None else holder.token
+
+    @staticmethod
+    def refresh(lease: Lease) -> None:
+        """Rewrite it with its heartbeat count one up: a new body, so a new ETag (an ETag is the body's MD5 on most
+        stores: the same bytes again would keep the ETag a takeover judged stale, and let it through)."""
+        doc = json.loads(lease.body)
+        body = json.dumps({**doc, "beat": doc.get("beat", 0) + 1}).encode()
+        try:
+            lease.tag, lease.body = s3.put(lease.path, body, if_match=lease.tag), body
+        except s3.PreconditionFailed:
+            pass  # taken over: no longer ours to refresh (`held` says so)
+
+    @staticmethod
+    def take_over(path, stale: Holder) -> Lease | None:
+        token, body = _body()
+        try:
+            tag = s3.put(path, body, if_match=stale.tag)
+        except s3.PreconditionFailed:
+            return None  # refreshed, or taken by another run meanwhile
+        return Lease(s3.parse(path), token, body, tag)
+
+    @staticmethod
+    def remove(lease: Lease) -> None:
+        holder = _Objects.read(lease.path)
+        if holder is not None and holder.token == lease.token:
+            try:
+                s3.delete(lease.path, if_match=holder.tag)
+            except s3.PreconditionFailed:
+                pass
+
+
+def _place(path):
+    return _Objects if s3.is_url(path) else _Files
+
+
+def take_over(path, stale: Holder) -> Lease | None:
+    """Take over the lease at `path` that `stale` was read from and judged stale: an object lease is overwritten
+    on the ETag it was read with (None: it changed since, refreshed or taken by another run); a file lease is
+    removed under its guard, and None returned: create it anew (``acquire`` does both)."""
+    return _place(path).take_over(path, stale)
 
 
 def _remove_if_stale(path: Path, stale: Holder) -> None:
@@ -273,31 +402,33 @@ def _remove_if_stale(path: Path, stale: Holder) -> None:
         guard.unlink(missing_ok=True)
 
 
-def acquire(path: Path, *, wait: bool = False, poll_s: float = 1.0, on_wait=None) -> Lease:
-    """Take the lease at `path`: raise Busy if a live run holds it, or with `wait`, wait until it is free."""
+def acquire(path, *, wait: bool = False, poll_s: float = 1.0, on_wait=None) -> Lease:
+    """Take the lease at `path` (a file, or an object ``s3://...``): raise Busy if a live run holds it, or with
+    `wait`, wait until it is free."""
     if _TTL_ERROR:
         raise UserError(_TTL_ERROR)
     global _beat
-    path = Path(path)
+    place = _place(path)
+    path = s3.parse(path) if s3.is_url(path) else Path(path)
     told = False
     while True:
-        held = _HELD.get(path)
+        held = _HELD.get(str(path))
         if held is not None and held.owner == os.getpid():  # this process holds it (a unit re-run in-process)
             return held
-        lease = _try_create(path)
+        lease = place.create(path)
+        if lease is None and (holder := read_holder(path)) is not None and is_stale(holder):
+            lease = take_over(path, holder)
+            if lease is None:
+                continue
         if lease is not None:
             with _lock:
-                _HELD[path] = lease
+                _HELD[str(path)] = lease
                 if _beat is None:
                     _beat = threading.Thread(target=_heartbeat, name="reelcache-lease-heartbeat", daemon=True)
                     _beat.start()
             return lease
-        holder = read_holder(path)
         if holder is None:
             continue  # released between our create and our read: try again
-        if is_stale(holder):
-            _remove_if_stale(path, holder)
-            continue
         if not wait:
             raise Busy(path, holder)
         if not told and on_wait is not None:

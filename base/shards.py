@@ -145,9 +145,10 @@ class ShardWriter:
                 os.fsync(self.fd)
             os.close(self.fd)
             self.fd = None
-            if self.claim is not None:
-                self.claim.verify()  # a run frozen past its lease's TTL must not replace the new holder's shard
-            os.replace(self.tmp, self.dir / self.name)
+            if self.claim is not None:  # the lease checked first: a run frozen past its TTL must not replace
+                self.claim.place(self.tmp, self.dir / self.name)  # the new holder's shard (an S3 unit: uploaded)
+            else:
+                os.replace(self.tmp, self.dir / self.name)
         except OSError as e:
             raise OutputError(self.tmp, e) from e
         self.tmp = None

@@ -33,6 +33,8 @@ every drop recorded with its reason (counted per reason in the unit's summary li
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import time
 from collections import Counter
@@ -45,8 +47,9 @@ from typing import Any
 
 from reelcache import UserError
 from reelcache.base import lease as leases
+from reelcache.base import s3
 from reelcache.base.shards import ShardWriter
-from reelcache.files import OutputError, atomic_path
+from reelcache.files import OutputError, atomic_path, tmp_name
 from reelcache.isolate import Failed
 
 # reelcache.progress (tqdm) and pyarrow are imported where used: `reelcache --help` starts without them.
@@ -108,11 +111,36 @@ class Claim:
     and deleted through it, wherever the file lives (the unit's directory, the latent store), and each of its
     methods checks first that the lease is still this run's. A run that lost it (frozen past the lease's TTL
     on another node, its unit taken over) neither publishes over nor deletes the new holder's files, and
-    fails saying it lost the lease. Made by ``begin_unit``; ``release`` gives the lease back."""
+    fails saying it lost the lease. Made by ``begin_unit``; ``release`` gives the lease back.
 
-    def __init__(self, directory: Path, stem: str, lease: leases.Lease):
-        self.directory, self.stem, self.lease = Path(directory), stem, lease
-        self.sidecar = self.directory / f"{stem}.parquet"  # present: the unit is finished
+    A unit whose folder is in object storage (``remote``, an ``s3://`` folder, docs/STORAGE.md) writes each file
+    in ``directory``, a local staging folder, under a temporary name as before; publishing it uploads it whole
+    under its name in ``remote`` (one PUT, or a multipart upload completed after the lease is checked: no reader
+    sees part of it) and removes the local copy; removals delete the objects; its lease is an object too."""
+
+    def __init__(self, directory: Path, stem: str, lease: leases.Lease, remote: s3.Url | None = None):
+        self.directory, self.stem, self.lease, self.remote = Path(directory), stem, lease, remote
+        self.sidecar = self.directory / f"{stem}.parquet"  # present (locally, or as an object): the unit is finished
+
+    def where(self, path) -> s3.Url | Path:
+        """Where a file of the unit named by its local `path` is published: the path, or its object."""
+        if self.remote is None:
+            return Path(path)
+        return self.remote / Path(path).relative_to(self.directory).as_posix()
+
+    def place(self, tmp, path) -> None:
+        """A written, durable temporary file of the unit into place as `path`, the lease checked just before it
+        becomes visible: renamed, or uploaded whole to its object (and the local copy removed)."""
+        if self.remote is None:
+            self.verify()
+            os.replace(tmp, path)
+            return
+        with s3.Upload(self.where(path)) as up, open(tmp, "rb") as f:
+            while chunk := f.read(s3.PART_BYTES):
+                up.write(chunk)
+            self.verify()  # parts sent; nothing visible yet
+            up.complete()
+        Path(tmp).unlink(missing_ok=True)
 
     def held(self) -> bool:
         return self.lease.held()
@@ -125,6 +153,14 @@ class Claim:
     def publish(self, path):
         """``atomic_path`` for a file of the unit: the lease is checked once the body wrote the file, before
         it is made durable and renamed into place (a sidecar, a store index)."""
+        if self.remote is not None:
+            tmp = tmp_name(Path(path))
+            try:
+                yield tmp
+                self.place(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return
         try:
             with atomic_path(path) as tmp:
                 yield tmp
@@ -146,7 +182,12 @@ class Claim:
         for p in paths:
             if not self.held():
                 break
-            Path(p).unlink(missing_ok=True)
+            if s3.is_url(p):
+                s3.delete(p)
+            else:
+                if self.remote is not None:  # a staged file's object
+                    s3.delete(self.where(p))
+                Path(p).unlink(missing_ok=True)
             n += 1
         return n
 
@@ -159,6 +200,15 @@ class Claim:
             *directory.glob(f"{stem}-*.tar"),
             *directory.glob(f".{stem}.parquet.tmp*"),
         ]
+        if self.remote is not None and directory == self.directory:
+            shard = re.compile(rf"{re.escape(stem)}-\d+\.tar")
+            found += [
+                o for o in s3.list_objects(f"{self.remote}/{stem}-") if shard.fullmatch(o["Key"].rsplit("/", 1)[-1])
+            ]
+            found = [s3.Url(self.remote.bucket, o["Key"]) if isinstance(o, dict) else o for o in found]
+            for up in s3.list_uploads(f"{self.remote}/{stem}-"):  # a killed run's unfinished shard uploads
+                if self.held():
+                    s3.abort_upload(self.remote.bucket, up["Key"], up["UploadId"])
         return self.unlink(found)
 
     def release(self) -> None:
@@ -166,10 +216,19 @@ class Claim:
         self.lease.release()
 
 
-def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Claim | None:
+def finished(directory: Path, stem: str, remote: s3.Url | None = None) -> bool:
+    """Whether the unit's sidecar exists (as a file, or as an object in `remote`): the unit is finished."""
+    return (
+        s3.head(remote / f"{stem}.parquet") is not None
+        if remote is not None
+        else (directory / f"{stem}.parquet").exists()
+    )
+
+
+def begin_unit(directory: Path, index: int, *, wait: bool = False, remote: s3.Url | None = None) -> Claim | None:
     """The unit protocol shared by every stage: None when the unit finished (its sidecar exists), else the
     unit's Claim, once this process holds the unit's lease and has removed whatever a killed run left behind
-    in `directory`.
+    in `directory`. `remote`: the unit's folder in S3, its files staged in `directory` (``Claim``).
 
     Another live run holding the lease is a UserError naming it, or with `wait`, waited for. The lease is
     released by ``Claim.release`` (``claimed`` does it), or at exit.
@@ -178,8 +237,7 @@ def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Claim | No
 
     directory = Path(directory)
     stem = f"{index:06d}"
-    sidecar = directory / f"{stem}.parquet"
-    if sidecar.exists():
+    if finished(directory, stem, remote):
         return None
     try:  # a file-size limit (ulimit -f) is then EFBIG, an OutputError, not a core dump
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -188,7 +246,7 @@ def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Claim | No
     unit = f"{directory.name}/{stem}"
     try:
         lease = leases.acquire(
-            directory / f"{stem}.lease",
+            remote / f"{stem}.lease" if remote is not None else directory / f"{stem}.lease",
             wait=wait,
             on_wait=lambda h: say(f"{unit}: waiting for the run of {h.describe()}"),
         )
@@ -201,10 +259,10 @@ def begin_unit(directory: Path, index: int, *, wait: bool = False) -> Claim | No
         ) from None
     except OSError as e:
         raise OutputError(directory / f"{stem}.lease", e) from e
-    if sidecar.exists():  # the run we waited for finished it
+    if finished(directory, stem, remote):  # the run we waited for finished it
         lease.release()
         return None
-    claim = Claim(directory, stem, lease)
+    claim = Claim(directory, stem, lease, remote)
     claim.clear()
     return claim
 
@@ -240,11 +298,11 @@ def worker_reject(result, reasons: type[Enum]) -> Reject | None:
 
 
 @contextmanager
-def claimed(directory: Path, index: int, *, wait: bool = False):
+def claimed(directory: Path, index: int, *, wait: bool = False, remote: s3.Url | None = None):
     """The unit's Claim while this process holds its lease (None: finished already, skip it). A run that
     fails after another run took its lease over fails with LostLease, whatever broke first (a shard
     whose temporary file the new holder removed, say): the message says the lease was lost."""
-    claim = begin_unit(directory, index, wait=wait)
+    claim = begin_unit(directory, index, wait=wait, remote=remote)
     try:
         yield claim
     except Exception as e:

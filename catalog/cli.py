@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from reelcache.args import arg, existing_dir
+from reelcache.base.s3 import check_root, is_url, mirror_dir, root_arg
 
 # merge, query, stats and manifest (duckdb, pyarrow, matplotlib) are imported by the command that
 # runs them: `reelcache --help` builds every stage's parser.
@@ -31,7 +32,12 @@ def add_commands(top) -> None:
     )
     sub = cat.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="load finished units' sidecars (idempotent), recompute levels")
-    m.add_argument("--root", required=True, type=existing_dir)
+    m.add_argument(
+        "--root",
+        required=True,
+        type=root_arg,
+        help="a folder, or s3://bucket/prefix: its sidecars are mirrored to a local folder, where the catalog is made",
+    )
     m.set_defaults(fn=_merge)
     q = sub.add_parser(
         "sql",
@@ -39,14 +45,14 @@ def add_commands(top) -> None:
         epilog=EXAMPLES,
         formatter_class=fmt,
     )
-    q.add_argument("--root", required=True, type=existing_dir)
+    q.add_argument("--root", required=True, type=root_arg, help="a folder, or s3://bucket/prefix (its merged catalog)")
     q.add_argument("query")
     q.add_argument("--out", help="write the result to FILE.csv, .json or .parquet instead of printing")
     q.add_argument("--limit", type=arg(int, ge=0), default=50, help="rows to print (default 50; --out writes all)")
     q.set_defaults(fn=_sql)
     s = sub.add_parser("stats", help="text summary and PNG histograms")
-    s.add_argument("--root", required=True, type=existing_dir)
-    s.add_argument("--out", help="folder for the PNGs (default ROOT/stats)")
+    s.add_argument("--root", required=True, type=root_arg, help="a folder, or s3://bucket/prefix (its merged catalog)")
+    s.add_argument("--out", help="folder for the PNGs (default ROOT/stats; for an s3:// root, its local mirror's)")
     s.set_defaults(fn=_stats)
     mf = sub.add_parser("manifest", help="freeze a selection of ok clips into a fingerprinted parquet")
     mf.add_argument("--root", required=True, type=existing_dir)
@@ -73,19 +79,27 @@ def add_commands(top) -> None:
 def _merge(a) -> None:
     from reelcache.catalog.merge import merge
 
+    if is_url(a.root):
+        check_root(a.root, write=False)
     merge(a.root)
+
+
+def _local(root: str) -> str:
+    """The folder whose catalog.duckdb a read-only command opens: the root, or an s3:// root's local mirror, where
+    `catalog merge` made it (docs/STORAGE.md)."""
+    return str(mirror_dir(root)) if is_url(root) else root
 
 
 def _sql(a) -> None:
     from reelcache.catalog.query import run_sql
 
-    run_sql(a.root, a.query, out=a.out, limit=a.limit)
+    run_sql(_local(a.root), a.query, out=a.out, limit=a.limit)
 
 
 def _stats(a) -> None:
     from reelcache.catalog.stats import stats
 
-    stats(a.root, out_dir=a.out)
+    stats(_local(a.root), out_dir=a.out)
 
 
 def _manifest(a) -> None:

@@ -18,16 +18,24 @@ A catalog made by an older reelcache gains its missing columns when merge opens 
 ``captions`` from the store's caption indexes and fills the caption location of latent rows whose
 caption another unit of their plan encoded (``merge_captions``), and table ``withdrawn`` from the
 takedowns' record (catalog/withdrawn.py).
+
+A root in S3 (``s3://bucket/prefix``, docs/STORAGE.md) is merged through its local mirror (base/s3.py:
+``mirror_dir``): the sidecars, the store's caption indexes and the takedowns' record are brought down where
+the mirror's copy differs from the object (size, Last-Modified), copies whose object is gone are removed, and
+the catalog is ``<mirror>/catalog.duckdb``, on the local disk, as DuckDB needs. Orphan shards are not
+counted there yet.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
 import pyarrow as pa
 
 from reelcache import UserError
+from reelcache.base import s3
 from reelcache.catalog.db import open_catalog
 from reelcache.catalog.levels import recompute_levels
 from reelcache.catalog.withdrawn import reload as reload_withdrawn
@@ -124,8 +132,22 @@ def _merge_stage(con, root: Path, stage: str, sidecars: dict[str, Path], pbar) -
     return len(items), vanished, orphan_shards(root, sidecars, stage)
 
 
+# What of a root in S3 the merge reads: the units' sidecars, the caption indexes, the takedowns' record.
+MERGED = re.compile(r"(raw|latents)/[^/]+/[0-9][^/]*\.parquet|store/text/[^/]+/[^/]+\.parquet|withdrawn/[^/]+\.parquet")
+
+
+def local_root(root) -> Path:
+    """The folder merge works in: the root, or for a root in S3 its local mirror, brought up to date first."""
+    if not s3.is_url(root):
+        return Path(root)
+    local = s3.mirror_dir(root)
+    files = s3.sync_down(root, local, lambda rel: MERGED.fullmatch(rel) is not None)
+    say(f"{root}: {len(files)} sidecar and index files mirrored in {local}")
+    return local
+
+
 def merge(root: str | Path) -> dict:
-    root = Path(root)
+    root = local_root(root)
     t0 = time.monotonic()
     sidecars = {stage: find_sidecars(root, stage) for stage in STAGES}
     con = open_catalog(root, write=True)
@@ -159,7 +181,8 @@ def merge(root: str | Path) -> dict:
         con.close()
     dt = time.monotonic() - t0
     say(
-        f"merged {sum(merged.values())} new or changed unit(s) in {dt:.1f} s; catalog: {rows} clips, {ok} ok, "
+        f"merged {sum(merged.values())} new or changed unit(s) in {dt:.1f} s; catalog {root / 'catalog.duckdb'}: "
+        f"{rows} clips, {ok} ok, "
         f"{rows - ok} rejected"
         + (f"; latents: {lat_ok} ok, {lat - lat_ok} rejected" if lat else "")
         + (f"; {captions} caption embeddings in the store" if captions else "")
@@ -181,6 +204,7 @@ def merge(root: str | Path) -> dict:
         "ok": ok,
         "latents": lat,
         "orphans": [str(p) for p in orphans],
+        "catalog": str(root / "catalog.duckdb"),
         "vanished": vanished,
         "seconds": dt,
     }

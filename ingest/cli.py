@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from reelcache.args import arg, existing_dir, existing_file, option
+from reelcache.base.s3 import check_root, is_url, new_root_arg, root_arg
 from reelcache.ingest.filters import Thresholds
 from reelcache.settings import build, load_toml
 
@@ -43,7 +44,9 @@ def add_commands(top) -> None:
     pl = sub.add_parser(
         "plan", help="read a source table once and print its work units", epilog=PLAN_EXAMPLES, formatter_class=fmt
     )
-    pl.add_argument("--root", required=True, help="data root (catalog, shards, manifests live here)")
+    pl.add_argument(
+        "--root", required=True, type=new_root_arg, help="data root: a folder, or s3://bucket/prefix (docs/STORAGE.md)"
+    )
     pl.add_argument(
         "--source",
         required=True,
@@ -93,7 +96,7 @@ def add_commands(top) -> None:
     rn = sub.add_parser(
         "run", help="process one or more units printed by `ingest plan`", epilog=RUN_EXAMPLES, formatter_class=fmt
     )
-    rn.add_argument("--root", required=True, type=existing_dir)
+    rn.add_argument("--root", required=True, type=root_arg, help="a folder, or s3://bucket/prefix")
     rn.add_argument("units", nargs="+", metavar="UNIT", help="e.g. openvid/000012")
     rn.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")
     rn.set_defaults(fn=_run)
@@ -143,6 +146,8 @@ def _plan(a) -> None:
     conf.update(source=a.name or a.source, format=a.source, videos=str(Path(a.videos).resolve()), thresholds=thresholds)
     if a.meta:
         conf["meta"] = str(Path(a.meta).resolve())
+    if is_url(a.root):
+        check_root(a.root)  # the bucket, the credentials, conditional writes: one line before any work
     units = make_plan(a.root, build(IngestConfig, conf, source=a.config), replace=a.replace)
     sys.stdout.write("".join(u + "\n" for u in units))
 
@@ -150,6 +155,8 @@ def _plan(a) -> None:
 def _run(a) -> None:
     from reelcache.ingest.run import run_unit
 
+    if is_url(a.root):
+        check_root(a.root)
     for unit in a.units:
         run_unit(a.root, unit, wait=a.wait)
 

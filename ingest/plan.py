@@ -7,6 +7,10 @@ million-row table is parsed once, not once per unit. Re-planning the same input 
 configuration is a no-op; a different one is refused while finished units exist, unless
 ``--replace`` (which deletes the source's shards, and is refused while a unit runs) is given; the
 next ``catalog merge`` then drops the rows of units whose sidecars are gone.
+
+A root in S3 (``s3://bucket/prefix``, docs/STORAGE.md): the plan is made in the root's local mirror
+(base/s3.py: ``mirror_dir``) and uploaded whole, ``input.parquet`` first and ``plan.json`` last; ``load_plan``
+brings both down again where the mirror's copies differ. ``--replace`` is not done on S3 yet.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache import UserError
+from reelcache.base import s3
 from reelcache.base.lease import live_holders
 from reelcache.catalog.levels import TAGGERS
 from reelcache.files import atomic_path
@@ -65,7 +70,28 @@ class IngestConfig:
 
 
 def source_dir(root, source: str) -> Path:
-    return Path(root) / "raw" / source
+    """The source's local folder: in the root, or for a root in S3 in its local mirror (shards staged there)."""
+    return (s3.mirror_dir(root) if s3.is_url(root) else Path(root)) / "raw" / source
+
+
+def remote_dir(root, source: str) -> s3.Url | None:
+    """The source's folder in S3 (None for a local root)."""
+    return s3.parse(root) / "raw" / source if s3.is_url(root) else None
+
+
+def finished_units(root, source: str) -> list[str]:
+    """The stems of the source's finished units (their sidecars exist), in order."""
+    if (remote := remote_dir(root, source)) is not None:
+        names = [o["Key"].rsplit("/", 1)[-1] for o in s3.list_objects(f"{remote}/")]
+    else:
+        src = source_dir(root, source)
+        names = [p.name for p in src.glob("[0-9]*.parquet")] if src.exists() else []
+    return sorted(n.removesuffix(".parquet") for n in names if n[:1].isdigit() and n.endswith(".parquet"))
+
+
+def _sync_plan(root, source: str) -> None:
+    if (remote := remote_dir(root, source)) is not None:
+        s3.sync_down(remote, source_dir(root, source), lambda rel: rel in ("_plan/plan.json", "_plan/input.parquet"))
 
 
 def plan_dir(root, source: str) -> Path:
@@ -77,6 +103,7 @@ def unit_name(source: str, index: int) -> str:
 
 
 def load_plan(root, source: str) -> tuple[IngestConfig, dict]:
+    _sync_plan(root, source)
     path = plan_dir(root, source) / "plan.json"
     if not path.exists():
         raise UserError(f"no plan for source {source!r} under {root}: run `reelcache ingest plan` first")
@@ -102,9 +129,11 @@ def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[st
         raise UserError(f"{cfg.meta or cfg.videos} has no rows: nothing to ingest")
     fp = _fingerprint(cfg, table)
     src, pdir = source_dir(root, cfg.source), plan_dir(root, cfg.source)
+    remote = remote_dir(root, cfg.source)
     num_units = -(-table.num_rows // cfg.rows_per_unit)
     units = [unit_name(cfg.source, i) for i in range(num_units)]
-    done = sorted(src.glob("[0-9]*.parquet")) if src.exists() else []
+    _sync_plan(root, cfg.source)
+    done = finished_units(root, cfg.source)
     old = pdir / "plan.json"
     if old.exists():
         prev = json.loads(old.read_text())
@@ -117,6 +146,11 @@ def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[st
                 f"{len(done)} units are finished. Use another --name, or --replace to delete "
                 f"{src} and start over."
             )
+    if replace and remote is not None and (done or old.exists()):
+        raise UserError(
+            f"--replace on a root in S3 is not supported yet: delete {remote}/ with your S3 tool "
+            "(no unit may run meanwhile), or use another --name"
+        )
     if replace and src.exists():
         if busy := live_holders(src):
             raise UserError(
@@ -136,6 +170,10 @@ def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[st
     }
     with atomic_path(old) as tmp:
         tmp.write_text(json.dumps(doc, indent=2))
+    if remote is not None:  # the table first, plan.json last: a present plan.json names a whole plan
+        for name in ("input.parquet", "plan.json"):
+            s3.upload_file(pdir / name, remote / "_plan" / name)
+        _sync_plan(root, cfg.source)  # the mirror's copies now carry the objects' times: not downloaded again
     errs = sum(1 for e in table.column("row_error").to_pylist() if e)
     dups = table.num_rows - table.column("duplicate_of").null_count
     say(

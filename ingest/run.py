@@ -24,14 +24,14 @@ import json
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.base import units
+from reelcache.base import s3, units
 from reelcache.base.shards import ShardWriter, ShortRead, SourceError, content_hash
 from reelcache.base.units import Reject, Unit, claimed, parse_unit, unit_rows
 from reelcache.catalog.db import clips_table
 from reelcache.catalog.levels import count_nouns, tagger_name
 from reelcache.catalog.withdrawn import withdrawn_hashes
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS
-from reelcache.ingest.plan import load_plan, source_dir
+from reelcache.ingest.plan import finished_units, load_plan, remote_dir, source_dir
 from reelcache.ingest.probe import probe
 from reelcache.isolate import isolated_map
 from reelcache.log import say
@@ -76,12 +76,14 @@ def run_unit(root: str, unit: str, wait: bool = False) -> dict:
     cfg, plan = load_plan(root, source)
     if not 0 <= index < plan["num_units"]:
         raise UserError(f"{unit}: the plan for {source!r} has units 0..{plan['num_units'] - 1}")
-    sdir = source_dir(root, source)
-    with claimed(sdir, index, wait=wait) as claim:
+    sdir, remote = source_dir(root, source), remote_dir(root, source)
+    if remote is not None:  # the takedowns' record, read from the mirror (catalog/withdrawn.py)
+        s3.sync_down(s3.parse(root) / "withdrawn", sdir.parent.parent / "withdrawn", lambda r: r.endswith(".parquet"))
+    with claimed(sdir, index, wait=wait, remote=remote) as claim:
         if claim is None:
             say(f"{unit}: already done, skipped")
             return {"unit": unit, "skipped": True}
-        return _run(unit, cfg, plan, sdir, index, claim)
+        return _run(unit, cfg, plan, sdir, index, claim, root)
 
 
 def take_probe(row: dict, probed: dict) -> None:
@@ -133,7 +135,7 @@ def tagged_table(rows: list[dict], tagger: str):
     return clips_table(rows)
 
 
-def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim) -> dict:
+def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim, root) -> dict:
     rows = unit_rows(sdir, index)
     for r in rows:
         r.update(source=sdir.name, unit=unit, status="ok")
@@ -166,7 +168,7 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim) -> dict:
         + (f" ({', '.join(f'{k} {v}' for k, v in reasons.most_common())})" if reasons else "")
         + f"; {len(writer.finished)} shard(s), {nbytes / 1e6:.1f} MB in {dt:.1f} s "
         f"({len(rows) / dt:.0f} rows/s, {nbytes / 1e6 / dt:.1f} MB/s); "
-        f"{len(list(sdir.glob('[0-9]*.parquet')))} of {plan['num_units']} units of {sdir.name} done"
+        f"{len(finished_units(root, sdir.name))} of {plan['num_units']} units of {sdir.name} done"
     )
     return {
         "unit": unit,

@@ -110,3 +110,71 @@ def cluster(tmp_path_factory):
 
     with local_cluster_or_skip(tmp_path_factory.mktemp("cluster"), nodes=3) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A SeaweedFS S3 server on loopback (tests/s3_local.py), started once for the session and shared by every
+    test; skipped with one line where it cannot start (no `weed`)."""
+    from s3_local import LocalS3, S3Unavailable
+
+    server = LocalS3(tmp_path_factory.mktemp("s3"))
+    try:
+        server.start()
+    except S3Unavailable as e:
+        pytest.skip(f"no local S3 server: {e}")
+    yield server
+    server.stop()
+
+
+def _s3_env(monkeypatch, env: dict) -> None:
+    from reelcache.base import s3
+
+    for k in (
+        "AWS_PROFILE",
+        "AWS_DEFAULT_REGION",
+        "AWS_SESSION_TOKEN",
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+    ):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/dev/null")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s3.forget_clients()
+
+
+def _s3_prefix(s3_server) -> str:
+    """A fresh prefix in the session's bucket. Not a bucket per test: SeaweedFS makes each bucket a collection
+    with volumes of its own, and a few dozen of them fill the server's volume slots (and cost 0.2 s each)."""
+    import secrets
+
+    return f"s3://{s3_server.shared_bucket}/{secrets.token_hex(5)}/root"
+
+
+@pytest.fixture()
+def s3_root(s3_server, monkeypatch) -> str:
+    """A fresh root for this test, 's3://<the session's bucket>/<random>/root', with the AWS_* environment
+    pointing at the session's server."""
+    from reelcache.base import s3
+
+    _s3_env(monkeypatch, s3_server.env())
+    yield _s3_prefix(s3_server)
+    s3.forget_clients()
+
+
+@pytest.fixture()
+def s3_proxy(s3_server, monkeypatch):
+    """A fault proxy (tests/s3_local.py: FaultProxy) in front of the session's server, the AWS_* environment
+    pointing at the proxy; `.root` is a fresh bucket's 's3://<bucket>/root'."""
+    from s3_local import FaultProxy
+
+    from reelcache.base import s3
+
+    proxy = FaultProxy(s3_server.port)
+    _s3_env(monkeypatch, s3_server.env(proxy.endpoint))
+    proxy.root = _s3_prefix(s3_server)
+    yield proxy
+    proxy.close()
+    s3.forget_clients()
