@@ -86,6 +86,11 @@ class DataConfig:
     workers: int = setting(4, "DataLoader processes per rank (0: read in the training process)", ge=0)
     prefetch: int = setting(2, "batches in flight per worker", ge=1)
     block: int = setting(64, "block-shuffle size (samples read close together on disk)", ge=1)
+    shard_root: str = setting(
+        "", "where the manifests' relative shard paths are: a folder or s3://bucket/prefix (default: the run's root)"
+    )
+    fetch_ahead: int = setting(64, "shards in S3: samples read ahead of the step, per data process", ge=1, le=100000)
+    fetch_threads: int = setting(8, "shards in S3: threads reading them ahead, per data process", ge=1, le=256)
     skip_withdrawn: bool = setting(
         False, "leave out clips a takedown withdrew (else a manifest holding one refuses to start); resume stays exact"
     )
@@ -105,7 +110,15 @@ class DataConfig:
         gone = withdrawn_clips(root) if root else {}
         # withdrawn clips' shards are not checked (a `cache gc` after the takedown may have freed them): the
         # refusal below, or the skip, is what a start over them meets
+        if self.shard_root.startswith("s3://"):
+            from reelcache.base import s3
+
+            try:
+                s3.parse(self.shard_root)
+            except UserError as e:
+                raise UserError(f"data.shard_root: {e}") from None
         kw = dict(root=root, rank=par.rank, world_size=par.world, seed=seed, skip=gone.keys())
+        kw.update(shard_root=self.shard_root or None, fetch_ahead=self.fetch_ahead, fetch_threads=self.fetch_threads)
         try:
             loader = LatentLoader(
                 manifests, self.bucket_config(), **kw, workers=self.workers, prefetch=self.prefetch, block=self.block
