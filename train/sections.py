@@ -71,6 +71,12 @@ class ModelConfig:
         return model
 
 
+SHARD_ROOT = Pattern(
+    r"(?!s3:).*|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?",
+    "a folder, or s3://bucket/prefix (bucket: 3-63 lower-case letters, digits, '.' and '-')",
+)
+
+
 @dataclass
 class Manifest:
     name: str = setting(doc="catalog manifest name (ROOT/manifests) or a path; made with --cache", pattern=TEXT)
@@ -87,7 +93,9 @@ class DataConfig:
     prefetch: int = setting(2, "batches in flight per worker", ge=1)
     block: int = setting(64, "block-shuffle size (samples read close together on disk)", ge=1)
     shard_root: str = setting(
-        "", "where the manifests' relative shard paths are: a folder or s3://bucket/prefix (default: the run's root)"
+        "",
+        "where the manifests' relative shard paths are: a folder or s3://bucket/prefix (default: the run's root)",
+        pattern=SHARD_ROOT,
     )
     fetch_ahead: int = setting(64, "shards in S3: samples read ahead of the step, per data process", ge=1, le=100000)
     fetch_threads: int = setting(8, "shards in S3: threads reading them ahead, per data process", ge=1, le=256)
@@ -110,13 +118,6 @@ class DataConfig:
         gone = withdrawn_clips(root) if root else {}
         # withdrawn clips' shards are not checked (a `cache gc` after the takedown may have freed them): the
         # refusal below, or the skip, is what a start over them meets
-        if self.shard_root.startswith("s3://"):
-            from reelcache.base import s3
-
-            try:
-                s3.parse(self.shard_root)
-            except UserError as e:
-                raise UserError(f"data.shard_root: {e}") from None
         kw = dict(root=root, rank=par.rank, world_size=par.world, seed=seed, skip=gone.keys())
         kw.update(shard_root=self.shard_root or None, fetch_ahead=self.fetch_ahead, fetch_threads=self.fetch_threads)
         try:

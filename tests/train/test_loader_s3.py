@@ -164,3 +164,20 @@ def test_s3_shard_rewritten_since_the_manifest_is_one_line_and_a_missing_one_is_
     s3_server.client().delete_object(Bucket=bucket, Key=f"{prefix}/{first}")
     with pytest.raises(ValueError, match=re.escape(f"latent shard {first} is missing")):
         LatentLoader([manifest], SIZES, root=root, shard_root=s3_root, seed=1)
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("data.fetch_threads=0", "data.fetch_threads = 0: expected an integer in [1, 256]"),
+        ("data.fetch_ahead=many", "data.fetch_ahead = 'many': expected an integer in [1, 100000]"),
+        ("data.shard_root=s3://Bad_Bucket/x", "data.shard_root = 's3://Bad_Bucket/x': expected a folder, or s3://"),
+    ],
+)
+def test_a_bad_loader_s3_setting_is_one_line_naming_the_key(override, line):
+    from reelcache import UserError
+    from reelcache.train.config import load_config
+
+    with pytest.raises(UserError) as e:
+        load_config(REPO / "configs/train/debug/stage1.toml", [override])
+    assert str(e.value).startswith(line) and "\n" not in str(e.value)
