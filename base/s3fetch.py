@@ -23,10 +23,12 @@ the latency instead (``Fetcher``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tarfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -91,31 +93,107 @@ def _size(url: str, offset: int, head: bytes) -> int:
         ) from None
 
 
-def shard_sizes(urls, threads: int = 8) -> dict:
-    """url -> object size (None: absent) for each S3 shard, by HEADs on `threads` threads."""
+def shard_heads(urls, threads: int = 8) -> dict:
+    """url -> (object size, its version: ETag and size) for each S3 shard, (None, None) where absent, by HEADs
+    on `threads` threads."""
     urls = sorted(set(urls))
     if not urls:
         return {}
     with ThreadPoolExecutor(max(1, min(threads, len(urls)))) as pool:
         heads = list(pool.map(s3.head, urls))
-    return {u: (None if h is None else int(h["ContentLength"])) for u, h in zip(urls, heads)}
+    return {
+        u: (None, None) if h is None else (int(h["ContentLength"]), f"{h.get('ETag', '')}/{h['ContentLength']}")
+        for u, h in zip(urls, heads)
+    }
+
+
+class MemberCache:
+    """Members read from S3 kept in a local folder up to `limit` bytes, least recently used evicted first.
+
+    A member is a file named by the digest of (shard URL, the shard's ETag and size, data offset): a shard
+    rewritten in S3 has another ETag, so its old members are never used again (they age out). A file is
+    written under a temporary name and published by rename, so a reader sees a whole member or none; a hit's
+    mtime is set to now (the LRU order). Eviction lists the folder for its real total and removes the oldest
+    files until it holds at most 90% of `limit`; a process evicts at its start and whenever it would pass 10% of
+    the limit added since it last did, so one process alone never leaves more than `limit` behind. Several
+    processes may share the folder (the data workers, the ranks of a node): then it may briefly hold up to 10% of
+    the limit more per process."""
+
+    def __init__(self, directory, limit: int):
+        self.dir, self.limit = Path(directory), int(limit)
+        self.added = 0
+        self._lock = threading.Lock()
+
+    def _path(self, url: str, version: str, offset: int) -> Path:
+        h = hashlib.sha256(f"{url}\0{version}\0{offset}".encode()).hexdigest()
+        return self.dir / h[:2] / h[2:]
+
+    def get(self, url: str, version: str, offset: int) -> bytes | None:
+        p = self._path(url, version, offset)
+        try:
+            data = p.read_bytes()
+            os.utime(p)
+        except FileNotFoundError:
+            return None
+        return data
+
+    def put(self, url: str, version: str, offset: int, data: bytes) -> None:
+        p = self._path(url, version, offset)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with self._lock:
+            if self.added + len(data) >= self.limit // 10:
+                self.added = 0
+                self.evict(self.limit - len(data))
+            tmp.write_bytes(data)
+            os.replace(tmp, p)
+            self.added += len(data)
+
+    def evict(self, room: int | None = None) -> None:
+        """Remove the least recently used members until the folder holds at most 90% of the limit (and at most
+        `room` bytes)."""
+        keep = min(self.limit * 9 // 10, self.limit if room is None else room)
+        files = []
+        for p in self.dir.glob("*/*"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            files.append((st.st_mtime, st.st_size, p))
+        total = sum(f[1] for f in files)
+        for _, size, p in sorted(files, key=lambda f: f[0]):
+            if total <= keep:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
 
 
 class Fetcher:
-    """A thread pool of this process's own (made on first use, again after a fork) that reads members ahead."""
+    """A thread pool of this process's own (made on first use, again after a fork) that reads members ahead,
+    through a MemberCache when given one (`versions`: shard URL -> its ETag and size)."""
 
-    def __init__(self, threads: int):
-        self.threads = threads
+    def __init__(self, threads: int, cache: MemberCache | None = None, versions: dict | None = None):
+        self.threads, self.cache, self.versions = threads, cache, versions or {}
         self._pool: ThreadPoolExecutor | None = None
         self._pid = 0
         self._lock = threading.Lock()
+
+    def read(self, url: str, offset: int, end: int) -> bytes:
+        if self.cache is None:
+            return read_member(url, offset, end)
+        version = self.versions.get(url, "")
+        data = self.cache.get(url, version, offset)
+        if data is None:
+            data = read_member(url, offset, end)
+            self.cache.put(url, version, offset, data)
+        return data
 
     def submit(self, url: str, offset: int, end: int) -> Future:
         if self._pool is None or self._pid != os.getpid():
             with self._lock:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="s3fetch")
                 self._pid = os.getpid()
-        return self._pool.submit(read_member, url, offset, end)
+        return self._pool.submit(self.read, url, offset, end)
 
     def close(self) -> None:
         if self._pool is not None and self._pid == os.getpid():
@@ -123,7 +201,7 @@ class Fetcher:
         self._pool = None
 
     def __getstate__(self):  # a DataLoader worker makes its own pool
-        return {"threads": self.threads}
+        return {"threads": self.threads, "cache": self.cache, "versions": self.versions}
 
     def __setstate__(self, state):
-        self.__init__(state["threads"])
+        self.__init__(state["threads"], state["cache"], state["versions"])

@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 
 from reelcache.base.buckets import BucketConfig
 from reelcache.base.latents import read_member, shard_path
-from reelcache.base.s3fetch import Fetcher, member_ends
+from reelcache.base.s3fetch import Fetcher, MemberCache, member_ends
 from reelcache.catalog.manifest import resolve_manifest
 from reelcache.files import atomic_path
 from reelcache.train.plan import PLAN_VERSION, Plan, Source, epoch_plan, stage_fingerprint
@@ -86,13 +86,16 @@ class LatentLoader:
         shard_root=None,
         fetch_ahead: int = 64,
         fetch_threads: int = 8,
+        cache_dir=None,
+        cache_gb: float = 0.0,
     ):
         """manifests: paths or names (ROOT/manifests/NAME-*.parquet), or (path, weight) pairs. skip: clip ids
         left out of the batches they are planned in (withdrawn clips: catalog/withdrawn.py); the plan, its
         fingerprint and every other sample's position and noise stay as they were, so resume stays exact.
         shard_root: where the manifests' relative shard paths are (default `root`), a folder or ``s3://``.
         fetch_ahead, fetch_threads: for shards in S3, the samples read ahead of the step and the threads that
-        read them (per process: each data worker has its own)."""
+        read them (per process: each data worker has its own). cache_dir, cache_gb: a local folder keeping the
+        members read from S3, up to cache_gb GB, least recently used evicted first (base/s3fetch.py)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
         pairs = [m if isinstance(m, tuple) else (m, 1.0) for m in manifests]
@@ -102,6 +105,9 @@ class LatentLoader:
             (str(shard_root) if str(shard_root).startswith("s3://") else Path(shard_root)) if shard_root else None
         )
         self.fetch_ahead, self.fetch_threads = int(fetch_ahead), int(fetch_threads)
+        self.cache = MemberCache(cache_dir, int(cache_gb * 1e9)) if cache_dir else None
+        if self.cache is not None and read:
+            self.cache.evict()  # a smaller limit than the folder holds: honoured from the start
         self.schedules = [weight_schedule(w) for _, w in pairs]
         paths = [resolve_manifest(root, m) for m, _ in pairs]
         self.sources = [load_source(path, ws[0]) for path, ws in zip(paths, self.schedules)]
@@ -125,11 +131,13 @@ class LatentLoader:
         self.text_shard = np.concatenate([s.text_shard for s in self.sources])
         self.text_offset = np.concatenate([s.text_offset for s in self.sources])
         self.end = self.text_end = None  # S3 shards: where each member's one ranged GET ends (base/s3fetch.py)
+        self.versions: dict = {}
         if sizes:
             both = np.concatenate([self.shard, self.text_shard])
             urls = np.array([shard_path(self.shard_root, s) if s is not None else None for s in both], dtype=object)
             offsets = np.concatenate([self.offset, self.text_offset])
-            ends = member_ends(urls, offsets.astype(np.int64), sizes)
+            ends = member_ends(urls, offsets.astype(np.int64), {u: v[0] for u, v in sizes.items()})
+            self.versions = {u: v[1] for u, v in sizes.items()}
             self.end, self.text_end = ends[: len(self.shard)], ends[len(self.shard) :]
         self.view = np.concatenate([s.view if s.view is not None else np.zeros(len(s), np.int32) for s in self.sources])
         self.views = max(s.views for s in self.sources)  # K (per manifest: Source.views)
@@ -239,7 +247,9 @@ class _BatchMaker:
         self.skip = loader.skip
         self.shard_root, self.end, self.text_end = loader.shard_root, loader.end, loader.text_end
         self.fetch_ahead = loader.fetch_ahead
-        self.fetcher = Fetcher(loader.fetch_threads) if self.end is not None and self.read else None
+        self.fetcher = (
+            Fetcher(loader.fetch_threads, loader.cache, loader.versions) if self.end is not None and self.read else None
+        )
 
     def __iter__(self, worker: int = 0, nworkers: int = 1):
         yield from self._batches(range(worker, len(self.sched), nworkers))

@@ -99,6 +99,8 @@ class DataConfig:
     )
     fetch_ahead: int = setting(64, "shards in S3: samples read ahead of the step, per data process", ge=1, le=100000)
     fetch_threads: int = setting(8, "shards in S3: threads reading them ahead, per data process", ge=1, le=256)
+    cache_dir: str = setting("", "shards in S3: a local folder keeping the members read (empty: none)")
+    cache_gb: float = setting(100.0, "shards in S3: the most GB cache_dir holds (least recently used evicted)", gt=0)
     skip_withdrawn: bool = setting(
         False, "leave out clips a takedown withdrew (else a manifest holding one refuses to start); resume stays exact"
     )
@@ -120,6 +122,7 @@ class DataConfig:
         # refusal below, or the skip, is what a start over them meets
         kw = dict(root=root, rank=par.rank, world_size=par.world, seed=seed, skip=gone.keys())
         kw.update(shard_root=self.shard_root or None, fetch_ahead=self.fetch_ahead, fetch_threads=self.fetch_threads)
+        kw.update(cache_dir=self.cache_dir or None, cache_gb=self.cache_gb)
         try:
             loader = LatentLoader(
                 manifests, self.bucket_config(), **kw, workers=self.workers, prefetch=self.prefetch, block=self.block

@@ -107,8 +107,9 @@ def check_shards(root, src: Source, manifest, rows=None, threads: int = 8) -> di
     """Every shard the rows `rows` of `src` (default all) name, latents and captions, exists and reaches
     past its last member, checked before a run reads any (one header read a local shard, one HEAD an S3 shard,
     on `threads` threads): else a UserError naming the shard, the cache unit that wrote it, and how to write it
-    again. Returns each S3 shard's size by its URL (the loader's ranged reads bound a shard's last member so)."""
-    from reelcache.base.s3fetch import TAR_END, shard_sizes
+    again. Returns each S3 shard's (size, version) by its URL (base/s3fetch.py: shard_heads; the loader's
+    ranged reads bound a shard's last member by its size, its local cache keys members by its version)."""
+    from reelcache.base.s3fetch import TAR_END, shard_heads
 
     idx = np.arange(len(src.clip_id)) if rows is None else np.asarray(rows, dtype=np.int64)
     sizes = {}
@@ -120,11 +121,11 @@ def check_shards(root, src: Source, manifest, rows=None, threads: int = 8) -> di
         last = table.group_by("shard").aggregate([("offset", "max"), ("offset", "count")])
         found = list(zip(*(last[c].to_pylist() for c in ("shard", "offset_max", "offset_count"))))
         urls = [shard_path(root, shard) for shard, _, _ in found]
-        got = shard_sizes([u for u in urls if u.startswith("s3://")], threads)
+        got = shard_heads([u for u in urls if u.startswith("s3://")], threads)
         sizes.update(got)
         for (shard, offset, n), url in zip(found, urls):
             if url.startswith("s3://"):
-                size = got[url]
+                size = got[url][0]
                 problem = (
                     "is missing"
                     if size is None

@@ -181,3 +181,30 @@ def test_a_bad_loader_s3_setting_is_one_line_naming_the_key(override, line):
     with pytest.raises(UserError) as e:
         load_config(REPO / "configs/train/debug/stage1.toml", [override])
     assert str(e.value).startswith(line) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_s3_local_cache_serves_a_second_epoch_without_a_get_and_stays_under_its_limit(
+    store_data, s3_server, s3_proxy, tmp_path
+):
+    root, manifest = store_data
+    upload(s3_server, root, s3_proxy.root)
+    ref = list(LatentLoader([manifest], SIZES, root=root, seed=6))
+    kw = dict(root=root, shard_root=s3_proxy.root, seed=6, cache_dir=tmp_path / "c")
+    s3_proxy.clear()
+    first = list(LatentLoader([manifest], SIZES, **kw, cache_gb=1.0))
+    assert len(gets(s3_proxy)) == 2 * sum(len(b["clip_id"]) for b in first)
+    s3_proxy.clear()
+    again = list(LatentLoader([manifest], SIZES, **kw, cache_gb=1.0, workers=2))
+    assert gets(s3_proxy) == []  # every member from the cache
+    for a, b, c in zip(first, again, ref):
+        same(a, c)
+        same(b, c)
+    limit = 600_000
+    s3_proxy.clear()
+    small = list(LatentLoader([manifest], SIZES, **kw, cache_gb=limit / 1e9))  # evicts, reads again, evicts
+    assert len(gets(s3_proxy)) > 0
+    for a, c in zip(small, ref):
+        same(a, c)
+    held = sum(p.stat().st_size for p in (tmp_path / "c").glob("*/*"))
+    assert 0 < held <= limit
