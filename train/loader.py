@@ -14,7 +14,8 @@ another world size (rank r continues with global batches consumed + r, consumed 
 and costs one plan build, whatever the position. A state saved against other manifests, weights
 or batch sizes is refused unless the caller resets the data position on purpose.
 
-Samples are read with ranged reads from local or shared storage (train/source.py: the manifest
+Samples are read with ranged reads from local or shared storage, or from S3 by one exact ranged GET per
+member fetched ahead of the step by a thread pool (base/s3fetch.py; docs/STORAGE.md, "The loader") (train/source.py: the manifest
 records where each member's data starts): the latent, and its caption embedding where the manifest names a caption
 shard (the content-addressed store, cache/store.py: each caption stored once); a row without one (cache
 format 1, or samples another tool wrote) holds both in one member, one read. URLs and ``pipe:`` commands
