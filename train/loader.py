@@ -14,15 +14,15 @@ another world size (rank r continues with global batches consumed + r, consumed 
 and costs one plan build, whatever the position. A state saved against other manifests, weights
 or batch sizes is refused unless the caller resets the data position on purpose.
 
-Samples are read with ranged reads from local or shared storage, or from S3 by one exact ranged GET per
-member fetched ahead of the step by a thread pool (base/s3fetch.py; docs/STORAGE.md, "The loader") (train/source.py: the manifest
-records where each member's data starts): the latent, and its caption embedding where the manifest names a caption
-shard (the content-addressed store, cache/store.py: each caption stored once); a row without one (cache
-format 1, or samples another tool wrote) holds both in one member, one read. URLs and ``pipe:`` commands
-are streamed through webdataset's ``gopen``. Every read goes through base/latents.py's ``read_latent``,
-the one place that knows both forms; a ``Source`` carries each row's caption shard or None (train/plan.py).
-Posterior latents are sampled here, seeded from (seed, epoch, position), so noise is fresh each epoch,
-identical after a resume, and different across ranks and workers.
+Samples are read with ranged reads from local or shared storage, or from S3 by one exact ranged GET per member
+fetched ahead of the step by a thread pool (base/s3fetch.py; docs/STORAGE.md, "The loader"); the manifest
+records where each member's data starts (train/source.py): the latent, and its caption embedding where the
+manifest names a caption shard (the content-addressed store, cache/store.py: each caption stored once); a row
+without one (cache format 1, or samples another tool wrote) holds both in one member, one read. Other URLs and
+``pipe:`` commands are streamed through webdataset's ``gopen``. Every read goes through base/latents.py's
+``read_latent``, the one place that knows both forms; a ``Source`` carries each row's caption shard or None
+(train/plan.py). Posterior latents are sampled here, seeded from (seed, epoch, position), so noise is fresh
+each epoch, identical after a resume, and different across ranks and workers.
 """
 
 from __future__ import annotations
