@@ -124,6 +124,12 @@ class MemberCache:
         self.added = 0
         self._lock = threading.Lock()
 
+    def __getstate__(self):  # a process of its own counts what it adds
+        return {"dir": self.dir, "limit": self.limit}
+
+    def __setstate__(self, state):
+        self.__init__(state["dir"], state["limit"])
+
     def _path(self, url: str, version: str, offset: int) -> Path:
         h = hashlib.sha256(f"{url}\0{version}\0{offset}".encode()).hexdigest()
         return self.dir / h[:2] / h[2:]

@@ -208,3 +208,12 @@ def test_s3_local_cache_serves_a_second_epoch_without_a_get_and_stays_under_its_
         same(a, c)
     held = sum(p.stat().st_size for p in (tmp_path / "c").glob("*/*"))
     assert 0 < held <= limit
+
+
+def test_a_fetcher_and_its_cache_survive_pickling_for_a_spawned_worker(tmp_path):
+    import pickle
+
+    f = pickle.loads(pickle.dumps(s3fetch.Fetcher(3, s3fetch.MemberCache(tmp_path, 1000), {"s3://b/x.tar": "e/1"})))
+    assert (f.threads, f.cache.dir, f.cache.limit, f.versions) == (3, tmp_path, 1000, {"s3://b/x.tar": "e/1"})
+    f.cache.put("s3://b/x.tar", "e/1", 512, b"abc")
+    assert f.cache.get("s3://b/x.tar", "e/1", 512) == b"abc" and f.cache.get("s3://b/x.tar", "e/2", 512) is None
