@@ -66,11 +66,18 @@ def shard_path(root, shard: str) -> str:
     they are, other paths relative to the data root."""
     if "://" in shard or shard.startswith("pipe:") or os.path.isabs(shard) or root is None:
         return shard
+    if str(root).startswith("s3://"):  # a root in object storage (docs/STORAGE.md)
+        return f"{str(root).rstrip('/')}/{shard}"
     return str(Path(root) / shard)
 
 
 def read_member(path: str, offset: int) -> bytes:
-    """A tar member's data: a ranged read at its offset (files), or a scan of the stream (URLs)."""
+    """A tar member's data: a ranged read at its offset (files), exact ranged GETs (``s3://``: base/s3fetch.py), or
+    a scan of the stream (other URLs)."""
+    if path.startswith("s3://"):
+        from reelcache.base import s3fetch
+
+        return s3fetch.read_member(path, offset)
     if "://" in path or path.startswith("pipe:"):
         import webdataset as wds
 
@@ -109,10 +116,11 @@ def shard_problem(path: str, last_offset: int) -> str | None:
     return None
 
 
-def read_latent(root, row: dict) -> dict:
+def read_latent(root, row: dict, read=read_member) -> dict:
     """One latent sample of a manifest or ``latents`` row (``shard``, ``shard_offset`` and, for a store
-    sample, ``text_shard``, ``text_offset``): {'mean', 'logvar'} or {'sample'}, and 'text' [L, D]."""
-    sample = decode(read_member(shard_path(root, row["shard"]), int(row["shard_offset"])))
+    sample, ``text_shard``, ``text_offset``): {'mean', 'logvar'} or {'sample'}, and 'text' [L, D]. `read(path,
+    offset)`: a member's bytes (the loader passes one that takes what it fetched ahead)."""
+    sample = decode(read(shard_path(root, row["shard"]), int(row["shard_offset"])))
     if row.get("text_shard") is not None:  # a store sample: its caption lives once, in a caption shard
-        sample["text"] = decode(read_member(shard_path(root, row["text_shard"]), int(row["text_offset"])))["text"]
+        sample["text"] = decode(read(shard_path(root, row["text_shard"]), int(row["text_offset"])))["text"]
     return sample

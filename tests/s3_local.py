@@ -136,6 +136,7 @@ class LocalS3:
             f"-s3.port={s3}",
             f"-s3.port.grpc={grpc4}",
             "-s3.port.iceberg=0",  # else a fixed port (8181): a second server on the machine would fail
+            "-s3.port.lance=0",  # likewise (9101)
             f"-s3.config={conf}",
         ]
         log = open(self.directory / "weed.log", "wb")
@@ -226,6 +227,7 @@ class FaultProxy:
         self.latency_s = latency_s
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str]] = []
+        self.bodies: list[tuple[str, str, int]] = []  # (method, path, bytes of the response body sent whole)
         self.lock = threading.Lock()
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -250,6 +252,7 @@ class FaultProxy:
         with self.lock:
             self.faults.clear()
             self.requests.clear()
+            self.bodies.clear()
 
     def close(self) -> None:
         self.closed.set()
@@ -334,6 +337,8 @@ class FaultProxy:
                         c.close()
                     return
                 c.sendall(out.encode("latin-1") + data)
+                with self.lock:
+                    self.bodies.append((method, path, len(data)))
         except (OSError, http.client.HTTPException, ValueError, IndexError):
             return
         finally:

@@ -14,18 +14,20 @@ another world size (rank r continues with global batches consumed + r, consumed 
 and costs one plan build, whatever the position. A state saved against other manifests, weights
 or batch sizes is refused unless the caller resets the data position on purpose.
 
-Samples are read with ranged reads from local or shared storage (train/source.py: the manifest
-records where each member's data starts): the latent, and its caption embedding where the manifest names a caption
-shard (the content-addressed store, cache/store.py: each caption stored once); a row without one (cache
-format 1, or samples another tool wrote) holds both in one member, one read. URLs and ``pipe:`` commands
-are streamed through webdataset's ``gopen``. Every read goes through base/latents.py's ``read_latent``,
-the one place that knows both forms; a ``Source`` carries each row's caption shard or None (train/plan.py).
-Posterior latents are sampled here, seeded from (seed, epoch, position), so noise is fresh each epoch,
-identical after a resume, and different across ranks and workers.
+Samples are read with ranged reads from local or shared storage, or from S3 by one exact ranged GET per member
+fetched ahead of the step by a thread pool (base/s3fetch.py; docs/STORAGE.md, "The loader"); the manifest
+records where each member's data starts (train/source.py): the latent, and its caption embedding where the
+manifest names a caption shard (the content-addressed store, cache/store.py: each caption stored once); a row
+without one (cache format 1, or samples another tool wrote) holds both in one member, one read. Other URLs and
+``pipe:`` commands are streamed through webdataset's ``gopen``. Every read goes through base/latents.py's
+``read_latent``, the one place that knows both forms; a ``Source`` carries each row's caption shard or None
+(train/plan.py). Posterior latents are sampled here, seeded from (seed, epoch, position), so noise is fresh
+each epoch, identical after a resume, and different across ranks and workers.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import warnings
@@ -36,6 +38,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache.base.buckets import BucketConfig
+from reelcache.base.latents import read_member, shard_path
+from reelcache.base.s3fetch import Fetcher, MemberCache, member_ends
 from reelcache.catalog.manifest import resolve_manifest
 from reelcache.files import atomic_path
 from reelcache.train.plan import PLAN_VERSION, Plan, Source, epoch_plan, stage_fingerprint
@@ -80,22 +84,40 @@ class LatentLoader:
         log_every: int = 100,
         pin_memory: bool | None = None,
         skip=None,
+        shard_root=None,
+        fetch_ahead: int = 64,
+        fetch_threads: int = 8,
+        cache_dir=None,
+        cache_gb: float = 0.0,
     ):
         """manifests: paths or names (ROOT/manifests/NAME-*.parquet), or (path, weight) pairs. skip: clip ids
         left out of the batches they are planned in (withdrawn clips: catalog/withdrawn.py); the plan, its
-        fingerprint and every other sample's position and noise stay as they were, so resume stays exact."""
+        fingerprint and every other sample's position and noise stay as they were, so resume stays exact.
+        shard_root: where the manifests' relative shard paths are (default `root`), a folder or ``s3://``.
+        fetch_ahead, fetch_threads: for shards in S3, the samples read ahead of the step and the threads that
+        read them (per process: each data worker has its own). cache_dir, cache_gb: a local folder keeping the
+        members read from S3, up to cache_gb GB, least recently used evicted first (base/s3fetch.py)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
         pairs = [m if isinstance(m, tuple) else (m, 1.0) for m in manifests]
-        self.root = Path(root) if root else None
+        self.root = (root if str(root).startswith("s3://") else Path(root)) if root else None
+        shard_root = shard_root or root
+        self.shard_root = (
+            (str(shard_root) if str(shard_root).startswith("s3://") else Path(shard_root)) if shard_root else None
+        )
+        self.fetch_ahead, self.fetch_threads = int(fetch_ahead), int(fetch_threads)
+        self.cache = MemberCache(cache_dir, int(cache_gb * 1e9)) if cache_dir else None
+        if self.cache is not None and read:
+            self.cache.evict()  # a smaller limit than the folder holds: honoured from the start
         self.schedules = [weight_schedule(w) for _, w in pairs]
         paths = [resolve_manifest(root, m) for m, _ in pairs]
         self.sources = [load_source(path, ws[0]) for path, ws in zip(paths, self.schedules)]
         self.skip = frozenset(skip or ())
+        sizes = {}  # S3 shards' sizes (their HEADs): the bound of each shard's last member's ranged read
         if read:  # a shard deleted or cut short is said now, not by a data worker mid-epoch
             for path, src in zip(paths, self.sources):  # a skipped clip's shard is never read (gc may have freed it)
                 rows = np.flatnonzero(~np.isin(src.clip_id, list(self.skip))) if self.skip else None
-                check_shards(root, src, path, rows)
+                sizes.update(check_shards(self.shard_root, src, path, rows, threads=self.fetch_threads))
         self.buckets, self.block = buckets, block
         self.rank, self.world_size, self.seed = rank, world_size, int(seed)
         self.workers, self.prefetch, self.read, self.pin_memory = workers, prefetch, read, pin_memory
@@ -109,6 +131,15 @@ class LatentLoader:
         self.offset = np.concatenate([s.offset for s in self.sources])
         self.text_shard = np.concatenate([s.text_shard for s in self.sources])
         self.text_offset = np.concatenate([s.text_offset for s in self.sources])
+        self.end = self.text_end = None  # S3 shards: where each member's one ranged GET ends (base/s3fetch.py)
+        self.versions: dict = {}
+        if sizes:
+            both = np.concatenate([self.shard, self.text_shard])
+            urls = np.array([shard_path(self.shard_root, s) if s is not None else None for s in both], dtype=object)
+            offsets = np.concatenate([self.offset, self.text_offset])
+            ends = member_ends(urls, offsets.astype(np.int64), {u: v[0] for u, v in sizes.items()})
+            self.versions = {u: v[1] for u, v in sizes.items()}
+            self.end, self.text_end = ends[: len(self.shard)], ends[len(self.shard) :]
         self.view = np.concatenate([s.view if s.view is not None else np.zeros(len(s), np.int32) for s in self.sources])
         self.views = max(s.views for s in self.sources)  # K (per manifest: Source.views)
         self.fps = np.concatenate([s.fps if s.fps is not None else np.full(len(s), np.nan) for s in self.sources])
@@ -215,24 +246,70 @@ class _BatchMaker:
         self.view, self.text_shard, self.text_offset = loader.view, loader.text_shard, loader.text_offset
         self.workers, self.prefetch, self.pin_memory = loader.workers, loader.prefetch, loader.pin_memory
         self.skip = loader.skip
+        self.shard_root, self.end, self.text_end = loader.shard_root, loader.end, loader.text_end
+        self.fetch_ahead = loader.fetch_ahead
+        self.fetcher = (
+            Fetcher(loader.fetch_threads, loader.cache, loader.versions) if self.end is not None and self.read else None
+        )
 
     def __iter__(self, worker: int = 0, nworkers: int = 1):
-        for k in range(worker, len(self.sched), nworkers):
-            yield self.make(*self.sched[k])
+        yield from self._batches(range(worker, len(self.sched), nworkers))
 
     def in_process(self):
         """Batches made in the calling process, with torch on one thread while making them: the
         per-sample ops are tiny, and intra-op threads only contend (16x slower on a busy box)."""
-        import torch
+        yield from self._batches(range(len(self.sched)), one_thread=True)
 
-        for k in range(len(self.sched)):
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                batch = self.make(*self.sched[k])
-            finally:
-                torch.set_num_threads(threads)
-            yield batch
+    def _batches(self, ks, one_thread: bool = False):
+        """The batches of schedule entries `ks`, in order; with shards in S3, the members of the next batches
+        (``fetch_ahead`` samples, at least the next batch) are read by the fetcher's threads meanwhile."""
+        ks = list(ks)
+        pending: collections.deque = collections.deque()  # (k, {(url, offset): Future}, samples)
+        ahead = j = 0
+        try:
+            for k in ks:
+                if self.fetcher is not None:
+                    while j < len(ks) and (not pending or ahead < self.fetch_ahead):
+                        got, n = self._fetch(ks[j])
+                        pending.append((ks[j], got, n))
+                        ahead, j = ahead + n, j + 1
+                    _, got, n = pending.popleft()
+                    ahead -= n
+                else:
+                    got = None
+                if one_thread:
+                    import torch
+
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(1)
+                    try:
+                        batch = self.make(*self.sched[k], got=got)
+                    finally:
+                        torch.set_num_threads(threads)
+                else:
+                    batch = self.make(*self.sched[k], got=got)
+                yield batch
+        finally:
+            if self.fetcher is not None:
+                self.fetcher.close()
+
+    def _fetch(self, k: int) -> tuple[dict, int]:
+        """Start reading the S3 members of schedule entry k's batch: {(url, offset): Future}, its sample count."""
+        if not self.read:
+            return {}, 0
+        idx, _, _ = self.kept(*self.sched[k][1:])
+        got = {}
+        for i in idx:
+            for shard, offset, end in (
+                (self.shard[i], self.offset[i], self.end[i]),
+                (self.text_shard[i], self.text_offset[i], self.text_end[i]),
+            ):
+                if shard is None:
+                    continue
+                url = shard_path(self.shard_root, shard)
+                if url.startswith("s3://") and (url, int(offset)) not in got:
+                    got[url, int(offset)] = self.fetcher.submit(url, int(offset), int(end))
+        return got, len(idx)
 
     def dataloader(self):
         import torch
@@ -276,7 +353,7 @@ class _BatchMaker:
                     return self.plan.batch(j)[live[:1]], self.plan.starts[j] + np.array(live[:1]), True
         raise ValueError(f"every clip of bucket {self.plan.buckets[b]} is skipped (withdrawn): nothing to pad with")
 
-    def make(self, step: int, index: int, pad: bool) -> dict:
+    def make(self, step: int, index: int, pad: bool, got=None) -> dict:
         idx, pos, pad = self.kept(index, pad)
         batch = {
             "epoch": self.epoch,
@@ -292,7 +369,7 @@ class _BatchMaker:
 
             batch.update(
                 collate(
-                    [self.sample(i) for i in idx],
+                    [self.sample(i, got) for i in idx],
                     self.seed,
                     self.epoch,
                     pos,
@@ -301,10 +378,15 @@ class _BatchMaker:
             batch["fps"] = torch.from_numpy(self.fps[idx])  # NaN where the manifest has no fps
         return batch
 
-    def sample(self, i: int) -> dict:
+    def sample(self, i: int, got=None) -> dict:
         """Row i's latent and caption embedding (base/latents.py's read_latent: one ranged read each, or one
-        where the sample holds its caption)."""
-        return read_row(self.root, self.shard[i], self.offset[i], self.text_shard[i], self.text_offset[i])
+        where the sample holds its caption); `got`: the members fetched ahead, by (url, offset)."""
+
+        def read(path, offset):
+            fut = got.get((path, offset)) if got else None
+            return fut.result() if fut is not None else read_member(path, offset)
+
+        return read_row(self.shard_root, self.shard[i], self.offset[i], self.text_shard[i], self.text_offset[i], read)
 
 
 def _one_thread(_worker_id):

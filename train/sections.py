@@ -71,6 +71,12 @@ class ModelConfig:
         return model
 
 
+SHARD_ROOT = Pattern(
+    r"(?!s3:).*|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?",
+    "a folder, or s3://bucket/prefix (bucket: 3-63 lower-case letters, digits, '.' and '-')",
+)
+
+
 @dataclass
 class Manifest:
     name: str = setting(doc="catalog manifest name (ROOT/manifests) or a path; made with --cache", pattern=TEXT)
@@ -86,6 +92,15 @@ class DataConfig:
     workers: int = setting(4, "DataLoader processes per rank (0: read in the training process)", ge=0)
     prefetch: int = setting(2, "batches in flight per worker", ge=1)
     block: int = setting(64, "block-shuffle size (samples read close together on disk)", ge=1)
+    shard_root: str = setting(
+        "",
+        "where the manifests' relative shard paths are: a folder or s3://bucket/prefix (default: the run's root)",
+        pattern=SHARD_ROOT,
+    )
+    fetch_ahead: int = setting(64, "shards in S3: samples read ahead of the step, per data process", ge=1, le=100000)
+    fetch_threads: int = setting(8, "shards in S3: threads reading them ahead, per data process", ge=1, le=256)
+    cache_dir: str = setting("", "shards in S3: a local folder keeping the members read (empty: none)")
+    cache_gb: float = setting(100.0, "shards in S3: the most GB cache_dir holds (least recently used evicted)", gt=0)
     skip_withdrawn: bool = setting(
         False, "leave out clips a takedown withdrew (else a manifest holding one refuses to start); resume stays exact"
     )
@@ -106,6 +121,8 @@ class DataConfig:
         # withdrawn clips' shards are not checked (a `cache gc` after the takedown may have freed them): the
         # refusal below, or the skip, is what a start over them meets
         kw = dict(root=root, rank=par.rank, world_size=par.world, seed=seed, skip=gone.keys())
+        kw.update(shard_root=self.shard_root or None, fetch_ahead=self.fetch_ahead, fetch_threads=self.fetch_threads)
+        kw.update(cache_dir=self.cache_dir or None, cache_gb=self.cache_gb)
         try:
             loader = LatentLoader(
                 manifests, self.bucket_config(), **kw, workers=self.workers, prefetch=self.prefetch, block=self.block

@@ -103,19 +103,41 @@ def load_source(path, weight: float = 1.0, min_kept: float = 0.5, view: int | No
 _UNIT_SHARD = re.compile(r"(?:^|/)(?:store/(?:video|text)|latents)/([^/]+)/(\d{6})[^/]*\.tar$")
 
 
-def check_shards(root, src: Source, manifest, rows=None) -> None:
+def check_shards(root, src: Source, manifest, rows=None, threads: int = 8) -> dict:
     """Every shard the rows `rows` of `src` (default all) name, latents and captions, exists and reaches
-    past its last member, checked before a run reads any (one header read a shard): else a UserError
-    naming the shard, the cache unit that wrote it, and how to write it again."""
+    past its last member, checked before a run reads any (one header read a local shard, one HEAD an S3 shard,
+    on `threads` threads): else a UserError naming the shard, the cache unit that wrote it, and how to write it
+    again. Returns each S3 shard's (size, version) by its URL (base/s3fetch.py: shard_heads; the loader's
+    ranged reads bound a shard's last member by its size, its local cache keys members by its version)."""
+    from reelcache.base.s3fetch import TAR_END, shard_heads
+
     idx = np.arange(len(src.clip_id)) if rows is None else np.asarray(rows, dtype=np.int64)
+    sizes = {}
     for shards, offsets in ((src.shard, src.offset), (src.text_shard, src.text_offset)):
+        if shards is None:
+            continue
         table = pa.table({"shard": pa.array(shards[idx].tolist(), pa.string()), "offset": offsets[idx]})
         table = table.filter(pc.is_valid(table["shard"]))  # no caption shard: the sample holds its caption
         last = table.group_by("shard").aggregate([("offset", "max"), ("offset", "count")])
-        for shard, offset, n in zip(*(last[c].to_pylist() for c in ("shard", "offset_max", "offset_count"))):
-            problem = shard_problem(shard_path(root, shard), offset)
+        found = list(zip(*(last[c].to_pylist() for c in ("shard", "offset_max", "offset_count"))))
+        urls = [shard_path(root, shard) for shard, _, _ in found]
+        got = shard_heads([u for u in urls if u.startswith("s3://")], threads)
+        sizes.update(got)
+        for (shard, offset, n), url in zip(found, urls):
+            if url.startswith("s3://"):
+                size = got[url][0]
+                problem = (
+                    "is missing"
+                    if size is None
+                    else f"is short: {size} bytes, but a member starts at byte {offset}"
+                    if size < offset + TAR_END
+                    else None
+                )
+            else:
+                problem = shard_problem(url, offset)
             if problem:
                 raise UserError(f"{shard_named(root, shard, problem)} (named by {n} of {Path(manifest).name}'s rows)")
+    return sizes
 
 
 def shard_named(root, shard: str, problem: str) -> str:
@@ -151,10 +173,10 @@ def read_sample(path: str, offset: int) -> dict:
     return decode(read_member(path, offset))
 
 
-def read_row(root, shard, offset, text_shard=None, text_offset=None) -> dict:
-    """A manifest row's sample with its ``text`` (base/latents.py: read_latent)."""
+def read_row(root, shard, offset, text_shard=None, text_offset=None, read=read_member) -> dict:
+    """A manifest row's sample with its ``text`` (base/latents.py: read_latent; `read` as there)."""
     return read_latent(
-        root, {"shard": shard, "shard_offset": offset, "text_shard": text_shard, "text_offset": text_offset}
+        root, {"shard": shard, "shard_offset": offset, "text_shard": text_shard, "text_offset": text_offset}, read
     )
 
 
