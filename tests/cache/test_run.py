@@ -239,7 +239,8 @@ def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path
 def test_gnu_parallel_two_slots(cache_root, tmp_path):
     if not shutil.which("parallel"):
         pytest.skip("GNU parallel is not installed")
-    units = cache_plan(cache_root, cache_config(tmp_path, "m"))
+    units = cache_plan(cache_root, cache_config(tmp_path, "m", clips_per_unit=13))  # a unit per slot
+    assert len(units) == 2
     (tmp_path / "u.txt").write_text("\n".join(units) + "\n")
     subprocess.run(
         [
