@@ -185,3 +185,18 @@ def test_a_raw_shard_deleted_since_planning_rejects_its_clips_naming_it(
     hit = [r for r in rows if r[3] == "raw/openvid/000003-00.tar"]
     assert hit and all(r[:2] == ("rejected", "undecodable") and f"{gone}: no such object" in r[2] for r in hit)
     assert all(r[0] == "ok" for r in rows if r[3] != "raw/openvid/000003-00.tar")
+
+
+def test_a_bucket_that_does_not_exist_is_one_line_before_any_work(s3_server, s3_root, mirror, tmp_path, capsys):
+    root = "s3://no-such-bucket-x/root"
+    config = cache_config(tmp_path, "m")
+    for args in (
+        ["cache", "plan", "--root", root, "--config", str(config)],
+        ["cache", "run", "--root", root, "t/000000"],
+        ["catalog", "manifest", "--root", root, "--name", "m"],
+    ):
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "s3://no-such-bucket-x: no such bucket" in err[0], (args, err)
+    assert not mirror.exists()  # no work was done
