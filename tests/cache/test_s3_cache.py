@@ -163,6 +163,9 @@ def test_killed_mid_upload_then_rerun_through_faults(s3_server, s3_proxy, mirror
     lost = s3_proxy.add("lost", lambda m, p: m == "PUT" and p.endswith("/latents/t/000000.parquet"))
     assert main(["cache", "run", "--root", root, unit]) == 0
     assert (reset.hits, slow.hits, lost.hits) == (1, 1, 1)
+    # one ranged GET per clip encoded (and the one the reset cut short, again): no raw shard read whole
+    gets = [p for m, p in s3_proxy.requests if raw(m, p)]
+    assert len(gets) == sum(r[2] == "ok" for r in latents_rows(reference)) + 1, gets
     s3_proxy.clear()
     assert_same_cache(s3_server, root, reference)
 
