@@ -126,7 +126,16 @@ class Claim:
         """Where a file of the unit named by its local `path` is published: the path, or its object."""
         if self.remote is None:
             return Path(path)
-        return self.remote / Path(path).relative_to(self.directory).as_posix()
+        path = Path(path)
+        if path.is_relative_to(self.directory):
+            return self.remote / path.relative_to(self.directory).as_posix()
+        # a file of the unit outside its folder (a cache unit's store shards): the same place under the root,
+        # the local folder that mirrors the remote's bucket being the unit's folder less the remote's key
+        up = len([p for p in self.remote.key.split("/") if p])
+        top = self.directory.parents[up - 1] if up else self.directory
+        if self.directory.relative_to(top).as_posix() != self.remote.key.strip("/"):
+            raise ValueError(f"{path}: not a file of the unit {self.directory} mirrored at {self.remote}")
+        return s3.Url(self.remote.bucket, path.relative_to(top).as_posix())
 
     def place(self, tmp, path) -> None:
         """A written, durable temporary file of the unit into place as `path`, the lease checked just before it
@@ -200,15 +209,14 @@ class Claim:
             *directory.glob(f"{stem}-*.tar"),
             *directory.glob(f".{stem}.parquet.tmp*"),
         ]
-        if self.remote is not None and directory == self.directory:
+        if self.remote is not None:
+            remote = self.remote if directory == self.directory else self.where(directory)
             shard = re.compile(rf"{re.escape(stem)}-\d+\.tar")
-            found += [
-                o for o in s3.list_objects(f"{self.remote}/{stem}-") if shard.fullmatch(o["Key"].rsplit("/", 1)[-1])
-            ]
-            found = [s3.Url(self.remote.bucket, o["Key"]) if isinstance(o, dict) else o for o in found]
-            for up in s3.list_uploads(f"{self.remote}/{stem}-"):  # a killed run's unfinished shard uploads
+            found += [o for o in s3.list_objects(f"{remote}/{stem}-") if shard.fullmatch(o["Key"].rsplit("/", 1)[-1])]
+            found = [s3.Url(remote.bucket, o["Key"]) if isinstance(o, dict) else o for o in found]
+            for up in s3.list_uploads(f"{remote}/{stem}-"):  # a killed run's unfinished shard uploads
                 if self.held():
-                    s3.abort_upload(self.remote.bucket, up["Key"], up["UploadId"])
+                    s3.abort_upload(remote.bucket, up["Key"], up["UploadId"])
         return self.unlink(found)
 
     def release(self) -> None:

@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from reelcache.args import existing_dir, existing_file
+from reelcache.base.s3 import check_root, is_url, root_arg
 
 # cache.plan and cache.run (pyarrow, duckdb, av, torch) are imported by the command that runs them:
 # `reelcache --help` builds every stage's parser.
@@ -28,13 +29,18 @@ def add_commands(top) -> None:
     cp = sub.add_parser(
         "plan", help="assign buckets, fix the cache identity, print units", formatter_class=fmt, epilog=PLAN_EXAMPLES
     )
-    cp.add_argument("--root", required=True, type=existing_dir, help="data root (its catalog manifests)")
+    cp.add_argument(
+        "--root",
+        required=True,
+        type=root_arg,
+        help="data root (its catalog manifests): a folder, or s3://bucket/prefix",
+    )
     cp.add_argument(
         "--config", required=True, type=existing_file, help="cache config TOML, e.g. configs/cache/tiny.toml"
     )
     cp.set_defaults(fn=_plan)
     cr = sub.add_parser("run", help="decode and encode one or more units printed by `cache plan`")
-    cr.add_argument("--root", required=True, type=existing_dir)
+    cr.add_argument("--root", required=True, type=root_arg, help="a folder, or s3://bucket/prefix (docs/STORAGE.md)")
     cr.add_argument("units", nargs="+", metavar="UNIT", help="e.g. wan-stage1/000012")
     cr.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
     cr.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")
@@ -48,13 +54,18 @@ def add_commands(top) -> None:
 def _plan(a) -> None:
     from reelcache.cache.plan import CacheConfig, make_plan
 
-    units = make_plan(a.root, CacheConfig.from_toml(a.config))
+    cfg = CacheConfig.from_toml(a.config)
+    if is_url(a.root):
+        check_root(a.root)
+    units = make_plan(a.root, cfg)
     sys.stdout.write("".join(u + "\n" for u in units))
 
 
 def _run(a) -> None:
     from reelcache.cache.run import run_unit
 
+    if is_url(a.root):
+        check_root(a.root)
     for unit in a.units:
         run_unit(a.root, unit, device=a.device, wait=a.wait)
 

@@ -196,7 +196,7 @@ def decode_clip(job: dict, root: str, out=None) -> np.ndarray:
     its raw shard (into `out` when given). job["resize"] (default "area") picks the resize; the
     "opensora" one covers and crops the bucket's exact size, from its name."""
     resize = job.get("resize", "area")
-    src = FileSlice(str(Path(root) / job["raw_shard"]), job["raw_offset"], job["file_size"])
+    src = raw_member(job, root)
     try:
         return decode_window(
             src,
@@ -214,8 +214,30 @@ def decode_clip(job: dict, root: str, out=None) -> np.ndarray:
         src.close()
 
 
+def raw_member(job: dict, root: str):
+    """The clip's video member of its raw shard, as a seekable file: a window of the local shard, or for a root
+    in S3 (``s3://``, docs/STORAGE.md) its bytes fetched by one ranged read of the shard object (base/s3.py:
+    ``get_range`` checks their length; an object gone since planning is one line naming it). The member's
+    blake2b-256 is then taken from those bytes (``job["content_hash"]``): the store needs it, and the parent
+    must not read the object a second time."""
+    if not str(root).startswith("s3://"):
+        return FileSlice(str(Path(root) / job["raw_shard"]), job["raw_offset"], job["file_size"])
+    from reelcache.base import s3
+
+    url = s3.parse(root) / job["raw_shard"]
+    try:
+        data = s3.get_range(url, job["raw_offset"], job["file_size"])
+    except s3.S3Error:
+        if s3.head(url) is None:  # as a local raw shard that is gone: the clip's reject, naming it
+            raise FileNotFoundError(f"{url}: no such object (deleted since the cache was planned?)") from None
+        raise  # the store failed (after its retries): the unit fails, the clip is not rejected
+    job["content_hash"] = hashlib.blake2b(data, digest_size=32).hexdigest()
+    return io.BytesIO(data)
+
+
 def decode_clip_shared(job: dict, root: str) -> tuple:
-    """In a decode worker: decode into the shared-memory block job["shm"]; return (name, shape)."""
+    """In a decode worker: decode into the shared-memory block job["shm"]; return (name, shape), and for a root
+    in S3 the raw bytes' content hash (``raw_member``)."""
     shape = (job["num_frames"], job["height"], job["width"], 3)
     try:
         shm = shared_memory.SharedMemory(name=job["shm"], create=True, size=int(np.prod(shape)))
@@ -228,7 +250,7 @@ def decode_clip_shared(job: dict, root: str) -> tuple:
         shm.unlink()
         raise
     shm.close()
-    return job["shm"], shape
+    return (job["shm"], shape, job["content_hash"]) if "content_hash" in job else (job["shm"], shape)
 
 
 def _open(source):

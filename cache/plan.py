@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from reelcache import UserError
+from reelcache.base import s3
 from reelcache.base.aspect_tables import SOURCE as BUCKET_SIZES
 from reelcache.base.buckets import BucketConfig
 from reelcache.cache.costs import measured, report, view_costs
@@ -266,7 +268,45 @@ def _draws(table, cfg: CacheConfig, buckets: BucketConfig, upto: int) -> list[tu
     return out
 
 
+# What of a root in S3 a cache's plan and runs read, mirrored locally (base/s3.py: sync_down): the manifests, the
+# store's indexes (what is encoded already), and the cache's own plan, identity and finished units' sidecars.
+def _mirrored(name: str):
+    own = re.compile(rf"latents/{re.escape(name)}/(cache\.json|_plan/(plan\.json|input\.parquet)|[0-9]+\.parquet)")
+    other = re.compile(r"manifests/[^/]+\.parquet|store/(video|text)/[^/]+/[^/]+\.parquet")
+    return lambda rel: own.fullmatch(rel) is not None or other.fullmatch(rel) is not None
+
+
+def local_root(root, name: str) -> Path:
+    """The folder a cache's plan and units work in: the root, or for a root in S3 (docs/STORAGE.md) its local
+    mirror (base/s3.py: ``mirror_dir``), brought up to date with what the plan and the units read."""
+    if not s3.is_url(root):
+        return Path(root)
+    local = s3.mirror_dir(root)
+    s3.sync_down(root, local, _mirrored(name))
+    return local
+
+
 def make_plan(root, cfg: CacheConfig) -> list[str]:
+    """Plan the cache (module docstring). A root in S3: planned in its local mirror, the raw shards' stamps from
+    their objects; then ``_plan/input.parquet``, ``cache.json`` and last ``_plan/plan.json`` are uploaded whole,
+    and the sidecars of finished units the plan runs again are deleted."""
+    if not s3.is_url(root):
+        return _make_plan(root, cfg)
+    local = local_root(root, cfg.name)
+    out = _make_plan(local, cfg, raw_root=root)
+    cdir, remote = cache_dir(local, cfg.name), s3.parse(root) / "latents" / cfg.name
+    for rel in ("_plan/input.parquet", "cache.json", "_plan/plan.json"):  # plan.json last: names a whole plan
+        s3.upload_file(cdir / rel, remote / rel)
+    kept = {p.name for p in cdir.glob("[0-9]*.parquet")}
+    for o in s3.list_objects(f"{remote}/"):
+        leaf = o["Key"].rsplit("/", 1)[-1]
+        if "/" not in o["Key"][len(remote.key) + 1 :] and re.fullmatch(r"[0-9]+\.parquet", leaf) and leaf not in kept:
+            s3.delete(s3.Url(remote.bucket, o["Key"]))  # a stale unit's sidecar: it runs again
+    s3.sync_down(root, local, _mirrored(cfg.name))  # the mirror's copies now carry the objects' times
+    return out
+
+
+def _make_plan(root, cfg: CacheConfig, raw_root=None) -> list[str]:
     buckets = _checked_buckets(cfg)
     try:
         mpath = resolve_manifest(root, cfg.manifest)
@@ -281,7 +321,7 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
     _check_existing(cdir, cfg, ident)
     table_views = max(cfg.views, 3)  # the cost table's K = 1 .. max(K, 3)
     clips = _draws(table, cfg, buckets, table_views)
-    rows, draws, stale = plan_store(root, cfg, ident, clips)
+    rows, draws, stale = plan_store(root, cfg, ident, clips, raw_root=raw_root)
     cdir.mkdir(parents=True, exist_ok=True)
     (cdir / "_plan").mkdir(exist_ok=True)
     for u in stale:  # its clips or draws changed: it runs again, reusing what the store holds

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from reelcache.base.latents import text_key
-from reelcache.cache.store import known_content, raw_stamp, read_index, text_digest, video_digest, video_key
+from reelcache.cache.store import known_content, raw_stamp_of, read_index, text_digest, video_digest, video_key
 
 # What a unit's rows mean (the rest is where things are and who encodes them): equal -> its sidecar holds.
 WHAT = (
@@ -44,7 +44,7 @@ def _indexes(root) -> tuple[dict, dict]:
     return video, text
 
 
-def plan_store(root, cfg, ident: dict, clips: list) -> tuple[list[dict], list, list[int]]:
+def plan_store(root, cfg, ident: dict, clips: list, raw_root=None) -> tuple[list[dict], list, list[int]]:
     """(plan rows of views 0..K-1, the cost table's draws, finished units to run again) for `clips`
     (cache/plan.py: _draws), each draw marked ``reused`` when the store holds its latent."""
     tdig, vdig = text_digest(ident), video_digest(ident)
@@ -55,7 +55,7 @@ def plan_store(root, cfg, ident: dict, clips: list) -> tuple[list[dict], list, l
     for i, (r, clip_draws) in enumerate(clips):
         if r["shard"] not in stamps:
             try:
-                stamps[r["shard"]] = raw_stamp(Path(root) / r["shard"])
+                stamps[r["shard"]] = raw_stamp_of(raw_root or root, r["shard"])  # an s3:// root: its object
             except OSError:
                 stamps[r["shard"]] = None
         stamp = stamps[r["shard"]]

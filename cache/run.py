@@ -47,9 +47,10 @@ import numpy as np
 import torch
 
 from reelcache import UserError
-from reelcache.base import units
+from reelcache.base import s3, units
 from reelcache.base.buckets import BucketConfig
 from reelcache.base.latents import LATENT_EXT, encode
+from reelcache.base.s3 import S3Error
 from reelcache.base.shards import ShardWriter, content_hash
 from reelcache.base.units import Batch, Reject, Unit, claimed, parse_unit, unit_rows
 from reelcache.cache import outputs
@@ -62,10 +63,10 @@ from reelcache.cache.decode import (
 )
 from reelcache.cache.encoders import VideoEncoder, default_device
 from reelcache.cache.outputs import no_bucket, planned_rows, repeat_views
-from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache
+from reelcache.cache.plan import CacheConfig, cache_dir, diff, identity, load_cache, local_root
 from reelcache.cache.store import (
     clear_store_unit,
-    raw_stamp,
+    raw_stamp_of,
     store_dir,
     video_digest,
     video_key,
@@ -82,7 +83,8 @@ _CALLS = itertools.count()
 class SharedFrames:
     """The parent's handle on a decoded window in shared memory; `release` frees it."""
 
-    def __init__(self, name: str, shape):
+    def __init__(self, name: str, shape, content_hash: str | None = None):
+        self.content_hash = content_hash  # of the raw bytes, when the worker read them from S3
         self.shm = shared_memory.SharedMemory(name=name)
         self.array = np.ndarray(shape, np.uint8, buffer=self.shm.buf)
 
@@ -149,6 +151,8 @@ def decoded(
             job, res = item
             if isinstance(res, FrameBufferError):  # our own output (the frames' block) failed: not a reject
                 raise OutputError(f"/dev/shm/{job['shm']}", res)
+            if isinstance(res, S3Error):  # the store failed reading a raw clip: the unit fails, no clip rejected
+                raise res
             if isinstance(res, Failed):
                 _unlink_shared(job["shm"])
             elif isinstance(res, tuple):
@@ -172,7 +176,12 @@ def decoded(
 
 
 def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False) -> dict:
+    """Run one unit (module docstring). A root in S3 (docs/STORAGE.md): the unit works in the root's local mirror
+    (cache/plan.py: ``local_root``); each raw clip is one ranged read of its member, and every file the unit
+    writes (store shards, their indexes, the sidecar last) is uploaded whole through its claim."""
     name, index = parse_unit(unit)
+    raw_root, root = root, local_root(root, name)
+    remote = s3.parse(raw_root) / "latents" / name if s3.is_url(raw_root) else None
     cfg, plan, ident = load_cache(root, name)
     if not 0 <= index < plan["num_units"]:
         raise UserError(f"{unit}: cache {name!r} has units 0..{plan['num_units'] - 1}")
@@ -183,12 +192,15 @@ def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False
             + "\n  ".join(d[:12])
         )
     cdir = cache_dir(root, name)
-    with claimed(cdir, index, wait=wait) as claim:
+    if remote is not None:  # the unit's store folders, where its shards are staged
+        for kind in ("video", "text"):
+            store_dir(root, kind, name).mkdir(parents=True, exist_ok=True)
+    with claimed(cdir, index, wait=wait, remote=remote) as claim:
         if claim is None:
             say(f"{unit}: already done, skipped")
             return {"unit": unit, "skipped": True}
         clear_store_unit(root, name, f"{index:06d}-{plan['plan_id']}", claim)  # what a killed run left
-        return _run(root, unit, cfg, plan, buckets, cdir, index, claim, device or default_device())
+        return _run(root, unit, cfg, plan, buckets, cdir, index, claim, device or default_device(), raw_root)
 
 
 def finite(row: dict) -> Reject | None:
@@ -205,8 +217,19 @@ class Latents:
     ``claim``, which checks the unit's lease first."""
 
     def __init__(
-        self, root, cfg: CacheConfig, cdir: Path, stem: str, device: str, encode: bool, captions: tuple, claim
+        self,
+        root,
+        cfg: CacheConfig,
+        cdir: Path,
+        stem: str,
+        device: str,
+        encode: bool,
+        captions: tuple,
+        claim,
+        raw_root=None,
     ):
+        self.raw_root = raw_root or root  # where the raw shards are: the root, an s3:// one (root: its mirror)
+        self.stamps: dict[str, str] = {}  # raw shard -> its stamp, taken once per unit
         self.root, self.cfg, self.device, self.name, self.stem = root, cfg, device, cdir.name, stem
         self.claim = claim
         self.text_index, self.text = captions  # what encode_captions wrote, and its counts
@@ -227,6 +250,7 @@ class Latents:
         t = time.monotonic()
         stacked = np.stack([row["frames"].array for row in rows])
         for row in rows:
+            row["raw_hash"] = row["frames"].content_hash  # read from S3 by the worker; else None
             row.pop("frames").release()
         latents = self.video.encode(stacked)
         if self.device.startswith("cuda"):
@@ -247,8 +271,11 @@ class Latents:
     def store(self, row: dict) -> None:
         """Append the latent to the unit's store shard under its content key, and index it."""
         job, tensors = row["plan"], row.pop("latents")
-        raw = Path(self.root) / job["raw_shard"]
-        chash = content_hash(raw, job["raw_offset"], job["file_size"])
+        chash = row.pop("raw_hash", None) or content_hash(
+            Path(self.raw_root) / job["raw_shard"], job["raw_offset"], job["file_size"]
+        )
+        if job["raw_shard"] not in self.stamps:
+            self.stamps[job["raw_shard"]] = raw_stamp_of(self.raw_root, job["raw_shard"])
         vkey = video_key(self.vdig, chash, job, self.cfg.resize, self.cfg.store, self.cfg.seed)
         data = encode(tensors, video_key=vkey, bucket=row["bucket"])
         shard, offsets = self.writer.write_sample(vkey, [(LATENT_EXT, data, None)])
@@ -258,7 +285,11 @@ class Latents:
         self.index.append(
             {"video_key": vkey, "shard": rel, "shard_offset": offsets[LATENT_EXT], "shape": shape}
             | {"bytes": len(data), "content_hash": chash, "raw_shard": job["raw_shard"]}
-            | {"raw_offset": job["raw_offset"], "file_size": job["file_size"], "raw_stamp": raw_stamp(raw)}
+            | {
+                "raw_offset": job["raw_offset"],
+                "file_size": job["file_size"],
+                "raw_stamp": self.stamps[job["raw_shard"]],
+            }
         )
         for k, n in (("clips", 1), ("frames", row["num_frames"]), ("bytes", len(data))):
             self.stats[k] += n
@@ -288,7 +319,7 @@ def _to_encode(row: dict) -> bool:
     return row["plan"]["same_as"] is None and row["plan"]["reuse_shard"] is None
 
 
-def _run(root, unit, cfg: CacheConfig, plan, buckets, cdir: Path, index: int, claim, device: str) -> dict:
+def _run(root, unit, cfg: CacheConfig, plan, buckets, cdir: Path, index: int, claim, device: str, raw_root) -> dict:
     name, stem = cdir.name, f"{index:06d}-{plan['plan_id']}"
     t0 = time.monotonic()
     rows = planned_rows(unit_rows(cdir, index), name, unit)
@@ -303,10 +334,10 @@ def _run(root, unit, cfg: CacheConfig, plan, buckets, cdir: Path, index: int, cl
         if r["text_shard"] is None and r["text_key"] in captions:
             r["text_shard"], r["text_offset"], r["text_len"] = captions[r["text_key"]]
     encode = any(r["bucket"] and _to_encode(r) for r in rows)
-    enc = Latents(root, cfg, cdir, stem, device, encode, (text_index, text), claim)
+    enc = Latents(root, cfg, cdir, stem, device, encode, (text_index, text), claim, raw_root=raw_root)
     decode = functools.partial(
         decoded,
-        root=str(root),
+        root=str(raw_root),  # the raw shards: in the root, or objects of an s3:// root
         workers=cfg.workers,
         timeout=cfg.decode_timeout,
         memory_mb=cfg.worker_memory_mb,

@@ -120,6 +120,20 @@ def raw_stamp(path) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}"
 
 
+def raw_stamp_of(root, shard: str) -> str:
+    """The stamp of raw shard `shard` (root-relative) of `root`: a file's ``raw_stamp``, or for a root in S3 the
+    object's size and Last-Modified (a re-written shard is a new object, a new stamp); FileNotFoundError when
+    absent."""
+    from reelcache.base import s3
+
+    if not s3.is_url(root):
+        return raw_stamp(Path(root) / shard)
+    url = s3.parse(root) / shard
+    if (h := s3.head(url)) is None:
+        raise FileNotFoundError(f"{url}: no such object")
+    return f"{h['ContentLength']}:{int(h['LastModified'].timestamp()) * 10**9}"
+
+
 def read_index(root, kind: str, columns: list[str] | None = None) -> pa.Table:
     """Every index of the store's `kind` (video or text), one table; empty when there is none."""
     schema = VIDEO_INDEX if kind == "video" else TEXT_INDEX

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from reelcache.args import arg, existing_dir
+from reelcache.args import arg
 from reelcache.base.s3 import check_root, is_url, mirror_dir, root_arg
 
 # merge, query, stats and manifest (duckdb, pyarrow, matplotlib) are imported by the command that
@@ -55,7 +55,12 @@ def add_commands(top) -> None:
     s.add_argument("--out", help="folder for the PNGs (default ROOT/stats; for an s3:// root, its local mirror's)")
     s.set_defaults(fn=_stats)
     mf = sub.add_parser("manifest", help="freeze a selection of ok clips into a fingerprinted parquet")
-    mf.add_argument("--root", required=True, type=existing_dir)
+    mf.add_argument(
+        "--root",
+        required=True,
+        type=root_arg,
+        help="a folder, or s3://bucket/prefix (made from its merged catalog, uploaded to ROOT/manifests/)",
+    )
     mf.add_argument("--name", required=True)
     mf.add_argument(
         "--where", default="true", help="one SQL condition on clips (status='ok' is implied; run read-only)"
@@ -67,7 +72,7 @@ def add_commands(top) -> None:
     )
     mf.set_defaults(fn=_manifest)
     ex = sub.add_parser("export", help="write the selection as a table another trainer reads")
-    ex.add_argument("--root", required=True, type=existing_dir)
+    ex.add_argument("--root", required=True, type=root_arg, help="a folder, or s3://bucket/prefix (its merged catalog)")
     ex.add_argument("--format", default="opensora", choices=["opensora"])
     ex.add_argument(
         "--where", default="true", help="one SQL condition on clips (status='ok' is implied; run read-only)"
@@ -105,10 +110,21 @@ def _stats(a) -> None:
 def _manifest(a) -> None:
     from reelcache.catalog.manifest import make_manifest
 
-    print(make_manifest(a.root, a.name, a.where, cache=a.cache))
+    if not is_url(a.root):
+        print(make_manifest(a.root, a.name, a.where, cache=a.cache))
+        return
+    from reelcache.base import s3
+
+    check_root(a.root)
+    local = mirror_dir(a.root)
+    path = make_manifest(local, a.name, a.where, cache=a.cache)  # from the catalog `catalog merge` made there
+    url = s3.parse(a.root) / path.relative_to(local).as_posix()
+    s3.upload_file(path.with_suffix(".json"), url.parent / path.with_suffix(".json").name)
+    s3.upload_file(path, url)  # whole, after its .json: a manifest's name carries its fingerprint
+    print(url)
 
 
 def _export(a) -> None:
     from reelcache.catalog.query import export
 
-    export(a.root, a.format, a.where, a.out)
+    export(_local(a.root), a.format, a.where, a.out)
