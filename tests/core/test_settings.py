@@ -140,7 +140,7 @@ def _outside(hint, r) -> list:
     if r.choices is not None:
         bad.append("not-a-choice")
     if r.pattern is not None:
-        bad += [s for s in ("", "a/b", ".hidden") if not re.fullmatch(r.pattern.regex, s)]
+        bad += [s for s in ("", "a/b", ".hidden", "s3://Not_A_Bucket") if not re.fullmatch(r.pattern.regex, s)]
     if origin is list:
         return [[v] for v in bad]
     if origin is dict:
@@ -171,7 +171,7 @@ def test_every_field_declares_itself():
 
 # Fields whose only rule is their type (their values are checked across fields, or are free-form).
 UNRANGED = {
-    "train": {"data.buckets", "model.overrides"},
+    "train": {"data.buckets", "data.cache_dir", "model.overrides"},
     "cache": {"extra", "video_encoder.extra", "text_encoder.extra"},
 }
 
@@ -264,6 +264,9 @@ EDGES = {
     ("train", "data.workers"): ([-1], [0, 4]),  # 0: read in the training process
     ("train", "data.prefetch"): ([0], [1, 2]),
     ("train", "data.block"): ([0], [1, 64]),
+    ("train", "data.fetch_ahead"): ([0], [1, 64]),  # shards in S3: at least the sample being read
+    ("train", "data.fetch_threads"): ([0], [1, 8]),
+    ("train", "data.cache_gb"): ([0.0, -1.0], [0.5, 100.0]),  # 0 GB: a cache that keeps nothing (leave cache_dir empty)
     ("train", "conditioning.default_fps"): ([0.0, -24.0], [24.0]),  # 0 fps: no frame interval
     ("train", "conditioning.image_fps"): ([-1.0], [0.0, 120.0]),  # 0: as a video's
     ("train", "run.seed"): ([-1], [0, 42]),
