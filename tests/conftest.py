@@ -81,6 +81,41 @@ def pytest_collection_modifyitems(items):
             raise pytest.UsageError(f"{item.nodeid} uses the S3 server: its file must be named test_s3*.py")
 
 
+def ordinary_scheduling() -> str | None:
+    """Every thread of this process back under the ordinary scheduler, if something moved it to a real-time
+    one: the policy it found ("SCHED_FIFO 99"), else None. A pytest worker found under SCHED_FIFO 99 in a
+    3-worker run passed it on to every process it started after (the viewer, GNU parallel, ssh), and their
+    spinning starved the 2-core machine (load 33, tests erroring on their timers)."""
+    found = None
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        try:
+            policy = os.sched_getscheduler(int(tid))
+            if policy in (os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_IDLE):
+                continue
+            name = {os.SCHED_FIFO: "SCHED_FIFO", os.SCHED_RR: "SCHED_RR"}.get(policy, str(policy))
+            found = f"{name} {os.sched_getparam(int(tid)).sched_priority}"
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After each test, this process back under the ordinary scheduler (``ordinary_scheduling``), and the
+    test that left it real-time named in a warning of the session's summary and in
+    $TMPDIR/reelcache-tests-realtime.log."""
+    yield
+    if found := ordinary_scheduling():
+        import tempfile
+        import warnings
+
+        line = f"{item.nodeid} left this test process under {found}: moved back to SCHED_OTHER"
+        with open(Path(tempfile.gettempdir()) / "reelcache-tests-realtime.log", "a") as f:
+            f.write(line + "\n")
+        warnings.warn(line, stacklevel=1)
+
+
 @pytest.fixture(scope="session")
 def demo_dataset(tmp_path_factory) -> Path:
     from reelcache.ingest.demo import generate
