@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,15 +99,21 @@ def test_stop_escalates_to_sigkill_after_the_grace(tmp_path):
 def training(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster-root")
     manifest = write_latents(root, 16, name="train")
-    p = torchrun(root, data_args(manifest, "--run.epochs=1000", "--checkpoint.every=0", "--run.name=live"), nproc=2)
+    args = data_args(manifest, "--run.epochs=1000", "--checkpoint.every=0", "--log.every=1", "--run.name=live")
+    p = torchrun(root, args, nproc=2)
     run = root / "runs/live"
-    deadline = time.monotonic() + 120
-    while not all((run / f"ranks/rank{r:05d}.json").exists() for r in (0, 1)):
+    lines: list[str] = []  # the launcher's output, read aside (the ranks must never block on a full pipe)
+    threading.Thread(target=lambda: lines.extend(iter(p.stdout.readline, "")), daemon=True).start()
+    deadline = time.monotonic() + 180
+    # in the loop: the ranks' records written and a step done (the booster, ColossalAI's import, comes
+    # after the records: a rank dumped before has a stack deeper than faulthandler's 100 frames)
+    while not (
+        all((run / f"ranks/rank{r:05d}.json").exists() for r in (0, 1)) and any(" step 2/" in ln for ln in lines)
+    ):
         if p.poll() is not None or time.monotonic() > deadline:
             p.kill()
-            pytest.fail(f"training did not start: {p.stdout.read()[-3000:]}")
+            pytest.fail(f"training did not start: {''.join(lines)[-3000:]}")
         time.sleep(0.2)
-    time.sleep(2)  # into the loop
     yield run, p
     if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)  # only our own session: the launcher and its ranks
