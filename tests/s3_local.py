@@ -418,3 +418,21 @@ if __name__ == "__main__":
         _up(sys.argv[2] if len(sys.argv) > 2 else None)
     else:
         sys.exit("usage: tests/s3_local.py up [DIR]")
+
+
+def start_until_hit(cmd: list, rule, timeout: float, what: str) -> subprocess.Popen:
+    """`cmd` started (its stderr kept), returned once the proxy's `rule` (``FaultProxy.add``) met a request;
+    the test fails, naming `what` it waited for, if the command ends first or `timeout` passes (then it is
+    killed). The caller kills it when done."""
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    try:
+        while rule.hits == 0:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, f"the unit never {what}"
+            time.sleep(0.05)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc

@@ -9,13 +9,12 @@ import io
 import json
 import shutil
 import signal
-import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
+from s3_local import start_until_hit
 from support import cache_config, cache_plan
 
 from reelcache.base import s3
@@ -139,20 +138,10 @@ def test_killed_mid_upload_then_rerun_through_faults(s3_server, s3_proxy, mirror
     root = s3_proxy.root
     unit = s3_cache_root(s3_server, root, ingested, tmp_path)
     held = s3_proxy.add("hold", lambda m, p: m == "PUT" and "/store/text/t/000000-" in p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reelcache.cli", "cache", "run", "--root", root, unit],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        deadline = time.monotonic() + 600
-        while held.hits == 0:
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the unit never uploaded its shard"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    cmd = [sys.executable, "-m", "reelcache.cli", "cache", "run", "--root", root, unit]
+    proc = start_until_hit(cmd, held, 600, "uploaded its shard")
+    proc.send_signal(signal.SIGKILL)  # killed while its shard's upload is held
+    proc.wait()
     s3_proxy.clear()
     left = [o["Key"].split("/root/", 1)[1] for o in s3.list_objects(f"{root}/")]
     assert "latents/t/000000.lease" in left and "latents/t/000000.parquet" not in left, left

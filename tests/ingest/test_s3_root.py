@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from s3_local import start_until_hit
 from support import catalog_rows, ingest, outputs, plan_ingest, sql
 
 from reelcache.base import s3
@@ -104,13 +103,8 @@ def test_two_runs_of_a_unit_and_a_run_killed_mid_upload(
     units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
     held = s3_proxy.add("hold", lambda m, p: m == "PUT" and "/raw/openvid/000000-" in p)
     cmd = [sys.executable, "-m", "reelcache.cli", "ingest", "run", "--root", root, units[0]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start_until_hit(cmd, held, 60, "uploaded its shard")
     try:
-        deadline = time.monotonic() + 60
-        while held.hits == 0:
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the unit never uploaded its shard"
-            time.sleep(0.05)
         capsys.readouterr()
         assert main(["ingest", "run", "--root", root, units[0]]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -195,17 +189,9 @@ def test_a_run_whose_lease_was_taken_over_publishes_nothing(s3_server, s3_proxy,
     root = s3_proxy.root
     units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", demo_dataset / "videos", "--name", "openvid", *ARGS)
     frozen = s3_proxy.add("hold", lambda m, p: m == "GET" and "/raw/openvid/000000.lease" in p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "reelcache.cli", "ingest", "run", "--root", root, units[0]],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    cmd = [sys.executable, "-m", "reelcache.cli", "ingest", "run", "--root", root, units[0]]
+    proc = start_until_hit(cmd, frozen, 60, "checked its lease")
     try:
-        deadline = time.monotonic() + 60
-        while frozen.hits == 0:
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the unit never checked its lease"
-            time.sleep(0.05)
         u = s3.parse(f"{root}/raw/openvid/000000.lease")
         body = b'{"host": "gpu-node-3", "boot_id": "b", "pid": 7, "pid_start": 1, "started_at": "t", "token": "new"}'
         s3_server.client().put_object(Bucket=u.bucket, Key=u.key, Body=body)  # the other host's takeover
