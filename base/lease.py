@@ -55,19 +55,16 @@ from pathlib import Path
 
 from reelcache import UserError
 from reelcache.base import s3
+from reelcache.settings import env_seconds
 
 
 def _ttl_from_env() -> tuple[float, str]:
     """``REELCACHE_LEASE_TTL_S`` (default 300): a shorter staleness for tests and small clusters whose
     storage never freezes long. A bad value is reported by ``acquire`` (one line, before any work)."""
-    raw = os.environ.get("REELCACHE_LEASE_TTL_S", "300")
     try:
-        ttl = float(raw)
-    except ValueError:
-        ttl = -1.0
-    if not 1.0 <= ttl <= 86400.0:
-        return 300.0, f"REELCACHE_LEASE_TTL_S={raw!r}: must be seconds between 1 and 86400 (default 300)"
-    return ttl, ""
+        return env_seconds("REELCACHE_LEASE_TTL_S", 300, ge=1, le=86400), ""
+    except UserError as e:
+        return 300.0, str(e)
 
 
 TTL_S, _TTL_ERROR = _ttl_from_env()  # another host's lease without a heartbeat for this long is stale

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reelcache import UserError
+from reelcache.settings import env_seconds
 
 # boto3 is imported by the first call that needs a client: `reelcache --help` and plain local roots start without it.
 
@@ -64,14 +65,8 @@ class PreconditionFailed(S3Error):
 
 
 def stall_s() -> float:
-    raw = os.environ.get("REELCACHE_S3_STALL_S", "120")
-    try:
-        v = float(raw)
-    except ValueError:
-        v = -1.0
-    if not 0.1 <= v <= 3600:
-        raise UserError(f"REELCACHE_S3_STALL_S={raw!r}: must be seconds between 0.1 and 3600 (default 120)")
-    return v
+    """``REELCACHE_S3_STALL_S`` (default 120): no byte from the store for this long ends a request."""
+    return env_seconds("REELCACHE_S3_STALL_S", 120, ge=0.1, le=3600)
 
 
 @dataclass(frozen=True)

@@ -330,3 +330,23 @@ def load_toml(path) -> dict:
         raise UserError(f"no config file {path}") from None
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path}: {e}") from None
+
+
+def env_seconds(
+    name: str, default: float, *, ge: float | None = None, gt: float | None = None, le: float | None = None
+) -> float:
+    """A duration from the environment variable ``name`` (``default`` when unset), checked against its bounds:
+    a bad value is one line naming the variable, the value as given and what is allowed (UserError)."""
+    import os
+
+    raw = os.environ.get(name)
+    if raw is None:
+        return float(default)
+    rule = Rule("", ge=ge, gt=gt, le=le)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and _in_range(value, rule)):
+        raise UserError(f"{name}={raw!r}: must be seconds{_bounds(rule)} (default {_num(default)})")
+    return value

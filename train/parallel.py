@@ -329,16 +329,9 @@ def collective_timeout_s() -> float:
     closed socket to notice) holds every other rank in its collective this long; ``watchdog.limit_s``
     ends such a step earlier, naming the ranks that stopped answering. On GPUs it is NCCL's timeout,
     enforced by its watchdog thread (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default since torch 2.2)."""
-    from reelcache import UserError
+    from reelcache.settings import env_seconds
 
-    raw = os.environ.get("REELCACHE_COLLECTIVE_TIMEOUT_S", "1800")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise UserError(f"REELCACHE_COLLECTIVE_TIMEOUT_S={raw!r}: must be a number of seconds > 0 (default 1800)")
-    return value
+    return env_seconds("REELCACHE_COLLECTIVE_TIMEOUT_S", 1800, gt=0)
 
 
 def free_port() -> int:

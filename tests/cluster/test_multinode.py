@@ -185,7 +185,7 @@ def test_a_bad_lease_ttl_is_one_line_before_any_work(ingested, tmp_path):
     finally:
         (tmp_path / "side.parquet").rename(ingested / "raw/openvid/000001.parquet")
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
-        "reelcache: error: REELCACHE_LEASE_TTL_S='soon': must be seconds between 1 and 86400 (default 300)"
+        "reelcache: error: REELCACHE_LEASE_TTL_S='soon': must be seconds in [1, 86400] (default 300)"
     ]
     assert sorted(p.name for p in (ingested / "raw/openvid").iterdir()) == before
 

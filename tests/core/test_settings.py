@@ -501,3 +501,72 @@ def test_options_and_config_files_of_other_stages(tmp_path, capsys):
     assert main(["cache", "plan", "--root", str(tmp_path), "--config", str(cache)]) == 2
     assert capsys.readouterr().err == f"reelcache: error: {cache}: batch_size = 0: expected an integer >= 1\n"
     assert not (tmp_path / "root").exists() and not (tmp_path / "latents").exists()
+
+
+@pytest.mark.parametrize(
+    "name, read, raw, expected",
+    [
+        (
+            "REELCACHE_LEASE_TTL_S",
+            "lease",
+            "soon",
+            "REELCACHE_LEASE_TTL_S='soon': must be seconds in [1, 86400] (default 300)",
+        ),
+        (
+            "REELCACHE_LEASE_TTL_S",
+            "lease",
+            "0.5",
+            "REELCACHE_LEASE_TTL_S='0.5': must be seconds in [1, 86400] (default 300)",
+        ),
+        ("REELCACHE_LEASE_TTL_S", "lease", "7", 7.0),
+        (
+            "REELCACHE_S3_STALL_S",
+            "stall",
+            "nan",
+            "REELCACHE_S3_STALL_S='nan': must be seconds in [0.1, 3600] (default 120)",
+        ),
+        (
+            "REELCACHE_S3_STALL_S",
+            "stall",
+            "3601",
+            "REELCACHE_S3_STALL_S='3601': must be seconds in [0.1, 3600] (default 120)",
+        ),
+        ("REELCACHE_S3_STALL_S", "stall", "0.1", 0.1),
+        (
+            "REELCACHE_COLLECTIVE_TIMEOUT_S",
+            "collective",
+            "0",
+            "REELCACHE_COLLECTIVE_TIMEOUT_S='0': must be seconds > 0 (default 1800)",
+        ),
+        (
+            "REELCACHE_COLLECTIVE_TIMEOUT_S",
+            "collective",
+            "inf",
+            "REELCACHE_COLLECTIVE_TIMEOUT_S='inf': must be seconds > 0 (default 1800)",
+        ),
+        ("REELCACHE_COLLECTIVE_TIMEOUT_S", "collective", None, 1800.0),
+    ],
+)
+def test_durations_from_the_environment_name_the_variable_the_value_and_the_bounds(
+    monkeypatch, name, read, raw, expected
+):
+    """The three durations read from the environment (lease staleness, an S3 stall, a collective's wait) share
+    one reader: a bad value is one line naming the variable, its value as given, the bounds and the default."""
+    from reelcache.base import lease, s3
+    from reelcache.train import parallel
+
+    if raw is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, raw)
+    readers = {"lease": lease._ttl_from_env, "stall": s3.stall_s, "collective": parallel.collective_timeout_s}
+    if isinstance(expected, str):
+        if read == "lease":  # read at import: the error is kept and said by acquire, before any work
+            assert readers[read]() == (300.0, expected)
+        else:
+            with pytest.raises(UserError) as e:
+                readers[read]()
+            assert str(e.value) == expected
+    else:
+        got = readers[read]()
+        assert (got[0] if read == "lease" else got) == expected
