@@ -79,10 +79,12 @@ class LocalS3:
     port: int = 0
     ports: list[int] = field(default_factory=list)
     shared_bucket: str = "reelcache-test"  # made at start; tests take a prefix of it each
+    ip: str = "127.0.0.1"  # the address it listens on: loopback, or a namespace node's (tests/cluster_local.py)
+    prefix: list[str] = field(default_factory=list)  # the command prefix that runs it there (cluster.prefix(1))
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.ip}:{self.port}"
 
     def env(self, endpoint: str | None = None, secret: str = SECRET_KEY) -> dict:
         """The AWS_* variables a client needs (the standard ones: nothing of ours)."""
@@ -121,8 +123,8 @@ class LocalS3:
             weed,
             "server",
             f"-dir={self.directory / 'data'}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip={self.ip}",
+            f"-ip.bind={self.ip}",
             f"-master.port={master}",
             f"-master.port.grpc={grpc1}",
             "-master.volumeSizeLimitMB=64",
@@ -140,22 +142,24 @@ class LocalS3:
             f"-s3.config={conf}",
         ]
         log = open(self.directory / "weed.log", "wb")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # nsenter (the prefix) enters the node's namespaces and execs weed: the process is weed's either way
+        self.proc = subprocess.Popen([*self.prefix, *cmd], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout
-        probe = f"reelcache-up-{secrets.token_hex(3)}"
         while True:
             if self.proc.poll() is not None:
                 raise S3Unavailable(f"weed exited with {self.proc.returncode}: {self.log_tail()}")
             try:  # up: an object can be written (the S3 gateway answers before the filer and volumes are ready)
-                c = self.client()
-                c.create_bucket(Bucket=probe)
-                c.put_object(Bucket=probe, Key="probe", Body=b"up")
-                c.delete_object(Bucket=probe, Key="probe")
-                c.delete_bucket(Bucket=probe)
-                c.create_bucket(Bucket=self.shared_bucket)
-                c.put_object(Bucket=self.shared_bucket, Key="probe", Body=b"up")  # its volumes grown now
-                c.delete_object(Bucket=self.shared_bucket, Key="probe")
+                if self.prefix:  # from inside the node's network, where its address is reachable
+                    done = subprocess.run(
+                        [*self.prefix, sys.executable, __file__, "probe", self.endpoint, self.shared_bucket],
+                        capture_output=True,
+                        text=True,
+                    )
+                    if done.returncode:
+                        raise RuntimeError(done.stderr.strip().splitlines()[-1:] or done.returncode)
+                else:
+                    _probe(self.client(), self.shared_bucket)
                 return self
             except Exception as e:
                 if time.monotonic() > deadline:
@@ -183,6 +187,39 @@ class LocalS3:
             self.proc.wait(10)
         with contextlib.suppress(ProcessLookupError):  # anything else of its group
             os.killpg(pgid, signal.SIGKILL)
+
+
+def _probe(c, bucket: str) -> None:
+    """Raises until the server takes writes: a throwaway bucket made, written and removed; `bucket` made."""
+    probe = f"reelcache-up-{secrets.token_hex(3)}"
+    c.create_bucket(Bucket=probe)
+    c.put_object(Bucket=probe, Key="probe", Body=b"up")
+    c.delete_object(Bucket=probe, Key="probe")
+    c.delete_bucket(Bucket=probe)
+    c.create_bucket(Bucket=bucket)
+    c.put_object(Bucket=bucket, Key="probe", Body=b"up")  # its volumes grown now
+    c.delete_object(Bucket=bucket, Key="probe")
+
+
+def download_tree(c, url: str, local: Path) -> list[str]:
+    """Every object under `url` (s3://bucket/prefix) into `local`, by a plain boto3 client `c` (a test's
+    reference reader, not reelcache's): their keys below the prefix, sorted."""
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    base = key.rstrip("/") + "/"
+    got = []
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
+        for o in page.get("Contents", []):
+            rel = o["Key"][len(base) :]
+            (local / rel).parent.mkdir(parents=True, exist_ok=True)
+            c.download_file(bucket, o["Key"], str(local / rel))
+            got.append(rel)
+    return sorted(got)
+
+
+def _client_from_env():
+    import boto3
+
+    return boto3.session.Session().client("s3")
 
 
 @contextlib.contextmanager
@@ -416,8 +453,13 @@ def _up(directory: str | None) -> None:
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "up":
         _up(sys.argv[2] if len(sys.argv) > 2 else None)
+    elif len(sys.argv) == 4 and sys.argv[1] == "probe":  # LocalS3.start on a namespace node
+        os.environ.update(LocalS3(Path()).env(sys.argv[2]))
+        _probe(_client_from_env(), sys.argv[3])
+    elif len(sys.argv) == 4 and sys.argv[1] == "download":  # a test's copy of a root, made on a node (AWS_* set)
+        print("\n".join(download_tree(_client_from_env(), sys.argv[2], Path(sys.argv[3]))))
     else:
-        sys.exit("usage: tests/s3_local.py up [DIR]")
+        sys.exit("usage: tests/s3_local.py up [DIR] | probe ENDPOINT BUCKET | download S3URL DIR")
 
 
 def start_until_hit(cmd: list, rule, timeout: float, what: str) -> subprocess.Popen:

