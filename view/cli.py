@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from reelcache.args import arg, existing_dir
+from reelcache.base.s3 import root_arg
 
 # view/server.py (starlette, uvicorn, jinja2, duckdb) is imported by the command when it runs:
 # `reelcache --help` builds every stage's parser.
@@ -18,6 +19,8 @@ examples:
   ssh -L 8050:127.0.0.1:8050 head 'reelcache view --root /data/rc'   # then open http://127.0.0.1:8050
   # on every interface: a token is required (printed in the URL; REELCACHE_VIEW_TOKEN sets it)
   reelcache view --root /data/rc --host 0.0.0.0
+  # a root in S3: the catalog `catalog merge --root s3://...` made in its local mirror, clips read by ranged GETs
+  reelcache view --root s3://videos/rc
 """
 
 
@@ -28,7 +31,12 @@ def add_commands(top) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--root", required=True, type=existing_dir, help="data root (catalog.duckdb, latents, runs)")
+    p.add_argument(
+        "--root",
+        required=True,
+        type=root_arg,
+        help="data root (catalog.duckdb, latents, runs): a folder, or s3://bucket/prefix (its merged catalog)",
+    )
     p.add_argument("--port", type=arg(int, ge=0, le=65535), default=8050, help="TCP port (0: any free one)")
     p.add_argument(
         "--host",

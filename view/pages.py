@@ -47,7 +47,13 @@ def _store(request: Request):
 
 
 def _root(request: Request) -> Path:
+    """The local folder of the catalog and the viewer's files: the root, or for a root in S3 its mirror."""
     return request.app.state.root
+
+
+def _data(request: Request) -> str:
+    """Where the shards are read: the root, or its ``s3://`` URL."""
+    return request.app.state.data
 
 
 def _page(request: Request) -> int:
@@ -349,9 +355,9 @@ def media_raw(request: Request) -> Response:
             c = _known.get(request.query_params.get("id", ""))
         if c is None:
             raise
-    path = _raw_shard(request, c)
+    source = _raw_shard(request, c)
     kind, extra = served_as(f"{c['clip_id']}.{c['ext'] or 'mp4'}")  # an ext from the data: never an active type
-    return slice_response(path, c["shard_offset"], c["file_size"], request.headers.get("range"), kind, extra)
+    return slice_response(source, c["shard_offset"], c["file_size"], request.headers.get("range"), kind, extra)
 
 
 def _input_path(request: Request, clip: dict) -> Path:
@@ -377,17 +383,20 @@ def media_input(request: Request) -> Response:
     return file_response(_input_path(request, _clip(request)), request.headers.get("range"))
 
 
-def _raw_shard(request: Request, c: dict) -> Path:
-    """The clip's raw shard, confined to ROOT as every file the viewer reads for a page (media_raw's rule)."""
+def _raw_shard(request: Request, c: dict):
+    """The clip's raw shard, confined to ROOT as every file the viewer reads for a page (media_raw's rule): its
+    path, or for a root in S3 its object's URL (the same relative path under the root)."""
     if not c["shard"]:
         raise Refused(f"clip {c['clip_id']!r} has no raw shard")
-    return confined(_root(request), c["shard"])
+    path = confined(_root(request), c["shard"])
+    remote = request.app.state.remote
+    return remote / path.relative_to(_root(request)).as_posix() if remote else path
 
 
 def media_thumb(request: Request) -> Response:
     c = _clip(request)
     _raw_shard(request, c)
-    return file_response(preview.thumbnail(_root(request), c), None)
+    return file_response(preview.thumbnail(_root(request), c, _data(request)), None)
 
 
 def _latent(request: Request) -> tuple[dict, dict]:
@@ -402,12 +411,12 @@ def _latent(request: Request) -> tuple[dict, dict]:
 def media_window(request: Request) -> Response:
     c, lat = _latent(request)
     _raw_shard(request, c)  # the window is decoded from it
-    return file_response(preview.window_preview(_root(request), c, lat), request.headers.get("range"))
+    return file_response(preview.window_preview(_root(request), c, lat, _data(request)), request.headers.get("range"))
 
 
 def media_latent(request: Request) -> Response:
     c, lat = _latent(request)
-    return file_response(preview.latent_preview(_root(request), c, lat), request.headers.get("range"))
+    return file_response(preview.latent_preview(_root(request), c, lat, _data(request)), request.headers.get("range"))
 
 
 def files(request: Request) -> Response:

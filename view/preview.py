@@ -24,7 +24,7 @@ from pathlib import Path
 import av
 
 from reelcache import UserError
-from reelcache.cache.decode import FileSlice, decode_clip
+from reelcache.cache.decode import decode_clip, raw_member
 from reelcache.catalog.withdrawn import VIEW_CACHE, view_cache_key
 from reelcache.files import atomic_path
 from reelcache.media import write_mp4
@@ -67,7 +67,7 @@ def _key(latent: dict, ident: dict) -> str:
     return f"{view_cache_key(latent['clip_id'])}-{rest}"
 
 
-def read_latent(root: Path, latent: dict) -> dict:
+def read_latent(root, latent: dict) -> dict:
     """The video latent of a ``latents`` row (its shard and offset; its caption shard is not read):
     base/latents.py's reader, the loader's own, which knows every form of a sample."""
     from reelcache.base.latents import read_latent as read
@@ -86,11 +86,18 @@ def _made(path: Path, make) -> Path:
     return path
 
 
-def thumbnail(root: Path, clip: dict) -> Path:
-    """A JPEG of the clip's first frame, from its shard member."""
+def _job(clip: dict) -> dict:
+    """The clip's raw member as cache/decode.py names it (shard, offset, size)."""
+    return {"raw_shard": clip["shard"], "raw_offset": clip["shard_offset"], "file_size": clip["file_size"]}
+
+
+def thumbnail(root: Path, clip: dict, data: str | None = None) -> Path:
+    """A JPEG of the clip's first frame, from its shard member. `root`: the local folder of the viewer's files
+    (the root, or a root in S3's mirror); `data`: where the shards are (the root or its ``s3://`` URL: the member
+    read by one ranged GET)."""
 
     def make(path: Path) -> None:
-        src = FileSlice(str(root / clip["shard"]), clip["shard_offset"], clip["file_size"])
+        src = raw_member(_job(clip), data or str(root))
         try:
             with av.open(src, metadata_errors="ignore") as container:
                 frame = next(container.decode(video=0))
@@ -122,16 +129,14 @@ def preview_fps(clip: dict, ident: dict) -> float:
     return float(clip["fps"] or 24.0) / int(ident["buckets"].get("frame_interval", 1))
 
 
-def window_preview(root: Path, clip: dict, latent: dict) -> Path:
+def window_preview(root: Path, clip: dict, latent: dict, data: str | None = None) -> Path:
     """The view's window of the raw clip as the cache decoded it (bucket size, cropped), as mp4."""
     cfg, ident = cache_doc(root, latent["cache"])
     key = _key(latent, ident)
 
     def make(path: Path) -> None:
         job = {
-            "raw_shard": clip["shard"],
-            "raw_offset": clip["shard_offset"],
-            "file_size": clip["file_size"],
+            **_job(clip),
             "fps": clip["fps"],
             "bucket": latent["bucket"],
             "num_frames": latent["num_frames"],
@@ -141,7 +146,7 @@ def window_preview(root: Path, clip: dict, latent: dict) -> Path:
             "interval": int(ident["buckets"].get("frame_interval", 1)),
             "resize": cfg.resize,
         }
-        write_mp4(decode_clip(job, str(root)), path, fps=preview_fps(clip, ident))
+        write_mp4(decode_clip(job, data or str(root)), path, fps=preview_fps(clip, ident))
 
     return _made(root / CACHE_DIR / "window" / latent["cache"] / f"{key}.mp4", make)
 
@@ -175,13 +180,13 @@ def _encoder(root: Path, cache: str):
         return _encoders[cache]
 
 
-def latent_preview(root: Path, clip: dict, latent: dict) -> Path:
+def latent_preview(root: Path, clip: dict, latent: dict, data: str | None = None) -> Path:
     """The view's latent (posterior mean) decoded by the cache's VAE, as mp4."""
     _cfg, ident = cache_doc(root, latent["cache"])
     key = _key(latent, ident)
 
     def make(path: Path) -> None:
-        tensors = read_latent(root, latent)
+        tensors = read_latent(data or root, latent)
         z = tensors["mean"] if "mean" in tensors else tensors["sample"]
         frames = _encoder(root, latent["cache"]).decode(z[None].float(), latent["num_frames"])[0]
         write_mp4(frames, path, fps=preview_fps(clip, ident))

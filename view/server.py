@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 import socket
 import sys
@@ -42,7 +43,8 @@ def build_app(
 ) -> Starlette:
     """The app over ROOT; ``names``: what a Host header may name (default: loopback names); ``token``: what
     every request must carry (None: nothing); ``limits``: Store's (queries at once, seconds a request)."""
-    store = Store(root, **limits)
+    local, remote = view_root(root)
+    store = Store(local, named=root, **limits)
 
     async def refused(request: Request, exc: Exception) -> Response:
         return PlainTextResponse(str(exc), status_code=403)
@@ -79,8 +81,28 @@ def build_app(
     )  # fmt: skip
     app.state.store = store
     app.state.root = store.root
+    app.state.remote = remote  # a root in S3: the shards' objects are read from it (pages._raw_shard)
+    app.state.data = str(remote) if remote else str(store.root)
     app.state.videos = [Path(v).resolve() for v in videos]
     return app
+
+
+# What the pages read of a root in S3 besides the catalog: the manifests, and each cache's documents.
+VIEWED = re.compile(r"manifests/[^/]+\.(parquet|json)|latents/[^/]+/cache\.json|latents/[^/]+/_plan/plan\.json")
+
+
+def view_root(root) -> tuple[Path, object]:
+    """(the local folder of the catalog and the viewer's files, the root's base/s3.py Url or None). A root in S3
+    is viewed from its local mirror (docs/STORAGE.md), where `catalog merge --root s3://...` made the catalog;
+    the manifests and caches' documents the pages read are mirrored first (only what changed)."""
+    from reelcache.base import s3
+
+    if not s3.is_url(root):
+        return Path(root), None
+    url = s3.check_root(root, write=False)
+    local = s3.mirror_dir(url)
+    s3.sync_down(url, local, lambda rel: VIEWED.fullmatch(rel) is not None)
+    return local, url
 
 
 STOP_S = 5.0  # on SIGTERM / Ctrl-C, how long open responses (a stalled download) may take to finish

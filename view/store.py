@@ -121,11 +121,12 @@ class Store:
         request_s: float = USER_SQL_S,
         memory: str = MEMORY_LIMIT,
         spill: str = MAX_SPILL,
+        named=None,
     ):
-        self.root = Path(root).resolve()
+        self.root = Path(root).resolve()  # the catalog's folder: the root, or a root in S3's mirror (`named`)
         self.path = db_path(self.root)
         if not self.path.exists():
-            raise UserError(f"no catalog at {self.path}: run `reelcache catalog merge --root {root}` first")
+            raise UserError(f"no catalog at {self.path}: run `reelcache catalog merge --root {named or root}` first")
         self._con, self._users, self._used, self._timer = None, 0, 0.0, None
         self._guard = threading.Lock()
         self.queries, self.request_s, self.memory, self.spill = queries, request_s, memory, spill
