@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from reelcache.args import existing_dir, existing_file
+from reelcache.args import existing_file
+from reelcache.base.s3 import root_arg
 
 # lineage/lineage.py, select.py and takedown.py (duckdb, pyarrow) are imported by the command that runs them.
 
@@ -17,11 +18,12 @@ examples:
   reelcache lineage --root /data/rc --where "source = 'openvid' AND relpath LIKE 'channel-x/%'"
   reelcache takedown --root /data/rc --like request-1234.mp4 --reason "removal request #1234"
   reelcache takedown --root /data/rc --like request-1234.mp4 --reason "removal request #1234" --apply
+  reelcache takedown --root s3://videos/rc --like request-1234.mp4 --reason "removal request #1234" --apply
 """
 
 
 def _selection(p: argparse.ArgumentParser, file: bool = True) -> None:
-    p.add_argument("--root", required=True, type=existing_dir)
+    p.add_argument("--root", required=True, type=root_arg, help="a folder, or s3://bucket/prefix (its merged catalog)")
     p.add_argument("clip_ids", nargs="*", metavar="CLIP_ID", help="clip ids (or one of the options below)")
     p.add_argument("--where", help="one SQL condition on clips (run read-only)")
     if file:
@@ -53,20 +55,36 @@ def add_commands(top) -> None:
     td.set_defaults(fn=_takedown)
 
 
-def _ids(a, con) -> list[str]:
+def _local(a, write: bool = False):
+    """The folder of the catalog: the root, or for a root in S3 its local mirror, where `catalog merge --root s3://`
+    made it (the root checked first, and what lineage reads besides the catalog mirrored: lineage/takedown.py)."""
+    from reelcache.base import s3
+
+    if not s3.is_url(a.root):
+        return a.root
+    from reelcache.lineage.takedown import Files
+
+    s3.check_root(a.root, write=write)
+    files = Files(a.root)
+    files.sync()
+    return files.root
+
+
+def _ids(a, con, local) -> list[str]:
     from reelcache.lineage.lineage import check_schema
     from reelcache.lineage.select import select
 
-    check_schema(con, a.root)  # an older catalog is one line here, before a query reads content_hash
-    return select(con, a.root, ids=a.clip_ids, where=a.where, file=a.file, like_file=a.like)
+    check_schema(con, local)  # an older catalog is one line here, before a query reads content_hash
+    return select(con, local, ids=a.clip_ids, where=a.where, file=a.file, like_file=a.like)
 
 
 def _lineage(a) -> None:
     from reelcache.catalog.sql import read_only_connection
     from reelcache.lineage.lineage import lineage, render
 
-    with read_only_connection(a.root) as con:
-        items = lineage(con, a.root, _ids(a, con), update_index=True)
+    local = _local(a)
+    with read_only_connection(local) as con:
+        items = lineage(con, local, _ids(a, con, local), update_index=True)
     print(json.dumps(items, indent=1, default=str) if a.json else render(items))
 
 
@@ -74,8 +92,9 @@ def _takedown(a) -> None:
     from reelcache.catalog.sql import read_only_connection
     from reelcache.lineage.takedown import takedown
 
-    with read_only_connection(a.root) as con:
-        ids = _ids(a, con)
+    local = _local(a, write=a.apply)
+    with read_only_connection(local) as con:
+        ids = _ids(a, con, local)
     j = takedown(a.root, ids, a.reason, apply=a.apply)
     if a.json:
         print(json.dumps(j, indent=1, default=str))

@@ -23,6 +23,13 @@ catalog/references.py, the withdrawn clips' own rows left out), and the manifest
 Killed at any point (SIGKILL), every shard is whole (the old file or the new one), and running ``takedown``
 again (any selection, or none) first finishes every journal not marked done: each step is idempotent.
 Checkpoints are reported, never touched: deleting weights is the user's call.
+
+A root in S3 (``s3://``, docs/STORAGE.md) is worked on in its local mirror, by the same steps (``Files``): what
+the plan reads is mirrored first (the record and journals, the sidecars, caches' plans, the store's indexes, the
+manifests, and each shard it looks into, downloaded whole); each file a step writes (the journal, the record,
+a rewritten shard, sidecar or index) is uploaded whole once written, before the next step, so a killed takedown
+leaves S3 as a killed one leaves a folder, and its rerun finishes it from the journal in S3. The lease is an
+object (base/lease.py). An object can only be replaced whole: a shard with holes is uploaded again entire.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import getpass
 import hashlib
 import json
+import re
 import socket
 import time
 from collections import defaultdict
@@ -46,7 +54,7 @@ from reelcache.base import lease as leases
 from reelcache.base.shards import content_hash
 from reelcache.catalog.db import arrow_schema
 from reelcache.catalog.references import references
-from reelcache.catalog.withdrawn import read_record, view_cache_files, withdrawn_dir
+from reelcache.catalog.withdrawn import DIR, read_record, view_cache_files, withdrawn_dir
 from reelcache.files import atomic_path
 from reelcache.lineage.holes import punch, sample_spans
 from reelcache.lineage.lineage import lineage
@@ -55,21 +63,73 @@ from reelcache.log import say
 JOURNAL_VERSION = 1
 LEASE = "takedown.lease"  # ROOT/withdrawn/takedown.lease: held by the one takedown --apply running
 
+# What a takedown reads of a root in S3 besides its shards (mirrored first): catalog merge's files (the sidecars,
+# the store's caption indexes, the record), the journals, the caches' plans and the manifests (gc's references).
+READ = re.compile(
+    r"(raw|latents)/[^/]+/[0-9][^/]*\.parquet|store/(text|video)/[^/]+/[^/]+\.parquet|withdrawn/[^/]+\.(parquet|json)"
+    r"|latents/[^/]+/_plan/input\.parquet|manifests/[^/]+\.(parquet|json)"
+)
 
-def _holes(root: Path, where: dict[str, set[int]]) -> dict[str, list[list]]:
+
+class Files:
+    """The root a takedown reads and rewrites: a folder, or a root in S3 worked on in its local mirror. ``root``
+    is the local folder; ``get(rel)`` a file there (for S3, the object downloaded now: never a stale copy), None
+    when it does not exist; ``put(rel)`` publishes a file written there (for S3: uploaded whole)."""
+
+    def __init__(self, root):
+        from reelcache.base import s3
+
+        self.given = root
+        self.remote = s3.parse(root) if s3.is_url(root) else None
+        self.root = s3.mirror_dir(root) if self.remote else Path(root)
+
+    def sync(self) -> None:
+        """Mirror what the plan reads besides the shards (only what changed)."""
+        if self.remote is not None:
+            from reelcache.base import s3
+
+            s3.sync_down(self.remote, self.root, lambda rel: READ.fullmatch(rel) is not None)
+
+    def get(self, rel: str) -> Path | None:
+        path = self.root / rel
+        if self.remote is not None:
+            from reelcache.base import s3
+
+            try:
+                s3.download(self.remote / rel, path)
+            except s3.S3Error:
+                if s3.head(self.remote / rel) is not None:
+                    raise  # the store failed, after its retries
+                path.unlink(missing_ok=True)
+        return path if path.exists() else None
+
+    def put(self, rel: str) -> None:
+        if self.remote is not None:
+            from reelcache.base import s3
+
+            s3.upload_file(self.root / rel, self.remote / rel)
+
+
+def _holes(files: Files, where: dict[str, set[int]]) -> dict[str, list[list]]:
     """shard -> [[start, end, key], ...] of the samples whose member data start at the given offsets."""
     out = {}
     for shard, offsets in sorted(where.items()):
-        if not (root / shard).exists():
+        path = files.get(shard)
+        if path is None:
             continue
-        spans = sample_spans(root / shard, offsets)
+        spans = sample_spans(path, offsets)
+        if files.remote is not None:  # the mirror keeps no shard: finish downloads it again, as it is then
+            path.unlink()
         out[shard] = sorted({tuple(v) for v in spans.values()})
     return {k: [list(s) for s in v] for k, v in out.items() if v}
 
 
 def plan(con, root, clip_ids: list[str], reason: str) -> dict:
-    """What a takedown of `clip_ids` removes (nothing is changed): the journal of an --apply."""
-    root = Path(root)
+    """What a takedown of `clip_ids` removes (nothing is changed): the journal of an --apply. `root`: a folder, or
+    an S3 root (`con` then on its mirror's catalog: ``Files``)."""
+    files = Files(root)
+    files.sync()
+    root = files.root
     already = set(read_record(root, ["clip_id"])["clip_id"].to_pylist())
     con.register("_pick", pa.table({"clip_id": pa.array(sorted(set(clip_ids)), pa.string())}))
     try:
@@ -85,8 +145,8 @@ def plan(con, root, clip_ids: list[str], reason: str) -> dict:
     for cid, source, path, shard, off, size, h in rows:
         if cid in already:
             continue
-        if h is None and shard and (root / shard).exists():  # ingested before clips had a content hash
-            h = content_hash(root / shard, off, size)
+        if h is None and shard and (path := files.get(shard)):  # ingested before clips had a content hash
+            h = content_hash(path, off, size)
         clips[cid] = {"clip_id": cid, "source": source, "path": path, "shard": shard, "offset": off,
                       "bytes": size or 0, "content_hash": h}  # fmt: skip
     ids = sorted(clips)
@@ -125,9 +185,9 @@ def plan(con, root, clip_ids: list[str], reason: str) -> dict:
             else:
                 text_removed.add(tkey)
                 where[tshard].add(toff)
-    holes = _holes(root, where)
-    with duckdb.connect() as files:  # lineage's reader of manifests and consumed logs
-        info = lineage(con, root, ids, files=files) if ids else []
+    holes = _holes(files, where)
+    with duckdb.connect() as readers:  # lineage's reader of manifests and consumed logs
+        info = lineage(con, root, ids, files=readers) if ids else []
     manifests = sorted({(m["name"], m["fingerprint"], m["path"]) for it in info for m in it["manifests"]})
     runs = defaultdict(set)
     for it in info:
@@ -183,17 +243,19 @@ def summary(j: dict) -> str:
     return "\n".join(lines)
 
 
-def _journal(root: Path, j: dict) -> None:
-    d = withdrawn_dir(root)
+def _journal(files: Files, j: dict) -> None:
+    d = withdrawn_dir(files.root)
     d.mkdir(parents=True, exist_ok=True)
     with atomic_path(d / f"{j['id']}.json") as tmp:
         tmp.write_text(json.dumps(j, indent=1))
+    files.put(f"{DIR}/{j['id']}.json")
 
 
-def _record(root: Path, j: dict) -> None:
-    path = withdrawn_dir(root) / f"{j['id']}.parquet"
-    if path.exists():
+def _record(files: Files, j: dict) -> None:
+    rel = f"{DIR}/{j['id']}.parquet"
+    if files.get(rel) is not None:
         return
+    path = files.root / rel
     at = _ts(j["at"])
     rows = [
         {"clip_id": c["clip_id"], "content_hash": c["content_hash"], "takedown": j["id"], "reason": j["reason"],
@@ -202,6 +264,7 @@ def _record(root: Path, j: dict) -> None:
     ]  # fmt: skip
     with atomic_path(path) as tmp:
         pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema("withdrawn")), tmp)
+    files.put(rel)
 
 
 def _ts(text: str):
@@ -220,10 +283,10 @@ def _set(table: pa.Table, mask, values: dict) -> pa.Table:
     return table
 
 
-def _rewrite_sidecar(root: Path, rel: str, j: dict, text_removed: set) -> None:
+def _rewrite_sidecar(files: Files, rel: str, j: dict, text_removed: set) -> None:
     """An ingest or cache sidecar with the withdrawn clips' ok rows marked (idempotent: written only when changed)."""
-    path = root / rel
-    if not path.exists():
+    path = files.get(rel)
+    if path is None:
         return
     t = pq.read_table(path)
     mask = pc.is_in(t["clip_id"], pa.array([c["clip_id"] for c in j["clips"]], pa.string()))
@@ -239,13 +302,15 @@ def _rewrite_sidecar(root: Path, rel: str, j: dict, text_removed: set) -> None:
     compression = pq.ParquetFile(path).metadata.row_group(0).column(0).compression.lower() if t.num_rows else "zstd"
     with atomic_path(path) as tmp:
         pq.write_table(new, tmp, compression=compression if compression != "uncompressed" else "none")
+    files.put(rel)
 
 
-def _rewrite_indexes(root: Path, j: dict) -> None:
+def _rewrite_indexes(files: Files, j: dict) -> None:
     """The store's indexes without the entries that are holes now (an entry whose data lie in a removed span)."""
+    files.sync()
     folders = {str(Path(shard).parent) for shard in j["holes"] if shard.startswith("store/")}
     for folder in sorted(folders):
-        for idx in sorted((root / folder).glob("[!.]*.parquet")):
+        for idx in sorted((files.root / folder).glob("[!.]*.parquet")):
             t = pq.read_table(idx)
             keep = [
                 not any(s <= o < e for s, e, _ in j["holes"].get(sh, []))
@@ -255,6 +320,7 @@ def _rewrite_indexes(root: Path, j: dict) -> None:
                 continue
             with atomic_path(idx) as tmp:
                 pq.write_table(t.filter(pa.array(keep, pa.bool_())), tmp)
+            files.put(idx.relative_to(files.root).as_posix())
 
 
 def finish(root, j: dict) -> dict:
@@ -262,36 +328,42 @@ def finish(root, j: dict) -> dict:
     lease (`_lease`): the temporaries removed here are a killed takedown's, never a running one's."""
     from reelcache.catalog.merge import merge
 
-    root = Path(root)
-    _record(root, j)
+    files = Files(root)
+    root = files.root
+    _record(files, j)
     removed = 0
     for folder in sorted({(root / shard).parent for shard in j["holes"]}):  # what a killed rewrite left
         for tmp in folder.glob(".*.takedown*"):
             tmp.unlink(missing_ok=True)
     for shard, spans in sorted(j["holes"].items()):
-        if (root / shard).exists():
-            removed += punch(root / shard, [(s, e) for s, e, _ in spans])
+        if (path := files.get(shard)) is not None:
+            punched = punch(path, [(s, e) for s, e, _ in spans])
+            if punched:
+                files.put(shard)
+            removed += punched
+            if files.remote is not None:  # the mirror keeps no shard
+                path.unlink()
     text_removed = set(j["text_removed"])
     for rel in j["sidecars"]:
-        _rewrite_sidecar(root, rel, j, text_removed)
-    _rewrite_indexes(root, j)
-    merge(root)
+        _rewrite_sidecar(files, rel, j, text_removed)
+    _rewrite_indexes(files, j)
+    merge(files.given)
     late, followed = _copies_merged_since(root, j), []
     if late:  # ingest units that checked the record before it was written, merged just now: the same video
         say(f"takedown {j['id']}: the same video under other names, merged since it was planned: {', '.join(late)}")
         from reelcache.catalog.sql import read_only_connection
 
         with read_only_connection(root) as con:
-            more = plan(con, root, late, j["reason"])
+            more = plan(con, files.given, late, j["reason"])
         if more["clips"]:
             print(summary(more), flush=True)
-            _journal(root, more)
-            followed.append(finish(root, more)["id"])
+            _journal(files, more)
+            followed.append(finish(files.given, more)["id"])
     for c in j["clips"]:  # the viewer's thumbnail and previews of it (view/preview.py)
         for p in view_cache_files(root, c["clip_id"]):
             p.unlink(missing_ok=True)
     j = {**j, "done": True} | ({"followed_by": followed} if followed else {})
-    _journal(root, j)
+    _journal(files, j)
     say(f"takedown {j['id']}: applied ({removed} bytes removed now); checkpoints were not touched")
     return j
 
@@ -312,12 +384,17 @@ def _copies_merged_since(root: Path, j: dict) -> list[str]:
 
 
 @contextmanager
-def _lease(root: Path):
+def _lease(files: Files):
     """One takedown --apply at a time on a root (base/lease.py: a killed one's lease is stale, taken over)."""
-    d = withdrawn_dir(root)
-    d.mkdir(parents=True, exist_ok=True)
+    root = files.given
+    if files.remote is not None:
+        where = files.remote / DIR / LEASE  # an object lease
+    else:
+        d = withdrawn_dir(root)
+        d.mkdir(parents=True, exist_ok=True)
+        where = d / LEASE
     try:
-        held = leases.acquire(d / LEASE)
+        held = leases.acquire(where)
     except leases.Busy as e:
         raise UserError(f"another takedown is being applied to {root} ({e.holder.describe()}): wait for it") from None
     try:
@@ -327,6 +404,9 @@ def _lease(root: Path):
 
 
 def unfinished(root) -> list[dict]:
+    files = Files(root)
+    files.sync()
+    root = files.root
     out = []
     for p in sorted(withdrawn_dir(root).glob("*.json")) if withdrawn_dir(root).is_dir() else []:
         try:
@@ -342,30 +422,31 @@ def takedown(root, clip_ids: list[str], reason: str, apply: bool = False) -> dic
     """Plan (and with `apply`, carry out) a takedown; every unfinished one is finished first when applying."""
     from reelcache.catalog.sql import read_only_connection
 
-    root = Path(root)
+    files = Files(root)
+    local = files.root  # the catalog's folder: the root, or a root in S3's mirror
     if not reason.strip():
         raise UserError("--reason is empty: say why (the request, a ticket), it is kept in the record")
     if not apply:
-        with read_only_connection(root) as con:
+        with read_only_connection(local) as con:
             j = plan(con, root, clip_ids, reason)
         return _report(j, apply)
     from reelcache.catalog.merge import merge
 
-    with _lease(root):
+    with _lease(files):
         for old in unfinished(root):
             say(f"finishing takedown {old['id']}, left unfinished")
             finish(root, old)
-        with read_only_connection(root) as con:
+        with read_only_connection(local) as con:
             j = plan(con, root, clip_ids, reason)
         if j["clips"]:  # every finished unit in first (a merge running now is said here, before anything is
             m = merge(root)  # written): a copy of the video sharded since the last merge is withdrawn too
             if any(m["merged_by_stage"].values()) or m["vanished"]:
-                with read_only_connection(root) as con:
+                with read_only_connection(local) as con:
                     j = plan(con, root, clip_ids, reason)
         j = _report(j, apply)
         if not j["clips"]:
             return j
-        _journal(root, j)
+        _journal(files, j)
         return finish(root, j)
 
 

@@ -163,6 +163,25 @@ def ingested(demo_dataset, tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def cached_demo(ingested, tmp_path_factory) -> Path:
+    """The ingested demo with manifest m (the clips of two raw shards: CACHED_WHERE) and cache t made in one unit,
+    merged: a root holding every kind of file (raw and store shards, indexes, sidecars, a plan, a manifest).
+    Read-only: a test that changes it works on a copy."""
+    from support import CACHED_WHERE, cache_config, cache_plan
+
+    from reelcache.catalog.manifest import make_manifest
+    from reelcache.cli import main
+
+    root = tmp_path_factory.mktemp("cached") / "root"
+    shutil.copytree(ingested, root)
+    make_manifest(root, "m", CACHED_WHERE)
+    (unit,) = cache_plan(root, cache_config(root.parent, "m", clips_per_unit=100))
+    assert main(["cache", "run", "--root", str(root), unit]) == 0
+    assert main(["catalog", "merge", "--root", str(root)]) == 0
+    return root
+
+
 @pytest.fixture()
 def fresh_root(ingested, tmp_path) -> Path:
     """A private copy of the ingested root that a test may change."""

@@ -234,6 +234,9 @@ def assert_same_ingest(root: Path, reference: Path) -> None:
 
 
 # -- the cache end to end ------------------------------------------------------------------
+CACHED_WHERE = "shard IN ('raw/openvid/000000-00.tar', 'raw/openvid/000003-00.tar')"  # conftest's cached_demo
+
+
 def cache_config(tmp_path, manifest, **over) -> Path:
     vals = {"name": "t", "kind": "ltx", "seed": 0, "clips_per_unit": 6, "text_kind": "t5"} | over
     p = tmp_path / f"cache-{vals['name']}-{vals['kind']}-{vals['seed']}.toml"

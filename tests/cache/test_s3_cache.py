@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from s3_local import start_until_hit
-from support import cache_config, cache_plan
+from support import CACHED_WHERE, cache_config, cache_plan
 
 from reelcache.base import s3
 from reelcache.cli import main
@@ -51,7 +51,7 @@ def store_members(files: dict[str, bytes]) -> dict[str, dict]:
 
 
 # The clips of two raw shards (15 of the demo's 26 ok clips, the small ones of unit 3 among them): a short unit.
-WHERE = "shard IN ('raw/openvid/000000-00.tar', 'raw/openvid/000003-00.tar')"
+WHERE = CACHED_WHERE
 
 
 def latents_rows(root: Path) -> list[tuple]:
@@ -61,18 +61,10 @@ def latents_rows(root: Path) -> list[tuple]:
         return db.sql(f"SELECT {COLS} FROM latents ORDER BY clip_id, view").fetchall()
 
 
-@pytest.fixture(scope="module")
-def reference(ingested, tmp_path_factory) -> Path:
-    """The local cache: the ingested demo, manifest m (WHERE), cache t in one unit, merged."""
-    from reelcache.catalog.manifest import make_manifest
-
-    root = tmp_path_factory.mktemp("ref") / "root"
-    shutil.copytree(ingested, root)
-    make_manifest(root, "m", WHERE)
-    (unit,) = cache_plan(root, cache_config(root.parent, "m", clips_per_unit=100))
-    assert main(["cache", "run", "--root", str(root), unit]) == 0
-    assert main(["catalog", "merge", "--root", str(root)]) == 0
-    return root
+@pytest.fixture()
+def reference(cached_demo) -> Path:
+    """The local cache (conftest's cached_demo): the ingested demo, manifest m (WHERE), cache t in one unit."""
+    return cached_demo
 
 
 @pytest.fixture()
