@@ -271,8 +271,8 @@ def test_a_killed_takedown_is_finished_by_running_it_again(root, taken, tmp_path
     shutil.copytree(root, work)
     with read_only_connection(work) as con:
         j = takedown.plan(con, work, [_trained(root)[0]], "removal request #1234")
-    takedown._journal(work, j)
-    takedown._record(work, j)
+    takedown._journal(takedown.Files(work), j)
+    takedown._record(takedown.Files(work), j)
     first, second = sorted(j["holes"])[:2]
     holes.punch(work / first, [(s, e) for s, e, _ in j["holes"][first]])
     (work / second).with_name(f".{Path(second).name}.takedown99999").write_bytes(b"half a copy")
@@ -340,7 +340,7 @@ def test_a_takedown_keeps_what_a_frozen_plan_uses_and_withdraws_copies_unmerged_
     with read_only_connection(work) as con:
         jb = takedown.plan(con, work, [b], "removal request #2")
     _copy_source(work, tmp_path, "late-b", _video(root, b), "a copy of b", merge=False)
-    takedown._journal(work, jb)
+    takedown._journal(takedown.Files(work), jb)
     jb = takedown.finish(work, jb)
     (late_b,) = [r["clip_id"] for r in _rows(work, "clips", "clip_id") if r["source"] == "late-b"]
     (follow,) = jb["followed_by"]
