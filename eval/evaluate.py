@@ -69,7 +69,7 @@ from reelcache.progress import fmt_eta
 from reelcache.train.checkpoint import list_checkpoints, read_state
 from reelcache.train.config import from_dict
 from reelcache.train.model import STDiT3
-from reelcache.train.runfiles import RunFiles, fetch, mirrored_inputs
+from reelcache.train.runfiles import TEMPORARY, RunFiles, fetch, mirrored_inputs
 from reelcache.train.source import check_shards, load_source
 from reelcache.train.weights import load_weights
 
@@ -134,7 +134,7 @@ class Evaluator:
             raise UserError(f"--weights {self.weights!r}: ema or model")
         self.tag = self.preset if self.weights == "ema" else f"{self.preset}-model"
         self.out = self.run_dir / "eval"
-        self.records = RunFiles(self.out, self.remote / "eval" if self.remote is not None else None, 0)
+        self.records = RunFiles(self.out, self.remote / "eval" if self.remote is not None else None, 0, TEMPORARY)
         self._encoders = None
         self._prompt_text = None
         self._manifest = self._manifest_fp = self._cache_doc = None

@@ -23,10 +23,13 @@ from pathlib import Path
 
 from reelcache.base import s3
 
-__all__ = ["RunFiles", "fetch", "mirrored_inputs", "run_place"]
+__all__ = ["TEMPORARY", "RunFiles", "fetch", "mirrored_inputs", "run_place"]
 
 _RANK = re.compile(r"rank(\d{5})")
-_NOT_PUBLISHED = re.compile(r"^(ckpt-\d{8}/|\.tmp-|wandb/|run\.lease$|stop$)|(^|/)\.[^/]*\.tmp")
+TEMPORARY = re.compile(r"(^|/)\.[^/]*\.tmp")  # a file being written (reelcache/files.py: tmp_name)
+# not published by RunFiles: checkpoints (the writer's), the lease and the stop request (objects of their own), the
+# wandb offline folder, temporaries
+RUN_NOT_PUBLISHED = re.compile(r"^(ckpt-\d{8}/|\.tmp-|wandb/|run\.lease$|stop$)|" + TEMPORARY.pattern)
 # What of a root a run reads, mirrored down before it starts: the manifests (by name) and the takedowns' record.
 _INPUTS = re.compile(r"manifests/[^/]+\.(parquet|json)|withdrawn/[^/]+\.parquet")
 
@@ -59,12 +62,12 @@ def fetch(url) -> Path:
 class RunFiles:
     """This rank's publisher of a run folder's finished files (module docstring); a no-op for a local root."""
 
-    def __init__(self, local: Path, remote: s3.Url | None, rank: int):
-        self.local, self.remote, self.rank = Path(local), remote, rank
+    def __init__(self, local: Path, remote: s3.Url | None, rank: int, skip: re.Pattern = RUN_NOT_PUBLISHED):
+        self.local, self.remote, self.rank, self.skip = Path(local), remote, rank, skip
         self.sent: dict[str, tuple[int, int]] | None = None  # rel -> (size, mtime_ns) as published
 
     def mine(self, rel: str) -> bool:
-        if _NOT_PUBLISHED.search(rel):
+        if self.skip.search(rel):
             return False
         m = _RANK.search(rel.rsplit("/", 1)[-1])
         return (int(m[1]) if m else 0) == self.rank

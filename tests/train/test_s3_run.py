@@ -128,3 +128,126 @@ def test_s3_checkpoint_is_listed_only_once_whole_and_never_after_a_cut_off_uploa
     assert not [k for k in keys(s3_server, str(remote)) if k.startswith("ckpt-00000002")]
     assert [u.name for u in list_checkpoints(remote)] == ["ckpt-00000001"]
     lease.release()
+
+
+def download(s3_server, url: str, to) -> list[str]:
+    """Every object under `url` into the folder `to`, with a plain boto3 client; their relative keys."""
+    bucket, _, prefix = url[5:].partition("/")
+    got = keys(s3_server, url)
+    for k in got:
+        (to / k).parent.mkdir(parents=True, exist_ok=True)
+        s3_server.client().download_file(bucket, f"{prefix}/{k}", str(to / k))
+    return got
+
+
+@pytest.mark.slow
+def test_s3_root_run_resumes_from_s3_as_the_local_run_and_eval_once_gives_the_same_records(
+    s3_server, s3_root, tmp_path, monkeypatch
+):
+    """Two training launches. The reference: a 6-step run on a local root (checkpoints at 3 and 6). Its data, its
+    manifest and its ckpt-3 are uploaded with a plain boto3 client as a run in S3 that stopped at step 3; the same
+    run on `--root s3://` with `--load latest` takes the manifest by name from the root's manifests/, reads the
+    shards from S3, resumes from ckpt-3 downloaded from S3 and writes ckpt-6 there: its losses, consumed clips and
+    final weights equal the local run's (the local resume is exact: test_train.py), every file of the local ckpt-6
+    is an object, and `eval once` over the run in S3 gives the local run's validation loss, its records in S3."""
+    from latent_data import write_latents
+    from support import consumed, metrics, train, weights
+
+    from reelcache.cli import main
+
+    r = tmp_path / "local"
+    manifest = write_latents(r, 24, name="train")
+    named = manifest.with_name("train-0123456789abcdef.parquet")  # a manifest as `catalog manifest` names it
+    manifest.rename(named)
+    args = [
+        '--data.manifests=[{name="train"}]',
+        '--data.buckets="configs/buckets/tiny.toml"',
+        "--model.overrides={caption_channels=8, model_max_length=300}",
+        "--data.workers=0",
+        "--log.wandb_mode=disabled",
+        "--log.every=1",
+        "--run.max_steps=6",
+        "--checkpoint.every=3",
+        "--checkpoint.keep_last=0",
+        "--run.name=r",
+    ]
+    env = {"REELCACHE_S3_MIRROR": str(tmp_path / "mirror")}
+    train(r, args, env=env)
+    local = r / "runs" / "r"
+    assert sorted(p.name for p in local.glob("ckpt-*")) == ["ckpt-00000003", "ckpt-00000006"]
+
+    bucket, _, prefix = s3_root[5:].partition("/")
+    c = s3_server.client()
+    for p in sorted([*(r / "latents").rglob("*.tar"), named, *(local / "ckpt-00000003").rglob("*")]):
+        if p.is_file():
+            c.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(r).as_posix()}")
+    out = train(s3_root, [*args, "--load", "latest"], env=env)
+    assert "resumed from" in out and "ckpt-00000003" in out
+
+    run_url = f"{s3_root}/runs/r"
+    got = tmp_path / "got"
+    objects = download(s3_server, run_url, got)
+    files = sorted(p.relative_to(local).as_posix() for p in (local / "ckpt-00000006").rglob("*") if p.is_file())
+    assert [k for k in objects if k.startswith("ckpt-00000006/")] == files  # every file of it, as an object
+    assert "run.lease" not in objects  # released at the end
+    assert {"config.json", "log/rank00000.log", "ranks/rank00000.json"} <= set(objects)
+    assert json.loads((got / "ckpt-00000006/state.json").read_text())["global_step"] == 6
+    ref, s3run = metrics(local), metrics(got)
+    assert sorted(s3run) == [3, 4, 5]
+    for s in (3, 4, 5):
+        assert s3run[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-6, abs=1e-7), s
+    assert consumed(got) == [row for row in consumed(local) if row[1] >= 3]
+    for which in ("model", "ema"):
+        a, b = weights(local / "ckpt-00000006", which), weights(got / "ckpt-00000006", which)
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-7) for k in a), which
+
+    # eval once over the run in S3 and over the local run: the same validation loss; the S3 run's records in S3
+    monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "eval-mirror"))  # a machine sharing nothing else
+    common = ["--preset", "debug", "--val-manifest", "train", "--val-max-clips", "4", "--device", "cpu"]
+    common += ["--wandb-mode", "disabled", "--checkpoint", "latest"]
+    assert main(["eval", "once", "--root", s3_root, "--run", "runs/r", *common]) == 0
+    assert main(["eval", "once", "--root", str(r), "--run", "runs/r", *common]) == 0
+    records = [k for k in keys(s3_server, run_url) if k.startswith("eval/")]
+    assert {"eval/ckpt-00000006/val_loss.json", "eval/ckpt-00000006/debug/done.json"} <= set(records)
+    doc = json.loads(
+        c.get_object(Bucket=bucket, Key=f"{prefix}/runs/r/eval/ckpt-00000006/val_loss.json")["Body"].read()
+    )
+    want = json.loads((local / "eval/ckpt-00000006/val_loss.json").read_text())
+    for k in ("global_step", "clips", "manifest_fingerprint", "weights"):
+        assert doc[k] == want[k], k
+    assert doc["overall"] == pytest.approx(want["overall"], rel=1e-6)
+    assert doc["buckets"].keys() == want["buckets"].keys()
+    assert all(doc["buckets"][b]["loss"] == pytest.approx(want["buckets"][b]["loss"], rel=1e-6) for b in doc["buckets"])
+
+
+@pytest.mark.parametrize("what", ["bucket", "credentials", "endpoint"])
+def test_s3_root_train_and_eval_refuse_a_bad_store_in_one_line_before_any_work(
+    s3_root, what, tmp_path, monkeypatch, capsys
+):
+    """A missing bucket, wrong credentials, an endpoint refusing connections: `train` and `eval once` on
+    `--root s3://` say it in one line and exit 2; nothing is written in the mirror."""
+    from s3_local import free_ports
+    from support import CONFIG
+
+    from reelcache.cli import main
+
+    mirror = tmp_path / "mirror"
+    monkeypatch.setenv("REELCACHE_S3_MIRROR", str(mirror))
+    root = s3_root
+    if what == "bucket":
+        root = "s3://no-such-bucket-x/root"
+    elif what == "credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_ports(1)[0]}")
+    s3.forget_clients()
+    expect = {"bucket": "no such bucket", "credentials": "refused the credentials", "endpoint": "cannot reach"}[what]
+    capsys.readouterr()
+    for argv in (
+        ["train", str(CONFIG), "--root", root, "--log.wandb_mode=disabled"],
+        ["eval", "once", "--root", root, "--run", "runs/r", "--checkpoint", "latest", "--val-manifest", "v"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expect in err[0], (argv, err)
+    assert not mirror.exists()
