@@ -45,6 +45,7 @@ done before is read from there at the start; the validation shards are read from
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -256,6 +257,13 @@ class Evaluator:
 
     def evaluate(self, ckpt) -> dict:
         ckpt = self.local(ckpt)
+        try:
+            return self._evaluate(ckpt)
+        finally:
+            if self.remote is not None and ckpt.parent == self.run_dir:  # a copy downloaded from S3: not kept
+                shutil.rmtree(ckpt, ignore_errors=True)
+
+    def _evaluate(self, ckpt: Path) -> dict:
         if not (ckpt / "state.json").exists():
             raise UserError(f"{ckpt} is not a complete checkpoint (no state.json)")
         t0 = time.monotonic()

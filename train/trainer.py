@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -104,6 +105,10 @@ class Trainer:
         if self.ckpt_path is not None:
             self._resume(self.ckpt_path, reset_data)
         self.ema = cfg.ema.build(chunks=self._ema_chunks)
+        if self.remote is not None and self.ckpt_path is not None and self.ckpt_path.is_relative_to(self.root):
+            par.barrier()  # every rank of the node has read the copy downloaded from S3: it is not kept
+            if par.local_rank == 0:
+                shutil.rmtree(self.ckpt_path, ignore_errors=True)
         cond = cfg.conditioning.build(frame_interval=self.loader.buckets.frame_interval)
         self.step = cfg.step.build(
             par=par,

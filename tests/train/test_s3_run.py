@@ -183,6 +183,8 @@ def test_s3_root_run_resumes_from_s3_as_the_local_run_and_eval_once_gives_the_sa
             c.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(r).as_posix()}")
     out = train(s3_root, [*args, "--load", "latest"], env=env)
     assert "resumed from" in out and "ckpt-00000003" in out
+    mirrored = tmp_path / "mirror" / bucket / prefix
+    assert (mirrored / "runs/r/config.json").exists() and not list((mirrored / "runs/r").glob("*ckpt-*"))
 
     run_url = f"{s3_root}/runs/r"
     got = tmp_path / "got"
@@ -203,10 +205,11 @@ def test_s3_root_run_resumes_from_s3_as_the_local_run_and_eval_once_gives_the_sa
 
     # eval once over the run in S3 and over the local run: the same validation loss; the S3 run's records in S3
     monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "eval-mirror"))  # a machine sharing nothing else
-    common = ["--preset", "debug", "--val-manifest", "train", "--val-max-clips", "4", "--device", "cpu"]
-    common += ["--wandb-mode", "disabled", "--checkpoint", "latest"]
-    assert main(["eval", "once", "--root", s3_root, "--run", "runs/r", *common]) == 0
-    assert main(["eval", "once", "--root", str(r), "--run", "runs/r", *common]) == 0
+    common = ["--preset", "debug", "--val-manifest", "train", "--val-max-clips", "2", "--device", "cpu"]
+    common += ["--wandb-mode", "disabled"]
+    assert main(["eval", "once", "--root", s3_root, "--run", "runs/r", *common, "--checkpoint", "latest"]) == 0
+    assert main(["eval", "once", "--root", str(r), "--run", "runs/r", *common, "--checkpoint", "latest"]) == 0
+    assert not list((tmp_path / "eval-mirror").rglob("ckpt-*/state.json"))  # the downloaded copy is not kept
     records = [k for k in keys(s3_server, run_url) if k.startswith("eval/")]
     assert {"eval/ckpt-00000006/val_loss.json", "eval/ckpt-00000006/debug/done.json"} <= set(records)
     doc = json.loads(
@@ -218,6 +221,17 @@ def test_s3_root_run_resumes_from_s3_as_the_local_run_and_eval_once_gives_the_sa
     assert doc["overall"] == pytest.approx(want["overall"], rel=1e-6)
     assert doc["buckets"].keys() == want["buckets"].keys()
     assert all(doc["buckets"][b]["loss"] == pytest.approx(want["buckets"][b]["loss"], rel=1e-6) for b in doc["buckets"])
+
+    # eval serve on yet another machine: ckpt-6's records are read back from S3, so only ckpt-3 is evaluated
+    done6 = c.head_object(Bucket=bucket, Key=f"{prefix}/runs/r/eval/ckpt-00000006/debug/done.json")["ETag"]
+    monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "serve-mirror"))
+    serve = ["eval", "serve", "--root", s3_root, "--run", "runs/r", *common, "--poll", "0.1", "--exit-idle", "0.3"]
+    assert main(serve) == 0
+    assert c.head_object(Bucket=bucket, Key=f"{prefix}/runs/r/eval/ckpt-00000006/debug/done.json")["ETag"] == done6
+    three = json.loads(
+        c.get_object(Bucket=bucket, Key=f"{prefix}/runs/r/eval/ckpt-00000003/debug/done.json")["Body"].read()
+    )
+    assert three["global_step"] == 3 and three["val_loss"]["clips"] == 2
 
 
 @pytest.mark.parametrize("what", ["bucket", "credentials", "endpoint"])
