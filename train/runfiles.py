@@ -64,6 +64,7 @@ class RunFiles:
 
     def __init__(self, local: Path, remote: s3.Url | None, rank: int, skip: re.Pattern = RUN_NOT_PUBLISHED):
         self.local, self.remote, self.rank, self.skip = Path(local), remote, rank, skip
+        self.lease = None  # rank 0's run lease: verified before it publishes (a run that lost it overwrites nothing)
         self.sent: dict[str, tuple[int, int]] | None = None  # rel -> (size, mtime_ns) as published
 
     def mine(self, rel: str) -> bool:
@@ -98,6 +99,8 @@ class RunFiles:
             st = p.stat()
             if self.sent.get(rel) == (st.st_size, st.st_mtime_ns):
                 continue
+            if n == 0 and self.lease is not None:
+                self.lease.verify()
             s3.upload_file(p, self.remote / rel)
             self.sent[rel] = (st.st_size, st.st_mtime_ns)
             n += 1

@@ -77,6 +77,7 @@ class Trainer:
         try:
             self._on_node(lambda: mirrored_inputs(root))  # the manifests and takedowns of a root in S3
             self.lease = take(self.run_dir, self.par, wait=wait, remote=self.remote)
+            self.files.lease = self.lease.lease
             self._build(load, resume, init_from, reset_data)
         except BaseException:
             self.par.close()

@@ -265,3 +265,20 @@ def test_s3_root_train_and_eval_refuse_a_bad_store_in_one_line_before_any_work(
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and expect in err[0], (argv, err)
     assert not mirror.exists()
+
+
+def test_s3_stop_object_checkpoints_and_stops_and_is_consumed(s3_server, s3_root, tmp_path):
+    """The stop request of a run in S3 is the object runs/<run>/stop (no file to touch on an object store): rank 0
+    sees it, the checkpointer saves and stops, and the object is deleted once the checkpoint is written."""
+    remote = s3.parse(s3_root) / "runs" / "r"
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    ck = _checkpointer(run, remote, None)
+    ck.cfg.every = 100
+    assert not ck.due(1)
+    s3_server.client().put_object(Bucket=remote.bucket, Key=f"{remote.key}/stop", Body=b"")
+    ck.stop._looked = 0.0  # the next look is now, not REMOTE_POLL_S later
+    assert ck.save(2) is not None and ck.stopping
+    ck.wait()
+    there = keys(s3_server, str(remote))
+    assert "ckpt-00000002/state.json" in there and "stop" not in there
