@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from reelcache import UserError
 from reelcache.base import s3
 
 __all__ = ["TEMPORARY", "RunFiles", "fetch", "mirrored_inputs", "run_place"]
@@ -52,10 +53,16 @@ def mirrored_inputs(root) -> None:
 
 def fetch(url) -> Path:
     """A checkpoint (or any prefix) in S3 downloaded into the root's mirror, at the same path below it; the local
-    folder. Files already there with the object's size and time are not downloaded again."""
+    folder (files already there with the object's size and time are not downloaded again). A single object (a
+    weights file) is downloaded as a file there; nothing at `url` is one line naming it."""
     url = s3.parse(url)
     local = s3.mirror_dir(url)
-    s3.sync_down(url, local, lambda rel: True)
+    if s3.sync_down(url, local, lambda rel: True):
+        return local
+    if s3.head(url) is None:
+        raise UserError(f"nothing at {url}: no object, and no object under it")
+    local.parent.mkdir(parents=True, exist_ok=True)
+    s3.download(url, local)
     return local
 
 

@@ -240,14 +240,22 @@ class Trainer:
         return self.model.unwrap()
 
     def _load_weights(self, model, path, strict, which: str = "model"):
-        if s3.is_url(path):  # --init-from s3://.../ckpt-N: downloaded into the mirror, then loaded from there
+        local = path
+        if s3.is_url(path):  # --init-from s3://...: downloaded into the mirror, loaded from there, then removed
             url = s3.parse(path)
             self._on_node(lambda: fetch(url))
-            path = s3.mirror_dir(url)
+            local = s3.mirror_dir(url)
         try:
-            report = load_weights(model, path, strict=strict, which=which, chosen=set(self.cfg.model.overrides))
+            report = load_weights(model, local, strict=strict, which=which, chosen=set(self.cfg.model.overrides))
         except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
             raise UserError(f"cannot load weights from {path}: {e}") from e
+        finally:
+            if local is not path:
+                self.par.barrier()  # every rank of the node has read it
+                if self.par.local_rank == 0 and Path(local).is_dir():
+                    shutil.rmtree(local, ignore_errors=True)
+                elif self.par.local_rank == 0:
+                    Path(local).unlink(missing_ok=True)
         self.state.init_from, self.state.init_weights = str(path), which
         if self.rank0:
             say(f"weights from {path}:\n{report.summary()}")

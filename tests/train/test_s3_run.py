@@ -282,3 +282,31 @@ def test_s3_stop_object_checkpoints_and_stops_and_is_consumed(s3_server, s3_root
     ck.wait()
     there = keys(s3_server, str(remote))
     assert "ckpt-00000002/state.json" in there and "stop" not in there
+
+
+def test_s3_fetch_downloads_a_checkpoint_prefix_or_one_object_into_the_mirror(
+    s3_server, s3_root, tmp_path, monkeypatch
+):
+    """What --load / --init-from s3://... and eval download (train/runfiles.py: fetch): a prefix's objects, or one
+    weights object, into the root's mirror at the same path, byte for byte (uploaded by a plain boto3 client);
+    nothing there is one line naming the URL."""
+    from reelcache.train.runfiles import fetch
+
+    monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "mirror"))
+    bucket, _, prefix = s3_root[5:].partition("/")
+    c = s3_server.client()
+    files = {"runs/a/ckpt-00000004/state.json": b"{}", "runs/a/ckpt-00000004/model/w.safetensors": os.urandom(3000)}
+    files["weights/pixart.pth"] = os.urandom(5000)
+    for k, v in files.items():
+        c.put_object(Bucket=bucket, Key=f"{prefix}/{k}", Body=v)
+    got = fetch(f"{s3_root}/runs/a/ckpt-00000004")
+    assert got == tmp_path / "mirror" / bucket / prefix / "runs/a/ckpt-00000004"
+    assert sorted(p.relative_to(got).as_posix() for p in got.rglob("*") if p.is_file()) == [
+        "model/w.safetensors",
+        "state.json",
+    ]
+    assert (got / "model/w.safetensors").read_bytes() == files["runs/a/ckpt-00000004/model/w.safetensors"]
+    one = fetch(f"{s3_root}/weights/pixart.pth")
+    assert one.is_file() and one.read_bytes() == files["weights/pixart.pth"]
+    with pytest.raises(UserError, match=r"nothing at s3://.*/runs/a/ckpt-00000009"):
+        fetch(f"{s3_root}/runs/a/ckpt-00000009")
