@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from reelcache import UserError
-from reelcache.args import arg, existing_dir, existing_file
+from reelcache.args import arg, existing_file
+from reelcache.base.s3 import root_arg
 from reelcache.cluster.slurm import options as slurm_options
 
 # The evaluator, its samples and the checkpoint listing (torch, and cache/ and train/ modules) are imported
@@ -34,7 +35,12 @@ ROOT/runs/<run>/eval/val_loss.parquet, and the run's own wandb run (eval/* again
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--root", required=True, type=existing_dir, help="data root (manifests, latents, runs)")
+    p.add_argument(
+        "--root",
+        required=True,
+        type=root_arg,
+        help="data root (manifests, latents, runs): a folder, or s3://bucket/prefix (docs/STORAGE.md)",
+    )
     p.add_argument("--run", required=True, help="the run directory: runs/<name> (relative to ROOT) or a path")
     p.add_argument(
         "--preset",
@@ -103,7 +109,11 @@ def add_commands(top) -> None:
 
 
 def _evaluator(a, max_attempts: int = 3):
+    from reelcache.base import s3
     from reelcache.cache.encoders import default_device
+
+    if s3.is_url(a.root):
+        s3.check_root(a.root)  # the bucket, the credentials, conditional writes: one line before any work
     from reelcache.eval.evaluate import Evaluator
     from reelcache.eval.samples import read_prompts
 
@@ -148,6 +158,8 @@ def _submit(a) -> None:
     """``eval serve --slurm``: the same command as a job on one GPU (cluster/slurm/jobs.py), after --after starts."""
     from reelcache.cluster.slurm import jobs
 
+    if str(a.root).startswith("s3://"):
+        raise UserError("--slurm with an s3:// --root is not built yet: run `eval serve` in a job of your own")
     run_dir = (Path(a.run) if Path(a.run).is_absolute() else Path(a.root) / a.run).resolve()
     _check_inputs(a)
     argv = sys.argv[sys.argv.index("serve") + 1 :]
@@ -181,8 +193,8 @@ def _once(a) -> None:
     ev.check()
     ckpt = a.checkpoint  # a path, or ckpt-<step> of the run (evaluate finds it)
     if ckpt == "latest":
-        found = list_checkpoints(ev.run_dir)
+        found = list_checkpoints(ev.home)
         if not found:
-            raise UserError(f"no complete checkpoint in {ev.run_dir}")
+            raise UserError(f"no complete checkpoint in {ev.home}")
         ckpt = found[-1]
     ev.evaluate(ckpt)

@@ -34,11 +34,18 @@ wandb (eval/runlog.py): the numbers and videos go into the SAME run as training,
 Beside this module: eval/checkpoints.py (which checkpoints ``--every`` takes, and whether one is whole),
 eval/encoders.py (the cache's encoders, found and checked), eval/records.py (the JSON records and
 val_loss.parquet).
+
+A run in S3 (``--root s3://bucket/prefix``, train/runfiles.py), followed from a machine that shares nothing
+else: its complete checkpoints are listed in S3 (a ``ckpt-<step>/state.json`` object each), the one to evaluate
+is downloaded into the root's local mirror and read there as a folder; the records are written in the mirror's
+``runs/<run>/eval/`` and each uploaded whole to ``s3://.../runs/<run>/eval/`` (done.json last), and what was
+done before is read from there at the start; the validation shards are read from S3 by ranged reads.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -48,6 +55,7 @@ import torch
 from safetensors import SafetensorError
 
 from reelcache import UserError
+from reelcache.base import s3
 from reelcache.cache.plan import load_cache
 from reelcache.catalog.manifest import read_manifest, resolve_manifest
 from reelcache.eval.checkpoints import check_weights, select
@@ -62,6 +70,7 @@ from reelcache.progress import fmt_eta
 from reelcache.train.checkpoint import list_checkpoints, read_state
 from reelcache.train.config import from_dict
 from reelcache.train.model import STDiT3
+from reelcache.train.runfiles import TEMPORARY, RunFiles, fetch, mirrored_inputs
 from reelcache.train.source import check_shards, load_source
 from reelcache.train.weights import load_weights
 
@@ -100,17 +109,33 @@ class Evaluator:
     max_attempts: int = 3
 
     def __post_init__(self):
+        self.root_url = self.remote = None
+        if s3.is_url(self.root):  # a run in S3: its folder mirrored locally (module docstring)
+            self.root_url = s3.parse(self.root)
+            self.root = s3.mirror_dir(self.root_url)
+            rel = Path(self.run_dir).as_posix().strip("/")
+            if Path(self.run_dir).is_absolute() or ".." in Path(rel).parts:
+                raise UserError(f"--run {self.run_dir}: with an s3:// --root, the run under it: runs/<name>")
+            self.remote = self.root_url / rel
+            if not s3.list_objects(f"{self.remote}/"):
+                raise UserError(f"no run at {self.remote} (no object under it)")
+            mirrored_inputs(self.root_url)
+            (self.root / rel).mkdir(parents=True, exist_ok=True)
+            s3.sync_down(self.remote, self.root / rel, lambda r: r in ("config.json", "wandb_id"))
+            s3.sync_down(self.remote / "eval", self.root / rel / "eval", lambda r: not r.endswith(".mp4"))
         self.root, self.run_dir = Path(self.root), Path(self.run_dir)
         if not self.run_dir.is_absolute() and not self.run_dir.exists():
             self.run_dir = self.root / self.run_dir
         if not self.run_dir.is_dir():
             raise UserError(f"no run directory {self.run_dir}")
+        self.shard_root = str(self.root_url) if self.root_url is not None else self.root
         if self.preset not in PRESETS:
             raise UserError(f"--preset {self.preset!r}: one of {', '.join(PRESETS)}")
         if self.weights not in ("ema", "model"):
             raise UserError(f"--weights {self.weights!r}: ema or model")
         self.tag = self.preset if self.weights == "ema" else f"{self.preset}-model"
         self.out = self.run_dir / "eval"
+        self.records = RunFiles(self.out, self.remote / "eval" if self.remote is not None else None, 0, TEMPORARY)
         self._encoders = None
         self._prompt_text = None
         self._manifest = self._manifest_fp = self._cache_doc = None
@@ -123,8 +148,13 @@ class Evaluator:
     def attempts(self, ckpt: Path) -> int:
         return len(list((self.out / ckpt.name / self.tag).glob("error-*.txt")))
 
-    def pending(self, every: int = 1, latest_only: bool = False) -> list[Path]:
-        found = list_checkpoints(self.run_dir)
+    @property
+    def home(self):
+        """Where the run's checkpoints are listed: its folder, or its prefix in S3."""
+        return self.remote if self.remote is not None else self.run_dir
+
+    def pending(self, every: int = 1, latest_only: bool = False) -> list:
+        found = list_checkpoints(self.home)
         if not found:
             return []
         ckpt_every = int(self._config(found[-1]).checkpoint.every) if every > 1 else 0
@@ -149,7 +179,9 @@ class Evaluator:
             except ValueError as e:
                 raise UserError(f"--val-manifest {self.val_manifest}: {e}") from e
             rows = range(min(len(src.clip_id), self.val_max_clips or len(src.clip_id)))
-            check_shards(self.root, src, self.manifest(), rows)  # a missing shard: one line, before any checkpoint
+            check_shards(
+                self.shard_root, src, self.manifest(), rows
+            )  # a missing shard: one line, before any checkpoint
         if self.prompts:
             self._cache()
 
@@ -185,7 +217,7 @@ class Evaluator:
                 return
             time.sleep(poll)
 
-    def try_one(self, ckpt: Path) -> bool:
+    def try_one(self, ckpt) -> bool:
         """evaluate() with the failure policy: an error is recorded and the caller goes on."""
         try:
             self.evaluate(ckpt)
@@ -193,7 +225,8 @@ class Evaluator:
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - the policy: record, go on, retry later
-            if not ckpt.exists():
+            gone = s3.head(s3.parse(ckpt) / "state.json") is None if s3.is_url(ckpt) else not Path(ckpt).exists()
+            if gone:
                 say(f"eval: {ckpt.name} was removed (pruned by the trainer?) before it was evaluated; skipped")
                 self._given_up.add(ckpt.name)
                 return False
@@ -201,6 +234,7 @@ class Evaluator:
             d.mkdir(parents=True, exist_ok=True)
             n = self.attempts(ckpt) + 1
             (d / f"error-{n}.txt").write_text(traceback.format_exc())
+            self.records.publish()
             say(
                 f"eval: {ckpt.name} FAILED (attempt {n} of {self.max_attempts}): {type(e).__name__}: {e}; "
                 f"traceback in {d / f'error-{n}.txt'}"
@@ -208,10 +242,28 @@ class Evaluator:
             return False
 
     # -- one checkpoint --------------------------------------------------------------------
-    def evaluate(self, ckpt) -> dict:
+    def local(self, ckpt) -> Path:
+        """A checkpoint as a local folder: a path, ckpt-<step> of the run, or (a run in S3) one in S3, downloaded
+        into the mirror."""
+        if self.remote is not None and (s3.is_url(ckpt) or not Path(str(ckpt)).exists()):
+            url = s3.parse(ckpt) if s3.is_url(ckpt) else self.remote / Path(str(ckpt)).name
+            if s3.head(url / "state.json") is None:
+                raise UserError(f"{url} is not a complete checkpoint (no state.json object)")
+            return fetch(url)
         ckpt = Path(ckpt)
         if not ckpt.is_absolute() and not ckpt.exists():
             ckpt = self.run_dir / ckpt
+        return ckpt
+
+    def evaluate(self, ckpt) -> dict:
+        ckpt = self.local(ckpt)
+        try:
+            return self._evaluate(ckpt)
+        finally:
+            if self.remote is not None and ckpt.parent == self.run_dir:  # a copy downloaded from S3: not kept
+                shutil.rmtree(ckpt, ignore_errors=True)
+
+    def _evaluate(self, ckpt: Path) -> dict:
         if not (ckpt / "state.json").exists():
             raise UserError(f"{ckpt} is not a complete checkpoint (no state.json)")
         t0 = time.monotonic()
@@ -248,13 +300,16 @@ class Evaluator:
         self._log_wandb(result)
         result["seconds"] = time.monotonic() - t0
         write_json(d / "done.json", result)  # last: the checkpoint is finished for this tag
+        self.records.publish()  # a run in S3: the records up to it (done.json last)
         say(f"eval: {ckpt.name} done in {result['seconds']:.0f}s -> {d}")
         return result
 
     def _torch_dtype(self):
         return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
 
-    def _config(self, ckpt: Path):
+    def _config(self, ckpt):
+        if s3.is_url(ckpt):
+            return from_dict(json.loads(s3.get(s3.parse(ckpt) / "config.json")))
         return from_dict(json.loads((ckpt / "config.json").read_text()))
 
     def _model(self, ckpt: Path):
@@ -297,7 +352,7 @@ class Evaluator:
         res = validation_loss(
             model,
             self.manifest(),
-            self.root,
+            self.shard_root,
             device=torch.device(self.device),
             dtype=self._torch_dtype(),
             cond=cfg.conditioning.build(frame_interval=self._frame_interval(cfg)),
@@ -343,7 +398,7 @@ class Evaluator:
         candidates = []
         if self.val_manifest:
             candidates.append(self.manifest())
-        ckpts = list_checkpoints(self.run_dir)
+        ckpts = list_checkpoints(self.home)
         if ckpts:
             for m in self._config(ckpts[-1]).data.manifests:
                 try:

@@ -77,7 +77,7 @@ def validation_loss(
     total = sum(math.ceil(len(v) / batch_size) for v in by_bucket.values()) * len(ts)
     done = 0
     sums = {b: np.zeros(len(ts)) for b in by_bucket}
-    root = Path(root)
+    root = root if str(root).startswith("s3://") else Path(root)  # shards in S3: read by ranged GETs
     for bucket, idx in sorted(by_bucket.items()):
         for s in range(0, len(idx), batch_size):
             part = idx[s : s + batch_size]

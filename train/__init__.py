@@ -5,4 +5,4 @@ in ``PUBLIC``, imported from the module that defines them; everything else is tr
 with it. tests/core/test_package.py checks every import of train from another stage against this.
 """
 
-PUBLIC = ("checkpoint", "config", "flow", "loader", "model", "runlog", "sections", "source", "weights")
+PUBLIC = ("checkpoint", "config", "flow", "loader", "model", "runfiles", "runlog", "sections", "source", "weights")

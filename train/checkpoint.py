@@ -18,6 +18,13 @@ most a ``.tmp-*`` folder, which the next run deletes. The next checkpoint (or th
 waits for the writer; if it failed, every rank raises there. After each rename, rank 0 prunes: the
 newest ``keep_last`` plus every step that is a multiple of ``keep_every`` survive.
 
+A run whose root is in S3 (train/runfiles.py) writes ``.tmp-ckpt-<step>`` in the root's local mirror the
+same way, then uploads each file whole to ``s3://.../runs/<run>/ckpt-<step>/``, the lease verified before
+each, and ``state.json`` last: the object ``ckpt-<step>/state.json`` marks a complete checkpoint (a reader
+listing the run takes no prefix without it). Pruning deletes a checkpoint's state.json first, then the rest;
+a start deletes the objects of a ``ckpt-*`` prefix without its state.json (a killed upload's) and aborts the
+run's incomplete multipart uploads.
+
 Randomness needs no saved generator state: every draw of a step (timesteps, noise, frame
 masks, caption dropout) is seeded by (run seed, global step, clip id), and the loader's order
 and posterior noise by (seed, epoch, position). So a resume repeats the same draws exactly.
@@ -36,6 +43,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from reelcache.base import s3
 from reelcache.files import fsync_path
 from reelcache.settings import setting
 
@@ -53,15 +61,25 @@ def ckpt_name(step: int) -> str:
 
 
 def ckpt_step(path) -> int:
-    """The global step of a checkpoint folder ``ckpt-<8 digits>``."""
-    m = CKPT_RE.match(Path(path).name)
+    """The global step of a checkpoint folder ``ckpt-<8 digits>`` (a path, or its prefix in S3)."""
+    m = CKPT_RE.match(str(path).rstrip("/").rsplit("/", 1)[-1])
     if not m:
         raise ValueError(f"{path} is not a checkpoint folder (ckpt-<8 digits>)")
     return int(m.group(1))
 
 
-def list_checkpoints(run_dir) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+def list_checkpoints(run_dir) -> list:
+    """Complete checkpoints of a run, oldest first: folders, or for a run in S3 (an ``s3://`` run prefix) the
+    ``ckpt-<step>`` prefixes whose ``state.json``, uploaded last, exists (their Urls)."""
+    if s3.is_url(run_dir):
+        url = s3.parse(run_dir)
+        base = url.key.rstrip("/") + "/"
+        done = {
+            o["Key"][len(base) :].split("/", 1)[0]
+            for o in s3.list_objects(s3.Url(url.bucket, base + "ckpt-"))
+            if o["Key"][len(base) :].endswith("/state.json") and o["Key"][len(base) :].count("/") == 1
+        }
+        return sorted((url / n for n in done if CKPT_RE.match(n)), key=ckpt_step)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
@@ -96,8 +114,10 @@ class CheckpointConfig:
         "save ckpt-00000000 before the first step of a run that resumes nothing (Open-Sora's epoch0-global_step0)",
     )
 
-    def build(self, *, run_dir, par, snapshot, saved_step: int | None = None, lease=None) -> Checkpointer:
-        return Checkpointer(self, run_dir=run_dir, par=par, snapshot=snapshot, saved_step=saved_step, lease=lease)
+    def build(self, *, run_dir, par, snapshot, saved_step: int | None = None, lease=None, remote=None) -> Checkpointer:
+        return Checkpointer(
+            self, run_dir=run_dir, par=par, snapshot=snapshot, saved_step=saved_step, lease=lease, remote=remote
+        )
 
 
 def library_versions() -> dict:
@@ -124,11 +144,17 @@ def _fsync_tree(folder: Path) -> None:
 class StopRequest:
     """A request to checkpoint and stop: SIGUSR2 to any rank (Slurm's ``--signal=USR2@<s>`` before a
     time limit), or the file ``runs/<run>/stop`` (``touch`` it from anywhere that sees the run
-    directory). SIGUSR1 stays the stack dump (train/watchdog.py)."""
+    directory), or for a run in S3 the object ``s3://.../runs/<run>/stop`` (``remote``: rank 0 looks for it
+    every ``REMOTE_POLL_S``). SIGUSR1 stays the stack dump (train/watchdog.py)."""
 
-    def __init__(self, run_dir: Path):
+    REMOTE_POLL_S = 10.0
+
+    def __init__(self, run_dir: Path, remote=None):
         self.file = run_dir / "stop"
+        self.object = remote / "stop" if remote is not None else None
         self.signalled = False
+        self._looked = 0.0
+        self._found = False
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR2, self._on_signal)
 
@@ -136,10 +162,19 @@ class StopRequest:
         self.signalled = True
 
     def local(self) -> bool:
-        return self.signalled or self.file.exists()
+        if self.object is not None and not self._found and time.monotonic() - self._looked >= self.REMOTE_POLL_S:
+            self._looked = time.monotonic()
+            try:
+                self._found = s3.head(self.object) is not None
+            except s3.S3Error:
+                pass  # the store not answering now: looked for again at the next poll
+        return self.signalled or self._found or self.file.exists()
 
     def consume(self) -> None:
         self.file.unlink(missing_ok=True)
+        if self.object is not None and self._found:
+            s3.delete(self.object)
+            self._found = False
 
 
 class Checkpointer:
@@ -152,19 +187,35 @@ class Checkpointer:
     cadence, at the last step, or when a stop was requested on any rank, and then sets ``stopping``."""
 
     def __init__(
-        self, cfg: CheckpointConfig, *, run_dir, par, snapshot=None, saved_step: int | None = None, lease=None
+        self,
+        cfg: CheckpointConfig,
+        *,
+        run_dir,
+        par,
+        snapshot=None,
+        saved_step: int | None = None,
+        lease=None,
+        remote=None,
     ):
         self.cfg, self.run_dir, self.par, self.snapshot = cfg, Path(run_dir), par, snapshot
         self.lease = lease  # rank 0's run lease (train/runlease.py): verified before each checkpoint is published
+        self.remote = s3.parse(remote) if remote is not None else None  # the run's prefix in S3 (train/runfiles.py)
         self.saved_step = saved_step  # the step of the newest checkpoint this run wrote or loaded
         self.stopping = False
-        self.stop = StopRequest(self.run_dir)
+        self.stop = StopRequest(self.run_dir, self.remote if par.rank == 0 else None)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         if par.rank == 0:
             for stale in self.run_dir.glob(".tmp-ckpt-*"):  # left by a run killed while saving
                 shutil.rmtree(stale, ignore_errors=True)
+            if self.remote is not None:
+                self._clear_incomplete()
         par.barrier()
+
+    @property
+    def home(self):
+        """Where the run's checkpoints are listed: its folder, or its prefix in S3."""
+        return self.remote if self.remote is not None else self.run_dir
 
     def start(self, step: int) -> Path | None:
         """Collective, before the first step: ``ckpt-00000000`` with ``at_start`` when the run starts at
@@ -242,10 +293,14 @@ class Checkpointer:
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise
-            if final.exists():  # a re-run of the same step (after --reset-data, say)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fsync_path(self.run_dir)
+            if self.remote is not None:
+                self._publish(tmp, step)
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                if final.exists():  # a re-run of the same step (after --reset-data, say)
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                fsync_path(self.run_dir)
             self.prune()
         except BaseException as e:  # surfaced by wait(): a failed save must stop the run
             self._error = e
@@ -267,10 +322,49 @@ class Checkpointer:
             raise RuntimeError(f"writing a checkpoint in {self.run_dir} failed: {e}") from e
 
     def prune(self) -> None:
-        found = list_checkpoints(self.run_dir)
+        found = list_checkpoints(self.home)
         keep_last, keep_every = self.cfg.keep_last, self.cfg.keep_every
         keep = set(found[-keep_last:]) if keep_last > 0 else set(found)
         for p in found:
             step = ckpt_step(p)
             if p not in keep and not (keep_every and step % keep_every == 0):
-                shutil.rmtree(p, ignore_errors=True)
+                if self.remote is not None:
+                    self._delete_remote(p)
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
+
+    # -- a run in S3 (train/runfiles.py) ------------------------------------------------------
+    def _publish(self, tmp: Path, step: int) -> None:
+        """Rank 0's writer: the checkpoint written in ``tmp`` up to ``<run>/ckpt-<step>/``, each file one whole
+        object (base/s3.py: ``upload_file``), the lease verified before each; ``state.json`` last: until it is
+        there, no reader takes the prefix for a checkpoint. A checkpoint of the same step already there (a re-run
+        after --reset-data) is deleted first, its state.json first."""
+        url = self.remote / ckpt_name(step)
+        self._delete_remote(url)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file() and p != tmp / "state.json")
+        for p in [*files, tmp / "state.json"]:
+            if self.lease is not None:
+                self.lease.verify()
+            s3.upload_file(p, url / p.relative_to(tmp).as_posix())
+
+    def _delete_remote(self, url) -> None:
+        """A checkpoint's objects deleted, its state.json first (it stops being a checkpoint at once), each
+        after the lease is verified (a run that lost it leaves the new holder's files alone)."""
+        url = s3.parse(url)
+        marker = url / "state.json"
+        rest = [s3.Url(url.bucket, o["Key"]) for o in s3.list_objects(f"{url}/") if o["Key"] != marker.key]
+        for obj in [marker, *rest]:
+            if self.lease is not None:
+                self.lease.verify()
+            s3.delete(obj)
+
+    def _clear_incomplete(self) -> None:
+        """What a run killed while uploading a checkpoint left: objects of a ``ckpt-<step>/`` without its
+        state.json, and the incomplete multipart uploads under the run (its checkpoint files over 8 MB)."""
+        base = self.remote.key.rstrip("/") + "/"
+        complete = {u.name for u in list_checkpoints(self.remote)}
+        for o in s3.list_objects(s3.Url(self.remote.bucket, base + "ckpt-")):
+            if o["Key"][len(base) :].split("/", 1)[0] not in complete:
+                s3.delete(s3.Url(self.remote.bucket, o["Key"]))
+        for up in s3.list_uploads(s3.Url(self.remote.bucket, base + "ckpt-")):
+            s3.abort_upload(self.remote.bucket, up["Key"], up["UploadId"])

@@ -13,6 +13,7 @@ import argparse
 
 from reelcache import UserError
 from reelcache.args import arg, existing_dir, existing_file, option
+from reelcache.base.s3 import root_arg
 from reelcache.cluster.slurm import options as slurm_options
 
 EXAMPLES = """\
@@ -95,8 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--root",
         required=True,
-        type=existing_dir,
-        help="data root: manifests, latents; runs go to ROOT/runs/<run.name>",
+        type=root_arg,
+        help="data root, a folder or s3://bucket/prefix (docs/STORAGE.md): manifests, latents; runs go to "
+        "ROOT/runs/<run.name>",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -178,6 +180,12 @@ def run(a, overrides: list[str]) -> None:
     if a.wandb_mode:
         overrides.append(f'log.wandb_mode="{a.wandb_mode}"')
     cfg = load_config(a.config, overrides)
+    if str(a.root).startswith("s3://"):
+        from reelcache.base import s3
+
+        if a.slurm:
+            raise UserError("--slurm with an s3:// --root is not built yet: launch the ranks yourself (torchrun)")
+        s3.check_root(a.root)  # the bucket, the credentials, conditional writes: one line before any work
     if a.slurm:
         if a.nproc:
             raise UserError("--nproc starts ranks here; a Slurm job takes --nproc-per-node (ranks per node)")

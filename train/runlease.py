@@ -28,6 +28,7 @@ from pathlib import Path
 from reelcache import UserError
 from reelcache.base import lease as leases
 from reelcache.base.lease import Busy, Lease, acquire
+from reelcache.base.s3 import S3Error
 from reelcache.log import say, say_error
 
 NAME = "run.lease"
@@ -52,9 +53,10 @@ class RunLease:
         self.made = []
 
 
-def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0) -> RunLease:
+def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0, remote=None) -> RunLease:
     """Collective: the lease of ``run_dir`` on rank 0; a UserError (rank 0) or a quiet exit with status 2
-    (the other ranks) when a live run holds it and ``wait`` is off, or the directory cannot be written."""
+    (the other ranks) when a live run holds it and ``wait`` is off, or the directory cannot be written.
+    ``remote``: the run's prefix in S3 (train/runfiles.py), where the lease is an object (base/lease.py)."""
     told = False
     while True:
         lease, made, outcome = None, [], ("held", "")
@@ -62,11 +64,13 @@ def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0) -> RunL
             made = [p for p in (run_dir.parent, run_dir) if not p.exists()]
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
-                lease = acquire(run_dir / NAME)
+                lease = acquire(remote / NAME if remote is not None else run_dir / NAME)
             except Busy as e:
-                outcome = ("busy", _busy(run_dir, e) if not wait else f"{e}: waiting for it to end (--wait)")
+                outcome = ("busy", _busy(run_dir, e, remote) if not wait else f"{e}: waiting for it to end (--wait)")
             except OSError as e:
                 outcome = ("error", f"cannot write in {run_dir}: {e.strerror or e}")
+            except S3Error as e:
+                outcome = ("error", str(e))
         launched = os.environ.get("REELCACHE_LAUNCH")  # `train --nproc`: its launcher says each distinct line once
         if par.rank == 0 and outcome[0] != "held" and not (outcome[0] == "busy" and wait) and not launched:
             # said before the gather: once the others have it they exit, and torchrun then stops this rank with
@@ -87,11 +91,17 @@ def take(run_dir: Path, par, *, wait: bool = False, poll_s: float = 1.0) -> RunL
         raise SystemExit(2)  # rank 0 said why, once, above
 
 
-def _busy(run_dir: Path, e: Busy) -> str:
+def _busy(run_dir: Path, e: Busy, remote=None) -> str:
     """Why the start is refused, and what ends the wait: a holder on this machine can be stopped; one
     on another node may be dead, so its lease's age and when it turns stale are said; a lease file that
-    is not one is abandoned a short while after it was last written (base/lease.py)."""
-    path, h = run_dir / NAME, e.holder
+    is not one is abandoned a short while after it was last written (base/lease.py). A run in S3 is stopped
+    by its stop object (train/checkpoint.py: ``StopRequest``), not a file."""
+    path, h = (remote / NAME if remote is not None else run_dir / NAME), e.holder
+    stop = (
+        f"put the object {remote / 'stop'}: aws s3 cp /dev/null {remote / 'stop'}"
+        if remote is not None
+        else f"touch {run_dir / 'stop'}"
+    )
     if h.token == "unreadable":
         return (
             f"run {run_dir.name}: {path} is not a lease (not the JSON reelcache writes: another program's "
@@ -103,11 +113,11 @@ def _busy(run_dir: Path, e: Busy) -> str:
     if here:
         return (
             f"run {run_dir.name} is running: {path} is held by {h.describe()}: wait for it "
-            f"with --wait, or stop it first (touch {run_dir / 'stop'}), or train under another run.name"
+            f"with --wait, or stop it first ({stop}), or train under another run.name"
         )
     return (
         f"run {run_dir.name} is running on another node: {path} is held by {h.describe()}; if that node is "
         f"gone, the lease turns stale when its heartbeat is {leases.TTL_S:g} s old (REELCACHE_LEASE_TTL_S), in "
         f"{max(0.0, leases.TTL_S - h.age_s):.0f} s, and --wait starts then; if it runs, stop it "
-        f"(touch {run_dir / 'stop'}), or train under another run.name"
+        f"({stop}), or train under another run.name"
     )

@@ -110,9 +110,10 @@ class DataConfig:
 
         return BucketConfig.from_toml(self.buckets)
 
-    def build(self, *, root, par, seed: int):
+    def build(self, *, root, par, seed: int, shard_root=None):
         """This rank's LatentLoader (its consumed log is opened by the trainer, once nothing can refuse
-        the start)."""
+        the start); ``shard_root``: where shards are when ``data.shard_root`` is not set (a run in S3: its root;
+        else ``root``)."""
         from reelcache.catalog.withdrawn import withdrawn_clips
         from reelcache.train.loader import LatentLoader
 
@@ -121,7 +122,11 @@ class DataConfig:
         # withdrawn clips' shards are not checked (a `cache gc` after the takedown may have freed them): the
         # refusal below, or the skip, is what a start over them meets
         kw = dict(root=root, rank=par.rank, world_size=par.world, seed=seed, skip=gone.keys())
-        kw.update(shard_root=self.shard_root or None, fetch_ahead=self.fetch_ahead, fetch_threads=self.fetch_threads)
+        kw.update(
+            shard_root=self.shard_root or (str(shard_root) if shard_root else None),
+            fetch_ahead=self.fetch_ahead,
+            fetch_threads=self.fetch_threads,
+        )
         kw.update(cache_dir=self.cache_dir or None, cache_gb=self.cache_gb)
         try:
             loader = LatentLoader(

@@ -16,18 +16,25 @@ A start first takes the run directory's lease (train/runlease.py: one writer per
 every check that can refuse it (the checkpoint to resume, the config's changes, the manifests, the
 data position, the weights) before it writes anything there: a refused start leaves the run
 directory as it found it.
+
+A run whose ``--root`` is ``s3://bucket/prefix`` (train/runfiles.py, docs/STORAGE.md) reads its manifests from
+the root's ``manifests/`` (mirrored down), its shards from S3 (``data.shard_root`` defaults to the root), keeps
+its folder in the root's local mirror and publishes each finished file, and its checkpoints, to
+``s3://bucket/prefix/runs/<run>/``; its lease is an object there; a checkpoint it resumes is downloaded first.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
 from reelcache import UserError
+from reelcache.base import s3
 from reelcache.cluster import ranks
 from reelcache.log import log_to_file, say
 from reelcache.train import checkpoint as ck
@@ -35,6 +42,7 @@ from reelcache.train.config import TrainConfig, from_dict, resume_changes
 from reelcache.train.guard import DivergedError
 from reelcache.train.loader import ConsumedLog
 from reelcache.train.metrics import metrics_row, peak_flops
+from reelcache.train.runfiles import RunFiles, fetch, mirrored_inputs, run_place
 from reelcache.train.runlease import take
 from reelcache.train.state import TrainState
 from reelcache.train.step import StepResult
@@ -59,13 +67,17 @@ class Trainer:
         checkpoint if it has one, else start (what a requeued job runs); ``init_from``: weights to
         start a new run from, ``init_weights`` which of a checkpoint folder's ("model" or "ema");
         ``wait``: wait for a live run of the same run directory to end instead of refusing."""
-        self.cfg, self.root, self.init_weights = cfg, Path(root), init_weights
-        self.run_dir = self.root / "runs" / cfg.run.name
+        self.cfg, self.init_weights = cfg, init_weights
+        self.root_url = s3.parse(root) if s3.is_url(root) else None  # a root in S3; self.root is then its mirror
+        self.root, self.run_dir, self.remote = run_place(root, cfg.run.name)
         self.par = cfg.parallel.build()
         self.rank0 = self.par.rank == 0
+        self.files = RunFiles(self.run_dir, self.remote, self.par.rank)
         self.lease = None
         try:
-            self.lease = take(self.run_dir, self.par, wait=wait)
+            self._on_node(lambda: mirrored_inputs(root))  # the manifests and takedowns of a root in S3
+            self.lease = take(self.run_dir, self.par, wait=wait, remote=self.remote)
+            self.files.lease = self.lease.lease
             self._build(load, resume, init_from, reset_data)
         except BaseException:
             self.par.close()
@@ -77,7 +89,7 @@ class Trainer:
     def _build(self, load, resume, init_from, reset_data):
         cfg, par = self.cfg, self.par
         self.ckpt_path = self._checkpoint_to_load(load, resume)
-        self.loader = cfg.data.build(root=self.root, par=par, seed=cfg.run.seed)
+        self.loader = cfg.data.build(root=self.root, par=par, seed=cfg.run.seed, shard_root=self.root_url)
         self.state = TrainState(self.loader, cfg.guard.build(), cfg.run.name, par.world, cfg.model.preset)
         if self.ckpt_path is not None:
             try:
@@ -94,6 +106,10 @@ class Trainer:
         if self.ckpt_path is not None:
             self._resume(self.ckpt_path, reset_data)
         self.ema = cfg.ema.build(chunks=self._ema_chunks)
+        if self.remote is not None and self.ckpt_path is not None and self.ckpt_path.is_relative_to(self.root):
+            par.barrier()  # every rank of the node has read the copy downloaded from S3: it is not kept
+            if par.local_rank == 0:
+                shutil.rmtree(self.ckpt_path, ignore_errors=True)
         cond = cfg.conditioning.build(frame_interval=self.loader.buckets.frame_interval)
         self.step = cfg.step.build(
             par=par,
@@ -108,7 +124,12 @@ class Trainer:
         )
         saved = self.state.global_step if self.ckpt_path is not None else None
         self.ckpt = cfg.checkpoint.build(
-            run_dir=self.run_dir, par=par, snapshot=self.snapshot, saved_step=saved, lease=self.lease.lease
+            run_dir=self.run_dir,
+            par=par,
+            snapshot=self.snapshot,
+            saved_step=saved,
+            lease=self.lease.lease,
+            remote=self.remote,
         )
         self.total_steps = self._total_steps()
         self.log = cfg.log.build(
@@ -120,31 +141,55 @@ class Trainer:
             total_steps=self.total_steps,
         )
         self.peak = peak_flops(par.device)
+        self.files.publish()  # a run in S3: the rank records and config.json go up now
         self._announce()
 
     def _checkpoint_to_load(self, load, resume) -> Path | None:
         """The checkpoint this start continues (``--load``, or the newest with ``--resume``), its config's
         changes said; a UserError for a run directory with checkpoints that neither flag continues."""
-        existing = ck.list_checkpoints(self.run_dir)
+        existing = ck.list_checkpoints(self.remote or self.run_dir)
         if resume and load is None and existing:
             load = existing[-1]
         if load is None:
             if existing:
                 raise UserError(
-                    f"{self.run_dir} already has checkpoints up to {existing[-1].name}: continue it with --resume "
-                    f"(= --load latest; or --load {existing[-1]}), or train under another run.name"
+                    f"{self.remote or self.run_dir} already has checkpoints up to {existing[-1].name}: continue it "
+                    f"with --resume (= --load latest; or --load {existing[-1]}), or train under another run.name"
                 )
             return None
-        try:
-            path = ck.resolve(load, self.root, self.run_dir)
-        except FileNotFoundError as e:
-            raise UserError(str(e)) from None
+        if self.remote is not None and not Path(str(load)).exists():
+            path = self._fetch_checkpoint(load, existing)
+        else:
+            try:
+                path = ck.resolve(load, self.root, self.run_dir)
+            except FileNotFoundError as e:
+                raise UserError(str(e)) from None
         if (path / "config.json").exists():
             saved = from_dict(json.loads((path / "config.json").read_text()))
             changes = resume_changes(saved, self.cfg)  # a UserError if the model differs
             if changes and self.rank0:
                 say(f"config changes since {path.name}:\n  " + "\n  ".join(changes))
         return path
+
+    def _on_node(self, fn):
+        """``fn()`` on each node's local rank 0 (into the node's mirror), the others waiting for it."""
+        if self.par.local_rank == 0:
+            fn()
+        self.par.barrier()
+
+    def _fetch_checkpoint(self, load, existing: list) -> Path:
+        """A run in S3: ``--load latest`` (the newest complete checkpoint in the run's prefix), ``runs/<run>/ckpt-N``
+        (under the root) or an ``s3://`` URL, downloaded into the mirror; its local folder."""
+        if str(load) == "latest":
+            if not existing:
+                raise UserError(f"--load latest: no complete checkpoint in {self.remote}")
+            url = s3.parse(existing[-1])
+        else:
+            url = s3.parse(load) if s3.is_url(load) else self.root_url / str(load)
+        if s3.head(url / "state.json") is None:
+            raise UserError(f"no checkpoint at {url} (no state.json object: none there, or its upload never finished)")
+        self._on_node(lambda: fetch(url))
+        return s3.mirror_dir(url)
 
     def _boost(self, model):
         """The model on its device, its optimizer, both boosted by the plugin; ZeRO's fp32 masters set
@@ -187,16 +232,30 @@ class Trainer:
         ranks.write(self.run_dir, par.rank, par.world, par.local_rank, Path(self._stacks.name).resolve())
         self.loader.log = ConsumedLog(self.run_dir / "consumed", par.rank, max(1, self.cfg.checkpoint.every or 100))
         self.loader.log.generation = self.loader.generation
+        if self.remote is not None and self.rank0:  # the run's wandb id, if an earlier start made one
+            s3.sync_down(self.remote, self.run_dir, lambda rel: rel == "wandb_id")
 
     @property
     def module(self):
         return self.model.unwrap()
 
     def _load_weights(self, model, path, strict, which: str = "model"):
+        local = path
+        if s3.is_url(path):  # --init-from s3://...: downloaded into the mirror, loaded from there, then removed
+            url = s3.parse(path)
+            self._on_node(lambda: fetch(url))
+            local = s3.mirror_dir(url)
         try:
-            report = load_weights(model, path, strict=strict, which=which, chosen=set(self.cfg.model.overrides))
+            report = load_weights(model, local, strict=strict, which=which, chosen=set(self.cfg.model.overrides))
         except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
             raise UserError(f"cannot load weights from {path}: {e}") from e
+        finally:
+            if local is not path:
+                self.par.barrier()  # every rank of the node has read it
+                if self.par.local_rank == 0 and Path(local).is_dir():
+                    shutil.rmtree(local, ignore_errors=True)
+                elif self.par.local_rank == 0:
+                    Path(local).unlink(missing_ok=True)
         self.state.init_from, self.state.init_weights = str(path), which
         if self.rank0:
             say(f"weights from {path}:\n{report.summary()}")
@@ -252,6 +311,7 @@ class Trainer:
             self.log.flush()  # metrics up to this step exist before the checkpoint does
         if self.loader.log:
             self.loader.log.flush()
+        self.files.publish()  # a run in S3: this rank's metrics, consumed log and log up to here, before the checkpoint
         optim = par.optimizer_state(self.optimizer, self.model) if self.state.opt_steps else None
         return model_state, ema, optim, self.state.state_dict(), self.cfg.to_dict()
 
@@ -317,8 +377,11 @@ class Trainer:
             self.log.finish()
             if self.loader.log:
                 self.loader.log.flush()
-            self.par.close()
-            self.lease.release()
+            try:
+                self.files.publish()  # a run in S3: the last metrics, consumed-log parts and logs
+            finally:
+                self.par.close()
+                self.lease.release()
 
     def _upcoming(self, sched, k: int) -> dict:
         """What step k of this epoch's schedule will train on (for the watchdog's report)."""
@@ -364,13 +427,13 @@ class Trainer:
             )
 
     def _diverged_message(self) -> str:
-        found = ck.list_checkpoints(self.run_dir)
+        found = ck.list_checkpoints(self.ckpt.home)
         stepped = self.state.guard.stepped_from  # bad steps that changed the weights: a checkpoint before them
         if stepped is not None:
             found = [c for c in found if ck.ckpt_step(c) <= stepped]
         last = found[-1] if found else None
         cmd = (
-            f"reelcache train <config> --root {self.root} --load {last}"
+            f"reelcache train <config> --root {self.root_url or self.root} --load {last}"
             if last
             else "no checkpoint yet: start again with another seed or a lower lr"
         )

@@ -1,0 +1,114 @@
+"""A run whose root is in object storage (``--root s3://bucket/prefix``, docs/STORAGE.md): where its folder lives.
+
+The run folder ``runs/<run>/`` is written on the local disk, under the root's local mirror (base/s3.py:
+``mirror_dir``: ``<mirror>/<bucket>/<prefix>/runs/<run>/``), exactly as under a local root, and each finished
+file is published as a whole object under ``s3://bucket/prefix/runs/<run>/`` (``RunFiles.publish``): never a part
+of one. Each rank publishes the files it writes (those named ``rank<NNNNN>``: its consumed-log parts, its log,
+its rank record, its stacks), rank 0 the others (config.json, metrics parts, bad_steps.jsonl, wandb_id): at the
+start (config, rank records), at each checkpoint (before its writer starts: the metrics and the consumed log up to
+the step exist in S3 before the checkpoint does) and at the end. A file is sent again only when it changed (its
+size or mtime). The wandb offline folder stays in the mirror (``wandb sync`` it from there).
+
+Checkpoints (train/checkpoint.py) go up from rank 0's writer thread, ``state.json`` last: a ``ckpt-<step>/``
+prefix is a complete checkpoint only once its ``state.json`` object exists (``list_checkpoints``). A checkpoint
+to resume or evaluate is downloaded into the mirror (``fetch``) and read there as a folder.
+
+A local root has no remote: every call here is then a no-op, and the run folder is the root's own.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from reelcache import UserError
+from reelcache.base import s3
+
+__all__ = ["TEMPORARY", "RunFiles", "fetch", "mirrored_inputs", "run_place"]
+
+_RANK = re.compile(r"rank(\d{5})")
+TEMPORARY = re.compile(r"(^|/)\.[^/]*\.tmp")  # a file being written (reelcache/files.py: tmp_name)
+# not published by RunFiles: checkpoints (the writer's), the lease and the stop request (objects of their own), the
+# wandb offline folder, temporaries
+RUN_NOT_PUBLISHED = re.compile(r"^(ckpt-\d{8}/|\.tmp-|wandb/|run\.lease$|stop$)|" + TEMPORARY.pattern)
+# What of a root a run reads, mirrored down before it starts: the manifests (by name) and the takedowns' record.
+_INPUTS = re.compile(r"manifests/[^/]+\.(parquet|json)|withdrawn/[^/]+\.parquet")
+
+
+def run_place(root, name: str) -> tuple[Path, Path, s3.Url | None]:
+    """(the local root, the local run folder, the run's prefix in S3 or None) of run `name` under `root`."""
+    if s3.is_url(root):
+        url = s3.parse(root)
+        local = s3.mirror_dir(url)
+        return local, local / "runs" / name, url / "runs" / name
+    return Path(root), Path(root) / "runs" / name, None
+
+
+def mirrored_inputs(root) -> None:
+    """A root in S3: its manifests and takedowns brought into its local mirror (where the loader finds them by
+    name, as ``cache plan`` does)."""
+    if s3.is_url(root):
+        s3.sync_down(root, s3.mirror_dir(root), lambda rel: _INPUTS.fullmatch(rel) is not None)
+
+
+def fetch(url) -> Path:
+    """A checkpoint (or any prefix) in S3 downloaded into the root's mirror, at the same path below it; the local
+    folder (files already there with the object's size and time are not downloaded again). A single object (a
+    weights file) is downloaded as a file there; nothing at `url` is one line naming it."""
+    url = s3.parse(url)
+    local = s3.mirror_dir(url)
+    if s3.sync_down(url, local, lambda rel: True):
+        return local
+    if s3.head(url) is None:
+        raise UserError(f"nothing at {url}: no object, and no object under it")
+    local.parent.mkdir(parents=True, exist_ok=True)
+    s3.download(url, local)
+    return local
+
+
+class RunFiles:
+    """This rank's publisher of a run folder's finished files (module docstring); a no-op for a local root."""
+
+    def __init__(self, local: Path, remote: s3.Url | None, rank: int, skip: re.Pattern = RUN_NOT_PUBLISHED):
+        self.local, self.remote, self.rank, self.skip = Path(local), remote, rank, skip
+        self.lease = None  # rank 0's run lease: verified before it publishes (a run that lost it overwrites nothing)
+        self.sent: dict[str, tuple[int, int]] | None = None  # rel -> (size, mtime_ns) as published
+
+    def mine(self, rel: str) -> bool:
+        if self.skip.search(rel):
+            return False
+        m = _RANK.search(rel.rsplit("/", 1)[-1])
+        return (int(m[1]) if m else 0) == self.rank
+
+    def url(self, path) -> s3.Url:
+        return self.remote / Path(path).relative_to(self.local).as_posix()
+
+    def publish(self) -> int:
+        """Upload this rank's files of the run folder that changed since they were last published, each whole;
+        returns how many. The first call skips what the run's prefix already holds with the same size."""
+        if self.remote is None or not self.local.is_dir():
+            return 0
+        if self.sent is None:
+            self.sent = {}
+            base = self.remote.key.rstrip("/") + "/"
+            there = {o["Key"][len(base) :]: o for o in s3.list_objects(s3.Url(self.remote.bucket, base))}
+            for p in self.local.rglob("*"):
+                rel = p.relative_to(self.local).as_posix()
+                if p.is_file() and rel in there:
+                    st = p.stat()
+                    if st.st_size == there[rel]["Size"] and st.st_mtime <= there[rel]["LastModified"].timestamp():
+                        self.sent[rel] = (st.st_size, st.st_mtime_ns)
+        n = 0
+        for p in sorted(self.local.rglob("*"), key=lambda p: (p.name == "done.json", str(p))):  # a record's last
+            rel = p.relative_to(self.local).as_posix()
+            if not p.is_file() or not self.mine(rel):
+                continue
+            st = p.stat()
+            if self.sent.get(rel) == (st.st_size, st.st_mtime_ns):
+                continue
+            if n == 0 and self.lease is not None:
+                self.lease.verify()
+            s3.upload_file(p, self.remote / rel)
+            self.sent[rel] = (st.st_size, st.st_mtime_ns)
+            n += 1
+        return n
