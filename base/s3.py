@@ -535,10 +535,11 @@ def mirror_dir(url) -> Path:
     return Path(base) / url.bucket / url.key
 
 
-def sync_down(prefix, local: Path, keep) -> list[Path]:
+def sync_down(prefix, local: Path, keep, prune: bool = True) -> list[Path]:
     """Mirror the objects under `prefix` whose path below it `keep(rel)` accepts into `local`: an object is
     downloaded when the local copy's size or mtime differ from the object's (its mtime is set to the object's
-    Last-Modified), and a local file `keep` accepts whose object is gone is removed. Returns the local files."""
+    Last-Modified), and (`prune`) a local file `keep` accepts whose object is gone is removed. Returns the local
+    files."""
     prefix = parse(prefix)
     base = prefix.key.rstrip("/") + "/" if prefix.key else ""
     want = {}
@@ -560,7 +561,7 @@ def sync_down(prefix, local: Path, keep) -> list[Path]:
             download(Url(prefix.bucket, o["Key"]), p)
             os.utime(p, (mtime, mtime))
         out.append(p)
-    if local.exists():
+    if prune and local.exists():
         for p in local.rglob("*"):
             rel = p.relative_to(local).as_posix()
             if p.is_file() and keep(rel) and rel not in want:

@@ -71,6 +71,11 @@ READ = re.compile(
 )
 
 
+# What lineage reads of the runs in S3 (mirrored, never pruned: a run training on this machine keeps its parts and
+# checkpoints in the mirror before they go up, train/runfiles.py): the consumed log's parts, checkpoints' state.
+RUNS = re.compile(r"runs/[^/]+/consumed/[^/]+|runs/[^/]+/ckpt-\d{8}/state\.json")
+
+
 class Files:
     """The root a takedown reads and rewrites: a folder, or a root in S3 worked on in its local mirror. ``root``
     is the local folder; ``get(rel)`` a file there (for S3, the object downloaded now: never a stale copy), None
@@ -89,6 +94,7 @@ class Files:
             from reelcache.base import s3
 
             s3.sync_down(self.remote, self.root, lambda rel: READ.fullmatch(rel) is not None)
+            s3.sync_down(self.remote, self.root, lambda rel: RUNS.fullmatch(rel) is not None, prune=False)
 
     def get(self, rel: str) -> Path | None:
         path = self.root / rel

@@ -91,3 +91,35 @@ def test_a_takedown_in_s3_equals_the_same_takedown_on_a_folder(
     assert sql(mirror, f"SELECT status, reject_reason, shard FROM clips WHERE clip_id = '{clip}'") == [
         ("rejected", "withdrawn", None)
     ]
+
+
+def test_lineage_in_s3_equals_lineage_on_a_folder(s3_server, s3_root, cached_demo, tmp_path, monkeypatch, capsys):
+    """A run's consumed log and checkpoints (written by the trainer's own ConsumedLog) in S3: `lineage --root s3://`
+    finds the same manifests, runs, steps and checkpoints as over the same files on a folder."""
+    import json
+
+    from reelcache.train.loader import ConsumedLog
+
+    monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "mirror"))
+    local = tmp_path / "local"
+    shutil.copytree(cached_demo, local)
+    clips = [r[0] for r in sql(local, "SELECT clip_id FROM clips WHERE status = 'ok' ORDER BY 1")][:6]
+    run = local / "runs/r1"
+    for rank in range(2):
+        log = ConsumedLog(run / "consumed", rank, every=2)
+        for step in range(4):
+            log.add(0, step, [clips[(step * 2 + rank) % 6]], "b", pad=False)
+        log.flush()
+    for gs in (2, 4):
+        (run / f"ckpt-{gs:08d}").mkdir()
+        (run / f"ckpt-{gs:08d}/state.json").write_text(json.dumps({"global_step": gs, "loader": {"step": gs}}))
+    u, c = s3.parse(s3_root), s3_server.client()
+    for p in data_files(local):
+        c.put_object(Bucket=u.bucket, Key=f"{u.key}/{p.relative_to(local).as_posix()}", Body=p.read_bytes())
+    assert main(["catalog", "merge", "--root", s3_root]) == 0
+    capsys.readouterr()
+    assert main(["lineage", "--root", str(local), "--json", *clips[:3]]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert main(["lineage", "--root", s3_root, "--json", *clips[:3]]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["run"] for it in want for r in it["runs"]] == ["r1"] * 3 and got == want
