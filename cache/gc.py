@@ -99,7 +99,7 @@ class _Folder:
     def fetch_indexes(self, seen: dict) -> None:
         pass
 
-    def fetch_references(self) -> None:
+    def fetch_references(self, units=()) -> None:
         pass
 
     def size(self, rel: str, ident) -> int:
@@ -165,8 +165,16 @@ class _Bucket(_Folder):
     def fetch_indexes(self, seen: dict) -> None:
         s3.sync_down(self.url, self.local, lambda rel: _INDEX.fullmatch(rel) is not None)
 
-    def fetch_references(self) -> None:
+    def fetch_references(self, units=()) -> None:
+        """The references mirrored; and the sidecar of each unit in `units` (those with a store index) that the
+        listing did not show is looked for by a HEAD: a briefly stale listing must not hide what a unit's own
+        entries are referenced by."""
         s3.sync_down(self.url, self.local, lambda rel: _REFS.fullmatch(rel) is not None)
+        for c, u in sorted(set(units)):
+            rel = f"latents/{c}/{u}.parquet"
+            if not (self.local / rel).exists() and s3.head(self.url / rel) is not None:
+                (self.local / rel).parent.mkdir(parents=True, exist_ok=True)
+                s3.download(self.url / rel, self.local / rel)
 
     def remove(self, rel: str, ident) -> bool:
         try:
@@ -234,7 +242,7 @@ def collect(root) -> dict:
         except FileNotFoundError:  # removed since listed (a failed unit's): nothing of it to collect
             continue
     running |= store.running(map(_unit, seen))  # after the indexes were read: see 1. above
-    store.fetch_references()
+    store.fetch_references(_unit(t[1]) for t in tables)
     refs = references(store.local)
     garbage, live, listed = [], 0, set()
     for kind, index, t in tables:

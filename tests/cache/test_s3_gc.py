@@ -116,3 +116,24 @@ def test_gc_on_s3_lists_then_deletes_orphans_and_aborts_a_dead_units_uploads(
         assert gc(s3_root, delete=True)["entries"] == 2  # unit 0's two: they share a shard with a live entry
     finally:
         live.release()
+
+
+def test_gc_on_s3_never_takes_a_stale_listing_for_the_truth(s3_server, s3_proxy, tmp_path, monkeypatch):
+    """The listing leaves out unit 0's sidecar (tests/s3_local.py: 'stale'): its referenced entry stays live (the
+    sidecar of a unit with a store index is looked for by a HEAD), so gc --delete keeps unit 0's shard."""
+    from reelcache.cache.gc import gc
+
+    monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "mirror"))
+    local = tmp_path / "local"
+    layout(local)
+    root = s3_proxy.root
+    u = s3.parse(root)
+    c = s3_server.client()
+    for p in sorted(local.rglob("*")):
+        if p.is_file():
+            c.put_object(Bucket=u.bucket, Key=f"{u.key}/{p.relative_to(local).as_posix()}", Body=p.read_bytes())
+    listing = lambda m, p: m == "GET" and "list-type=2" in p  # noqa: E731
+    stale = s3_proxy.add("stale", listing, times=1000, hide=lambda key: key.endswith("/latents/t/000000.parquet"))
+    got = gc(root, delete=True)
+    assert stale.hits and got["entries"] == gc(local)["entries"] == 4
+    assert "store/video/t/000000-p-00.tar" in keys(s3_server, root)
