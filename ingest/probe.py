@@ -34,6 +34,10 @@ from reelcache.ingest.filters import Rejected
 from reelcache.media import sample_aspect_ratio, video_stream
 from reelcache.rejects import Reason
 
+# An object in S3 this small is read whole by its probe and its bytes handed back (``probe_data``): its copy into
+# the shard then needs no request of its own.
+WHOLE_BYTES = 1 << 20
+
 # Containers whose sample table gives an exact frame count without reading packets.
 INDEXED_FORMATS = ("mov", "mp4")
 
@@ -118,7 +122,8 @@ def probe_object(url: str, *, max_file_mb: float | None = None, verify: str = "h
     """``probe`` of an object in S3, read by ranged reads of the blocks FFmpeg asks for (base/s3io.py: ``S3File``),
     never downloaded whole. A missing object is the row's ``missing_file`` reject naming it; a store failure
     (after its retries) or a stall is an ``S3Error``: the unit fails, the row is not rejected. The result also
-    holds ``probe_bytes``, the bytes the probe fetched (``take_probe`` moves it out of the row)."""
+    holds ``probe_bytes``, the bytes the probe fetched, and for an object of at most WHOLE_BYTES its bytes,
+    ``probe_data`` (``take_probe`` moves both out of the row)."""
     from reelcache.base import s3
     from reelcache.base.s3io import S3File
 
@@ -140,6 +145,9 @@ def probe_object(url: str, *, max_file_mb: float | None = None, verify: str = "h
         out = _probe_open(container, url, size, verify)
     finally:
         container.close()
+    if size <= WHOLE_BYTES:  # small: the rest read too (one GET at most), handed back for the copy into the shard
+        f.seek(0)
+        out["probe_data"] = f.read()
     out["probe_bytes"] = f.bytes_read
     return out
 

@@ -89,10 +89,16 @@ def run_unit(root: str, unit: str, wait: bool = False) -> dict:
         return _run(unit, cfg, plan, sdir, index, claim, root)
 
 
-def take_probe(row: dict, probed: dict, read: dict | None = None) -> None:
+def take_probe(row: dict, probed: dict, read: dict | None = None, held: dict | None = None) -> None:
     """The probe's fields into the row (the file wins), and what the source table stated otherwise. A probe of an
-    object in S3 says how many bytes it fetched: counted in `read` (the unit's summary), not kept in the row."""
+    object in S3 says how many bytes it fetched: counted in `read` (the unit's summary), not kept in the row; a
+    small object's bytes it read whole are kept in `held` (by clip id) for this row's ``write``, the next step."""
     probed = dict(probed)
+    data = probed.pop("probe_data", None)
+    if held is not None:
+        held.clear()  # a row's bytes are used by its own write, right after, or never (the row was rejected)
+        if data is not None:
+            held[row["clip_id"]] = data
     fetched = probed.pop("probe_bytes", None)
     if fetched is not None and read is not None:
         read["probed"] += 1
@@ -102,13 +108,21 @@ def take_probe(row: dict, probed: dict, read: dict | None = None) -> None:
     row["stated_mismatch"] = mismatch(row, probed)
 
 
-def write(row: dict, *, writer: ShardWriter, sdir: Path, withdrawn: dict[str, str]) -> Reject | None:
+def write(
+    row: dict, *, writer: ShardWriter, sdir: Path, withdrawn: dict[str, str], held: dict | None = None
+) -> Reject | None:
     """A step, the last: hash the video's bytes (a withdrawn one is rejected) and append the clip (video
     bytes, .json meta, .txt caption) to the unit's shard. A source that cannot be read is the clip's
     reject; a failed write (OutputError) fails the unit. The hash reads the file once, and the copy into
     the shard then comes from the page cache."""
     ext = Path(row["path"]).suffix.lower().lstrip(".") or "video"
     if s3.is_url(row["path"]):
+        data = (held or {}).pop(row["clip_id"], None)
+        if data is not None and len(data) == row["file_size"]:  # read whole by its probe: no request
+            row["content_hash"] = hashlib.blake2b(data, digest_size=32).hexdigest()
+            if (td := withdrawn.get(row["content_hash"])) is not None:
+                return Reason.withdrawn, f"the same video was withdrawn by takedown {td}"
+            return _append(row, ext, data, writer=writer, sdir=sdir)
         return _write_object(row, ext, writer=writer, sdir=sdir, withdrawn=withdrawn)
     try:
         row["content_hash"] = content_hash(row["path"], 0, row["file_size"])
@@ -205,15 +219,20 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim, root) -> dic
     limits = {"workers": cfg.workers, "timeout": timeout, "memory_mb": cfg.worker_memory_mb}
     writer = ShardWriter(sdir, f"{index:06d}", int(cfg.shard_mb * 1e6), claim=claim)
     read = {"probed": 0, "bytes": 0, "of": 0}  # probes of objects in S3: bytes fetched, of the objects' sizes
+    held: dict[str, bytes] = {}  # a small object's bytes from its probe, for its write (take_probe)
     done = units.run(
         Unit(
             name=unit,
             rows=rows,
             before=[functools.partial(f, t=cfg.thresholds) for f in ROW_FILTERS],
             work=lambda todo: _probed(isolated_map(fn, [r["path"] for r in todo], **limits)),
-            take=functools.partial(take_probe, read=read),
+            take=functools.partial(take_probe, read=read, held=held),
             steps=[functools.partial(f, t=cfg.thresholds) for f in PROBE_FILTERS]
-            + [functools.partial(write, writer=writer, sdir=sdir, withdrawn=withdrawn_hashes(sdir.parent.parent))],
+            + [
+                functools.partial(
+                    write, writer=writer, sdir=sdir, withdrawn=withdrawn_hashes(sdir.parent.parent), held=held
+                )
+            ],
             writer=writer,
             claim=claim,
             finish=functools.partial(tagged_table, tagger=cfg.tagger),

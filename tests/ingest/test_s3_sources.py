@@ -185,3 +185,30 @@ def test_a_folder_source_in_s3_plans_as_the_local_folder(s3_server, s3_root, dem
         assert [r["path"] for r in t] == [f"{videos}/{r['relpath']}" for r in t]
     assert tables[0] == tables[1] and len(tables[0]) == 3
     assert [r["row_error"] is not None for r in tables[0]] == [False, False, True]
+
+
+def test_a_large_object_is_copied_into_the_shard_by_ranged_reads(s3_server, s3_root, demo_dataset, tmp_path):
+    """An object over the probe's whole-read size (huge_noise.mp4, 15 MB: two 8 MB ranged reads) is copied into the
+    shard byte for byte, its content hash that of the local file (base/shards.py: content_hash), and no temporary
+    is left; the same object gone before the copy is the row's missing_file reject naming it."""
+    from reelcache.base.shards import ShardWriter, content_hash
+    from reelcache.ingest.run import write
+
+    local = demo_dataset / "videos/huge_noise.mp4"
+    url = s3.parse(s3_root) / "big/huge_noise.mp4"
+    s3_server.client().put_object(Bucket=url.bucket, Key=url.key, Body=local.read_bytes())
+    size = local.stat().st_size
+    w = ShardWriter(tmp_path, "000000", 100_000_000)
+    row = {"clip_id": "c0", "path": str(url), "file_size": size, "text": "noise"}
+    assert write(row, writer=w, sdir=tmp_path, withdrawn={}) is None
+    (shard,) = w.close()
+    assert row["content_hash"] == content_hash(local)
+    with tarfile.open(shard) as t:
+        assert t.extractfile("c0.mp4").read() == local.read_bytes()
+    assert not list(tmp_path.glob(".*"))
+    s3_server.client().delete_object(Bucket=url.bucket, Key=url.key)
+    row = {"clip_id": "c1", "path": str(url), "file_size": size, "text": "noise"}
+    assert write(row, writer=ShardWriter(tmp_path, "000001", 100_000_000), sdir=tmp_path, withdrawn={}) == (
+        "missing_file",
+        f"{url}: no such object (deleted since it was probed?)",
+    )
