@@ -221,6 +221,7 @@ bench: install
 	$(BIN)/python bench/bench_ingest.py
 	$(BIN)/python bench/bench_loader.py
 	$(BIN)/python bench/bench_loader_s3.py
+	$(BIN)/python bench/bench_ingest_s3.py
 	$(BIN)/python bench/bench_cache.py
 	$(BIN)/python bench/bench_view.py
 	$(BIN)/python bench/bench_lineage.py

@@ -538,8 +538,9 @@ def mirror_dir(url) -> Path:
 def sync_down(prefix, local: Path, keep, prune: bool = True) -> list[Path]:
     """Mirror the objects under `prefix` whose path below it `keep(rel)` accepts into `local`: an object is
     downloaded when the local copy's size or mtime differ from the object's (its mtime is set to the object's
-    Last-Modified), and (`prune`) a local file `keep` accepts whose object is gone is removed. Returns the local
-    files."""
+    Last-Modified), and (`prune`) a local file `keep` accepts whose object is gone is removed: gone by a HEAD of it,
+    not by its absence from the listing (a listing may be briefly stale: a store behind a cache, an eventually
+    consistent one). Returns the local files."""
     prefix = parse(prefix)
     base = prefix.key.rstrip("/") + "/" if prefix.key else ""
     want = {}
@@ -565,6 +566,9 @@ def sync_down(prefix, local: Path, keep, prune: bool = True) -> list[Path]:
         for p in local.rglob("*"):
             rel = p.relative_to(local).as_posix()
             if p.is_file() and keep(rel) and rel not in want:
+                if head(Url(prefix.bucket, base + rel)) is not None:  # a stale listing left it out: it exists
+                    out.append(p)
+                    continue
                 p.unlink()
     return sorted(out)
 

@@ -208,6 +208,7 @@ class Claim:
             *directory.glob(f".{stem}-*.tar.tmp*"),
             *directory.glob(f"{stem}-*.tar"),
             *directory.glob(f".{stem}.parquet.tmp*"),
+            *directory.glob(f".{stem}-source.*.tmp*"),  # a source object being copied (ingest/run.py)
         ]
         if self.remote is not None:
             remote = self.remote if directory == self.directory else self.where(directory)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from reelcache.args import existing_dir, existing_file
+from reelcache.args import existing_file
 from reelcache.base.s3 import check_root, is_url, root_arg
 
 # cache.plan and cache.run (pyarrow, duckdb, av, torch) are imported by the command that runs them:
@@ -46,8 +46,13 @@ def add_commands(top) -> None:
     cr.add_argument("--wait", action="store_true", help="if another run holds a unit, wait for it instead of exiting")
     cr.set_defaults(fn=_run)
     cg = sub.add_parser("gc", help="list (and with --delete remove) store latents and captions nothing references")
-    cg.add_argument("--root", required=True, type=existing_dir)
-    cg.add_argument("--delete", action="store_true", help="remove them (shards all of whose entries are unreferenced)")
+    cg.add_argument("--root", required=True, type=root_arg, help="a folder, or s3://bucket/prefix (docs/STORAGE.md)")
+    cg.add_argument(
+        "--delete",
+        action="store_true",
+        help="remove them (shards all of whose entries are unreferenced); on S3 also abort the incomplete multipart "
+        "uploads of units that are not running",
+    )
     cg.set_defaults(fn=_gc)
 
 
@@ -73,4 +78,6 @@ def _run(a) -> None:
 def _gc(a) -> None:
     from reelcache.cache.gc import gc
 
+    if is_url(a.root):
+        check_root(a.root, write=a.delete)
     gc(a.root, delete=a.delete)

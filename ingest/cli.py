@@ -54,7 +54,12 @@ def add_commands(top) -> None:
         help="format of the input table",
     )
     pl.add_argument("--meta", type=existing_file, help="the table: OpenVid/MiraData CSV, or a path,text csv/parquet")
-    pl.add_argument("--videos", required=True, type=existing_dir, help="folder that the table's paths are relative to")
+    pl.add_argument(
+        "--videos",
+        required=True,
+        type=_videos_arg,
+        help="folder (or s3://bucket/prefix) that the table's paths are relative to",
+    )
     pl.add_argument("--name", type=_field("source"), help="source name in the catalog (default: the format)")
     pl.add_argument(
         "--caption",
@@ -112,6 +117,11 @@ def add_demo(sub) -> None:
     g.set_defaults(fn=_demo_generate)
 
 
+def _videos_arg(text: str) -> str:
+    """--videos: an existing folder, or a well-formed s3://bucket/prefix (the bucket checked once the command runs)."""
+    return new_root_arg(text) if text.startswith("s3://") else existing_dir(text)
+
+
 def _field(name: str):
     return option(f"reelcache.ingest.plan:IngestConfig.{name}")
 
@@ -143,11 +153,14 @@ def _plan(a) -> None:
     ):
         if getattr(a, k) is not None:
             conf[k] = getattr(a, k)
-    conf.update(source=a.name or a.source, format=a.source, videos=str(Path(a.videos).resolve()), thresholds=thresholds)
+    videos = a.videos.rstrip("/") if is_url(a.videos) else str(Path(a.videos).resolve())
+    conf.update(source=a.name or a.source, format=a.source, videos=videos, thresholds=thresholds)
     if a.meta:
         conf["meta"] = str(Path(a.meta).resolve())
     if is_url(a.root):
         check_root(a.root)  # the bucket, the credentials, conditional writes: one line before any work
+    if is_url(a.videos):
+        check_root(a.videos, write=False)  # the videos' bucket exists and the credentials read it
     units = make_plan(a.root, build(IngestConfig, conf, source=a.config), replace=a.replace)
     sys.stdout.write("".join(u + "\n" for u in units))
 

@@ -23,6 +23,7 @@ Everything wrong with the file is raised as ``Rejected(reason, detail)``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from fractions import Fraction
@@ -32,6 +33,10 @@ import av
 from reelcache.ingest.filters import Rejected
 from reelcache.media import sample_aspect_ratio, video_stream
 from reelcache.rejects import Reason
+
+# An object in S3 this small is read whole by its probe and its bytes handed back (``probe_data``): its copy into
+# the shard then needs no request of its own.
+WHOLE_BYTES = 1 << 20
 
 # Containers whose sample table gives an exact frame count without reading packets.
 INDEXED_FORMATS = ("mov", "mp4")
@@ -51,13 +56,15 @@ def _frame_rate(stream) -> Fraction | None:
     return None
 
 
-def mp4_cut(path: str, size: int) -> str | None:
+def mp4_cut(path, size: int) -> str | None:
     """For an ISO-BMFF file FFmpeg cannot open: say how it was cut short, reading box headers only.
 
     A download or copy that stopped early leaves a top-level box (usually mdat) that claims to
     run past the end of the file, and, when the index was to be written last, no moov box.
+    `path`: a file's path, or an open seekable file (an object in S3: ``S3File``).
     """
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, str | os.PathLike) else contextlib.nullcontext(path) as f:
+        f.seek(0)
         head = f.read(8)
         if len(head) < 8 or head[4:8] != b"ftyp":
             return None
@@ -83,7 +90,10 @@ def mp4_cut(path: str, size: int) -> str | None:
 
 
 def probe(path: str, *, max_file_mb: float | None = None, verify: str = "header") -> dict:
-    """Return the probe columns of `clips` for `path`, or raise Rejected."""
+    """Return the probe columns of `clips` for `path`, or raise Rejected. `path` may be an object in S3
+    (``s3://``): ``probe_object``."""
+    if path.startswith("s3://"):
+        return probe_object(path, max_file_mb=max_file_mb, verify=verify)
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -106,6 +116,40 @@ def probe(path: str, *, max_file_mb: float | None = None, verify: str = "header"
         return _probe_open(container, path, st.st_size, verify)
     finally:
         container.close()
+
+
+def probe_object(url: str, *, max_file_mb: float | None = None, verify: str = "header") -> dict:
+    """``probe`` of an object in S3, read by ranged reads of the blocks FFmpeg asks for (base/s3io.py: ``S3File``),
+    never downloaded whole. A missing object is the row's ``missing_file`` reject naming it; a store failure
+    (after its retries) or a stall is an ``S3Error``: the unit fails, the row is not rejected. The result also
+    holds ``probe_bytes``, the bytes the probe fetched, and for an object of at most WHOLE_BYTES its bytes,
+    ``probe_data`` (``take_probe`` moves both out of the row)."""
+    from reelcache.base import s3
+    from reelcache.base.s3io import S3File
+
+    h = s3.head(url)
+    if h is None:
+        raise Rejected(Reason.missing_file, f"{url} does not exist")  # as a local file's
+    size = int(h["ContentLength"])
+    if size == 0:
+        raise Rejected(Reason.empty_file, "0 bytes")
+    if max_file_mb is not None and size > max_file_mb * 1e6:
+        raise Rejected(Reason.too_large, f"{size / 1e6:.1f} MB > --max-file-mb {max_file_mb:g}")
+    f = S3File(url, size)
+    try:
+        container = av.open(f, metadata_errors="ignore")
+    except av.error.FFmpegError as e:
+        cut = mp4_cut(f, size)
+        raise Rejected(Reason.truncated if cut else Reason.undecodable, cut or f"cannot open: {e}") from None
+    try:
+        out = _probe_open(container, url, size, verify)
+    finally:
+        container.close()
+    if size <= WHOLE_BYTES:  # small: the rest read too (one GET at most), handed back for the copy into the shard
+        f.seek(0)
+        out["probe_data"] = f.read()
+    out["probe_bytes"] = f.bytes_read
+    return out
 
 
 def _probe_open(container, path: str, size: int, verify: str) -> dict:

@@ -20,16 +20,19 @@ the sidecar (reelcache/files.py: OutputError) fails the unit with no sidecar and
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import os
 from pathlib import Path
 
 from reelcache import UserError
 from reelcache.base import s3, units
-from reelcache.base.shards import ShardWriter, ShortRead, SourceError, content_hash
+from reelcache.base.shards import ShardWriter, ShortRead, SourceError, _write_all, content_hash
 from reelcache.base.units import Reject, Unit, claimed, parse_unit, unit_rows
 from reelcache.catalog.db import clips_table
 from reelcache.catalog.levels import count_nouns, tagger_name
 from reelcache.catalog.withdrawn import withdrawn_hashes
+from reelcache.files import OutputError, tmp_name
 from reelcache.ingest.filters import PROBE_FILTERS, ROW_FILTERS
 from reelcache.ingest.plan import finished_units, load_plan, remote_dir, source_dir
 from reelcache.ingest.probe import probe
@@ -86,18 +89,41 @@ def run_unit(root: str, unit: str, wait: bool = False) -> dict:
         return _run(unit, cfg, plan, sdir, index, claim, root)
 
 
-def take_probe(row: dict, probed: dict) -> None:
-    """The probe's fields into the row (the file wins), and what the source table stated otherwise."""
+def take_probe(row: dict, probed: dict, read: dict | None = None, held: dict | None = None) -> None:
+    """The probe's fields into the row (the file wins), and what the source table stated otherwise. A probe of an
+    object in S3 says how many bytes it fetched: counted in `read` (the unit's summary), not kept in the row; a
+    small object's bytes it read whole are kept in `held` (by clip id) for this row's ``write``, the next step."""
+    probed = dict(probed)
+    data = probed.pop("probe_data", None)
+    if held is not None:
+        held.clear()  # a row's bytes are used by its own write, right after, or never (the row was rejected)
+        if data is not None:
+            held[row["clip_id"]] = data
+    fetched = probed.pop("probe_bytes", None)
+    if fetched is not None and read is not None:
+        read["probed"] += 1
+        read["bytes"] += fetched
+        read["of"] += probed["file_size"]
     row.update(probed)
     row["stated_mismatch"] = mismatch(row, probed)
 
 
-def write(row: dict, *, writer: ShardWriter, sdir: Path, withdrawn: dict[str, str]) -> Reject | None:
+def write(
+    row: dict, *, writer: ShardWriter, sdir: Path, withdrawn: dict[str, str], held: dict | None = None
+) -> Reject | None:
     """A step, the last: hash the video's bytes (a withdrawn one is rejected) and append the clip (video
     bytes, .json meta, .txt caption) to the unit's shard. A source that cannot be read is the clip's
     reject; a failed write (OutputError) fails the unit. The hash reads the file once, and the copy into
     the shard then comes from the page cache."""
     ext = Path(row["path"]).suffix.lower().lstrip(".") or "video"
+    if s3.is_url(row["path"]):
+        data = (held or {}).pop(row["clip_id"], None)
+        if data is not None and len(data) == row["file_size"]:  # read whole by its probe: no request
+            row["content_hash"] = hashlib.blake2b(data, digest_size=32).hexdigest()
+            if (td := withdrawn.get(row["content_hash"])) is not None:
+                return Reason.withdrawn, f"the same video was withdrawn by takedown {td}"
+            return _append(row, ext, data, writer=writer, sdir=sdir)
+        return _write_object(row, ext, writer=writer, sdir=sdir, withdrawn=withdrawn)
     try:
         row["content_hash"] = content_hash(row["path"], 0, row["file_size"])
     except ShortRead as e:
@@ -106,12 +132,16 @@ def write(row: dict, *, writer: ShardWriter, sdir: Path, withdrawn: dict[str, st
         return Reason.missing_file, f"cannot read for hashing: {e}"
     if (td := withdrawn.get(row["content_hash"])) is not None:
         return Reason.withdrawn, f"the same video was withdrawn by takedown {td}"
+    return _append(row, ext, row["path"], writer=writer, sdir=sdir)
+
+
+def _append(row: dict, ext: str, video, *, writer: ShardWriter, sdir: Path) -> Reject | None:
     meta = {k: v for k, v in row.items() if k not in _NOT_IN_JSON and v is not None}
     try:
         name, offsets = writer.write_sample(
             row["clip_id"],
             [
-                (ext, row["path"], row["file_size"]),
+                (ext, video, row["file_size"]),
                 ("json", json.dumps(meta, sort_keys=True).encode(), None),
                 ("txt", (row["text"] or "").encode(), None),
             ],
@@ -122,6 +152,51 @@ def write(row: dict, *, writer: ShardWriter, sdir: Path, withdrawn: dict[str, st
         return Reason.missing_file, f"cannot read for sharding: {e}"
     row.update(shard=f"raw/{sdir.name}/{name}", shard_offset=offsets[ext], ext=ext)
     return None
+
+
+FETCH_BYTES = 8 * 1024 * 1024  # an object is copied into the shard in ranged reads of this size
+
+
+def _write_object(row: dict, ext: str, *, writer: ShardWriter, sdir: Path, withdrawn: dict) -> Reject | None:
+    """``write`` of a source video in S3: its bytes streamed by ranged reads of FETCH_BYTES (each exact, base/s3.py:
+    ``get_range``) into a local temporary file beside the staged shard, hashed on the way; a withdrawn one is
+    rejected; then appended to the shard as a local file is, and the temporary removed. The object gone or
+    resized since it was probed is the row's reject naming it; a store failure after its retries (ours, not the
+    row's) fails the unit."""
+    url, size = row["path"], row["file_size"]
+    h = s3.head(url)
+    if h is None:
+        return Reason.missing_file, f"{url}: no such object (deleted since it was probed?)"
+    if int(h["ContentLength"]) != size:
+        return Reason.truncated, f"{url}: {h['ContentLength']} bytes, {size} when probed; object changed during ingest"
+    tmp = tmp_name(sdir / f"{writer.stem}-source.{ext}")  # a killed run's is removed by its rerun (Claim.clear)
+    try:
+        digest = hashlib.blake2b(digest_size=32)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise OutputError(tmp, e) from e
+        try:
+            for start in range(0, size, FETCH_BYTES):
+                try:
+                    chunk = s3.get_range(url, start, min(FETCH_BYTES, size - start))
+                except s3.S3Error:
+                    if s3.head(url) is None:
+                        return Reason.missing_file, f"{url}: no such object (deleted while it was copied)"
+                    raise
+                digest.update(chunk)
+                try:
+                    _write_all(fd, chunk)
+                except OSError as e:
+                    raise OutputError(tmp, e) from e
+        finally:
+            os.close(fd)
+        row["content_hash"] = digest.hexdigest()
+        if (td := withdrawn.get(row["content_hash"])) is not None:
+            return Reason.withdrawn, f"the same video was withdrawn by takedown {td}"
+        return _append(row, ext, tmp, writer=writer, sdir=sdir)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def tagged_table(rows: list[dict], tagger: str):
@@ -143,15 +218,21 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim, root) -> dic
     timeout = cfg.decode_timeout if cfg.verify == "decode" else cfg.probe_timeout
     limits = {"workers": cfg.workers, "timeout": timeout, "memory_mb": cfg.worker_memory_mb}
     writer = ShardWriter(sdir, f"{index:06d}", int(cfg.shard_mb * 1e6), claim=claim)
+    read = {"probed": 0, "bytes": 0, "of": 0}  # probes of objects in S3: bytes fetched, of the objects' sizes
+    held: dict[str, bytes] = {}  # a small object's bytes from its probe, for its write (take_probe)
     done = units.run(
         Unit(
             name=unit,
             rows=rows,
             before=[functools.partial(f, t=cfg.thresholds) for f in ROW_FILTERS],
-            work=lambda todo: isolated_map(fn, [r["path"] for r in todo], **limits),
-            take=take_probe,
+            work=lambda todo: _probed(isolated_map(fn, [r["path"] for r in todo], **limits)),
+            take=functools.partial(take_probe, read=read, held=held),
             steps=[functools.partial(f, t=cfg.thresholds) for f in PROBE_FILTERS]
-            + [functools.partial(write, writer=writer, sdir=sdir, withdrawn=withdrawn_hashes(sdir.parent.parent))],
+            + [
+                functools.partial(
+                    write, writer=writer, sdir=sdir, withdrawn=withdrawn_hashes(sdir.parent.parent), held=held
+                )
+            ],
             writer=writer,
             claim=claim,
             finish=functools.partial(tagged_table, tagger=cfg.tagger),
@@ -168,7 +249,13 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim, root) -> dic
         + (f" ({', '.join(f'{k} {v}' for k, v in reasons.most_common())})" if reasons else "")
         + f"; {len(writer.finished)} shard(s), {nbytes / 1e6:.1f} MB in {dt:.1f} s "
         f"({len(rows) / dt:.0f} rows/s, {nbytes / 1e6 / dt:.1f} MB/s); "
-        f"{len(finished_units(root, sdir.name))} of {plan['num_units']} units of {sdir.name} done"
+        + (
+            f"probes of {read['probed']} objects in S3 read {read['bytes'] / 1e6:.1f} MB of their "
+            f"{read['of'] / 1e6:.1f} MB; "
+            if read["probed"]
+            else ""
+        )
+        + f"{len(finished_units(root, sdir.name))} of {plan['num_units']} units of {sdir.name} done"
     )
     return {
         "unit": unit,
@@ -178,4 +265,17 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim, root) -> dic
         "shards": [p.name for p in writer.finished],
         "bytes": nbytes,
         "seconds": dt,
+        "probe_bytes": read["bytes"],
     }
+
+
+def _probed(results):
+    """The isolated probes' results, in order; a store failure of a probe of an object in S3 (after its retries,
+    or a stall) is not the row's reject: it fails the unit (the probe of a missing object is the row's reject)."""
+    try:
+        for item, res in results:
+            if isinstance(res, s3.S3Error):
+                raise res
+            yield item, res
+    finally:
+        results.close()  # the workers stopped now, not when the generator is collected

@@ -222,8 +222,35 @@ def _read_parquet(kind: str, meta: Path):
     return table
 
 
-def _records(kind: str, meta: Path | None, videos: Path):
-    """Yield (fields dict | None, row_error) per input row."""
+def _object_records(videos: str):
+    """The ``folder`` format over a prefix in S3: every video object under it (listed, paginated), its caption
+    the ``.txt`` object beside it."""
+    from reelcache.base import s3
+
+    base = s3.parse(videos)
+    keys = {o["Key"] for o in s3.list_objects(f"{base}/")}
+    top = base.key.rstrip("/") + "/" if base.key else ""
+    for key in sorted(keys):
+        stem, dot, ext = key.rpartition(".")
+        if not dot or f".{ext.lower()}" not in VIDEO_EXTENSIONS:
+            continue
+        txt, err, text = f"{stem}.txt", None, ""
+        if txt in keys:
+            try:
+                text = s3.get(s3.Url(base.bucket, txt)).decode("utf-8-sig").strip()
+            except UnicodeDecodeError as e:
+                text, err = (
+                    None,
+                    f"caption file {txt.rsplit('/', 1)[-1]} is not UTF-8 (byte {e.object[e.start]:#04x} at {e.start})",
+                )
+        yield {"path": key[len(top) :], "text": text}, err
+
+
+def _records(kind: str, meta: Path | None, videos):
+    """Yield (fields dict | None, row_error) per input row. `videos`: a folder, or a prefix in S3 (a str)."""
+    if kind == "folder" and isinstance(videos, str):
+        yield from _object_records(videos)
+        return
     if kind == "folder":
         if not videos.is_dir():
             raise UserError(f"--videos {videos} is not a directory")
@@ -266,7 +293,9 @@ def read_source(kind: str, source: str, meta: str | None, videos: str, caption: 
         caption = caption if caption.endswith("_caption") else f"{caption}_caption"
         if caption not in MIRADATA_CAPTIONS:
             raise UserError(f"--caption {caption!r} is not a MiraData caption column")
-    videos_dir = Path(videos).resolve()
+    # --videos: a folder, or a prefix in S3 (``s3://bucket/prefix``: the paths are objects, docs/STORAGE.md)
+    remote = videos.rstrip("/") if videos.startswith("s3://") else None
+    videos_dir = remote or Path(videos).resolve()
 
     seen: dict[str, tuple[int, int]] = {}
     out = []
@@ -276,9 +305,9 @@ def read_source(kind: str, source: str, meta: str | None, videos: str, caption: 
         r = _normalize(kind, rec, caption)
         r["row"] = i
         r["row_error"] = err
-        rel = os.path.normpath(r["relpath"]) if r.get("relpath") else None
+        rel = _relpath(r.get("relpath"))
         r["relpath"] = rel
-        r["path"] = str(videos_dir / rel) if rel else None
+        r["path"] = _path(videos_dir, rel)
         if rel and not err:
             first, n = seen.get(rel, (i, 0))
             seen[rel] = (first, n + 1)
@@ -290,6 +319,27 @@ def read_source(kind: str, source: str, meta: str | None, videos: str, caption: 
         out.append(r)
     schema = input_schema()
     return pa.Table.from_pylist(out, schema=schema)
+
+
+def _relpath(rel: str | None) -> str | None:
+    """A table's path, normalised: a relative or absolute path, or an object's URL (``s3://bucket/key``)."""
+    if not rel:
+        return None
+    if rel.startswith("s3://"):
+        bucket, _, key = rel[5:].partition("/")
+        return f"s3://{bucket}/{os.path.normpath(key)}"
+    return os.path.normpath(rel)
+
+
+def _path(videos, rel: str | None) -> str | None:
+    """Where a table's path points: an s3:// URL as it is, else under `videos` (a folder or an s3:// prefix)."""
+    if not rel:
+        return None
+    if rel.startswith("s3://"):
+        return rel
+    if isinstance(videos, str):
+        return f"{videos}/{rel.lstrip('/')}"
+    return str(videos / rel)
 
 
 def input_schema():

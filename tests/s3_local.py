@@ -247,7 +247,9 @@ class Fault:
     is set, then forwarded: an upload cut off before the server has it, as when its process is killed, or a
     run frozen at that request), 'accept' (200 OK and
     an ETag, not forwarded: a store that ignores a PUT's condition, which the proxy cannot strip, since the
-    client signed it)."""
+    client signed it), 'stale' (a listing, ListObjectsV2, answered as the server answers it less the objects whose
+    key `hide` accepts: a listing taken before they were written, as a store behind a cache or an eventually
+    consistent one may give for a while)."""
 
     kind: str
     match: Callable[[str, str], bool] = lambda method, path: True
@@ -256,6 +258,7 @@ class Fault:
     stall_s: float = 60.0
     hits: int = 0
     release: threading.Event = field(default_factory=threading.Event)  # 'hold': forward the request once set
+    hide: Callable[[str], bool] = lambda key: False  # 'stale': the keys a listing leaves out
 
 
 class FaultProxy:
@@ -360,6 +363,10 @@ class FaultProxy:
                 if resp.will_close:
                     up.close()
                     up = None
+                if f is not None and f.kind == "stale":
+                    data = _unlist(data, f.hide)
+                    length = len(data)
+                    out = out.rsplit("Content-Length:", 1)[0] + f"Content-Length: {length}\r\n\r\n"
                 if f is not None and f.kind == "lost":
                     _reset(c)
                     return
@@ -419,6 +426,25 @@ def _read_body(rf, head: bytes) -> bytes:
                         return out
             out += rf.read(n + 2)
     return b""
+
+
+def _unlist(data: bytes, hide) -> bytes:
+    """A ListObjectsV2 body less the <Contents> entries whose <Key> `hide` accepts (KeyCount adjusted)."""
+    import re
+    from xml.sax.saxutils import unescape
+
+    dropped = 0
+
+    def drop(m):
+        nonlocal dropped
+        key = re.search(rb"<Key>(.*?)</Key>", m[0])
+        if key and hide(unescape(key[1].decode())):
+            dropped += 1
+            return b""
+        return m[0]
+
+    data = re.sub(rb"<Contents>.*?</Contents>", drop, data, flags=re.S)
+    return re.sub(rb"<KeyCount>(\d+)</KeyCount>", lambda m: b"<KeyCount>%d</KeyCount>" % (int(m[1]) - dropped), data)
 
 
 def _send_error(c: socket.socket, f: Fault) -> None:

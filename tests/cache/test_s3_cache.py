@@ -184,3 +184,43 @@ def test_a_bucket_that_does_not_exist_is_one_line_before_any_work(s3_server, s3_
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "s3://no-such-bucket-x: no such bucket" in err[0], (args, err)
     assert not mirror.exists()  # no work was done
+
+
+@pytest.mark.slow  # two cache runs over the demo
+def test_a_stall_fails_the_unit_cleanly_and_its_rerun_through_500s_and_short_bodies_is_equal(
+    s3_server, s3_proxy, mirror, ingested, reference, tmp_path, monkeypatch, capsys
+):
+    """A raw clip's ranged read stalls past REELCACHE_S3_STALL_S: the unit fails in one line naming the raw shard's
+    object and publishes nothing (no sidecar, no store object, no upload left, its lease released). Its rerun meets
+    a 500 and a body cut short on raw reads and a 500 on its video store shard's PUT, and ends equal to the
+    reference."""
+    import re
+
+    root = s3_proxy.root
+    unit = s3_cache_root(s3_server, root, ingested, tmp_path)
+    raw = lambda m, p: m == "GET" and "/raw/openvid/" in p and p.endswith(".tar")  # noqa: E731
+    monkeypatch.setenv("REELCACHE_S3_STALL_S", "2")
+    s3.forget_clients()
+    stall = s3_proxy.add("stall", raw, stall_s=30)
+    capsys.readouterr()
+    assert main(["cache", "run", "--root", root, unit]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]
+    assert stall.hits == 1 and len(err) == 1, err
+    assert re.search(rf"reading {re.escape(root)}/raw/openvid/\d+-00\.tar: no byte for 2 s", err[0]), err
+    s3_proxy.clear()
+    left = [o["Key"].split("/root/", 1)[1] for o in s3.list_objects(f"{root}/")]
+    assert not [k for k in left if k.startswith("store/") or k.startswith("latents/t/000000.")], left
+    u = s3.parse(root)
+    ups = s3_server.client().list_multipart_uploads(Bucket=u.bucket).get("Uploads", [])
+    assert not [x for x in ups if x["Key"].startswith(u.key + "/")]
+    monkeypatch.delenv("REELCACHE_S3_STALL_S")
+    s3.forget_clients()
+    faults = [
+        s3_proxy.add("error500", raw),
+        s3_proxy.add("short", raw),
+        s3_proxy.add("error500", lambda m, p: m == "PUT" and "/store/video/t/000000-" in p),
+    ]
+    assert main(["cache", "run", "--root", root, unit]) == 0
+    assert [f.hits for f in faults] == [1, 1, 1]
+    s3_proxy.clear()
+    assert_same_cache(s3_server, root, reference)
