@@ -64,7 +64,13 @@ def pytest_xdist_make_scheduler(config, log):
 
 # The longest groups first, so that xdist's workers start on them (it hands groups out in collection
 # order): the system group alone is about 12 of the suite's minutes on 2 cores, the critical path.
-LONGEST_FIRST = ("system", "tests/cache/test_run.py", "tests/train/test_train.py", "tests/train/test_zero.py")
+LONGEST_FIRST = (
+    "system",
+    "s3",  # every test_s3*.py: 66 tests, ~3 CPU-min, one worker
+    "tests/cache/test_run.py",
+    "tests/train/test_train.py",
+    "tests/train/test_zero.py",
+)
 
 
 def pytest_collection_modifyitems(items):
