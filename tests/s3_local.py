@@ -8,6 +8,10 @@ client and it.
 
     .venv/bin/python tests/s3_local.py up [DIR]   # by hand: prints the `export AWS_...` lines; Ctrl-C stops it
 
+On a namespace node (AWS_* set), a test's own plain boto3 reader and writer: ``download S3URL DIR`` (every object
+under the prefix, its keys printed) and ``upload LOCAL S3URL [LOCAL S3URL ...]`` (a file as one object, a folder
+as one object a file under the prefix).
+
 The server: ``weed server`` with master, volume, filer and S3 gateway on free loopback ports, in one temporary
 directory, with an identity (``s3.json``: access key ``reelcache-test`` and its secret), so that wrong
 credentials are refused as on a real store. It answers in about 3 s. It ignores SIGTERM for over 20 s (it
@@ -214,6 +218,22 @@ def download_tree(c, url: str, local: Path) -> list[str]:
             c.download_file(bucket, o["Key"], str(local / rel))
             got.append(rel)
     return sorted(got)
+
+
+def upload_tree(c, local: Path, url: str) -> list[str]:
+    """`local` into S3 by a plain boto3 client `c` (a test's writer, not reelcache's): a file as the object `url`,
+    a folder as one object per file under the prefix `url`; the keys written, sorted."""
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    files = (
+        {key: local}
+        if local.is_file()
+        else {
+            f"{key.rstrip('/')}/{p.relative_to(local).as_posix()}": p for p in sorted(local.rglob("*")) if p.is_file()
+        }
+    )
+    for k, p in files.items():
+        c.upload_file(str(p), bucket, k)
+    return sorted(files)
 
 
 def _client_from_env():
@@ -484,8 +504,14 @@ if __name__ == "__main__":
         _probe(_client_from_env(), sys.argv[3])
     elif len(sys.argv) == 4 and sys.argv[1] == "download":  # a test's copy of a root, made on a node (AWS_* set)
         print("\n".join(download_tree(_client_from_env(), sys.argv[2], Path(sys.argv[3]))))
+    elif len(sys.argv) >= 4 and len(sys.argv) % 2 == 0 and sys.argv[1] == "upload":  # pairs LOCAL S3URL, on a node
+        c = _client_from_env()
+        for local, url in zip(sys.argv[2::2], sys.argv[3::2], strict=True):
+            print("\n".join(upload_tree(c, Path(local), url)))
     else:
-        sys.exit("usage: tests/s3_local.py up [DIR] | probe ENDPOINT BUCKET | download S3URL DIR")
+        sys.exit(
+            "usage: tests/s3_local.py up [DIR] | probe ENDPOINT BUCKET | download S3URL DIR | upload (LOCAL S3URL)..."
+        )
 
 
 def start_until_hit(cmd: list, rule, timeout: float, what: str) -> subprocess.Popen:

