@@ -193,6 +193,26 @@ class LocalS3:
             os.killpg(pgid, signal.SIGKILL)
 
 
+BAD_ROOTS = {"bucket": "no such bucket", "credentials": "refused the credentials", "endpoint": "cannot reach"}
+
+
+def bad_root(what: str, good_root: str, monkeypatch) -> str:
+    """A root in S3 broken one way (a key of BAD_ROOTS, whose value is words its one-line refusal says): a bucket
+    that does not exist, a wrong secret, or an endpoint that refuses connections (the environment changed through
+    `monkeypatch`, the clients made so far dropped)."""
+    from reelcache.base import s3
+
+    root = good_root
+    if what == "bucket":
+        root = "s3://no-such-bucket-x/root"
+    elif what == "credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_ports(1)[0]}")
+    s3.forget_clients()
+    return root
+
+
 def _probe(c, bucket: str) -> None:
     """Raises until the server takes writes: a throwaway bucket made, written and removed; `bucket` made."""
     probe = f"reelcache-up-{secrets.token_hex(3)}"

@@ -161,21 +161,13 @@ def test_a_shard_that_cannot_be_uploaded_fails_the_unit_cleanly(
 
 @pytest.mark.parametrize("what", ["bucket", "credentials", "endpoint"])
 def test_a_bad_root_is_one_line_before_any_work(s3_server, s3_root, mirror, demo_dataset, monkeypatch, capsys, what):
-    from s3_local import free_ports
+    from s3_local import BAD_ROOTS, bad_root
 
-    root = s3_root
-    if what == "bucket":
-        root = "s3://no-such-bucket-x/root"
-    elif what == "credentials":
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    else:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_ports(1)[0]}")
-    s3.forget_clients()
+    root, expect = bad_root(what, s3_root, monkeypatch), BAD_ROOTS[what]
     capsys.readouterr()
     args = ["--source", "openvid", "--meta", str(demo_dataset / "OpenVid-demo.csv"), "--videos", str(demo_dataset)]
     assert main(["ingest", "plan", "--root", root, *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    expect = {"bucket": "no such bucket", "credentials": "refused the credentials", "endpoint": "cannot reach"}[what]
     assert len(err) == 1 and expect in err[0], err
     assert not mirror.exists() or not list(mirror.rglob("*.parquet"))  # no work was done
     assert main(["catalog", "merge", "--root", root]) == 2

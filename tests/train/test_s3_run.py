@@ -240,22 +240,14 @@ def test_s3_root_train_and_eval_refuse_a_bad_store_in_one_line_before_any_work(
 ):
     """A missing bucket, wrong credentials, an endpoint refusing connections: `train` and `eval once` on
     `--root s3://` say it in one line and exit 2; nothing is written in the mirror."""
-    from s3_local import free_ports
+    from s3_local import BAD_ROOTS, bad_root
     from support import CONFIG
 
     from reelcache.cli import main
 
     mirror = tmp_path / "mirror"
     monkeypatch.setenv("REELCACHE_S3_MIRROR", str(mirror))
-    root = s3_root
-    if what == "bucket":
-        root = "s3://no-such-bucket-x/root"
-    elif what == "credentials":
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    else:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_ports(1)[0]}")
-    s3.forget_clients()
-    expect = {"bucket": "no such bucket", "credentials": "refused the credentials", "endpoint": "cannot reach"}[what]
+    root, expect = bad_root(what, s3_root, monkeypatch), BAD_ROOTS[what]
     capsys.readouterr()
     for argv in (
         ["train", str(CONFIG), "--root", root, "--log.wandb_mode=disabled"],
