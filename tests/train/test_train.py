@@ -364,15 +364,26 @@ def test_requeued_run_resumes_prunes_logs_one_wandb_run_and_clips_at_1(root):
     assert [row["train/loss"] for h in logged for row in h] == [rows[s]["loss"] for s in range(5)]
 
 
-@pytest.mark.parametrize("plugin,dtypes", [("ddp", ["fp32"]), ("zero2", ["fp32", "bf16"])])
-def test_step_gradient_and_clipped_step_match_plain_torch(root, plugin, dtypes):
+GRAD_CHECKS = {"ddp": ["fp32"], "zero2": ["fp32", "bf16"]}  # each plugin's working dtypes
+
+
+@pytest.fixture(scope="module")
+def grad_cases(root) -> list[dict]:
+    """tests/grad_check.py's cases, every plugin and dtype of GRAD_CHECKS in one 2-rank launch."""
+    r, manifest = root
+    words = [w for plugin, dtypes in GRAD_CHECKS.items() for w in (plugin, *dtypes)]
+    return json_lines(train(r, [str(manifest), *words], nproc=2, entry=["tests/grad_check.py"]))
+
+
+@pytest.mark.parametrize("plugin", list(GRAD_CHECKS))
+def test_step_gradient_and_clipped_step_match_plain_torch(grad_cases, plugin):
     """2 ranks with different buckets, then with a padding rank, both loss reductions: the gradient
     (under ZeRO, gathered from ZeRO's grad store) equals plain single-process autograd of the
     configured mean over the real samples only; two steps at ~100x parallel.grad_clip move the fp32
     masters as torch's AdamW after clip_grad_norm_ does, and far from where the unclipped ones go."""
-    r, manifest = root
-    out = train(r, [str(manifest), plugin, *dtypes], nproc=2, entry=["tests/grad_check.py"])
-    cases = json_lines(out)
+    dtypes = GRAD_CHECKS[plugin]
+    assert {c["plugin"] for c in grad_cases} == set(GRAD_CHECKS)
+    cases = [c for c in grad_cases if c["plugin"] == plugin]
     assert {(c["dtype"], c["case"], c.get("reduction")) for c in cases} == {
         (d, case, red) for d in dtypes for case in ("two buckets", "padding rank") for red in ("sample", "rank")
     } | {(d, "clipping", None) for d in dtypes}
