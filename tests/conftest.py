@@ -87,10 +87,13 @@ def pytest_collection_modifyitems(items):
 # Real-time scheduling, kept out of the suite. An xdist worker was found under SCHED_FIFO 99 (in a 3-worker
 # run of this session, and Chromium's processes in an earlier one), and so was every process it started after
 # (the viewer, GNU parallel, ssh): spinning there, they starved the 2-core machine (load 33, tests failing on
-# their timers). Nothing in reelcache asks for it, and what did is not known yet. So every process of this
-# test session (marked by REELCACHE_TEST_SESSION in its environment, which children inherit) that turns up
-# under a real-time policy is moved back to SCHED_OTHER within a second, and named in a warning of the
-# session's summary and in $TMPDIR/reelcache-tests-realtime.log.
+# their timers). What did: SVT-AV1, the demo's AV1 encoder, which run as root puts the thread that opens it
+# under SCHED_FIFO 99 for good (every worker that wrote the demo or a probe test's clips); ingest/demo.py's
+# write_clip now puts it back (tests/ingest/test_demo_scheduling.py). Against anything else that does it (as
+# Chromium did, tests/view/conftest.py), every process of this test session (marked by REELCACHE_TEST_SESSION
+# in its environment, which children inherit) that turns up under a real-time policy is moved back to
+# SCHED_OTHER within a second, and named in a warning of the session's summary and in
+# $TMPDIR/reelcache-tests-realtime.log.
 SESSION_MARK = "REELCACHE_TEST_SESSION"
 os.environ.setdefault(SESSION_MARK, f"{os.getpid()}-{time.time_ns()}")
 REALTIME_LOG = Path(tempfile.gettempdir()) / "reelcache-tests-realtime.log"
