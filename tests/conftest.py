@@ -150,20 +150,22 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def demo_dataset(tmp_path_factory) -> Path:
+    """The generated OpenVid-format dataset, one for the session (tests only read it)."""
+    from support import built_once
+
     from reelcache.ingest.demo import generate
 
-    out = tmp_path_factory.mktemp("demo")
-    generate(out, n=18, seed=1, workers=2)
-    return out
+    return built_once(tmp_path_factory, "demo", lambda out: generate(out, n=18, seed=1, workers=2))
 
 
 @pytest.fixture(scope="session")
 def ingested(demo_dataset, tmp_path_factory) -> Path:
-    from support import ingest
+    """The dataset ingested (built once for the session): this worker's copy."""
+    from support import built_once, ingest, private_copy
 
-    root = tmp_path_factory.mktemp("root")
-    ingest(root, demo_dataset)
-    return root
+    return private_copy(
+        tmp_path_factory, built_once(tmp_path_factory, "root", lambda r: ingest(r, demo_dataset)), "root"
+    )
 
 
 @pytest.fixture()

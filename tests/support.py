@@ -152,6 +152,40 @@ def record(run: Path, rank: int, pid: int, host: str, stacks: Path | None = None
     return rec
 
 
+# --- what the session builds once -----------------------------------------------------------
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """`build(folder)` run once for the whole session, by whichever xdist worker asks first (the others wait for
+    it on a lock), in a folder of the session's temporary directory that every worker sees; that folder. The
+    suite's session fixtures (a generated dataset, its ingest, the eval tests' trained run) cost each worker
+    that builds them 10-40 CPU-s, and the suite is CPU-bound. Callers that may write give each test file's
+    worker a copy (`private_copy`), so what a worker changes stays its own, as when each built its own."""
+    import fcntl
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: <session>/popen-gw<N>
+    out = shared / f"built-{name}"
+    with open(shared / f"built-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not (shared / f"built-{name}.done").exists():
+            shutil.rmtree(out, ignore_errors=True)  # a builder that failed half-way
+            out.mkdir()
+            build(out)
+            (shared / f"built-{name}.done").touch()
+    return out
+
+
+def private_copy(tmp_path_factory, built: Path, name: str) -> Path:
+    """A copy of what `built_once` built, in a new folder of this worker's temporary directory."""
+    import shutil
+
+    dst = tmp_path_factory.mktemp(name) / built.name.removeprefix("built-")
+    shutil.copytree(built, dst, symlinks=True)
+    return dst
+
+
 # --- ingest and the catalog -------------------------------------------------------------------
 
 
