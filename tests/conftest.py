@@ -168,6 +168,22 @@ def ingested(demo_dataset, tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory) -> Path:
+    """runs/whole, support.WHOLE's uninterrupted 2-rank DDP run, in a root of its own holding
+    write_latents(root, 24, name="train"): trained once for the session (~24 CPU-s), read only. A test
+    that compares its own root's runs with it checks first that both roots hold the same data
+    (support.same_data)."""
+    from latent_data import write_latents
+    from support import PLUGINS, WHOLE, built_once, data_args, train
+
+    def build(r: Path) -> None:
+        manifest = write_latents(r, 24, name="train")
+        train(r, data_args(manifest, *WHOLE, *PLUGINS["ddp"], "--run.name=whole"), nproc=2)
+
+    return built_once(tmp_path_factory, "ddp-reference", build) / "runs/whole"
+
+
 @pytest.fixture()
 def fresh_root(ingested, tmp_path) -> Path:
     """A private copy of the ingested root that a test may change."""
