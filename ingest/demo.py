@@ -135,6 +135,7 @@ def write_clip(path: Path, spec: ClipSpec) -> int:
     movflags = "+".join(
         f for f, on in (("faststart", spec.faststart), ("frag_keyframe+empty_moov", spec.fragmented)) if on
     )
+    sched = os.sched_getscheduler(0), os.sched_getparam(0)
     out = av.open(str(path), "w", options={"movflags": movflags} if movflags else None)
     try:
         vs = out.add_stream(codec, rate=spec.rate)
@@ -177,6 +178,10 @@ def write_clip(path: Path, spec: ClipSpec) -> int:
             _mux_tone(out, aus, spec.seconds)
     finally:
         out.close()
+        # SVT-AV1 (libsvtav1), run as root, puts the thread that opens it under SCHED_FIFO 99 and leaves it there:
+        # everything this process did and started afterwards (ffprobe, workers, a test session's) ran real-time.
+        if (os.sched_getscheduler(0), os.sched_getparam(0)) != sched:
+            os.sched_setscheduler(0, *sched)
     return n
 
 

@@ -93,10 +93,13 @@ def pytest_collection_modifyitems(items):
 # Real-time scheduling, kept out of the suite. An xdist worker was found under SCHED_FIFO 99 (in a 3-worker
 # run of this session, and Chromium's processes in an earlier one), and so was every process it started after
 # (the viewer, GNU parallel, ssh): spinning there, they starved the 2-core machine (load 33, tests failing on
-# their timers). Nothing in reelcache asks for it, and what did is not known yet. So every process of this
-# test session (marked by REELCACHE_TEST_SESSION in its environment, which children inherit) that turns up
-# under a real-time policy is moved back to SCHED_OTHER within a second, and named in a warning of the
-# session's summary and in $TMPDIR/reelcache-tests-realtime.log.
+# their timers). What did: SVT-AV1, the demo's AV1 encoder, which run as root puts the thread that opens it
+# under SCHED_FIFO 99 for good (every worker that wrote the demo or a probe test's clips); ingest/demo.py's
+# write_clip now puts it back (tests/ingest/test_demo_scheduling.py). Against anything else that does it (as
+# Chromium did, tests/view/conftest.py), every process of this test session (marked by REELCACHE_TEST_SESSION
+# in its environment, which children inherit) that turns up under a real-time policy is moved back to
+# SCHED_OTHER within a second, and named in a warning of the session's summary and in
+# $TMPDIR/reelcache-tests-realtime.log.
 SESSION_MARK = "REELCACHE_TEST_SESSION"
 os.environ.setdefault(SESSION_MARK, f"{os.getpid()}-{time.time_ns()}")
 REALTIME_LOG = Path(tempfile.gettempdir()) / "reelcache-tests-realtime.log"
@@ -153,20 +156,38 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def demo_dataset(tmp_path_factory) -> Path:
+    """The generated OpenVid-format dataset, one for the session (tests only read it)."""
+    from support import built_once
+
     from reelcache.ingest.demo import generate
 
-    out = tmp_path_factory.mktemp("demo")
-    generate(out, n=18, seed=1, workers=2)
-    return out
+    return built_once(tmp_path_factory, "demo", lambda out: generate(out, n=18, seed=1, workers=2))
 
 
 @pytest.fixture(scope="session")
 def ingested(demo_dataset, tmp_path_factory) -> Path:
-    from support import ingest
+    """The dataset ingested (built once for the session): this worker's copy."""
+    from support import built_once, ingest, private_copy
 
-    root = tmp_path_factory.mktemp("root")
-    ingest(root, demo_dataset)
-    return root
+    return private_copy(
+        tmp_path_factory, built_once(tmp_path_factory, "root", lambda r: ingest(r, demo_dataset)), "root"
+    )
+
+
+@pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory) -> Path:
+    """runs/whole, support.WHOLE's uninterrupted 2-rank DDP run, in a root of its own holding
+    write_latents(root, 24, name="train"): trained once for the session (~24 CPU-s), read only. A test
+    that compares its own root's runs with it checks first that both roots hold the same data
+    (support.same_data)."""
+    from latent_data import write_latents
+    from support import PLUGINS, WHOLE, built_once, data_args, train
+
+    def build(r: Path) -> None:
+        manifest = write_latents(r, 24, name="train")
+        train(r, data_args(manifest, *WHOLE, *PLUGINS["ddp"], "--run.name=whole"), nproc=2)
+
+    return built_once(tmp_path_factory, "ddp-reference", build) / "runs/whole"
 
 
 @pytest.fixture(scope="session")

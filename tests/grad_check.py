@@ -1,8 +1,10 @@
 """Run under torchrun (2 ranks): the trainer's gradients and clipped steps vs plain autograd on one process.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/grad_check.py CONFIG --root ROOT MANIFEST PLUGIN DTYPE...
+    python -m torch.distributed.run --nproc_per_node 2 tests/grad_check.py CONFIG --root ROOT MANIFEST \
+        PLUGIN DTYPE... [PLUGIN DTYPE...]
 
-For each working dtype (one trainer each, the plugin's real boosted model and optimizer):
+For each plugin and each of its working dtypes (one trainer each, the plugin's real boosted model and optimizer,
+one after another in this one launch: a launch of 2 ranks costs ~16 CPU-s before its first step):
 
 - gradients: rank 0 trains on batch A; rank 1 on batch B (another bucket and batch size), or on a
   padding batch (weight 0). The reference, computed on every rank without DDP or ColossalAI: the
@@ -219,10 +221,19 @@ class Cast(torch.nn.Module):
         return self.module(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
 
 
-def main(config, root, manifest, plugin, *dtypes):
-    tr = None
-    for dtype in dtypes:
-        tr = check(config, root, manifest, plugin, dtype)
+PLUGINS = ("ddp", "zero2")
+
+
+def main(config, root, manifest, *words):
+    """words: a plugin, then its dtypes; another plugin, then its dtypes; ..."""
+    if not words or words[0] not in PLUGINS:
+        sys.exit(f"grad_check.py: after MANIFEST, a plugin ({' or '.join(PLUGINS)}), then its dtypes: {words}")
+    tr, plugin = None, None
+    for word in words:
+        if word in PLUGINS:
+            plugin = word
+        else:
+            tr = check(config, root, manifest, plugin, word)
     tr.par.close()
 
 

@@ -152,6 +152,40 @@ def record(run: Path, rank: int, pid: int, host: str, stacks: Path | None = None
     return rec
 
 
+# --- what the session builds once -----------------------------------------------------------
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """`build(folder)` run once for the whole session, by whichever xdist worker asks first (the others wait for
+    it on a lock), in a folder of the session's temporary directory that every worker sees; that folder. The
+    suite's session fixtures (a generated dataset, its ingest, the eval tests' trained run) cost each worker
+    that builds them 10-40 CPU-s, and the suite is CPU-bound. Callers that may write give each test file's
+    worker a copy (`private_copy`), so what a worker changes stays its own, as when each built its own."""
+    import fcntl
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: <session>/popen-gw<N>
+    out = shared / f"built-{name}"
+    with open(shared / f"built-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not (shared / f"built-{name}.done").exists():
+            shutil.rmtree(out, ignore_errors=True)  # a builder that failed half-way
+            out.mkdir()
+            build(out)
+            (shared / f"built-{name}.done").touch()
+    return out
+
+
+def private_copy(tmp_path_factory, built: Path, name: str) -> Path:
+    """A copy of what `built_once` built, in a new folder of this worker's temporary directory."""
+    import shutil
+
+    dst = tmp_path_factory.mktemp(name) / built.name.removeprefix("built-")
+    shutil.copytree(built, dst, symlinks=True)
+    return dst
+
+
 # --- ingest and the catalog -------------------------------------------------------------------
 
 
@@ -357,6 +391,50 @@ def data_args(manifest: Path, *extra: str) -> list[str]:
         "--log.wandb_mode=disabled",
         *extra,
     ]
+
+
+# The uninterrupted run that resumed ones are compared with (tests/train/test_train.py's killed and stopped
+# runs, tests/cluster/test_slurm_train.py's requeued job): the debug stage on 2 ranks, DDP, 3 epochs of
+# write_latents(root, 24, name="train") (15 steps), a checkpoint every 4. conftest's `ddp_reference` trains it
+# once for the session.
+WHOLE = ["--run.epochs=3", "--checkpoint.every=4", "--checkpoint.keep_last=10"]
+
+
+def same_data(a: Path, b: Path) -> None:
+    """Two roots hold the same latent samples in the same shards (so one's reference run is the other's):
+    every file under latents/, a shard member by member (its tar headers' mtime is when it was written), and
+    the loader manifests' rows."""
+    import pyarrow.parquet as pq
+    from safetensors.torch import load
+
+    def member(name: str, data: bytes) -> object:  # a latent: its metadata and tensors (the header's order varies)
+        if not name.endswith(".safetensors"):
+            return data
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        return header.get("__metadata__"), load(data)
+
+    def files(root: Path) -> dict[str, object]:
+        found = sorted(p for p in (root / "latents").rglob("*") if p.is_file())
+        return {
+            str(p.relative_to(root)): [(n, member(n, d)) for n, d in tar_members(p)]
+            if p.suffix == ".tar"
+            else p.read_bytes()
+            for p in found
+        }
+
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor):
+            return x.dtype == y.dtype and x.shape == y.shape and bool((x == y).all())
+        if isinstance(x, (list, tuple)):
+            return len(x) == len(y) and all(same(i, j) for i, j in zip(x, y))
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        return x == y
+
+    fa, fb = files(a), files(b)
+    assert fa.keys() == fb.keys() and all(same(fa[k], fb[k]) for k in fa), sorted(set(fa) ^ set(fb))
+    ma, mb = (sorted(p.relative_to(r) for p in (r / "manifests").glob("*.parquet")) for r in (a, b))
+    assert ma == mb and all(pq.read_table(a / m).equals(pq.read_table(b / m)) for m in ma), (ma, mb)
 
 
 def torchrun(

@@ -237,35 +237,32 @@ def test_sigkill_mid_unit_then_rerun_gives_the_same_latents(cache_root, tmp_path
 
 @pytest.mark.slow  # end to end: cache plan and run over the ingested demo
 def test_gnu_parallel_two_slots(cache_root, tmp_path):
+    """`parallel -j 2 reelcache cache run ... :::: units`: the two units run side by side (parallel's job log:
+    each started before the other ended) and the merged catalog has an ok latent for each clip of the manifest.
+    Two clips, one a unit: each `cache run` costs ~5 CPU-s to start (diffusers, transformers), and what
+    parallel does with a unit does not depend on how many clips it holds."""
+    from reelcache.catalog.manifest import make_manifest
+
     if not shutil.which("parallel"):
         pytest.skip("GNU parallel is not installed")
-    units = cache_plan(cache_root, cache_config(tmp_path, "m", clips_per_unit=13))  # a unit per slot
+    where = "clip_id IN (SELECT clip_id FROM clips WHERE status = 'ok' ORDER BY clip_id LIMIT 2)"
+    make_manifest(cache_root, "two", where)
+    units = cache_plan(cache_root, cache_config(tmp_path, "two", clips_per_unit=1))  # a unit per slot
     assert len(units) == 2
     (tmp_path / "u.txt").write_text("\n".join(units) + "\n")
+    joblog = tmp_path / "jobs.tsv"
     subprocess.run(
-        [
-            "parallel",
-            "--will-cite",
-            "-j",
-            "2",
-            sys.executable,
-            "-m",
-            "reelcache",
-            "cache",
-            "run",
-            "--root",
-            str(cache_root),
-            "{}",
-            "::::",
-            str(tmp_path / "u.txt"),
-        ],
+        ["parallel", "--will-cite", "-j", "2", "--joblog", str(joblog), sys.executable, "-m", "reelcache", "cache",
+         "run", "--root", str(cache_root), "{}", "::::", str(tmp_path / "u.txt")],
         check=True,
         capture_output=True,
-    )
+    )  # fmt: skip
+    jobs = [line.split("\t") for line in joblog.read_text().splitlines()[1:]]  # Seq Host Starttime JobRuntime ...
+    spans = [(float(j[2]), float(j[2]) + float(j[3])) for j in jobs]
+    assert len(spans) == 2 and all(start < min(end for _, end in spans) for start, _ in spans), jobs
     assert main(["catalog", "merge", "--root", str(cache_root)]) == 0
-    ((n,),) = sql(cache_root, "SELECT count(*) FROM latents WHERE status = 'ok'")
-    ((m,),) = sql(cache_root, "SELECT count(*) FROM clips WHERE status = 'ok'")
-    assert n == m
+    want = sql(cache_root, f"SELECT clip_id FROM clips WHERE {where} ORDER BY 1")
+    assert len(want) == 2 and sql(cache_root, "SELECT clip_id FROM latents WHERE status = 'ok' ORDER BY 1") == want
 
 
 def _sidecar_rows(cdir):

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from latent_data import write_latents
 from slurm_local import local_slurm_or_skip
-from support import REPO, data_args, free_port, metrics, train, weights
+from support import REPO, WHOLE, data_args, free_port, metrics, same_data, weights
 
 from reelcache.cluster.hosts import expand_nodelist
 
@@ -79,13 +79,15 @@ def eval_serve(slurm, root: Path, manifest: Path, run: str, *args: str) -> subpr
     return subprocess.run(cmd, env=slurm.env, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
-def test_a_requeued_job_resumes_from_its_newest_checkpoint_and_ends_like_an_uninterrupted_run(slurm, root):
+def test_a_requeued_job_resumes_from_its_newest_checkpoint_and_ends_like_an_uninterrupted_run(
+    slurm, root, ddp_reference
+):
     """... and eval serve --slurm --after <job> (no --exit-idle) follows it: it starts before the first
     checkpoint exists, waits through the requeue, and ends once the job has ended and every
     checkpoint is evaluated, on one (fake) GPU of its own."""
     r, manifest = root
-    args = data_args(manifest, "--run.epochs=3", "--checkpoint.every=4", "--checkpoint.keep_last=10")
-    train(r, args + ["--run.name=whole"], nproc=2)
+    args = data_args(manifest, *WHOLE)
+    same_data(ddp_reference.parents[1], r)  # the uninterrupted run: the session's (auto: DDP on CPU)
     p = submit(slurm, r, "--gpus-per-node=0", "--nproc-per-node=2", *args, "--run.name=requeued")
     job, run = job_id(p), r / "runs/requeued"
     ev = eval_serve(slurm, r, manifest, "runs/requeued", "--gpus-per-node", "1", "--after", job)
@@ -105,12 +107,12 @@ def test_a_requeued_job_resumes_from_its_newest_checkpoint_and_ends_like_an_unin
     )
     assert "#SBATCH --gpus-per-node=1" in (run / "slurm/eval.sbatch").read_text()
     assert "attempt 0" in log and "attempt 1" in log and "resumed from" in log, log[-3000:]
-    whole, resumed = metrics(r / "runs/whole"), metrics(run)
+    whole, resumed = metrics(ddp_reference), metrics(run)
     assert sorted(resumed) == sorted(whole) == list(range(15))
     assert [resumed[s]["loss"] for s in whole] == [whole[s]["loss"] for s in whole]
     assert max(row["generation"] for row in resumed.values()) == 1  # the second attempt trained the rest
     for which in ("model", "ema"):
-        a, b = weights(r / "runs/whole/ckpt-00000015", which), weights(run / "ckpt-00000015", which)
+        a, b = weights(ddp_reference / "ckpt-00000015", which), weights(run / "ckpt-00000015", which)
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import quiet_env, tiny_cache_config, train
+from support import built_once, private_copy, quiet_env, tiny_cache_config, train
 
 from reelcache.cli import main
 
@@ -21,11 +21,15 @@ RUN = "evalrun"
 @pytest.fixture(scope="session")
 def trained(ingested, tmp_path_factory) -> Path:
     """A data root with a tiny cache over 10 clips, its loader manifest `lat`, and runs/evalrun with
-    checkpoints at steps 2 and 4 from a 2-process run (wandb offline)."""
+    checkpoints at steps 2 and 4 from a 2-process run (wandb offline): built once for the session (a cache
+    run and a 2-rank training, ~30 CPU-s), this worker's copy."""
+    return private_copy(tmp_path_factory, built_once(tmp_path_factory, "eval", lambda r: build(r, ingested)), "eval")
+
+
+def build(root: Path, ingested: Path) -> None:
     from reelcache.catalog.manifest import make_manifest
 
-    root = tmp_path_factory.mktemp("eval") / "root"
-    shutil.copytree(ingested, root)
+    shutil.copytree(ingested, root, dirs_exist_ok=True)
     make_manifest(root, "m", "clip_id IN (SELECT clip_id FROM clips WHERE status = 'ok' ORDER BY clip_id LIMIT 10)")
     cfg = tiny_cache_config(root / "cache.toml", "m")
     out = subprocess.run(
@@ -41,7 +45,6 @@ def trained(ingested, tmp_path_factory) -> Path:
     args = [f"--run.name={RUN}", '--data.manifests=[{name="lat"}]', "--run.max_steps=4", "--checkpoint.every=2"]
     train(root, [*args, "--checkpoint.keep_last=10", "--run.epochs=20"], nproc=2, timeout=300, env=quiet_env())
     assert sorted(c.name for c in (root / "runs" / RUN).glob("ckpt-*")) == ["ckpt-00000002", "ckpt-00000004"]
-    return root
 
 
 @pytest.fixture(scope="session")

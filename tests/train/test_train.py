@@ -24,6 +24,7 @@ from latent_data import write_latents
 from support import (
     PLUGINS,
     REPO,
+    WHOLE,
     complete,
     consumed,
     data_args,
@@ -33,6 +34,7 @@ from support import (
     metrics,
     poisoned_manifest,
     quiet_env,
+    same_data,
     stage_file,
     torchrun,
     train,
@@ -69,13 +71,24 @@ def root(tmp_path_factory) -> tuple[Path, Path]:
     return r, write_latents(r, 24, name="train")
 
 
+def uninterrupted(request, r: Path, args: list[str], plugin: str) -> Path:
+    """The run without a kill or stop: under DDP the session's (conftest: ddp_reference, the same data: checked),
+    else trained here."""
+    if plugin == "ddp":
+        whole = request.getfixturevalue("ddp_reference")
+        same_data(whole.parents[1], r)
+        return whole
+    train(r, args + [f"--run.name=whole-{plugin}"], nproc=2)
+    return r / f"runs/whole-{plugin}"
+
+
 @pytest.mark.parametrize("plugin", ["ddp", "zero2-bf16"])
-def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root, plugin):
+def test_two_ranks_learn_and_a_killed_run_resumes_exactly(request, root, plugin):
     """kill -9 of one rank mid-run, --load latest: the same batches, losses and weights as without the kill."""
     r, manifest = root
-    args = data_args(manifest, "--run.epochs=3", "--checkpoint.every=4", "--checkpoint.keep_last=10", *PLUGINS[plugin])
-    train(r, args + [f"--run.name=whole-{plugin}"], nproc=2)
-    whole = metrics(r / f"runs/whole-{plugin}")
+    args = data_args(manifest, *WHOLE, *PLUGINS[plugin])
+    reference = uninterrupted(request, r, args, plugin)
+    whole = metrics(reference)
     steps = sorted(whole)
     assert steps == list(range(len(steps))) and len(steps) == 15  # 10 micro-batches/epoch on 2 ranks
     first, last = [whole[s]["loss"] for s in steps[:5]], [whole[s]["loss"] for s in steps[-5:]]
@@ -115,27 +128,26 @@ def test_two_ranks_learn_and_a_killed_run_resumes_exactly(root, plugin):
     assert sorted(resumed) == steps
     assert [resumed[s]["loss"] for s in steps] == [whole[s]["loss"] for s in steps]
     assert {resumed[s]["generation"] for s in steps if s >= 8} == {1}
-    assert consumed(run) == consumed(r / f"runs/whole-{plugin}")
+    assert consumed(run) == consumed(reference)
     # docs/TRAIN.md's join: which clips did global step 12 (epoch 2) train on, after the kill and resume.
     assert (
         spike_clips(run, 12)
-        == spike_clips(r / f"runs/whole-{plugin}", 12)
+        == spike_clips(reference, 12)
         == {c for (e, st, _, c) in consumed(run) if (e, st) == (2, 12 - 10)}
     )
-    a, b = weights(r / f"runs/whole-{plugin}/ckpt-00000015"), weights(run / "ckpt-00000015")
+    a, b = weights(reference / "ckpt-00000015"), weights(run / "ckpt-00000015")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    ea, eb = weights(r / f"runs/whole-{plugin}/ckpt-00000015", "ema"), weights(run / "ckpt-00000015", "ema")
+    ea, eb = weights(reference / "ckpt-00000015", "ema"), weights(run / "ckpt-00000015", "ema")
     assert all((ea[k] == eb[k]).all() for k in ea)
 
 
-def test_a_stop_request_to_one_rank_checkpoints_every_rank_and_resume_continues_exactly(root):
+def test_a_stop_request_to_one_rank_checkpoints_every_rank_and_resume_continues_exactly(request, root):
     """SIGUSR2 to rank 1 only (what Slurm's --signal sends before a time limit): every rank saves at the
     same step, off the checkpoint cadence, and the run exits 0; --resume then ends where an uninterrupted
     run ends, loss for loss and weight for weight."""
     r, manifest = root
-    args = data_args(manifest, "--run.epochs=3", "--checkpoint.every=4", "--checkpoint.keep_last=10")
-    if not (r / "runs/whole-ddp/ckpt-00000015").exists():  # made by the kill test above when it ran
-        train(r, args + ["--run.name=whole-ddp"], nproc=2)
+    args = data_args(manifest, *WHOLE)
+    reference = uninterrupted(request, r, args, "ddp")  # auto: DDP on CPU (train/sections.py)
     run = r / "runs/stop-requested"
     p = torchrun(r, args + ["--run.name=stop-requested"], nproc=2)
     deadline = time.monotonic() + 180
@@ -149,9 +161,9 @@ def test_a_stop_request_to_one_rank_checkpoints_every_rank_and_resume_continues_
     assert 4 < stopped < 15 and f"stopped on request at step {stopped}" in out, out[-3000:]
     assert json.loads((run / f"ckpt-{stopped:08d}/state.json").read_text())["global_step"] == stopped
     train(r, args + ["--run.name=stop-requested", "--resume"], nproc=2)
-    whole, resumed = metrics(r / "runs/whole-ddp"), metrics(run)
+    whole, resumed = metrics(reference), metrics(run)
     assert sorted(resumed) == sorted(whole) and [resumed[s]["loss"] for s in whole] == [whole[s]["loss"] for s in whole]
-    a, b = weights(r / "runs/whole-ddp/ckpt-00000015"), weights(run / "ckpt-00000015")
+    a, b = weights(reference / "ckpt-00000015"), weights(run / "ckpt-00000015")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
@@ -364,15 +376,26 @@ def test_requeued_run_resumes_prunes_logs_one_wandb_run_and_clips_at_1(root):
     assert [row["train/loss"] for h in logged for row in h] == [rows[s]["loss"] for s in range(5)]
 
 
-@pytest.mark.parametrize("plugin,dtypes", [("ddp", ["fp32"]), ("zero2", ["fp32", "bf16"])])
-def test_step_gradient_and_clipped_step_match_plain_torch(root, plugin, dtypes):
+GRAD_CHECKS = {"ddp": ["fp32"], "zero2": ["fp32", "bf16"]}  # each plugin's working dtypes
+
+
+@pytest.fixture(scope="module")
+def grad_cases(root) -> list[dict]:
+    """tests/grad_check.py's cases, every plugin and dtype of GRAD_CHECKS in one 2-rank launch."""
+    r, manifest = root
+    words = [w for plugin, dtypes in GRAD_CHECKS.items() for w in (plugin, *dtypes)]
+    return json_lines(train(r, [str(manifest), *words], nproc=2, entry=["tests/grad_check.py"]))
+
+
+@pytest.mark.parametrize("plugin", list(GRAD_CHECKS))
+def test_step_gradient_and_clipped_step_match_plain_torch(grad_cases, plugin):
     """2 ranks with different buckets, then with a padding rank, both loss reductions: the gradient
     (under ZeRO, gathered from ZeRO's grad store) equals plain single-process autograd of the
     configured mean over the real samples only; two steps at ~100x parallel.grad_clip move the fp32
     masters as torch's AdamW after clip_grad_norm_ does, and far from where the unclipped ones go."""
-    r, manifest = root
-    out = train(r, [str(manifest), plugin, *dtypes], nproc=2, entry=["tests/grad_check.py"])
-    cases = json_lines(out)
+    dtypes = GRAD_CHECKS[plugin]
+    assert {c["plugin"] for c in grad_cases} == set(GRAD_CHECKS)
+    cases = [c for c in grad_cases if c["plugin"] == plugin]
     assert {(c["dtype"], c["case"], c.get("reduction")) for c in cases} == {
         (d, case, red) for d in dtypes for case in ("two buckets", "padding rank") for red in ("sample", "rank")
     } | {(d, "clipping", None) for d in dtypes}

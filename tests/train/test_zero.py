@@ -84,13 +84,43 @@ def test_zero_resumes_on_another_world_size(root, before, after):
     assert state["world_size"] == after and state["loader"]["epoch"] == 1
 
 
-def _slow_writer_writes_what_a_prompt_one_does(r: Path, args: list[str], tag: str) -> None:
+# The runs the writer tests compare a slow writer's run with, which other tests here read as well (a launch of
+# 2 ranks costs ~16 CPU-s before its first step): ZeRO-2 bf16 with a checkpoint every step (the EMA test's
+# consecutive checkpoints), and DDP with the cross-plugin tests' settings (their uninterrupted DDP run).
+ZERO_BF16 = [
+    "--run.epochs=1",
+    "--checkpoint.every=1",
+    "--run.max_steps=4",
+    "--checkpoint.keep_last=5",
+    *PLUGINS["zero2-bf16"],
+]
+# eps 1e-6: see test_checkpoints_move_between_ddp_and_zero.
+CROSS = [
+    "--run.epochs=1",
+    "--checkpoint.every=2",
+    "--run.max_steps=4",
+    "--checkpoint.keep_last=5",
+    "--optim.adam_eps=1e-6",
+]
+
+
+def prompt_run(r: Path, args: list[str], name: str) -> Path:
+    """runs/<name> of `args` with the trainer as it is, trained once for the module; its path."""
+    if not (r / f"runs/{name}/ckpt-00000004").exists():
+        train(r, args + [f"--run.name={name}"], nproc=2)
+    return r / f"runs/{name}"
+
+
+def _slow_writer_writes_what_a_prompt_one_does(r: Path, args: list[str], prompt: str, tag: str) -> None:
     """The same run with rank 0's writer 2 s late per weights folder holds the same bytes in every
     checkpoint: what was saved is a copy, not the live tensors training went on changing."""
-    train(r, args + [f"--run.name=prompt-{tag}"], nproc=2)
+    prompted = prompt_run(r, args, prompt)
     train(r, args + [f"--run.name=slow-{tag}"], nproc=2, entry=WRITER, env={"REELCACHE_TEST_SLOW_WRITE_S": "2"})
-    for step in (2, 4):
-        a, b = r / f"runs/prompt-{tag}/ckpt-{step:08d}", r / f"runs/slow-{tag}/ckpt-{step:08d}"
+    steps = sorted(int(p.name.removeprefix("ckpt-")) for p in prompted.glob("ckpt-*"))
+    assert steps == sorted(int(p.name.removeprefix("ckpt-")) for p in (r / f"runs/slow-{tag}").glob("ckpt-*"))
+    assert {2, 4} <= set(steps), steps
+    for step in steps:
+        a, b = prompted / f"ckpt-{step:08d}", r / f"runs/slow-{tag}/ckpt-{step:08d}"
         assert complete(a) and complete(b)
         for part in ("model", "ema"):
             wa, wb = weights(a, part), weights(b, part)
@@ -98,7 +128,7 @@ def _slow_writer_writes_what_a_prompt_one_does(r: Path, args: list[str], tag: st
         assert (a / "optimizer/state.safetensors").read_bytes() == (b / "optimizer/state.safetensors").read_bytes(), (
             step
         )
-    assert [m["loss"] for m in metrics(r / f"runs/prompt-{tag}").values()] == [
+    assert [m["loss"] for m in metrics(prompted).values()] == [
         m["loss"] for m in metrics(r / f"runs/slow-{tag}").values()
     ]
 
@@ -109,16 +139,9 @@ def test_background_writer_copies_and_a_failed_write_stops_every_rank(root):
     delay). A write that fails (ENOSPC at step 4) makes both ranks exit non-zero with the reason,
     and no ckpt-00000004 ever appears: only complete checkpoints are visible."""
     r, manifest = root
-    args = data_args(
-        manifest,
-        "--run.epochs=1",
-        "--checkpoint.every=2",
-        "--run.max_steps=4",
-        "--checkpoint.keep_last=5",
-        *PLUGINS["zero2-bf16"],
-    )
-    _slow_writer_writes_what_a_prompt_one_does(r, args, "zero2-bf16")
+    _slow_writer_writes_what_a_prompt_one_does(r, data_args(manifest, *ZERO_BF16), "prompt-zero2-bf16", "zero2-bf16")
 
+    args = data_args(manifest, *[a.replace("every=1", "every=2") for a in ZERO_BF16])  # checkpoints 2 and 4
     out = train(
         r, args + ["--run.name=full-disk"], nproc=2, ok=False, entry=WRITER, env={"REELCACHE_TEST_FAIL_WRITE_AT": "4"}
     )
@@ -133,10 +156,7 @@ def test_background_writer_copies_ddp_optimizer_state(root):
     are gathered into new ones): the writer must hold copies, or the step-2 checkpoint written late
     holds the moments of step 4."""
     r, manifest = root
-    args = data_args(
-        manifest, "--run.epochs=1", "--checkpoint.every=2", "--run.max_steps=4", "--checkpoint.keep_last=5"
-    )
-    _slow_writer_writes_what_a_prompt_one_does(r, [*args, *PLUGINS["ddp"]], "ddp")
+    _slow_writer_writes_what_a_prompt_one_does(r, data_args(manifest, *CROSS, *PLUGINS["ddp"]), "cross-ddp", "ddp")
 
 
 def test_ema_under_zero2_bf16_follows_its_update_rule(root):
@@ -145,12 +165,9 @@ def test_ema_under_zero2_bf16_follows_its_update_rule(root):
     the EMA from its fp32 master shard, and the checkpoint gathers them. model/ holds the fp32 masters."""
 
     r, manifest = root
-    args = data_args(
-        manifest, "--run.epochs=1", "--checkpoint.every=1", "--run.max_steps=3", "--checkpoint.keep_last=5"
-    )
-    train(r, [*args, *PLUGINS["zero2-bf16"], "--run.name=ema-zero2-bf16"], nproc=2)
-    c = {int(p.name.removeprefix("ckpt-")): p for p in (r / "runs/ema-zero2-bf16").glob("ckpt-*")}
-    errs = [ema_rule_error(c[k - 1], c[k]) for k in (2, 3)]
+    run = prompt_run(r, data_args(manifest, *ZERO_BF16), "prompt-zero2-bf16")  # the writer test's, when it ran
+    c = {int(p.name.removeprefix("ckpt-")): p for p in run.glob("ckpt-*")}
+    errs = [ema_rule_error(c[k - 1], c[k]) for k in (2, 3, 4)]
     assert max(errs) < 1e-2, errs  # observed <= 3.3e-4 (fp32 rounding); an EMA not updated under ZeRO: 1.0
 
 
@@ -160,20 +177,12 @@ def test_checkpoints_move_between_ddp_and_zero(root, source, target):
     path resumes on the other and continues the same trajectory (the Adam moments came along: a
     reset optimizer would take a first Adam step instead)."""
     r, manifest = root
-    # eps 1e-6: Open-Sora's 1e-15 turns the key biases' float-noise gradients (exactly zero in exact
+    # eps 1e-6 (CROSS): Open-Sora's 1e-15 turns the key biases' float-noise gradients (exactly zero in exact
     # arithmetic) into full Adam steps, which two correct optimizers (torch's AdamW and HybridAdam,
     # two clip roundings) take in different directions (seen: 0.5% of a step at eps 1e-8).
-    args = data_args(
-        manifest,
-        "--run.epochs=1",
-        "--checkpoint.every=2",
-        "--run.max_steps=4",
-        "--checkpoint.keep_last=5",
-        "--optim.adam_eps=1e-6",
-    )
-    whole = f"cross-{source}"
-    if not (r / f"runs/{whole}/ckpt-00000004").exists():
-        train(r, args + [f"--run.name={whole}", *PLUGINS[source]], nproc=2)
+    args = data_args(manifest, *CROSS)
+    whole = f"cross-{source}"  # cross-ddp: the DDP writer test's uninterrupted run, when it ran
+    prompt_run(r, [*args, *PLUGINS[source]], whole)
     moved = f"cross-{source}-to-{target}"
     train(
         r, args + [f"--run.name={moved}", "--load", str(r / f"runs/{whole}/ckpt-00000002"), *PLUGINS[target]], nproc=2
