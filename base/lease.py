@@ -185,6 +185,9 @@ class Lease:
         self.path, self.token = path, token
         self.body, self.tag = body, tag  # an object lease: what it holds and the ETag of our last write of it
         self.owner = os.getpid()  # a forked child inherits this object (and atexit), not the lease
+        # the heartbeat's refresh and release, one at a time: an object lease refreshed between release's read of
+        # its ETag and its conditional delete would make the delete fail, and the lease stay behind until stale
+        self._turn, self.released = threading.Lock(), False
 
     def held(self) -> bool:
         """Whether the lease (file or object) is still ours."""
@@ -194,8 +197,10 @@ class Lease:
             return False
 
     def refresh(self) -> None:
-        """The heartbeat: the lease's age back to zero, by the storage's clock."""
-        _place(self.path).refresh(self)
+        """The heartbeat: the lease's age back to zero, by the storage's clock (nothing once released)."""
+        with self._turn:
+            if not self.released:
+                _place(self.path).refresh(self)
 
     def verify(self) -> None:
         """Raise LostLease unless the lease (file or object) is still ours (checked before publishing results). An
@@ -228,10 +233,14 @@ class Lease:
         if os.getpid() != self.owner:
             return
         _HELD.pop(str(self.path), None)
-        try:
-            _place(self.path).remove(self)
-        except (OSError, ValueError, s3.S3Error):
-            pass
+        with self._turn:
+            if self.released:
+                return
+            self.released = True
+            try:
+                _place(self.path).remove(self)
+            except (OSError, ValueError, s3.S3Error):
+                pass
 
 
 class LostLease(UserError):

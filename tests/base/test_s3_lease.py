@@ -96,3 +96,31 @@ def test_a_claim_publishes_whole_objects_and_nothing_once_its_lease_is_lost(s3_s
     finally:
         claim.release()
     assert token_at(s3_server, f"{remote}/000003.lease") == "theirs"  # release leaves another's lease
+
+
+def test_a_release_racing_the_heartbeat_leaves_no_lease(s3_server, s3_proxy):
+    """The heartbeat's refresh and release take turns. A refresh that lands between release's read of the lease's
+    ETag and its conditional delete would fail that delete and leave the lease behind until it is stale (seen in
+    the namespace-cluster test: an ingest unit's lease left in S3 after the unit ended). Here release's DELETE is
+    held by the proxy while a refresh is tried: the refresh waits for release's turn, then does nothing."""
+    import threading
+
+    url = s3.parse(s3_proxy.root) / "race.lease"
+    lease = leases.acquire(url)
+    held = s3_proxy.add("hold", match=lambda method, path: method == "DELETE" and "race.lease" in path)
+    release = threading.Thread(target=lease.release)
+    release.start()
+    deadline = time.monotonic() + 30
+    while held.hits == 0:
+        assert time.monotonic() < deadline, "release never sent its DELETE"
+        time.sleep(0.01)
+    beat = threading.Thread(target=lease.refresh)
+    beat.start()
+    beat.join(1.0)  # unfixed, the refresh's PUT lands now, on the ETag the held DELETE is conditional on
+    held.release.set()
+    release.join(30)
+    beat.join(30)
+    assert not release.is_alive() and not beat.is_alive()
+    u = s3.parse(url)
+    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=u.bucket, Prefix=u.key).get("Contents", [])]
+    assert keys == []

@@ -51,7 +51,10 @@ def test_the_diverged_message_names_a_checkpoint_from_before_the_stepped_nan(tmp
         (run / f"ckpt-{step:08d}/state.json").write_text("{}")
     g = Guard(GuardConfig(max_bad_steps=2, skip_nonfinite=False))
     g.record(float("nan"), True, stepped_at=12)  # ckpt-15 holds the NaN weights
-    fake = SimpleNamespace(run_dir=run, root=tmp_path, state=SimpleNamespace(global_step=17, guard=g))
+    fake = SimpleNamespace(
+        run_dir=run, root=tmp_path, root_url=None, ckpt=SimpleNamespace(home=run),
+        state=SimpleNamespace(global_step=17, guard=g),
+    )  # fmt: skip
     assert f"--load {run / 'ckpt-00000010'}" in Trainer._diverged_message(fake)
     g = Guard(GuardConfig(max_bad_steps=2))  # skipped bad steps left the weights alone: the newest checkpoint is good
     g.record(float("nan"), True)
