@@ -27,7 +27,7 @@ boto3 is the client for everything but ranged reads: the most used and best kept
 standard credential chain, standard retries, conditional writes, multipart uploads and flexible checksums.
 Ranged reads (``get_range``: the training loader's one or two a sample, the viewer's, the cache's raw members)
 are sent by obstore (Rust's object_store) with the same endpoint, region and credentials, its own retries off
-and ours, the same checks, kept: measured on the loader, 1.3 ms of client CPU a sample against boto3's 5.6
+and ours, the same checks, kept: measured on the loader, 1.2-1.7 ms of CPU a sample against boto3's 3.4-6.0
 (docs/STORAGE.md, "How it is built"). obstore's runtime does not survive a fork: a process forked from one that
 has used it (a DataLoader worker) reads by boto3.
 """
