@@ -7,12 +7,15 @@ request; requests per sample and bytes transferred per byte used (counted by the
 Samples are store samples (latent and caption embedding in two shards, tests/latent_data.py): latents of
 30..110 kB (64 channels) and captions of 24..90 kB (width 4096), as a T5-XXL embedding trimmed to its tokens.
 Each configuration reads one whole epoch; the first batch's time is left out (the plan, the shard check, the
-workers' start). The machine's load is printed first: on a shared machine the numbers move with it.
+workers' start). CPU ms/sample: this process's CPU (user + system) and its data workers', per sample; the proxy
+rows include the proxy's (threads of this process); SeaweedFS's is not counted (a process of its own). The
+machine's load is printed first: on a shared machine the numbers move with it.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -22,7 +25,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 
-def epoch(manifest, root, shard_root, workers, threads) -> tuple[float, list]:
+def cpu_s() -> float:
+    """CPU seconds (user + system) of this process and of its children that have ended (the data workers)."""
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def epoch(manifest, root, shard_root, workers, threads) -> tuple[float, list, float]:
     from reelcache.base.buckets import BucketConfig
     from reelcache.train.loader import LatentLoader
 
@@ -33,10 +42,12 @@ def epoch(manifest, root, shard_root, workers, threads) -> tuple[float, list]:
     it = iter(ld)
     ids = list(next(it)["clip_id"])
     first = len(ids)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     for b in it:
         ids += b["clip_id"]
-    return (len(ids) - first) / (time.perf_counter() - t0), ids
+    del it  # the workers end (and are counted)
+    n = len(ids) - first
+    return n / (time.perf_counter() - t0), ids, 1e3 * (cpu_s() - c0) / n
 
 
 def main() -> None:
@@ -70,29 +81,31 @@ def main() -> None:
         mb = sum(used_of.values()) / samples / 1e3
         print(f"{samples} store samples, {mb:.0f} kB each on average (latent + caption); fetch_threads={threads}")
         rows = []
-        for workers in (0, 2):
-            rows.append(("local disk", workers, epoch(manifest, root, None, workers, threads)[0], None, None))
+        for workers in (2, 0):  # workers first: forked before this process starts obstore (base/s3.py)
+            rate, _, cpu = epoch(manifest, root, None, workers, threads)
+            rows.append(("local disk", workers, rate, cpu, None))
             os.environ.update(server.env())
             s3.forget_clients()
-            rows.append(("S3 loopback", workers, epoch(manifest, root, s3root, workers, threads)[0], None, None))
+            rate, _, cpu = epoch(manifest, root, s3root, workers, threads)
+            rows.append(("S3 loopback", workers, rate, cpu, None))
             for latency in (0.0, 0.02):
                 proxy = FaultProxy(server.port, latency_s=latency)
                 os.environ.update(server.env(proxy.endpoint))
                 s3.forget_clients()
                 try:
-                    rate, ids = epoch(manifest, root, s3root, workers, threads)
+                    rate, ids, cpu = epoch(manifest, root, s3root, workers, threads)
                     gets = [k for m, p, k in proxy.bodies if m == "GET" and ".tar" in p]
                     stats = (len(gets) / len(ids), sum(gets) / sum(used_of[c] for c in ids))
                 finally:
                     proxy.close()
                 name = f"S3 + proxy{' +20 ms' if latency else ''}"
-                rows.append((name, workers, rate, None, stats))
+                rows.append((name, workers, rate, cpu, stats))
         local = {w: r for name, w, r, _, _ in rows if name == "local disk"}
-        head = ("source", "workers", "samples/s", "x local", "GETs/sample", "bytes/used")
-        print("{:20s} {:>7s} {:>10s} {:>8s} {:>12s} {:>11s}".format(*head))
-        for name, w, rate, _n, stats in rows:
+        head = ("source", "workers", "samples/s", "x local", "CPU ms/sample", "GETs/sample", "bytes/used")
+        print("{:20s} {:>7s} {:>10s} {:>8s} {:>13s} {:>12s} {:>11s}".format(*head))
+        for name, w, rate, cpu, stats in sorted(rows, key=lambda r: r[1]):
             extra = f"{stats[0]:12.2f} {stats[1]:11.4f}" if stats else ""
-            print(f"{name:20s} {w:7d} {rate:10.1f} {rate / local[w]:8.2f} {extra}")
+            print(f"{name:20s} {w:7d} {rate:10.1f} {rate / local[w]:8.2f} {cpu:13.2f} {extra}")
         print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

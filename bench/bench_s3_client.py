@@ -1,7 +1,8 @@
-"""CPU per ranged read, boto3 (base/s3.py's client, through ``s3.get_range``, and boto3 bare) against obstore, on
-a SeaweedFS S3 server on loopback (tests/s3_local.py): the choice of client in docs/STORAGE.md.
+"""CPU per ranged read: ``s3.get_range`` (obstore, with base/s3.py's checks and retries), the same forced onto its
+boto3 path (a forked worker's), boto3 bare and obstore bare, on a SeaweedFS S3 server on loopback
+(tests/s3_local.py): the choice of client in docs/STORAGE.md.
 
-    .venv/bin/python bench/bench_s3_client.py [READS] [KB]      # obstore: pip install obstore (not a dependency)
+    .venv/bin/python bench/bench_s3_client.py [READS] [KB]
 
 Each client reads READS ranges of KB kB (a store sample's size) at random offsets of one 64 MB object, one after
 another in one thread; printed: this process's CPU seconds per read (user + system, time.process_time) and the
@@ -48,19 +49,21 @@ def main() -> None:
         data = os.urandom(total)
         s3.put(url, data)
         u = s3.parse(url)
-        measure("reelcache s3.get_range", lambda off, k: s3.get_range(url, off, k), n, size, total)
+        measure("s3.get_range (obstore)", lambda off, k: s3.get_range(url, off, k), n, size, total)
+        usable, s3._obstore_usable = s3._obstore_usable, lambda: False
+        try:
+            measure("s3.get_range (boto3)", lambda off, k: s3.get_range(url, off, k), n, size, total)
+        finally:
+            s3._obstore_usable = usable
         c = s3.client()
 
         def bare(off, k):
             return c.get_object(Bucket=u.bucket, Key=u.key, Range=f"bytes={off}-{off + k - 1}")["Body"].read()
 
         measure("boto3 get_object", bare, n, size, total)
-        try:
-            import obstore
-            from obstore.store import S3Store
-        except ImportError:
-            print("obstore: not installed (pip install obstore), not measured")
-            return
+        import obstore
+        from obstore.store import S3Store
+
         store = S3Store(
             u.bucket,
             endpoint=server.endpoint,

@@ -184,3 +184,28 @@ def test_lost_put_response_is_our_own_write(s3_server, s3_proxy):
     s3_proxy.add("lost", lambda m, p: m == "PUT" and "/created" in p)
     e2 = s3.put(url, b"mine again", if_match=etag)
     assert s3.get(url) == b"mine again" and s3.head(url)["ETag"] == e2
+
+
+def _child_get_range(url: str, conn) -> None:
+    conn.send(s3.get_range(url, 1000, 50_000))
+
+
+def test_a_child_forked_after_ranged_reads_reads_too(s3_root):
+    """obstore's runtime does not survive a fork: a child forked from a process that made ranged reads (as the
+    loader's DataLoader workers are) reads by boto3 instead of hanging on its first request."""
+    import multiprocessing
+
+    url = f"{s3_root}/forked"
+    data = os.urandom(100_000)
+    s3.put(url, data)
+    assert s3.get_range(url, 0, 10) == data[:10]  # the parent's runtime started
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=_child_get_range, args=(url, there))
+    p.start()
+    got = None
+    try:
+        got = here.recv() if here.poll(60) else None
+    finally:
+        p.kill() if got is None else p.join(10)
+    assert got == data[1000:51_000]
