@@ -420,9 +420,17 @@ class FaultProxy:
                         c.shutdown(socket.SHUT_RDWR)
                         c.close()
                     return
-                c.sendall(out.encode("latin-1") + data)
+                # counted before it is sent: the client has the last byte before sendall returns here, and a test
+                # reads `bodies` as soon as its request is answered (a body that cannot be sent is taken back)
+                sent = (method, path, len(data))
                 with self.lock:
-                    self.bodies.append((method, path, len(data)))
+                    self.bodies.append(sent)
+                try:
+                    c.sendall(out.encode("latin-1") + data)
+                except OSError:
+                    with self.lock:
+                        self.bodies.remove(sent)
+                    raise
         except (OSError, http.client.HTTPException, ValueError, IndexError):
             return
         finally:
