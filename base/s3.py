@@ -648,12 +648,13 @@ def mirror_dir(url) -> Path:
     return Path(base) / url.bucket / url.key
 
 
-def sync_down(prefix, local: Path, keep, prune: bool = True) -> list[Path]:
+def sync_down(prefix, local: Path, keep, prune=True) -> list[Path]:
     """Mirror the objects under `prefix` whose path below it `keep(rel)` accepts into `local`: an object is
     downloaded when the local copy's size or mtime differ from the object's (its mtime is set to the object's
-    Last-Modified), and (`prune`) a local file `keep` accepts whose object is gone is removed: gone by a HEAD of it,
-    not by its absence from the listing (a listing may be briefly stale: a store behind a cache, an eventually
-    consistent one). Returns the local files."""
+    Last-Modified), and a local file `keep` accepts whose object is gone is removed, if `prune` is True or a
+    function of `rel` that accepts it too (False: none is): gone by a HEAD of it, not by its absence from the
+    listing (a listing may be briefly stale: a store behind a cache, an eventually consistent one). Returns the
+    local files."""
     prefix = parse(prefix)
     base = prefix.key.rstrip("/") + "/" if prefix.key else ""
     want = {}
@@ -678,7 +679,7 @@ def sync_down(prefix, local: Path, keep, prune: bool = True) -> list[Path]:
     if prune and local.exists():
         for p in local.rglob("*"):
             rel = p.relative_to(local).as_posix()
-            if p.is_file() and keep(rel) and rel not in want:
+            if p.is_file() and keep(rel) and rel not in want and (prune is True or prune(rel)):
                 if head(Url(prefix.bucket, base + rel)) is not None:  # a stale listing left it out: it exists
                     out.append(p)
                     continue

@@ -93,8 +93,11 @@ class Files:
         if self.remote is not None:
             from reelcache.base import s3
 
-            s3.sync_down(self.remote, self.root, lambda rel: READ.fullmatch(rel) is not None)
-            s3.sync_down(self.remote, self.root, lambda rel: RUNS.fullmatch(rel) is not None, prune=False)
+            def read(rel: str) -> bool:
+                return READ.fullmatch(rel) is not None
+
+            # one listing of the root: the runs' files are mirrored too, never pruned
+            s3.sync_down(self.remote, self.root, lambda rel: read(rel) or RUNS.fullmatch(rel) is not None, prune=read)
 
     def get(self, rel: str) -> Path | None:
         path = self.root / rel
