@@ -64,7 +64,7 @@ def content_hash(path, offset: int = 0, size: int | None = None) -> str:
     return h.hexdigest()
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
@@ -97,7 +97,7 @@ def _copy_fd(src: int, dst: int, n: int) -> int:
                 buf = os.read(src, min(1 << 20, n - done))
             except OSError as e:
                 raise SourceError(e.errno, f"reading the source failed: {e.strerror}") from e
-            _write_all(dst, buf)
+            write_all(dst, buf)
             k = len(buf)
         if k == 0:
             break
@@ -140,7 +140,7 @@ class ShardWriter:
         if self.fd is None:
             return
         try:
-            _write_all(self.fd, b"\0" * (2 * BLOCK))  # end-of-archive marker
+            write_all(self.fd, b"\0" * (2 * BLOCK))  # end-of-archive marker
             if self.fsync:  # durable before it becomes visible under its final name
                 os.fsync(self.fd)
             os.close(self.fd)
@@ -188,16 +188,16 @@ class ShardWriter:
             pos = start
             for (ext, data, _), size, src in zip(members, sizes, srcs):
                 head = self._header(f"{key}.{ext}", size)
-                _write_all(self.fd, head)
+                write_all(self.fd, head)
                 pos += len(head)
                 offsets[ext] = pos
                 if src is None:
-                    _write_all(self.fd, data)
+                    write_all(self.fd, data)
                 else:
                     copied = _copy_fd(src, self.fd, size)
                     if copied != size:
                         raise ShortRead(f"read {copied} of {size} bytes; file changed during ingest")
-                _write_all(self.fd, self._pad(size))
+                write_all(self.fd, self._pad(size))
                 pos += size + len(self._pad(size))
         except BaseException as e:
             try:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from reelcache import UserError
 from reelcache.base import s3, units
-from reelcache.base.shards import ShardWriter, ShortRead, SourceError, _write_all, content_hash
+from reelcache.base.shards import ShardWriter, ShortRead, SourceError, content_hash, write_all
 from reelcache.base.units import Reject, Unit, claimed, parse_unit, unit_rows
 from reelcache.catalog.db import clips_table
 from reelcache.catalog.levels import count_nouns, tagger_name
@@ -186,7 +186,7 @@ def _write_object(row: dict, ext: str, *, writer: ShardWriter, sdir: Path, withd
                     raise
                 digest.update(chunk)
                 try:
-                    _write_all(fd, chunk)
+                    write_all(fd, chunk)
                 except OSError as e:
                     raise OutputError(tmp, e) from e
         finally:
