@@ -55,9 +55,10 @@ def add_commands(top) -> None:
     td.set_defaults(fn=_takedown)
 
 
-def _local(a, write: bool = False):
+def _local(a, write: bool = False, mirror: bool = True):
     """The folder of the catalog: the root, or for a root in S3 its local mirror, where `catalog merge --root s3://`
-    made it (the root checked first, and what lineage reads besides the catalog mirrored: lineage/takedown.py)."""
+    made it (the root checked first, and, with `mirror`, what lineage reads besides the catalog mirrored:
+    lineage/takedown.py; takedown mirrors it itself, when it plans)."""
     from reelcache.base import s3
 
     if not s3.is_url(a.root):
@@ -66,7 +67,8 @@ def _local(a, write: bool = False):
 
     s3.check_root(a.root, write=write)
     files = Files(a.root)
-    files.sync()
+    if mirror:
+        files.sync()
     return files.root
 
 
@@ -92,7 +94,7 @@ def _takedown(a) -> None:
     from reelcache.catalog.sql import read_only_connection
     from reelcache.lineage.takedown import takedown
 
-    local = _local(a, write=a.apply)
+    local = _local(a, write=a.apply, mirror=False)  # the selection reads the catalog alone
     with read_only_connection(local) as con:
         ids = _ids(a, con, local)
     j = takedown(a.root, ids, a.reason, apply=a.apply)
