@@ -648,6 +648,17 @@ def mirror_dir(url) -> Path:
     return Path(base) / url.bucket / url.key
 
 
+def mirror_object(url, path: Path) -> bool:
+    """One object mirrored as ``sync_down`` mirrors many, without listing its prefix (a run's holds its whole
+    consumed log): downloaded into `path` when it exists (True), else a local copy at `path` removed (False)."""
+    if head(url) is None:
+        Path(path).unlink(missing_ok=True)
+        return False
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    download(url, path)
+    return True
+
+
 def sync_down(prefix, local: Path, keep, prune=True) -> list[Path]:
     """Mirror the objects under `prefix` whose path below it `keep(rel)` accepts into `local`: an object is
     downloaded when the local copy's size or mtime differ from the object's (its mtime is set to the object's

@@ -121,7 +121,8 @@ class Evaluator:
                 raise UserError(f"no run at {self.remote} (no object under it)")
             mirrored_inputs(self.root_url)
             (self.root / rel).mkdir(parents=True, exist_ok=True)
-            s3.sync_down(self.remote, self.root / rel, lambda r: r in ("config.json", "wandb_id"))
+            for name in ("config.json", "wandb_id"):
+                s3.mirror_object(self.remote / name, self.root / rel / name)
             s3.sync_down(self.remote / "eval", self.root / rel / "eval", lambda r: not r.endswith(".mp4"))
         self.root, self.run_dir = Path(self.root), Path(self.run_dir)
         if not self.run_dir.is_absolute() and not self.run_dir.exists():

@@ -233,7 +233,7 @@ class Trainer:
         self.loader.log = ConsumedLog(self.run_dir / "consumed", par.rank, max(1, self.cfg.checkpoint.every or 100))
         self.loader.log.generation = self.loader.generation
         if self.remote is not None and self.rank0:  # the run's wandb id, if an earlier start made one
-            s3.sync_down(self.remote, self.run_dir, lambda rel: rel == "wandb_id")
+            s3.mirror_object(self.remote / "wandb_id", self.run_dir / "wandb_id")
 
     @property
     def module(self):
