@@ -2,18 +2,29 @@
 shards on the local disk, with 0 and 2 data workers, and again through the tests' fault proxy adding 20 ms to every
 request; requests per sample and bytes transferred per byte used (counted by the proxy).
 
-    .venv/bin/python bench/bench_loader_s3.py [SAMPLES] [FETCH_THREADS]
+    .venv/bin/python bench/bench_loader_s3.py [SAMPLES] [FETCH_THREADS] [STEP_MS ...]
 
 Samples are store samples (latent and caption embedding in two shards, tests/latent_data.py): latents of
 30..110 kB (64 channels) and captions of 24..90 kB (width 4096), as a T5-XXL embedding trimmed to its tokens.
 Each configuration reads one whole epoch; the first batch's time is left out (the plan, the shard check, the
-workers' start). CPU ms/sample: this process's CPU (user + system) and its data workers', per sample; the proxy
-rows include the proxy's (threads of this process); SeaweedFS's is not counted (a process of its own). The
-machine's load is printed first: on a shared machine the numbers move with it.
+workers' start).
+
+Two kinds of rows:
+- **flat out**: the loader read as fast as it goes (the issue's comparison). On a small machine this measures the
+  machine: SeaweedFS serves each GET from the same cores (its CPU per sample is the "store CPU" column).
+- **paced** (STEP_MS, default 25 and 100): after each batch the consumer sleeps STEP_MS, as a training's host
+  thread waits on its accelerator's step; the rows say how much of the epoch the step waited for data
+  (``wait %``) and the epoch's rate against the local disk's at the same pace.
+
+CPU ms/sample: this process's CPU (user + system) and its data workers', per sample. The fault proxy runs in a
+process of its own (its Python threads would otherwise share the in-process loader's GIL); its CPU and
+SeaweedFS's are the "store CPU" column (read from /proc). The machine's load is printed first: on a shared
+machine the numbers move with it.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import resource
 import sys
@@ -23,6 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_s() -> float:
@@ -31,7 +43,47 @@ def cpu_s() -> float:
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 
-def epoch(manifest, root, shard_root, workers, threads) -> tuple[float, list, float]:
+def proc_cpu_s(pids) -> float:
+    """CPU seconds (user + system) of live processes, from /proc (the store's side: SeaweedFS and the proxy)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / TICK
+    return total
+
+
+def _proxy(conn, upstream_port: int, latency_s: float) -> None:
+    """A FaultProxy in a process of its own: sends its port, then on any message the bodies it counted."""
+    from s3_local import FaultProxy
+
+    proxy = FaultProxy(upstream_port, latency_s=latency_s)
+    conn.send(proxy.port)
+    conn.recv()
+    with proxy.lock:
+        conn.send(list(proxy.bodies))
+    proxy.close()
+
+
+class ProxyProcess:
+    def __init__(self, upstream_port: int, latency_s: float):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_proxy, args=(child, upstream_port, latency_s), daemon=True)
+        self.proc.start()
+        self.port = self.conn.recv()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def bodies(self) -> list:
+        self.conn.send("bodies")
+        got = self.conn.recv()
+        self.proc.join(10)
+        return got
+
+
+def epoch(manifest, root, shard_root, workers, threads, step_s=0.0, store=()) -> dict:
     from reelcache.base.buckets import BucketConfig
     from reelcache.train.loader import LatentLoader
 
@@ -42,20 +94,35 @@ def epoch(manifest, root, shard_root, workers, threads) -> tuple[float, list, fl
     it = iter(ld)
     ids = list(next(it)["clip_id"])
     first = len(ids)
-    t0, c0 = time.perf_counter(), cpu_s()
-    for b in it:
+    t0, c0, s0, waited = time.perf_counter(), cpu_s(), proc_cpu_s(store), 0.0
+    while True:
+        w = time.perf_counter()
+        b = next(it, None)
+        waited += time.perf_counter() - w
+        if b is None:
+            break
         ids += b["clip_id"]
+        if step_s:
+            time.sleep(step_s)
     del it  # the workers end (and are counted)
     n = len(ids) - first
-    return n / (time.perf_counter() - t0), ids, 1e3 * (cpu_s() - c0) / n
+    took = time.perf_counter() - t0
+    return {
+        "rate": n / took,
+        "ids": ids,
+        "cpu": 1e3 * (cpu_s() - c0) / n,
+        "store": 1e3 * (proc_cpu_s(store) - s0) / n if store else None,
+        "wait": waited / took,
+    }
 
 
 def main() -> None:
     samples = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     threads = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    steps_ms = [float(x) for x in sys.argv[3:]] or [25.0, 100.0]
     import pyarrow.parquet as pq
     from latent_data import write_latents
-    from s3_local import FaultProxy, local_s3
+    from s3_local import local_s3
 
     from reelcache.base import s3
 
@@ -80,33 +147,53 @@ def main() -> None:
                         used_of[cid] = used_of.get(cid, 0) + size[o]
         mb = sum(used_of.values()) / samples / 1e3
         print(f"{samples} store samples, {mb:.0f} kB each on average (latent + caption); fetch_threads={threads}")
-        rows = []
-        for workers in (2, 0):  # workers first: forked before this process starts obstore (base/s3.py)
-            rate, _, cpu = epoch(manifest, root, None, workers, threads)
-            rows.append(("local disk", workers, rate, cpu, None))
-            os.environ.update(server.env())
+        weed = [server.proc.pid]
+
+        def run(name, workers, shard_root, step_s=0.0, latency=None):
+            if shard_root is None:
+                return {**epoch(manifest, root, None, workers, threads, step_s), "name": name, "workers": workers}
+            proxy = ProxyProcess(server.port, latency) if latency is not None else None
+            os.environ.update(server.env(proxy.endpoint if proxy else None))
             s3.forget_clients()
-            rate, _, cpu = epoch(manifest, root, s3root, workers, threads)
-            rows.append(("S3 loopback", workers, rate, cpu, None))
-            for latency in (0.0, 0.02):
-                proxy = FaultProxy(server.port, latency_s=latency)
-                os.environ.update(server.env(proxy.endpoint))
-                s3.forget_clients()
-                try:
-                    rate, ids, cpu = epoch(manifest, root, s3root, workers, threads)
-                    gets = [k for m, p, k in proxy.bodies if m == "GET" and ".tar" in p]
-                    stats = (len(gets) / len(ids), sum(gets) / sum(used_of[c] for c in ids))
-                finally:
-                    proxy.close()
-                name = f"S3 + proxy{' +20 ms' if latency else ''}"
-                rows.append((name, workers, rate, cpu, stats))
-        local = {w: r for name, w, r, _, _ in rows if name == "local disk"}
-        head = ("source", "workers", "samples/s", "x local", "CPU ms/sample", "GETs/sample", "bytes/used")
-        print("{:20s} {:>7s} {:>10s} {:>8s} {:>13s} {:>12s} {:>11s}".format(*head))
-        for name, w, rate, cpu, stats in sorted(rows, key=lambda r: r[1]):
-            extra = f"{stats[0]:12.2f} {stats[1]:11.4f}" if stats else ""
-            print(f"{name:20s} {w:7d} {rate:10.1f} {rate / local[w]:8.2f} {cpu:13.2f} {extra}")
-        print(f"load average after: {os.getloadavg()[0]:.2f}")
+            store = weed + ([proxy.proc.pid] if proxy else [])
+            r = epoch(manifest, root, shard_root, workers, threads, step_s, store)
+            if proxy:
+                gets = [k for m, p, k in proxy.bodies() if m == "GET" and ".tar" in p]
+                r["stats"] = (len(gets) / len(r["ids"]), sum(gets) / sum(used_of[c] for c in r["ids"]))
+            return {**r, "name": name, "workers": workers}
+
+        flat, paced = [], []
+        for workers in (2, 0):  # workers first: forked before this process starts obstore (base/s3.py)
+            flat.append(run("local disk", workers, None))
+            flat.append(run("S3 loopback", workers, s3root))
+            flat.append(run("S3 + proxy", workers, s3root, latency=0.0))
+            flat.append(run("S3 + proxy +20 ms", workers, s3root, latency=0.02))
+        for step_ms in steps_ms:  # in-process only: obstore is started in this process by now
+            paced.append({**run("local disk", 0, None, step_ms / 1e3), "step": step_ms})
+            paced.append({**run("S3 + proxy +20 ms", 0, s3root, step_ms / 1e3, latency=0.02), "step": step_ms})
+
+        local = {r["workers"]: r["rate"] for r in flat if r["name"] == "local disk"}
+        print("\nflat out")
+        head = ("source", "workers", "samples/s", "x local", "CPU ms/sample", "store CPU", "GETs/sample", "bytes/used")
+        print("{:20s} {:>7s} {:>10s} {:>8s} {:>13s} {:>10s} {:>12s} {:>11s}".format(*head))
+        for r in sorted(flat, key=lambda r: r["workers"]):
+            store = f"{r['store']:10.2f}" if r.get("store") is not None else " " * 10
+            extra = f" {r['stats'][0]:12.2f} {r['stats'][1]:11.4f}" if r.get("stats") else ""
+            print(
+                f"{r['name']:20s} {r['workers']:7d} {r['rate']:10.1f} {r['rate'] / local[r['workers']]:8.2f}"
+                f" {r['cpu']:13.2f} {store}{extra}"
+            )
+        print("\npaced: the consumer sleeps STEP ms after each batch (workers = 0)")
+        head = ("source", "step ms", "samples/s", "x local", "wait %", "CPU ms/sample", "store CPU")
+        print("{:20s} {:>7s} {:>10s} {:>8s} {:>7s} {:>13s} {:>10s}".format(*head))
+        for r in paced:
+            base = next(p["rate"] for p in paced if p["step"] == r["step"] and p["name"] == "local disk")
+            store = f"{r['store']:10.2f}" if r.get("store") is not None else ""
+            print(
+                f"{r['name']:20s} {r['step']:7.0f} {r['rate']:10.1f} {r['rate'] / base:8.2f} {100 * r['wait']:7.1f}"
+                f" {r['cpu']:13.2f} {store}"
+            )
+        print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
