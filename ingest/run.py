@@ -216,7 +216,12 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim, root) -> dic
         r.update(source=sdir.name, unit=unit, status="ok")
     fn = functools.partial(probe, max_file_mb=cfg.thresholds.max_file_mb, verify=cfg.verify)
     timeout = cfg.decode_timeout if cfg.verify == "decode" else cfg.probe_timeout
-    limits = {"workers": cfg.workers, "timeout": timeout, "memory_mb": cfg.worker_memory_mb}
+    limits = {
+        "workers": cfg.workers,
+        "timeout": timeout,
+        "memory_mb": cfg.worker_memory_mb,
+        "init": functools.partial(bound_stall, timeout),
+    }
     writer = ShardWriter(sdir, f"{index:06d}", int(cfg.shard_mb * 1e6), claim=claim)
     read = {"probed": 0, "bytes": 0, "of": 0}  # probes of objects in S3: bytes fetched, of the objects' sizes
     held: dict[str, bytes] = {}  # a small object's bytes from its probe, for its write (take_probe)
@@ -267,6 +272,13 @@ def _run(unit: str, cfg, plan: dict, sdir: Path, index: int, claim, root) -> dic
         "seconds": dt,
         "probe_bytes": read["bytes"],
     }
+
+
+def bound_stall(timeout: float) -> None:
+    """In a probe worker: a read of an object in S3 with no byte for a third of the probe's deadline ends as a
+    stall (``S3Error``: the unit fails, its rerun reads again), so that a stalled store is never the row's
+    'timeout' reject, which blames the video. A file slow for its own sake still meets the deadline."""
+    os.environ["REELCACHE_S3_STALL_S"] = f"{max(0.1, min(s3.stall_s(), timeout / 3)):g}"
 
 
 def _probed(results):

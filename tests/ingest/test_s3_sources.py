@@ -125,28 +125,38 @@ def test_a_missing_object_is_its_rows_reject_naming_it(s3_server, s3_root, demo_
     assert {k: got[k] for k in want} == want
 
 
-@pytest.mark.parametrize("fault", ["error500", "stall"])
+@pytest.mark.parametrize("fault", ["error500", "stall", "stall past the probe's deadline"])
 def test_a_store_failure_on_a_source_fails_the_unit_and_its_rerun_succeeds(
     s3_server, s3_proxy, demo_dataset, ingested, tmp_path, monkeypatch, capsys, fault
 ):
     """Every GET of one source object fails (500, past the retries), or the first stalls past its limit: the unit
     fails in one line naming the object (no row is rejected for it), leaves no shard and no sidecar; its rerun
-    after the fault is gone equals the reference."""
+    after the fault is gone equals the reference. A stall longer than the probe's deadline (`--probe-timeout` 3 s,
+    the stall limit left at its default of 120 s) is the store's failure too, not the row's 'timeout' reject: in a
+    probe the stall limit is a third of the deadline."""
     videos = upload_videos(s3_server, s3_proxy.root, demo_dataset / "videos")
     root = tmp_path / "root"
     root.mkdir()
-    units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", videos, *ARGS)
+    deadline = ("--probe-timeout", "3") if fault.startswith("stall past") else ()
+    units = plan_ingest(root, demo_dataset / "OpenVid-demo.csv", videos, *ARGS, *deadline)
     obj = f"{videos}/clip_00001.mp4"
     on = lambda m, p: m == "GET" and p.split("?")[0].endswith("/videos/clip_00001.mp4")  # noqa: E731
     if fault == "stall":
         monkeypatch.setenv("REELCACHE_S3_STALL_S", "0.5")
+    else:
+        monkeypatch.delenv("REELCACHE_S3_STALL_S", raising=False)
+    if fault.startswith("stall"):
         s3_proxy.add("stall", on, stall_s=30)
     else:
         s3_proxy.add("error500", on, times=1000)
     capsys.readouterr()
     assert main(["ingest", "run", "--root", str(root), units[0]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    expect = f"reading {obj}: no byte for 0.5 s" if fault == "stall" else f"reading {obj}: failed 5 times"
+    expect = {
+        "error500": f"reading {obj}: failed 5 times",
+        "stall": f"reading {obj}: no byte for 0.5 s",
+        "stall past the probe's deadline": f"reading {obj}: no byte for 1 s",
+    }[fault]
     assert len(err) == 1 and expect in err[0], err
     assert not list((root / "raw/openvid").glob("000000*"))  # no shard, no sidecar, no lease
     assert not list((root / "raw/openvid").glob(".000000*"))  # no temporary
