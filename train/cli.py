@@ -64,7 +64,9 @@ def add_commands(top) -> None:
         epilog=SIMULATE_EXAMPLES,
     )
     sim.add_argument(
-        "--root", type=existing_dir, help="data root (manifest names resolve to ROOT/manifests/NAME-*.parquet)"
+        "--root",
+        type=root_arg,
+        help="data root, a folder or s3://bucket/prefix (manifest names resolve to ROOT/manifests/NAME-*.parquet)",
     )
     sim.add_argument(
         "--manifest",
@@ -296,11 +298,19 @@ def _simulate(a) -> None:
         raise UserError(f"--weight values {given} must add up to 1 (unweighted manifests share the rest)")
     rest = (1 - sum(given)) / max(1, sum(1 for _, w in a.manifests if w is None))
     manifests = [(m, w if w is not None else rest) for m, w in a.manifests]
+    root = a.root
+    if root is not None and root.startswith("s3://"):  # manifests and takedowns mirrored (no shard is read)
+        from reelcache.base import s3
+        from reelcache.train.runfiles import mirrored_inputs
+
+        s3.check_root(root, write=False)
+        mirrored_inputs(root)
+        root = s3.mirror_dir(root)
     try:
         simulate(
             manifests,
             BucketConfig.from_toml(a.buckets),
-            root=a.root,
+            root=root,
             world_size=a.world_size,
             workers=a.workers,
             seed=a.seed,

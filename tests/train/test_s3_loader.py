@@ -217,3 +217,50 @@ def test_a_fetcher_and_its_cache_survive_pickling_for_a_spawned_worker(tmp_path)
     assert (f.threads, f.cache.dir, f.cache.limit, f.versions) == (3, tmp_path, 1000, {"s3://b/x.tar": "e/1"})
     f.cache.put("s3://b/x.tar", "e/1", 512, b"abc")
     assert f.cache.get("s3://b/x.tar", "e/1", 512) == b"abc" and f.cache.get("s3://b/x.tar", "e/2", 512) is None
+
+
+def test_loader_simulate_on_an_s3_root_equals_the_same_manifest_on_a_folder(
+    store_data, s3_server, s3_root, tmp_path, capsys
+):
+    """`loader simulate --root s3://...` finds a manifest by name in the root's manifests/ (mirrored down, no shard
+    read) and plans every rank's batches as it does on a folder holding the same manifest; a name the root does
+    not have is one line."""
+    from reelcache.cli import main
+
+    _, manifest = store_data
+    name = "sim-0123456789abcdef.parquet"
+    local = tmp_path / "local"
+    (local / "manifests").mkdir(parents=True)
+    (local / "manifests" / name).write_bytes(manifest.read_bytes())
+    bucket, _, prefix = s3_root[5:].partition("/")
+    s3_server.client().upload_file(str(manifest), bucket, f"{prefix}/manifests/{name}")
+    outs = {}
+    for where, root in (("folder", str(local)), ("s3", s3_root)):
+        outs[where] = tmp_path / f"{where}.parquet"
+        args = [
+            "loader",
+            "simulate",
+            "--root",
+            root,
+            "--manifest",
+            "sim",
+            "--buckets",
+            str(REPO / "configs/buckets/tiny.toml"),
+        ]
+        assert main([*args, "--world-size", "3", "--seed", "5", "--epochs", "2", "--out", str(outs[where])]) == 0
+    got, want = pq.read_table(outs["s3"]).to_pylist(), pq.read_table(outs["folder"]).to_pylist()
+    assert got == want and len(want) >= 2 * 40
+    capsys.readouterr()
+    bad = [
+        "loader",
+        "simulate",
+        "--root",
+        s3_root,
+        "--manifest",
+        "nothere",
+        "--buckets",
+        str(REPO / "configs/buckets/tiny.toml"),
+    ]
+    assert main([*bad, "--world-size", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no manifest 'nothere'" in err[0], err
