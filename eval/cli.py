@@ -155,22 +155,32 @@ def _serve(a) -> None:
 
 
 def _submit(a) -> None:
-    """``eval serve --slurm``: the same command as a job on one GPU (cluster/slurm/jobs.py), after --after starts."""
+    """``eval serve --slurm``: the same command as a job on one GPU (cluster/slurm/jobs.py), after --after starts.
+    A run in S3: the run exists there (an object under its prefix: the training job's script from the moment
+    ``train --slurm`` submitted it), and the job keeps a mirror of its own (jobs.py)."""
+    from reelcache.base import s3
     from reelcache.cluster.slurm import jobs
 
-    if str(a.root).startswith("s3://"):
-        raise UserError("--slurm with an s3:// --root is not built yet: run `eval serve` in a job of your own")
-    run_dir = (Path(a.run) if Path(a.run).is_absolute() else Path(a.root) / a.run).resolve()
+    rel = a.run
+    if s3.is_url(a.root):
+        s3.check_root(a.root)  # the bucket, the credentials, conditional writes: one line before any work
+        rel = Path(a.run).as_posix().strip("/")
+        if Path(a.run).is_absolute() or ".." in Path(rel).parts:  # as the evaluator says it
+            raise UserError(f"--run {a.run}: with an s3:// --root, the run under it: runs/<name>")
+        remote = s3.parse(a.root) / rel
+        if not s3.list_objects(f"{remote}/"):
+            raise UserError(f"no run at {remote} (no object under it: submit its training first)")
     _check_inputs(a)
     argv = sys.argv[sys.argv.index("serve") + 1 :]
     res = slurm_options.resources(a)
     args = slurm_options.without_slurm_options(argv, "eval") + (
         ["--follow", a.after] if a.after and not a.follow else []
     )
-    job = jobs.eval_script(run_dir, res, after=a.after, args=args)
+    job = jobs.eval_script(a.root, rel, res, after=a.after, args=args)
     job_id = jobs.launch(job, res, dry_run=a.dry_run)
     if job_id:
-        print(f"submitted job {job_id}: eval serve of {run_dir.name}; log {job.log(job_id)}")
+        where = " on the job's node" if job.remote else ""
+        print(f"submitted job {job_id}: eval serve of {job.script.parent.parent.name}; log {job.log(job_id)}{where}")
 
 
 def _check_inputs(a) -> None:
@@ -179,9 +189,10 @@ def _check_inputs(a) -> None:
         raise UserError("nothing to evaluate: give --prompts and/or --val-manifest")
     if a.val_manifest:
         from reelcache.catalog.manifest import resolve_manifest
+        from reelcache.train.runfiles import mirrored_inputs
 
         try:
-            resolve_manifest(a.root, a.val_manifest)
+            resolve_manifest(mirrored_inputs(a.root), a.val_manifest)
         except ValueError as e:
             raise UserError(f"--val-manifest: {e}") from None
 

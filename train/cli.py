@@ -185,8 +185,6 @@ def run(a, overrides: list[str]) -> None:
     if str(a.root).startswith("s3://"):
         from reelcache.base import s3
 
-        if a.slurm:
-            raise UserError("--slurm with an s3:// --root is not built yet: launch the ranks yourself (torchrun)")
         s3.check_root(a.root)  # the bucket, the credentials, conditional writes: one line before any work
     if a.slurm:
         if a.nproc:
@@ -232,9 +230,11 @@ def _rank_args(a, overrides: list[str]) -> list[str]:
 
 
 def _submit(a, cfg, overrides: list[str]) -> None:
-    """``train --slurm``: the same command as a requeueable batch job (cluster/slurm/jobs.py)."""
+    """``train --slurm``: the same command as a requeueable batch job (cluster/slurm/jobs.py; a root in S3: its
+    module docstring)."""
     from pathlib import Path
 
+    from reelcache.base import s3
     from reelcache.cluster.slurm import checks, jobs
 
     if a.load or a.reset_data:
@@ -249,28 +249,34 @@ def _submit(a, cfg, overrides: list[str]) -> None:
     _check_manifests(cfg, a.root)  # here, not only inside the job
     train_args = [f"--{o}" for o in overrides if not o.startswith("run.name=")]
     if a.init_from:
-        train_args += ["--init-from", str(Path(a.init_from).resolve())]
+        train_args += ["--init-from", a.init_from if s3.is_url(a.init_from) else str(Path(a.init_from).resolve())]
     if a.init_from_weights:
         train_args += ["--init-from-weights", a.init_from_weights]
-    root = Path(a.root).resolve()
+    root = a.root if s3.is_url(a.root) else Path(a.root).resolve()
     job = jobs.train_script(a.config, root, cfg.run.name, res, nproc=nproc, signal_s=a.signal_s, train_args=train_args)
     job_id = jobs.launch(job, res, dry_run=a.dry_run, signal_s=a.signal_s)
     if job_id:
+        run = f"{root}/runs/{cfg.run.name}"
+        where, stop = ("", f"touch {run}/stop")
+        if job.remote:  # the log on the node that runs the batch shell, the stop request an object
+            where, stop = " on the job's first node", f"aws s3 cp /dev/null {run}/stop"
         print(
             f"submitted job {job_id}: {cfg.run.name} on {res.node_range} node(s) x {nproc} rank(s); log "
-            f"{job.log(job_id)}; checkpoint and stop: touch "
-            f"{root}/runs/{cfg.run.name}/stop; checkpoint, stop and requeue: scancel --batch --signal=USR2 {job_id}"
+            f"{job.log(job_id)}{where}; checkpoint and stop: {stop}; checkpoint, stop and requeue: "
+            f"scancel --batch --signal=USR2 {job_id}"
         )
 
 
 def _check_manifests(cfg, root) -> None:
     """Each of data.manifests exists, found as the loader finds it (catalog/manifest.py: a file, or a name
-    under ROOT)."""
+    under ROOT; a root in S3: under its mirror, the manifests mirrored first as the trainer does)."""
     from reelcache.catalog.manifest import resolve_manifest
+    from reelcache.train.runfiles import mirrored_inputs
 
+    local = mirrored_inputs(root)
     for m in cfg.data.manifests:
         try:
-            resolve_manifest(root, m.name)
+            resolve_manifest(local, m.name)
         except ValueError as e:
             raise UserError(f"data.manifests: {e}") from None
 

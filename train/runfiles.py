@@ -29,8 +29,9 @@ __all__ = ["TEMPORARY", "RunFiles", "fetch", "mirrored_inputs", "run_place"]
 _RANK = re.compile(r"rank(\d{5})")
 TEMPORARY = re.compile(r"(^|/)\.[^/]*\.tmp")  # a file being written (reelcache/files.py: tmp_name)
 # not published by RunFiles: checkpoints (the writer's), the lease and the stop request (objects of their own), the
-# wandb offline folder, temporaries
-RUN_NOT_PUBLISHED = re.compile(r"^(ckpt-\d{8}/|\.tmp-|wandb/|run\.lease$|stop$)|" + TEMPORARY.pattern)
+# wandb offline folder, a Slurm job's folder (its script is uploaded when submitted, its log stays on the node:
+# cluster/slurm/jobs.py), temporaries
+RUN_NOT_PUBLISHED = re.compile(r"^(ckpt-\d{8}/|\.tmp-|wandb/|slurm/|run\.lease$|stop$)|" + TEMPORARY.pattern)
 # What of a root a run reads, mirrored down before it starts: the manifests (by name) and the takedowns' record.
 _INPUTS = re.compile(r"manifests/[^/]+\.(parquet|json)|withdrawn/[^/]+\.parquet")
 
@@ -44,11 +45,13 @@ def run_place(root, name: str) -> tuple[Path, Path, s3.Url | None]:
     return Path(root), Path(root) / "runs" / name, None
 
 
-def mirrored_inputs(root) -> None:
+def mirrored_inputs(root) -> Path:
     """A root in S3: its manifests and takedowns brought into its local mirror (where the loader finds them by
-    name, as ``cache plan`` does)."""
-    if s3.is_url(root):
-        s3.sync_down(root, s3.mirror_dir(root), lambda rel: _INPUTS.fullmatch(rel) is not None)
+    name, as ``cache plan`` does); the local root (the mirror, or the folder root itself)."""
+    if not s3.is_url(root):
+        return Path(root)
+    s3.sync_down(root, s3.mirror_dir(root), lambda rel: _INPUTS.fullmatch(rel) is not None)
+    return s3.mirror_dir(root)
 
 
 def fetch(url) -> Path:

@@ -109,7 +109,7 @@ def test_an_eval_script_runs_eval_serve_without_its_slurm_options(tmp_path):
     argv += ["--sbatch-arg", "--qos=high", "--val-manifest", "v", "--dry-run"]
     args = options.without_slurm_options(argv, "eval")
     assert args == ["--root", "R", "--run", "runs/x", "--val-manifest", "v"]
-    job = jobs.eval_script(tmp_path / "runs/x", options.Resources(gpus_per_node=1), after="7", args=args, python="py")
+    job = jobs.eval_script(tmp_path, "runs/x", options.Resources(gpus_per_node=1), after="7", args=args, python="py")
     assert [x for x in job.text.splitlines() if x.startswith("#SBATCH")] == [
         "#SBATCH --job-name=eval-x",
         "#SBATCH --nodes=1",
@@ -121,6 +121,40 @@ def test_an_eval_script_runs_eval_serve_without_its_slurm_options(tmp_path):
         "#SBATCH --gpus-per-node=1",
     ]
     assert job.text.endswith("exec py -m reelcache eval serve --root R --run runs/x --val-manifest v\n")
+
+
+def test_jobs_over_an_s3_root_keep_their_folder_in_the_mirror_and_the_script_beside_the_run(tmp_path, monkeypatch):
+    """No shared file system (cluster/slurm/jobs.py): the script in the submitter's mirror and uploaded beside the
+    run; the job exports that mirror (the evaluation job a mirror of its own), makes its log's folder there on the
+    node and opens the log itself (Slurm's --output is /dev/null); the trap's stop file is the node's run folder's;
+    no credential is written."""
+    monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "m"))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cret")
+    root, res = "s3://bkt/p/root", options.Resources(gpus_per_node=8)
+    job = jobs.train_script("c.toml", root, "s1", res, nproc=8, signal_s=300, train_args=[])
+    run = tmp_path / "m/bkt/p/root/runs/s1"
+    assert (job.script, str(job.remote), job.log("42")) == (
+        run / "slurm/train.sbatch",
+        f"{root}/runs/s1/slurm/train.sbatch",
+        run / "slurm/train-s1-42.out",
+    )
+    lines = job.text.splitlines()
+    assert "#SBATCH --output=/dev/null" in lines and "s3cret" not in job.text
+    body = lines[lines.index("set -uo pipefail") + 1 :]
+    assert body[:2] == [
+        f"export REELCACHE_S3_MIRROR={tmp_path}/m",
+        f'mkdir -p {run}/slurm && exec >>{run}/slurm/"$SLURM_JOB_NAME-$SLURM_JOB_ID.out" 2>&1 || exit 1',
+    ]
+    assert f"touch {run}/stop; requeue=1" in job.text and f"--root {root} --resume --wait" in job.text
+
+    ev = jobs.eval_script(root, "runs/s1", options.Resources(gpus_per_node=1), after="7", args=["--root", root])
+    theirs = tmp_path / "m-eval/bkt/p/root/runs/s1"
+    assert (ev.script, str(ev.remote), ev.log("43")) == (
+        run / "slurm/eval.sbatch",
+        f"{root}/runs/s1/slurm/eval.sbatch",
+        theirs / "slurm/eval-s1-43.out",
+    )
+    assert f"export REELCACHE_S3_MIRROR={tmp_path}/m-eval\nmkdir -p {theirs}/slurm && exec >>" in ev.text
 
 
 def test_an_array_script_and_its_then_job_have_the_directives_written_out_by_hand(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -45,9 +46,9 @@ def root(tmp_path_factory) -> tuple[Path, Path]:
     return r, write_latents(r, 24, name="train")
 
 
-def submit(slurm, root: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
+def submit(slurm, root: Path | str, *args: str, ok: bool = True, env: dict | None = None):
     cmd = [sys.executable, "-m", "reelcache", "train", CONFIG, "--root", str(root), "--slurm", *args]
-    p = subprocess.run(cmd, env=slurm.env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(cmd, env=env or slurm.env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert (p.returncode == 0) == ok, p.stdout + p.stderr
     return p
 
@@ -72,11 +73,13 @@ def job_log(run: Path) -> str:
     return "".join(p.read_text() for p in sorted((run / "slurm").glob("*.out")))
 
 
-def eval_serve(slurm, root: Path, manifest: Path, run: str, *args: str) -> subprocess.CompletedProcess:
+def eval_serve(
+    slurm, root: Path | str, manifest: Path | str, run: str, *args: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "reelcache", "eval", "serve", "--root", str(root), "--run", run]
     cmd += ["--preset", "debug", "--device", "cpu", "--val-manifest", str(manifest), "--val-max-clips", "4"]
     cmd += ["--poll", "1", "--wandb-mode", "disabled", "--slurm", *args]
-    return subprocess.run(cmd, env=slurm.env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, env=env or slurm.env, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_a_requeued_job_resumes_from_its_newest_checkpoint_and_ends_like_an_uninterrupted_run(
@@ -114,6 +117,96 @@ def test_a_requeued_job_resumes_from_its_newest_checkpoint_and_ends_like_an_unin
     for which in ("model", "ema"):
         a, b = weights(ddp_reference / "ckpt-00000015", which), weights(run / "ckpt-00000015", which)
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_a_job_on_an_s3_root_requeued_resumes_from_s3_and_ends_like_an_uninterrupted_run(
+    slurm, root, ddp_reference, s3_server, tmp_path
+):
+    """docs/STORAGE.md "A run in S3" under Slurm (cluster/slurm/jobs.py): the data and a manifest (by name) in
+    S3 on the session's SeaweedFS, `train --slurm --root s3://` and `eval serve --slurm --after <job>` each
+    submitted with a mirror of its own and the AWS_* variables in the submitter's environment (nothing else in
+    the script). The job is requeued (`scontrol requeue`) after its first checkpoint is an object, resumes from
+    the newest complete checkpoint in S3, and ends loss for loss and weight for weight where the session's
+    uninterrupted run ends; its run read back by a plain boto3 client holds every checkpoint of that run, file
+    for file, each with its state.json; the script is an object beside the run, the Slurm log stays in the
+    mirror on the node, where the trap's stop file is the trainer's. The evaluation job evaluates every
+    checkpoint, its records in S3: ckpt-15's validation loss is that of `eval once` over the reference's."""
+    import secrets
+
+    from s3_local import download_tree, upload_tree
+
+    from reelcache.cli import main
+
+    r, manifest = root
+    same_data(ddp_reference.parents[1], r)  # the uninterrupted run: the session's (auto: DDP on CPU)
+    bucket, prefix = s3_server.shared_bucket, f"{secrets.token_hex(4)}/root"
+    url, c = f"s3://{bucket}/{prefix}", s3_server.client()
+    upload_tree(c, r / "latents/train", f"{url}/latents/train")
+    upload_tree(c, manifest, f"{url}/manifests/train-0123456789abcdef.parquet")  # as `catalog manifest` names it
+    env = {**slurm.env, **s3_server.env(), "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+    mirror, eval_mirror = tmp_path / "mirror", tmp_path / "mirror-eval"  # the job's own (jobs.py: Place)
+    name = "s3-requeued"
+    p = submit(
+        slurm, url, "--gpus-per-node=0", "--nproc-per-node=2", *data_args("train", *WHOLE), f"--run.name={name}",
+        env={**env, "REELCACHE_S3_MIRROR": str(mirror)},
+    )  # fmt: skip
+    job, run = job_id(p), mirror / bucket / prefix / "runs" / name
+    log = run / f"slurm/train-{name}-{job}.out"
+    assert f"log {log} on the job's first node; checkpoint and stop: aws s3 cp /dev/null {url}/runs/{name}/stop;" in (
+        p.stdout
+    )
+    script = (run / "slurm/train.sbatch").read_text()
+    key = f"{prefix}/runs/{name}/slurm/train.sbatch"
+    assert c.get_object(Bucket=bucket, Key=key)["Body"].read().decode() == script  # beside the run, at once
+    assert "AWS_" not in script and f"touch {run}/stop;" in script and "--output=/dev/null" in script
+    ev = eval_serve(
+        slurm, url, "train", f"runs/{name}", "--gpus-per-node", "1", "--after", job,
+        env={**env, "REELCACHE_S3_MIRROR": str(mirror)},
+    )  # fmt: skip
+    assert ev.returncode == 0, ev.stderr
+    eval_job = ev.stdout.split("submitted job ")[1].split(":")[0]
+
+    def has(key: str) -> bool:
+        return c.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/runs/{name}/{key}")["KeyCount"] > 0
+
+    wait_for(lambda: has("ckpt-00000004/state.json"), "the first checkpoint in S3", slurm, job, run)
+    slurm.run("scontrol", "requeue", job)
+    (record,) = slurm.wait(job, timeout=300)
+    text = log.read_text()
+    assert record["JobState"] == "COMPLETED" and record["Restarts"] == "1", (record, text[-3000:])
+    assert "attempt 0" in text and "attempt 1" in text and "resumed from" in text, text[-3000:]
+    (evaluated,) = slurm.wait(eval_job, timeout=240)
+    eval_log = "".join(f.read_text() for f in (eval_mirror / bucket / prefix / "runs" / name / "slurm").glob("*.out"))
+    assert evaluated["JobState"] == "COMPLETED", (evaluated, eval_log[-3000:])
+    assert "the training job has ended and every checkpoint is evaluated" in eval_log, eval_log[-3000:]
+    assert (run / "config.json").exists()  # the trainer's run folder is the one whose stop file the trap touches
+
+    got = tmp_path / "got"
+    keys = download_tree(c, f"{url}/runs/{name}", got)
+    want = sorted(p.relative_to(ddp_reference).as_posix() for p in ddp_reference.glob("ckpt-*/**/*") if p.is_file())
+    assert [k for k in keys if k.startswith("ckpt-")] == want  # every file of every checkpoint, nothing partial
+    ckpts = sorted(d.name for d in ddp_reference.glob("ckpt-*"))
+    assert len(ckpts) > 1 and all(f"{ckpt}/state.json" in keys for ckpt in ckpts)
+    assert [k for k in keys if k.startswith("slurm/")] == ["slurm/eval.sbatch", "slurm/train.sbatch"], keys
+    assert "run.lease" not in keys and "stop" not in keys
+    whole, resumed = metrics(ddp_reference), metrics(got)
+    assert sorted(resumed) == sorted(whole) == list(range(15))
+    assert [resumed[s]["loss"] for s in whole] == [whole[s]["loss"] for s in whole]
+    assert max(row["generation"] for row in resumed.values()) == 1  # the second attempt trained the rest
+    for which in ("model", "ema"):
+        a, b = weights(ddp_reference / "ckpt-00000015", which), weights(got / "ckpt-00000015", which)
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+    assert sorted(k.split("/")[1] for k in keys if k.endswith("/val_loss.json")) == ckpts
+    ref = tmp_path / "ref/runs/whole"  # the reference's last checkpoint (read only: evaluated in a copy)
+    shutil.copytree(ddp_reference / "ckpt-00000015", ref / "ckpt-00000015")
+    common = ["--preset", "debug", "--device", "cpu", "--val-max-clips", "4", "--wandb-mode", "disabled"]
+    argv = ["eval", "once", "--root", str(r), "--run", str(ref), "--val-manifest", str(manifest), *common]
+    assert main([*argv, "--checkpoint", "ckpt-00000015"]) == 0
+    rel = "eval/ckpt-00000015/val_loss.json"
+    doc, want_doc = json.loads((got / rel).read_text()), json.loads((ref / rel).read_text())
+    for k in ("global_step", "clips", "manifest_fingerprint", "weights", "overall", "buckets"):
+        assert doc[k] == want_doc[k], k
 
 
 def test_the_time_limits_warning_signal_checkpoints_and_requeues(slurm, root):
@@ -252,6 +345,27 @@ def test_eval_serve_without_inputs_is_one_line_before_anything_is_submitted(slur
     p = subprocess.run(cmd, env=slurm.env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.startswith(f"reelcache: error: {message}"), p.stderr
     assert p.stderr.count("\n") == 1, p.stderr
+
+
+def test_s3_root_inputs_are_one_line_before_anything_is_submitted(slurm, s3_server, tmp_path):
+    """A root in S3: a training manifest the root's manifests/ lacks (looked for in the mirror, as the trainer
+    does) and an evaluation of a run with no object under its prefix are one line; nothing is submitted and
+    nothing is put in S3."""
+    import secrets
+
+    url = f"s3://{s3_server.shared_bucket}/{secrets.token_hex(4)}/root"
+    env = {**slurm.env, **s3_server.env(), "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+    env["REELCACHE_S3_MIRROR"] = str(tmp_path / "mirror")
+    p = submit(slurm, url, "--gpus-per-node=1", *data_args("absent"), "--run.name=bad", ok=False, env=env)
+    assert p.returncode == 2 and p.stderr.startswith("reelcache: error: data.manifests: no manifest 'absent'")
+    cmd = [sys.executable, "-m", "reelcache", "eval", "serve", "--root", url, "--run", "runs/bad", "--slurm"]
+    p = subprocess.run([*cmd, "--val-manifest", "v"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr == (
+        f"reelcache: error: no run at {url}/runs/bad (no object under it: submit its training first)\n"
+    )
+    assert not slurm.run("squeue", "--noheader", "--name=train-bad,eval-bad").stdout.strip()
+    bucket, prefix = url[5:].split("/", 1)
+    assert s3_server.client().list_objects_v2(Bucket=bucket, Prefix=prefix)["KeyCount"] == 0
 
 
 def test_no_controller_is_said_in_one_line(slurm, root, tmp_path):
