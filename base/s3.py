@@ -445,7 +445,7 @@ def list_objects(prefix) -> list[dict]:
     as boto3 lists them
     (Key, Size, ETag, LastModified), in key order."""
     url = parse(prefix)
-    key = url.key + ("/" if url.key and str(prefix).endswith("/") else "")
+    key = url.key + ("/" if url.key and str(prefix).endswith("/") and not url.key.endswith("/") else "")
     out = []
     try:
         for page in client().get_paginator("list_objects_v2").paginate(Bucket=url.bucket, Prefix=key):
@@ -659,20 +659,32 @@ def mirror_object(url, path: Path) -> bool:
     return True
 
 
-def sync_down(prefix, local: Path, keep, prune=True) -> list[Path]:
+def sync_down(prefix, local: Path, keep, prune=True, under=("",)) -> list[Path]:
     """Mirror the objects under `prefix` whose path below it `keep(rel)` accepts into `local`: an object is
     downloaded when the local copy's size or mtime differ from the object's (its mtime is set to the object's
     Last-Modified), and a local file `keep` accepts whose object is gone is removed, if `prune` is True or a
     function of `rel` that accepts it too (False: none is): gone by a HEAD of it, not by its absence from the
     listing (a listing may be briefly stale: a store behind a cache, an eventually consistent one). Returns the
-    local files."""
+    local files.
+
+    `under`: the sub-prefixes listed (plain string prefixes of `rel`, e.g. ``("store/", "manifests/")``), each by
+    its own listing; the default lists all of `prefix`. A caller that reads only some folders of a root names them
+    (a root holds ~100k store objects and the runs' consumed logs): `keep` must accept nothing outside them, and
+    only files under them are mirrored or pruned."""
     prefix = parse(prefix)
     base = prefix.key.rstrip("/") + "/" if prefix.key else ""
+    under = tuple(sorted(set(under)))
+    for u in under:
+        if u.startswith("/") or ".." in u.split("/"):
+            raise ValueError(f"sync_down under={u!r}: a relative sub-prefix of {prefix} ('store/', 'manifests/')")
     want = {}
-    for o in list_objects(Url(prefix.bucket, base)):
-        rel = o["Key"][len(base) :]
-        if keep(rel):
-            want[rel] = o
+    for u in under:
+        if any(u.startswith(v) for v in under if v != u):
+            continue  # listed with a shorter one
+        for o in list_objects(Url(prefix.bucket, base + u)):
+            rel = o["Key"][len(base) :]
+            if keep(rel):
+                want[rel] = o
     out = []
     for rel, o in want.items():
         p = local / rel
@@ -687,14 +699,23 @@ def sync_down(prefix, local: Path, keep, prune=True) -> list[Path]:
             download(Url(prefix.bucket, o["Key"]), p)
             os.utime(p, (mtime, mtime))
         out.append(p)
-    if prune and local.exists():
-        for p in local.rglob("*"):
-            rel = p.relative_to(local).as_posix()
-            if p.is_file() and keep(rel) and rel not in want and (prune is True or prune(rel)):
-                if head(Url(prefix.bucket, base + rel)) is not None:  # a stale listing left it out: it exists
-                    out.append(p)
+    if prune:
+        # walk only the folders listed: the folder part of each sub-prefix ('' for the whole of `local`)
+        tops = {u.rpartition("/")[0] for u in under}
+        tops = {""} if "" in tops else {t for t in tops if not any(t.startswith(v + "/") for v in tops if v != t)}
+        for top in sorted(tops):
+            d = local / top if top else local
+            if not d.is_dir():
+                continue
+            for p in d.rglob("*"):
+                rel = p.relative_to(local).as_posix()
+                if not (p.is_file() and rel.startswith(under) and keep(rel) and rel not in want):
                     continue
-                p.unlink()
+                if prune is True or prune(rel):
+                    if head(Url(prefix.bucket, base + rel)) is not None:  # a stale listing left it out: it exists
+                        out.append(p)
+                        continue
+                    p.unlink()
     return sorted(out)
 
 

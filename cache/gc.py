@@ -58,6 +58,7 @@ from reelcache.log import say
 _SHARD = re.compile(r"store/[^/]+/[^/]+/[^/]+\.tar")
 _INDEX = re.compile(r"store/(video|text)/[^/]+/[^/]+\.parquet")
 _REFS = re.compile(r"latents/[^/]+/([0-9]+\.parquet|_plan/input\.parquet)|manifests/[^/]+\.parquet")
+_REFS_UNDER = ("latents/", "manifests/")  # what a root in S3 lists for them (base/s3.py: sync_down's under)
 
 
 def _unit(rel: str) -> tuple[str, str]:
@@ -163,13 +164,13 @@ class _Bucket(_Folder):
         return out
 
     def fetch_indexes(self, seen: dict) -> None:
-        s3.sync_down(self.url, self.local, lambda rel: _INDEX.fullmatch(rel) is not None)
+        s3.sync_down(self.url, self.local, lambda rel: _INDEX.fullmatch(rel) is not None, under=("store/",))
 
     def fetch_references(self, units=()) -> None:
         """The references mirrored; and the sidecar of each unit in `units` (those with a store index) that the
         listing did not show is looked for by a HEAD: a briefly stale listing must not hide what a unit's own
         entries are referenced by."""
-        s3.sync_down(self.url, self.local, lambda rel: _REFS.fullmatch(rel) is not None)
+        s3.sync_down(self.url, self.local, lambda rel: _REFS.fullmatch(rel) is not None, under=_REFS_UNDER)
         for c, u in sorted(set(units)):
             rel = f"latents/{c}/{u}.parquet"
             if not (self.local / rel).exists() and s3.head(self.url / rel) is not None:

@@ -33,6 +33,7 @@ TEMPORARY = re.compile(r"(^|/)\.[^/]*\.tmp")  # a file being written (reelcache/
 RUN_NOT_PUBLISHED = re.compile(r"^(ckpt-\d{8}/|\.tmp-|wandb/|run\.lease$|stop$)|" + TEMPORARY.pattern)
 # What of a root a run reads, mirrored down before it starts: the manifests (by name) and the takedowns' record.
 _INPUTS = re.compile(r"manifests/[^/]+\.(parquet|json)|withdrawn/[^/]+\.parquet")
+_INPUTS_UNDER = ("manifests/", "withdrawn/")  # the folders listed for them (base/s3.py: sync_down's under)
 
 
 def run_place(root, name: str) -> tuple[Path, Path, s3.Url | None]:
@@ -48,7 +49,7 @@ def mirrored_inputs(root) -> None:
     """A root in S3: its manifests and takedowns brought into its local mirror (where the loader finds them by
     name, as ``cache plan`` does)."""
     if s3.is_url(root):
-        s3.sync_down(root, s3.mirror_dir(root), lambda rel: _INPUTS.fullmatch(rel) is not None)
+        s3.sync_down(root, s3.mirror_dir(root), lambda rel: _INPUTS.fullmatch(rel) is not None, under=_INPUTS_UNDER)
 
 
 def fetch(url) -> Path:
