@@ -141,16 +141,35 @@ class RunFiles:
             d, _, name = rel.rpartition("/")
             self._dirs.setdefault(d, (set(), set()))[1].add(name)
 
+    def _there(self, rels) -> dict[str, dict]:
+        """What the run's prefix holds of `rels` (Size, LastModified): in each folder, a listing of the prefix the
+        names share (this rank's consumed parts: ``consumed/rank<N>-``, not every rank's), a HEAD of each file at
+        the top (config.json, wandb_id, ...), never a listing of the whole run."""
+        base = self.remote.key.rstrip("/") + "/"
+        folders: dict[str, list[str]] = {}
+        for rel in rels:
+            folders.setdefault(rel.rpartition("/")[0], []).append(rel)
+        out = {}
+        for d, names in sorted(folders.items()):
+            if not d:
+                for rel in names:
+                    if (h := s3.head(self.remote / rel)) is not None:
+                        out[rel] = {"Size": h["ContentLength"], "LastModified": h["LastModified"]}
+                continue
+            for o in s3.list_objects(s3.Url(self.remote.bucket, base + os.path.commonprefix(names))):
+                out[o["Key"][len(base) :]] = o
+        return out
+
     def publish(self) -> int:
         """Upload this rank's files of the run folder that changed since they were last published, each whole;
-        returns how many. The first call skips what the run's prefix already holds with the same size."""
+        returns how many. The first call skips what the run's prefix already holds with the same size (``_there``:
+        asked of this rank's files only)."""
         if self.remote is None or not self.local.is_dir():
             return 0
         found = self._candidates()
         if self.sent is None:
             self.sent = {}
-            base = self.remote.key.rstrip("/") + "/"
-            there = {o["Key"][len(base) :]: o for o in s3.list_objects(s3.Url(self.remote.bucket, base))}
+            there = self._there(found)
             for rel, st in found.items():
                 if rel in there:
                     if st.st_size == there[rel]["Size"] and st.st_mtime <= there[rel]["LastModified"].timestamp():

@@ -6,6 +6,7 @@ once published (a long run holds tens of thousands: bench/bench_runfiles.py meas
 from __future__ import annotations
 
 import os
+from urllib.parse import parse_qs, urlsplit
 
 from reelcache.base import s3
 from reelcache.train import runfiles
@@ -95,5 +96,11 @@ def test_each_rank_publishes_its_files_and_then_only_what_changed(s3_server, s3_
             t = f.stat().st_mtime - 2
             os.utime(f, (t, t))
     s3_proxy.clear()
-    assert RunFiles(run, remote, 0).publish() == 0 and RunFiles(run, remote, 1).publish() == 0
+    assert RunFiles(run, remote, 0).publish() == 0
+    lists = [parse_qs(urlsplit(p).query).get("prefix", [""])[0] for m, p in s3_proxy.requests if "list-type=2" in p]
+    assert lists and all(q.startswith(f"{remote.key}/") and q != f"{remote.key}/" for q in lists), lists
+    # what a rank asks of S3 at its start holds its own files, not another rank's (a listing of its own parts, a
+    # HEAD of each top-level file)
+    assert not [q for q in lists if f"{remote.key}/consumed/rank00001-g000-e0000-s000000000.parquet".startswith(q)]
+    assert RunFiles(run, remote, 1).publish() == 0
     assert _puts(s3_proxy) == []
