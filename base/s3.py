@@ -1,10 +1,11 @@
 """The one S3 client of reelcache: a root or a file may be ``s3://bucket/prefix`` (docs/STORAGE.md).
 
-Everything that reads or writes object storage goes through these functions, on boto3 (botocore's
-standard retry mode, bounded attempts): no request is signed or sent by hand. The endpoint, the region and
-the credentials are found the standard way: ``AWS_ENDPOINT_URL`` (a non-AWS server: SeaweedFS, MinIO, Ceph
-RGW, R2), ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``,
-``AWS_PROFILE`` and the shared config files.
+Everything that reads or writes object storage goes through these functions, on boto3: no request is signed or
+sent by hand. One layer of retries a request: the reads (GETs) are retried by ours alone (``_retrying``, below;
+botocore's off under it), every other request by botocore's standard retry mode (``ATTEMPTS`` tries in all).
+The endpoint, the region and the credentials are found the standard way: ``AWS_ENDPOINT_URL`` (a non-AWS
+server: SeaweedFS, MinIO, Ceph RGW, R2), ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` and the shared config files.
 
 What the functions promise, whatever the network does:
 
@@ -48,7 +49,7 @@ from reelcache.settings import env_seconds
 
 # boto3 is imported by the first call that needs a client: `reelcache --help` and plain local roots start without it.
 
-ATTEMPTS = 5  # reads of one range (ours) and requests (botocore's standard mode), at most
+ATTEMPTS = 5  # tries of one read (ours, botocore's retries off) and of any other request (botocore's), at most
 BACKOFF_BASE_S = 0.05  # full jitter: sleep uniform(0, min(BACKOFF_CAP_S, BASE * 2**attempt))
 BACKOFF_CAP_S = 5.0
 PART_BYTES = 8 * 1024 * 1024  # multipart part size, and the size from which upload_file goes multipart
@@ -116,13 +117,16 @@ def parse(url) -> Url:
     return Url(bucket, key.strip("/"))
 
 
-_clients: dict[tuple[int, float], object] = {}
+_clients: dict[tuple[int, float, bool], object] = {}
 _clients_lock = threading.Lock()
 
 
-def client():
-    """This process's boto3 S3 client (thread-safe; one per process: a forked child makes its own)."""
-    key = (os.getpid(), stall_s())
+def client(retried: bool = False):
+    """This process's boto3 S3 client (thread-safe; one per process: a forked child makes its own). botocore's
+    standard retries (ATTEMPTS tries in all) for every request but those `retried` by ours (``_retrying``: the
+    reads, whose bodies botocore does not retry), which are tried once by botocore: a GET failing for good is
+    tried ATTEMPTS times, not ATTEMPTS times ATTEMPTS."""
+    key = (os.getpid(), stall_s(), retried)
     c = _clients.get(key)
     if c is None:
         import boto3
@@ -132,7 +136,7 @@ def client():
             c = _clients.get(key)
             if c is None:
                 conf = Config(
-                    retries={"mode": "standard", "max_attempts": ATTEMPTS},
+                    retries={"mode": "standard", "total_max_attempts": 1 if retried else ATTEMPTS},
                     connect_timeout=min(10.0, key[1]),
                     read_timeout=key[1],  # no byte for this long: a stall
                     max_pool_connections=32,
@@ -244,8 +248,8 @@ def _transient(e: BaseException) -> bool:
         return _obstore_kind(e) == "transient"
     if isinstance(e, ShortBody | bx.ResponseStreamingError | bx.FlexibleChecksumError | bx.ConnectionError):
         return True
-    if isinstance(e, bx.ClientError):
-        return _status(e) >= 500 or _code(e) in ("SlowDown", "RequestTimeout")
+    if isinstance(e, bx.ClientError):  # botocore's retry does not run here: its throttling answers are ours too
+        return _status(e) >= 500 or _status(e) in (408, 429) or _code(e) in ("SlowDown", "RequestTimeout", "Throttling")
     try:
         from urllib3 import exceptions as ux
 
@@ -331,7 +335,7 @@ def _read(url: Url, rng: str | None) -> tuple[bytes, dict]:
     """One GET and its body read to the end, checked: its length equals Content-Length (and the range asked),
     and botocore checks the object's checksum where the store gives one for a whole-object read."""
     kw = {"Range": rng} if rng else {"ChecksumMode": "ENABLED"}
-    r = client().get_object(Bucket=url.bucket, Key=url.key, **kw)
+    r = client(retried=True).get_object(Bucket=url.bucket, Key=url.key, **kw)  # only ever inside _retrying
     body = r["Body"]
     try:
         data = body.read()
@@ -351,7 +355,8 @@ def _retrying(url: Url, doing: str, fn):
             if _stalled(e) or not _transient(e):
                 raise explain(e, url, doing) from e
             last = e
-            _backoff(attempt)
+            if attempt + 1 < ATTEMPTS:
+                _backoff(attempt)
     if _obstore_kind(last) and "error sending request" in str(last):
         raise explain(last, url, doing) from last
     raise S3Error(
@@ -445,7 +450,7 @@ def list_objects(prefix) -> list[dict]:
     as boto3 lists them
     (Key, Size, ETag, LastModified), in key order."""
     url = parse(prefix)
-    key = url.key + ("/" if url.key and str(prefix).endswith("/") else "")
+    key = url.key + ("/" if url.key and str(prefix).endswith("/") and not url.key.endswith("/") else "")
     out = []
     try:
         for page in client().get_paginator("list_objects_v2").paginate(Bucket=url.bucket, Prefix=key):
@@ -659,20 +664,32 @@ def mirror_object(url, path: Path) -> bool:
     return True
 
 
-def sync_down(prefix, local: Path, keep, prune=True) -> list[Path]:
+def sync_down(prefix, local: Path, keep, prune=True, under=("",)) -> list[Path]:
     """Mirror the objects under `prefix` whose path below it `keep(rel)` accepts into `local`: an object is
     downloaded when the local copy's size or mtime differ from the object's (its mtime is set to the object's
     Last-Modified), and a local file `keep` accepts whose object is gone is removed, if `prune` is True or a
     function of `rel` that accepts it too (False: none is): gone by a HEAD of it, not by its absence from the
     listing (a listing may be briefly stale: a store behind a cache, an eventually consistent one). Returns the
-    local files."""
+    local files.
+
+    `under`: the sub-prefixes listed (plain string prefixes of `rel`, e.g. ``("store/", "manifests/")``), each by
+    its own listing; the default lists all of `prefix`. A caller that reads only some folders of a root names them
+    (a root holds ~100k store objects and the runs' consumed logs): `keep` must accept nothing outside them, and
+    only files under them are mirrored or pruned."""
     prefix = parse(prefix)
     base = prefix.key.rstrip("/") + "/" if prefix.key else ""
+    under = tuple(sorted(set(under)))
+    for u in under:
+        if u.startswith("/") or ".." in u.split("/"):
+            raise ValueError(f"sync_down under={u!r}: a relative sub-prefix of {prefix} ('store/', 'manifests/')")
     want = {}
-    for o in list_objects(Url(prefix.bucket, base)):
-        rel = o["Key"][len(base) :]
-        if keep(rel):
-            want[rel] = o
+    for u in under:
+        if any(u.startswith(v) for v in under if v != u):
+            continue  # listed with a shorter one
+        for o in list_objects(Url(prefix.bucket, base + u)):
+            rel = o["Key"][len(base) :]
+            if keep(rel):
+                want[rel] = o
     out = []
     for rel, o in want.items():
         p = local / rel
@@ -687,14 +704,23 @@ def sync_down(prefix, local: Path, keep, prune=True) -> list[Path]:
             download(Url(prefix.bucket, o["Key"]), p)
             os.utime(p, (mtime, mtime))
         out.append(p)
-    if prune and local.exists():
-        for p in local.rglob("*"):
-            rel = p.relative_to(local).as_posix()
-            if p.is_file() and keep(rel) and rel not in want and (prune is True or prune(rel)):
-                if head(Url(prefix.bucket, base + rel)) is not None:  # a stale listing left it out: it exists
-                    out.append(p)
+    if prune:
+        # walk only the folders listed: the folder part of each sub-prefix ('' for the whole of `local`)
+        tops = {u.rpartition("/")[0] for u in under}
+        tops = {""} if "" in tops else {t for t in tops if not any(t.startswith(v + "/") for v in tops if v != t)}
+        for top in sorted(tops):
+            d = local / top if top else local
+            if not d.is_dir():
+                continue
+            for p in d.rglob("*"):
+                rel = p.relative_to(local).as_posix()
+                if not (p.is_file() and rel.startswith(under) and keep(rel) and rel not in want):
                     continue
-                p.unlink()
+                if prune is True or prune(rel):
+                    if head(Url(prefix.bucket, base + rel)) is not None:  # a stale listing left it out: it exists
+                        out.append(p)
+                        continue
+                    p.unlink()
     return sorted(out)
 
 

@@ -15,7 +15,9 @@ a big one). gc never deletes what a unit published after gc started, by the orde
    units checked, then the indexes read, and the leases checked again. A unit that held its lease at
    either check is left alone. A unit publishes its shards and indexes while it holds its lease and its
    sidecar before it lets the lease go, so a unit that held none at the second check has its sidecar in
-   place before step 2 reads it (or failed, and removed its files itself);
+   place before step 2 reads it (or failed, and removed its files itself). A unit that finished between the
+   listing and the first check (its shards listed, its index not yet) held it at neither: the indexes read
+   for orphans are those there after that check, so its index names its shards, which are no orphans;
 2. then the references;
 3. only what step 1 listed can be deleted, and only while it is the file step 1 saw (same inode, size
    and mtime): a shard or index published after the listing, also one under a listed name (a re-run
@@ -58,6 +60,7 @@ from reelcache.log import say
 _SHARD = re.compile(r"store/[^/]+/[^/]+/[^/]+\.tar")
 _INDEX = re.compile(r"store/(video|text)/[^/]+/[^/]+\.parquet")
 _REFS = re.compile(r"latents/[^/]+/([0-9]+\.parquet|_plan/input\.parquet)|manifests/[^/]+\.parquet")
+_REFS_UNDER = ("latents/", "manifests/")  # what a root in S3 lists for them (base/s3.py: sync_down's under)
 
 
 def _unit(rel: str) -> tuple[str, str]:
@@ -96,8 +99,13 @@ class _Folder:
         """The units among `units` that hold a lease now (they are being written)."""
         return {(c, u) for c, u in set(units) if (self.root / "latents" / c / f"{u}.lease").exists()}
 
-    def fetch_indexes(self, seen: dict) -> None:
-        pass
+    def fetch_indexes(self, seen: dict) -> list[str]:
+        """The store's indexes there now (after the listing and the first lease check), their rels."""
+        return [
+            r
+            for p in (self.root / "store").glob("*/*/*.parquet")
+            if _INDEX.fullmatch(r := p.relative_to(self.root).as_posix())
+        ]
 
     def fetch_references(self, units=()) -> None:
         pass
@@ -162,14 +170,16 @@ class _Bucket(_Folder):
                 out.add((c, u))
         return out
 
-    def fetch_indexes(self, seen: dict) -> None:
-        s3.sync_down(self.url, self.local, lambda rel: _INDEX.fullmatch(rel) is not None)
+    def fetch_indexes(self, seen: dict) -> list[str]:
+        """The store's indexes, mirrored now (listed again after the first lease check), their rels."""
+        files = s3.sync_down(self.url, self.local, lambda rel: _INDEX.fullmatch(rel) is not None, under=("store/",))
+        return [p.relative_to(self.local).as_posix() for p in files]
 
     def fetch_references(self, units=()) -> None:
         """The references mirrored; and the sidecar of each unit in `units` (those with a store index) that the
         listing did not show is looked for by a HEAD: a briefly stale listing must not hide what a unit's own
         entries are referenced by."""
-        s3.sync_down(self.url, self.local, lambda rel: _REFS.fullmatch(rel) is not None)
+        s3.sync_down(self.url, self.local, lambda rel: _REFS.fullmatch(rel) is not None, under=_REFS_UNDER)
         for c, u in sorted(set(units)):
             rel = f"latents/{c}/{u}.parquet"
             if not (self.local / rel).exists() and s3.head(self.url / rel) is not None:
@@ -230,7 +240,7 @@ def collect(root) -> dict:
     store = _store(root)
     seen = store.listing()
     running = store.running(map(_unit, seen))
-    store.fetch_indexes(seen)
+    present = store.fetch_indexes(seen)
     tables = []
     for rel in sorted(r for r in seen if r.endswith(".parquet")):
         kind = rel.split("/")[1]
@@ -242,9 +252,18 @@ def collect(root) -> dict:
         except FileNotFoundError:  # removed since listed (a failed unit's): nothing of it to collect
             continue
     running |= store.running(map(_unit, seen))  # after the indexes were read: see 1. above
+    # an index published since the listing (its unit finished between the listing and the first lease check, so
+    # no check saw it running): its entries are not collected, but its shards, listed before it, are no orphans
+    listed = set()
+    for rel in sorted(set(present) - set(seen)):
+        try:
+            t = _read(store.local, store.local / rel, lambda p: pq.read_table(p, columns=["shard"]))
+        except FileNotFoundError:
+            continue
+        listed.update(t["shard"].to_pylist())
     store.fetch_references(_unit(t[1]) for t in tables)
     refs = references(store.local)
-    garbage, live, listed = [], 0, set()
+    garbage, live = [], 0
     for kind, index, t in tables:
         if _unit(index) in running:
             continue

@@ -276,13 +276,18 @@ def _mirrored(name: str):
     return lambda rel: own.fullmatch(rel) is not None or other.fullmatch(rel) is not None
 
 
+def _mirrored_under(name: str) -> tuple[str, ...]:
+    """The folders `_mirrored(name)` takes files from, each listed (base/s3.py: sync_down's under)."""
+    return ("manifests/", "store/", f"latents/{name}/")
+
+
 def local_root(root, name: str) -> Path:
     """The folder a cache's plan and units work in: the root, or for a root in S3 (docs/STORAGE.md) its local
     mirror (base/s3.py: ``mirror_dir``), brought up to date with what the plan and the units read."""
     if not s3.is_url(root):
         return Path(root)
     local = s3.mirror_dir(root)
-    s3.sync_down(root, local, _mirrored(name))
+    s3.sync_down(root, local, _mirrored(name), under=_mirrored_under(name))
     return local
 
 
@@ -302,7 +307,8 @@ def make_plan(root, cfg: CacheConfig) -> list[str]:
         leaf = o["Key"].rsplit("/", 1)[-1]
         if "/" not in o["Key"][len(remote.key) + 1 :] and re.fullmatch(r"[0-9]+\.parquet", leaf) and leaf not in kept:
             s3.delete(s3.Url(remote.bucket, o["Key"]))  # a stale unit's sidecar: it runs again
-    s3.sync_down(root, local, _mirrored(cfg.name))  # the mirror's copies now carry the objects' times
+    # the mirror's copies now carry the objects' times
+    s3.sync_down(root, local, _mirrored(cfg.name), under=_mirrored_under(cfg.name))
     return out
 
 

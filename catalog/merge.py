@@ -134,6 +134,7 @@ def _merge_stage(con, root: Path, stage: str, sidecars: dict[str, Path], pbar) -
 
 # What of a root in S3 the merge reads: the units' sidecars, the caption indexes, the takedowns' record.
 MERGED = re.compile(r"(raw|latents)/[^/]+/[0-9][^/]*\.parquet|store/text/[^/]+/[^/]+\.parquet|withdrawn/[^/]+\.parquet")
+MERGED_UNDER = ("raw/", "latents/", "store/text/", "withdrawn/")  # the folders listed: not the runs, not store/video
 
 
 def local_root(root) -> Path:
@@ -141,7 +142,7 @@ def local_root(root) -> Path:
     if not s3.is_url(root):
         return Path(root)
     local = s3.mirror_dir(root)
-    files = s3.sync_down(root, local, lambda rel: MERGED.fullmatch(rel) is not None)
+    files = s3.sync_down(root, local, lambda rel: MERGED.fullmatch(rel) is not None, under=MERGED_UNDER)
     say(f"{root}: {len(files)} sidecar and index files mirrored in {local}")
     return local
 

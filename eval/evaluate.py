@@ -117,8 +117,8 @@ class Evaluator:
             if Path(self.run_dir).is_absolute() or ".." in Path(rel).parts:
                 raise UserError(f"--run {self.run_dir}: with an s3:// --root, the run under it: runs/<name>")
             self.remote = self.root_url / rel
-            if not s3.list_objects(f"{self.remote}/"):
-                raise UserError(f"no run at {self.remote} (no object under it)")
+            if s3.head(self.remote / "config.json") is None:  # one HEAD, not a listing of its consumed log
+                raise UserError(f"no run at {self.remote} (no config.json under it)")
             mirrored_inputs(self.root_url)
             (self.root / rel).mkdir(parents=True, exist_ok=True)
             for name in ("config.json", "wandb_id"):

@@ -91,7 +91,12 @@ def finished_units(root, source: str) -> list[str]:
 
 def _sync_plan(root, source: str) -> None:
     if (remote := remote_dir(root, source)) is not None:
-        s3.sync_down(remote, source_dir(root, source), lambda rel: rel in ("_plan/plan.json", "_plan/input.parquet"))
+        s3.sync_down(
+            remote,
+            source_dir(root, source),
+            lambda rel: rel in ("_plan/plan.json", "_plan/input.parquet"),
+            under=("_plan/",),
+        )
 
 
 def plan_dir(root, source: str) -> Path:

@@ -74,6 +74,8 @@ READ = re.compile(
 # What lineage reads of the runs in S3 (mirrored, never pruned: a run training on this machine keeps its parts and
 # checkpoints in the mirror before they go up, train/runfiles.py): the consumed log's parts, checkpoints' state.
 RUNS = re.compile(r"runs/[^/]+/consumed/[^/]+|runs/[^/]+/ckpt-\d{8}/state\.json")
+# The folders of the root those two name, each listed (base/s3.py: sync_down's under): nothing else of the root.
+SYNCED_UNDER = ("raw/", "latents/", "store/", "withdrawn/", "manifests/", "runs/")
 
 
 class Files:
@@ -96,8 +98,9 @@ class Files:
             def read(rel: str) -> bool:
                 return READ.fullmatch(rel) is not None
 
-            # one listing of the root: the runs' files are mirrored too, never pruned
-            s3.sync_down(self.remote, self.root, lambda rel: read(rel) or RUNS.fullmatch(rel) is not None, prune=read)
+            # one listing of each folder read: the runs' files are mirrored too, never pruned
+            keep = lambda rel: read(rel) or RUNS.fullmatch(rel) is not None  # noqa: E731
+            s3.sync_down(self.remote, self.root, keep, prune=read, under=SYNCED_UNDER)
 
     def get(self, rel: str) -> Path | None:
         path = self.root / rel

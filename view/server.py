@@ -89,6 +89,7 @@ def build_app(
 
 # What the pages read of a root in S3 besides the catalog: the manifests, and each cache's documents.
 VIEWED = re.compile(r"manifests/[^/]+\.(parquet|json)|latents/[^/]+/cache\.json|latents/[^/]+/_plan/plan\.json")
+VIEWED_UNDER = ("manifests/", "latents/")  # the folders listed for them (base/s3.py: sync_down's under)
 
 
 def view_root(root) -> tuple[Path, object]:
@@ -101,7 +102,7 @@ def view_root(root) -> tuple[Path, object]:
         return Path(root), None
     url = s3.check_root(root, write=False)
     local = s3.mirror_dir(url)
-    s3.sync_down(url, local, lambda rel: VIEWED.fullmatch(rel) is not None)
+    s3.sync_down(url, local, lambda rel: VIEWED.fullmatch(rel) is not None, under=VIEWED_UNDER)
     return local, url
 
 

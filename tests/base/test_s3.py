@@ -158,6 +158,40 @@ def test_read_fault_every_time_is_one_line(s3_proxy):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("how", ["get", "get_with_age", "get_range", "get_range_boto3"])
+def test_a_persistent_500_is_tried_our_attempts_in_all_and_names_the_object(s3_proxy, monkeypatch, how):
+    """A GET answered 500 every time is sent ATTEMPTS times in all (our retries with their backoff; botocore's
+    are off under them, obstore's always are), then one line naming the object: not ATTEMPTS x botocore's."""
+    url = f"{s3_proxy.root}/broken"
+    s3.put(url, b"b" * 10_000)
+    if how == "get_range_boto3":
+        monkeypatch.setattr(s3, "_obstore_pid", -1)  # as in a child forked after obstore started: boto3 reads
+    s3_proxy.clear()
+    s3_proxy.add("error500", lambda m, p: m == "GET" and "/broken" in p, times=1000)
+    read = {"get": lambda: s3.get(url), "get_with_age": lambda: s3.get_with_age(url)}.get(
+        how, lambda: s3.get_range(url, 100, 1000)
+    )
+    with pytest.raises(s3.S3Error, match=f"reading {url}: failed {s3.ATTEMPTS} times") as e:
+        read()
+    assert "\n" not in str(e.value)
+    assert [m for m, p in s3_proxy.requests if "/broken" in p] == ["GET"] * s3.ATTEMPTS
+
+
+def test_requests_outside_our_retries_keep_botocores(s3_proxy):
+    """A HEAD, a PUT, a listing are not wrapped by our retries: botocore's standard mode retries them (ATTEMPTS
+    tries in all), so a 500 once is no failure, and a persistent one is tried ATTEMPTS times."""
+    url = f"{s3_proxy.root}/plain"
+    s3_proxy.add("error500", lambda m, p: m == "PUT" and "/plain" in p)
+    s3.put(url, b"p")
+    s3_proxy.add("error500", lambda m, p: m == "GET" and "list-type=2" in p)
+    assert len(s3.list_objects(f"{s3_proxy.root}/")) == 1
+    s3_proxy.clear()
+    s3_proxy.add("error500", lambda m, p: m == "HEAD" and "/plain" in p, times=1000)
+    with pytest.raises(s3.S3Error, match=f"reading {url}"):
+        s3.head(url)
+    assert [m for m, p in s3_proxy.requests if "/plain" in p] == ["HEAD"] * s3.ATTEMPTS
+
+
 def test_stall_is_one_line_naming_the_object(s3_proxy, monkeypatch):
     url = f"{s3_proxy.root}/stalls"
     s3.put(url, b"s" * 50_000)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from reelcache.base import s3
 from reelcache.base.shards import ShardWriter
@@ -137,3 +138,56 @@ def test_gc_on_s3_never_takes_a_stale_listing_for_the_truth(s3_server, s3_proxy,
     got = gc(root, delete=True)
     assert stale.hits and got["entries"] == gc(local)["entries"] == 4
     assert "store/video/t/000000-p-00.tar" in keys(s3_server, root)
+
+
+@pytest.mark.parametrize("where", ["folder", "s3"])
+def test_gc_keeps_the_shards_of_a_unit_that_finishes_between_its_listing_and_its_lease_check(
+    where, s3_server, s3_root, tmp_path, monkeypatch
+):
+    """Unit 2's shard is listed while the unit runs (its index not yet published); the unit then publishes its
+    index and its sidecar and lets its lease go, all before gc's first lease check: no check sees it running.
+    gc --delete must keep its shard (its index, there when the indexes are read, names it; its sidecar references
+    it), on a folder and on S3 alike."""
+    from reelcache.cache import gc as gc_mod
+
+    monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "mirror"))
+    local = tmp_path / "local"
+    offs = layout(local)
+    shard2 = "store/video/t/000002-p-00.tar"
+    finish = tmp_path / "finish"  # unit 2's index and sidecar, written by the test as the unit would
+    finish.mkdir()
+    index(finish / "index.parquet", shard2, offs["000002"])
+    pq.write_table(
+        pa.table({"clip_id": ["c2"], "shard": [shard2], "shard_offset": [offs["000002"][0]]}), finish / "side.parquet"
+    )
+    done = {
+        "store/video/t/000002-p.parquet": finish / "index.parquet",
+        "latents/t/000002.parquet": finish / "side.parquet",
+    }
+    root, u, c = str(local), s3.parse(s3_root), s3_server.client()
+    if where == "s3":
+        root = s3_root
+        for p in sorted(local.rglob("*")):
+            if p.is_file():
+                c.put_object(Bucket=u.bucket, Key=f"{u.key}/{p.relative_to(local).as_posix()}", Body=p.read_bytes())
+    store_cls = gc_mod._Bucket if where == "s3" else gc_mod._Folder
+    checks = []
+    running = store_cls.running
+
+    def unit_2_finishes_first(self, units):
+        if not checks:
+            for rel, src in done.items():
+                if where == "s3":
+                    c.put_object(Bucket=u.bucket, Key=f"{u.key}/{rel}", Body=src.read_bytes())
+                else:
+                    shutil.copy(src, local / rel)
+        checks.append(1)
+        return running(self, units)
+
+    monkeypatch.setattr(store_cls, "running", unit_2_finishes_first)
+    got = gc_mod.gc(root, delete=True)
+    assert len(checks) == 2
+    there = keys(s3_server, s3_root) if where == "s3" else {p.relative_to(local).as_posix() for p in local.rglob("*")}
+    assert shard2 in there
+    # unit 1's shard (its entries unreferenced) and unit 3's orphan (no lease in this layout) are deleted as before
+    assert got["deleted"] == 1 and "store/video/t/000001-p-00.tar" not in there

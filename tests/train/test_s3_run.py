@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import time
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import torch
@@ -302,3 +303,32 @@ def test_s3_fetch_downloads_a_checkpoint_prefix_or_one_object_into_the_mirror(
     assert one.is_file() and one.read_bytes() == files["weights/pixart.pth"]
     with pytest.raises(UserError, match=r"nothing at s3://.*/runs/a/ckpt-00000009"):
         fetch(f"{s3_root}/runs/a/ckpt-00000009")
+
+
+def test_s3_eval_finds_a_run_by_its_config_without_listing_it(s3_server, s3_proxy, tmp_path, monkeypatch, capsys):
+    """`eval` over a run in S3 checks that the run exists by a HEAD of its config.json (the first object a start
+    publishes), never by listing the run's prefix (its consumed log: tens of thousands of parts on a long run): no
+    config.json is one line naming the run, whatever else lies under it."""
+    from reelcache.cli import main
+
+    monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "mirror"))
+    root = s3_proxy.root
+    remote = s3.parse(root) / "runs" / "r"
+    c = s3_server.client()
+    c.put_object(Bucket=remote.bucket, Key=f"{remote.key}/consumed/rank00000-000000.parquet", Body=b"part")
+    argv = ["eval", "once", "--root", root, "--run", "runs/r", "--checkpoint", "latest", "--val-manifest", "v"]
+    capsys.readouterr()
+    s3_proxy.clear()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: no run at {remote} (no config.json under it)"] or (
+        len(err) == 1 and err[0].endswith(f"no run at {remote} (no config.json under it)")
+    ), err
+    c.put_object(Bucket=remote.bucket, Key=f"{remote.key}/config.json", Body=b"{}")
+    s3_proxy.clear()
+    main(argv)  # it goes on past the check (and stops later: no checkpoint, no manifest)
+    assert "no run at" not in capsys.readouterr().err
+    assert ("HEAD", f"/{remote.bucket}/{remote.key}/config.json") in s3_proxy.requests
+    listed = [parse_qs(urlsplit(p).query).get("prefix", [""])[0] for m, p in s3_proxy.requests if "list-type=2" in p]
+    part = f"{remote.key}/consumed/rank00000-000000.parquet"
+    assert listed and not [q for q in listed if part.startswith(q)], listed  # no listing holds the consumed log
