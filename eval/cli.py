@@ -168,8 +168,10 @@ def _submit(a) -> None:
         if Path(a.run).is_absolute() or ".." in Path(rel).parts:  # as the evaluator says it
             raise UserError(f"--run {a.run}: with an s3:// --root, the run under it: runs/<name>")
         remote = s3.parse(a.root) / rel
-        if not s3.list_objects(f"{remote}/"):
-            raise UserError(f"no run at {remote} (no object under it: submit its training first)")
+        from reelcache.eval.evaluate import run_in_s3
+
+        if not run_in_s3(remote):
+            raise UserError(f"no run at {remote} (no config.json under it, no training submitted there)")
     _check_inputs(a)
     argv = sys.argv[sys.argv.index("serve") + 1 :]
     res = slurm_options.resources(a)

@@ -74,7 +74,16 @@ from reelcache.train.runfiles import TEMPORARY, RunFiles, fetch, mirrored_inputs
 from reelcache.train.source import check_shards, load_source
 from reelcache.train.weights import load_weights
 
-__all__ = ["Evaluator", "select"]
+__all__ = ["Evaluator", "run_in_s3", "select"]
+
+RUN_FILES = ("config.json", "wandb_id")  # of a run in S3, mirrored for the wandb run to log into
+SUBMITTED = "slurm/train.sbatch"  # a training submitted by `train --slurm` (cluster/slurm/jobs.py), before it starts
+
+
+def run_in_s3(remote: s3.Url) -> bool:
+    """A run exists at ``remote``: its config.json, or the script of a training submitted there; two HEADs at
+    most, never a listing of its prefix (the consumed log: tens of thousands of parts on a long run)."""
+    return s3.head(remote / "config.json") is not None or s3.head(remote / SUBMITTED) is not None
 
 
 class _Progress:
@@ -117,12 +126,11 @@ class Evaluator:
             if Path(self.run_dir).is_absolute() or ".." in Path(rel).parts:
                 raise UserError(f"--run {self.run_dir}: with an s3:// --root, the run under it: runs/<name>")
             self.remote = self.root_url / rel
-            if s3.head(self.remote / "config.json") is None:  # one HEAD, not a listing of its consumed log
-                raise UserError(f"no run at {self.remote} (no config.json under it)")
+            if not run_in_s3(self.remote):
+                raise UserError(f"no run at {self.remote} (no config.json under it, no training submitted there)")
             mirrored_inputs(self.root_url)
             (self.root / rel).mkdir(parents=True, exist_ok=True)
-            for name in ("config.json", "wandb_id"):
-                s3.mirror_object(self.remote / name, self.root / rel / name)
+            self._mirror_run_files(self.root / rel)
             s3.sync_down(self.remote / "eval", self.root / rel / "eval", lambda r: not r.endswith(".mp4"))
         self.root, self.run_dir = Path(self.root), Path(self.run_dir)
         if not self.run_dir.is_absolute() and not self.run_dir.exists():
@@ -428,5 +436,14 @@ class Evaluator:
         return self._prompt_text
 
     # -- wandb -----------------------------------------------------------------------------
+    def _mirror_run_files(self, run_dir: Path) -> None:
+        """A run in S3: its config.json and wandb_id mirrored, each until it is here (a server started by
+        ``eval serve --slurm --after`` may come before the training has written them)."""
+        for name in RUN_FILES:
+            if not (run_dir / name).exists():
+                s3.mirror_object(self.remote / name, run_dir / name)
+
     def _log_wandb(self, result: dict) -> None:
+        if self.remote is not None:
+            self._mirror_run_files(self.run_dir)
         log_eval(self.run_dir, self.tag, result, self.prompts, mode=self.wandb_mode)

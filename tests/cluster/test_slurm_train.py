@@ -349,8 +349,8 @@ def test_eval_serve_without_inputs_is_one_line_before_anything_is_submitted(slur
 
 def test_s3_root_inputs_are_one_line_before_anything_is_submitted(slurm, s3_server, tmp_path):
     """A root in S3: a training manifest the root's manifests/ lacks (looked for in the mirror, as the trainer
-    does) and an evaluation of a run with no object under its prefix are one line; nothing is submitted and
-    nothing is put in S3."""
+    does) and an evaluation of a run with neither its config.json nor a submitted training are one line; nothing
+    is submitted and nothing is put in S3."""
     import secrets
 
     url = f"s3://{s3_server.shared_bucket}/{secrets.token_hex(4)}/root"
@@ -361,7 +361,7 @@ def test_s3_root_inputs_are_one_line_before_anything_is_submitted(slurm, s3_serv
     cmd = [sys.executable, "-m", "reelcache", "eval", "serve", "--root", url, "--run", "runs/bad", "--slurm"]
     p = subprocess.run([*cmd, "--val-manifest", "v"], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr == (
-        f"reelcache: error: no run at {url}/runs/bad (no object under it: submit its training first)\n"
+        f"reelcache: error: no run at {url}/runs/bad (no config.json under it, no training submitted there)\n"
     )
     assert not slurm.run("squeue", "--noheader", "--name=train-bad,eval-bad").stdout.strip()
     bucket, prefix = url[5:].split("/", 1)

@@ -307,8 +307,8 @@ def test_s3_fetch_downloads_a_checkpoint_prefix_or_one_object_into_the_mirror(
 
 def test_s3_eval_finds_a_run_by_its_config_without_listing_it(s3_server, s3_proxy, tmp_path, monkeypatch, capsys):
     """`eval` over a run in S3 checks that the run exists by a HEAD of its config.json (the first object a start
-    publishes), never by listing the run's prefix (its consumed log: tens of thousands of parts on a long run): no
-    config.json is one line naming the run, whatever else lies under it."""
+    publishes) or of a submitted training's script, never by listing the run's prefix (its consumed log: tens of
+    thousands of parts on a long run): neither is one line naming the run, whatever else lies under it."""
     from reelcache.cli import main
 
     monkeypatch.setenv("REELCACHE_S3_MIRROR", str(tmp_path / "mirror"))
@@ -321,8 +321,8 @@ def test_s3_eval_finds_a_run_by_its_config_without_listing_it(s3_server, s3_prox
     s3_proxy.clear()
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: no run at {remote} (no config.json under it)"] or (
-        len(err) == 1 and err[0].endswith(f"no run at {remote} (no config.json under it)")
+    assert err == [f"error: no run at {remote} (no config.json under it, no training submitted there)"] or (
+        len(err) == 1 and err[0].endswith(f"no run at {remote} (no config.json under it, no training submitted there)")
     ), err
     c.put_object(Bucket=remote.bucket, Key=f"{remote.key}/config.json", Body=b"{}")
     s3_proxy.clear()
@@ -332,3 +332,8 @@ def test_s3_eval_finds_a_run_by_its_config_without_listing_it(s3_server, s3_prox
     listed = [parse_qs(urlsplit(p).query).get("prefix", [""])[0] for m, p in s3_proxy.requests if "list-type=2" in p]
     part = f"{remote.key}/consumed/rank00000-000000.parquet"
     assert listed and not [q for q in listed if part.startswith(q)], listed  # no listing holds the consumed log
+    # a training submitted by `train --slurm` (its script's object) and not started yet is a run too
+    c.put_object(Bucket=remote.bucket, Key=f"{remote.key}-submitted/slurm/train.sbatch", Body=b"#!/bin/bash\n")
+    capsys.readouterr()
+    main([*argv[:5], "runs/r-submitted", *argv[6:]])
+    assert "no run at" not in capsys.readouterr().err
