@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -650,3 +651,57 @@ def run_ranks(loaders, steps=None):
             for _ in it:
                 pass
     return out
+
+
+# --- training over the namespace cluster's nodes (tests/cluster_local.py) ----------------------
+
+NODE_ENV = {"REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}  # a rank's, on a node
+
+
+def torchrun_on_nodes(
+    cluster, root, args: list[str], nodes: list[str], port: int, env: dict | None = None, node_env=None
+):
+    """`torchrun --nnodes N --node_rank K --master_addr <first node>` on each node, over ssh from the
+    head node (node1), one process per node; returns the ssh processes (each one's output: that node's).
+    root: a folder or an s3:// URL; node_env: node name -> the variables of that node's alone."""
+    procs = []
+    for k, node in enumerate(nodes):
+        own = {**NODE_ENV, **(env or {}), **(node_env(node) if node_env else {})}
+        cmd = shlex.join(
+            ["env", *(f"{a}={b}" for a, b in own.items()), sys.executable,
+             "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc_per_node", "1",
+             "--node_rank", str(k), "--master_addr", nodes[0],
+             "--master_port", str(port), "-m", "reelcache.train", str(CONFIG), "--root", str(root), *args]
+        )  # fmt: skip
+        procs.append(
+            cluster.popen(
+                1, "ssh", node, f"cd {REPO} && {cmd}", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    return procs
+
+
+def finish(procs, ok: bool = True, timeout: float = 300) -> list[str]:
+    """Each process's output, once it ended (with ok: each exited 0)."""
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=timeout)
+        outs.append(out)
+        if ok:
+            assert p.returncode == 0, out[-4000:]
+    return outs
+
+
+def same_run(a: Path, b: Path, last: int) -> None:
+    """Two runs trained steps 0..last-1 with the same losses, and their checkpoints at `last` hold the same
+    weights, exactly."""
+    ma, mb = metrics(a), metrics(b)
+    assert sorted(ma) == sorted(mb) == list(range(last))
+    assert [ma[s]["loss"] for s in sorted(ma)] == [mb[s]["loss"] for s in sorted(mb)]
+    wa, wb = weights(a / f"ckpt-{last:08d}"), weights(b / f"ckpt-{last:08d}")
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+
+
+def node_s3_env(server) -> dict:
+    """The AWS_* variables of the server on node1 (tests/conftest.py: node1_s3), and no config files."""
+    return {**server.env(), "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}

@@ -3,15 +3,14 @@ started over real ssh from the head, by ``torchrun --nnodes`` and by ``colossala
 
 Reference: the same debug stage on one node with the same world size (torchrun --nproc_per_node 3,
 tests/support.py's torchrun). The ranks see the same data and gloo reduces in the same order
-whatever host a rank sits on, so losses and final weights are compared exactly. The same holds with the
-root in S3 on node1 (tests/conftest.py: node1_s3), each node reading the shards from there.
+whatever host a rank sits on, so losses and final weights are compared exactly. (The same with the root
+in S3 on node1, trained on the cache the nodes made there: tests/cluster/test_multinode.py's chain.)
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -25,25 +24,25 @@ from support import (
     APPS_CSV,
     CONFIG,
     FAKE_NVIDIA_SMI,
+    NODE_ENV,
     PLUGINS,
-    RC,
     REPO,
     assert_same_ingest,
     complete,
     data_args,
+    finish,
     ingest_plan,
     manifest_clips,
-    metrics,
+    node_s3_env,
     proc_alive,
     proc_stat,
+    same_run,
     stage_file,
+    torchrun_on_nodes,
     train,
-    weights,
 )
 
 pytestmark = pytest.mark.multinode
-
-ENV = {"REELCACHE_PROGRESS": "0", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
 
 
 @pytest.fixture(scope="module")
@@ -64,47 +63,6 @@ def one_node_ddp(root) -> Path:
     return r / "runs/one-node-ddp"
 
 
-def torchrun_on_nodes(
-    cluster, root, args: list[str], nodes: list[str], port: int, env: dict | None = None, node_env=None
-):
-    """`torchrun --nnodes N --node_rank K --master_addr <first node>` on each node, over ssh from the
-    head node (node1), one process per node; returns the ssh processes (each one's output: that node's).
-    root: a folder or an s3:// URL; node_env: node name -> the variables of that node's alone."""
-    procs = []
-    for k, node in enumerate(nodes):
-        own = {**ENV, **(env or {}), **(node_env(node) if node_env else {})}
-        cmd = shlex.join(
-            ["env", *(f"{a}={b}" for a, b in own.items()), sys.executable,
-             "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc_per_node", "1",
-             "--node_rank", str(k), "--master_addr", nodes[0],
-             "--master_port", str(port), "-m", "reelcache.train", str(CONFIG), "--root", str(root), *args]
-        )  # fmt: skip
-        procs.append(
-            cluster.popen(
-                1, "ssh", node, f"cd {REPO} && {cmd}", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    return procs
-
-
-def finish(procs, ok: bool = True, timeout: float = 300) -> list[str]:
-    outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=timeout)
-        outs.append(out)
-        if ok:
-            assert p.returncode == 0, out[-4000:]
-    return outs
-
-
-def same_run(a: Path, b: Path, last: int) -> None:
-    ma, mb = metrics(a), metrics(b)
-    assert sorted(ma) == sorted(mb) == list(range(last))
-    assert [ma[s]["loss"] for s in sorted(ma)] == [mb[s]["loss"] for s in sorted(mb)]
-    wa, wb = weights(a / f"ckpt-{last:08d}"), weights(b / f"ckpt-{last:08d}")
-    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
-
-
 def test_torchrun_on_three_nodes_equals_one_node_ddp(cluster, root, one_node_ddp):
     """DDP, 3 nodes x 1 rank (`torchrun --nnodes 3` over ssh) = 3 ranks on one node: losses, weights."""
     r, manifest = root
@@ -120,11 +78,6 @@ def test_torchrun_on_three_nodes_equals_one_node_ddp(cluster, root, one_node_ddp
 MANIFEST_KEY = "manifests/train-0123456789abcdef.parquet"  # a manifest as `catalog manifest` names it, found by name
 
 
-def s3_env(server) -> dict:
-    """The AWS_* variables of the server on node1 (tests/conftest.py: node1_s3), and no config files."""
-    return {**server.env(), "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
-
-
 @pytest.fixture(scope="module")
 def s3_root_on_node1(cluster, node1_s3, root) -> str:
     """`root`'s training data (its shards and manifest) in S3 on node1, uploaded from node1 by a plain boto3
@@ -135,61 +88,10 @@ def s3_root_on_node1(cluster, node1_s3, root) -> str:
     url = f"s3://{node1_s3.shared_bucket}/{secrets.token_hex(4)}/root"
     pairs = [r / "latents/train", f"{url}/latents/train", manifest, f"{url}/{MANIFEST_KEY}"]
     up = cluster.run(
-        1, sys.executable, REPO / "tests/s3_local.py", "upload", *pairs, env=cluster.env(**s3_env(node1_s3))
+        1, sys.executable, REPO / "tests/s3_local.py", "upload", *pairs, env=cluster.env(**node_s3_env(node1_s3))
     )
     assert len(up.stdout.split()) == len(list((r / "latents/train").glob("*.tar"))) + 1, up.stdout
     return url
-
-
-def test_torchrun_on_three_nodes_with_the_root_in_s3_on_node1_equals_one_node_ddp(
-    cluster, node1_s3, s3_root_on_node1, one_node_ddp, tmp_path
-):
-    """docs/STORAGE.md "A run in S3" over the nodes: `torchrun --nnodes 3` (one rank a node, over ssh) trains
-    `--root s3://` on node1's server, each node with a mirror of its own (nothing shared but the repo): the
-    manifest found by name, the shards read from S3. Its run folder, read back from node1 by a plain boto3
-    client: the losses and final weights of the one-node run on the shared file system, every checkpoint
-    file of that run an object, the ranks on node1..3, the run lease released. Then `eval once` on node3
-    (another mirror) over the run in S3 gives the validation loss of `eval once` over the one-node run."""
-    url, env = s3_root_on_node1, s3_env(node1_s3)
-    mirrors = tmp_path / "mirrors"
-    name = "s3-three-nodes-ddp"
-    args = data_args("train", *DDP_ARGS, f"--run.name={name}")
-    procs = torchrun_on_nodes(
-        cluster, url, args, cluster.names, 29508, env=env, node_env=lambda n: {"REELCACHE_S3_MIRROR": mirrors / n}
-    )
-    finish(procs)
-    bucket, prefix = url[5:].split("/", 1)
-    for n in cluster.names:  # each node mirrored the manifest into its own mirror
-        assert (mirrors / n / bucket / prefix / MANIFEST_KEY).is_file(), n
-
-    # eval once on node3 (a mirror of its own) over the run in S3, and over the one-node run on the shared file
-    # system
-    common = ["--preset", "debug", "--val-max-clips", "2", "--device", "cpu", "--wandb-mode", "disabled"]
-    common += ["--checkpoint", "latest"]
-    mirror3 = {"REELCACHE_S3_MIRROR": str(tmp_path / "eval-mirror")}
-    cluster.run(
-        3, RC, "eval", "once", "--root", url, "--run", f"runs/{name}", "--val-manifest", "train", *common,
-        env=cluster.env(**env, **ENV, **mirror3), cwd=REPO, timeout=180,
-    )  # fmt: skip
-    r = one_node_ddp.parents[1]
-    cluster.run(
-        1, RC, "eval", "once", "--root", r, "--run", "runs/one-node-ddp", "--val-manifest",
-        r / "manifests/train.parquet", *common, env=cluster.env(**ENV), cwd=REPO, timeout=180,
-    )  # fmt: skip
-    got = tmp_path / "got"
-    on_node = cluster.env(**env)
-    dl = cluster.run(1, sys.executable, REPO / "tests/s3_local.py", "download", f"{url}/runs/{name}", got, env=on_node)
-    keys = [k for k in dl.stdout.split() if not k.startswith("eval/")]
-    assert "run.lease" not in keys and {"config.json", "ranks/rank00000.json"} <= set(keys), keys
-    want = sorted(p.relative_to(one_node_ddp).as_posix() for p in one_node_ddp.glob("ckpt-*/**/*") if p.is_file())
-    assert want and [k for k in keys if k.startswith("ckpt-")] == want
-    assert [json.loads(p.read_text())["host"] for p in sorted((got / "ranks").glob("rank*.json"))] == cluster.names
-    same_run(one_node_ddp, got, 4)
-
-    rel = "eval/ckpt-00000004/val_loss.json"
-    doc, ref = json.loads((got / rel).read_text()), json.loads((one_node_ddp / rel).read_text())
-    for k in ("global_step", "clips", "manifest_fingerprint", "weights", "overall", "buckets"):
-        assert doc[k] == ref[k], k
 
 
 HOLD = """
@@ -214,7 +116,7 @@ def test_s3_run_lease_held_on_node1_refuses_a_start_on_node2_in_one_line(cluster
     lease of base/lease.py, what a run's rank 0 takes), a start of that run on node2 is refused in one line
     naming node1 and the holder's pid (train/runlease.py, before any model or booster), exit 2, and leaves
     nothing in S3 or in node2's mirror; the holder's release deletes the object."""
-    url, env = s3_root_on_node1, s3_env(node1_s3)
+    url, env = s3_root_on_node1, node_s3_env(node1_s3)
     lease_url = f"{url}/runs/held/run.lease"
     holder = cluster.popen(
         1, sys.executable, "-c", HOLD, lease_url, env=cluster.env(**env), cwd=REPO,
@@ -226,7 +128,7 @@ def test_s3_run_lease_held_on_node1_refuses_a_start_on_node2_in_one_line(cluster
         mirror = tmp_path / "node2"
         p = cluster.run(
             2, sys.executable, "-m", "reelcache.train", CONFIG, "--root", url, *data_args("train", "--run.name=held"),
-            env=cluster.env(**env, **ENV, REELCACHE_S3_MIRROR=str(mirror)), cwd=REPO, check=False, timeout=120,
+            env=cluster.env(**env, **NODE_ENV, REELCACHE_S3_MIRROR=str(mirror)), cwd=REPO, check=False, timeout=120,
         )  # fmt: skip
     finally:
         out, _ = holder.communicate(timeout=60)  # its stdin closed: it lists the run's objects and releases
@@ -248,7 +150,7 @@ def test_colossalai_run_hostfile_on_three_nodes_equals_one_node_zero2(cluster, r
     train(r, args + ["--run.name=one-node-zero2"], nproc=3)
     cfg = stage_file(tmp_path / "stage.toml", manifest)  # colossalai run: the settings go in a file
     bindir = Path(sys.executable).parent
-    env = cluster.env(**ENV)
+    env = cluster.env(**NODE_ENV)
     env["PATH"] = f"{bindir}:{env['PATH']}"
     hostfile = cluster.hostfile(tmp_path / "nodes.txt")
     p = cluster.run(
