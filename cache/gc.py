@@ -29,7 +29,7 @@ units running, so gc would never start (or every unit would wait for a scan of m
 while gc runs may reuse an entry gc then deletes: run ``cache plan`` and ``cache gc --delete`` apart.
 
 A root in S3 (``s3://bucket/prefix``, docs/STORAGE.md) goes through the same steps (``collect``, ``gc``) over
-its objects (``_Bucket``): the store is listed (paginated ListObjectsV2; an object's identity is its ETag and
+its objects (``Bucket``): the store is listed (paginated ListObjectsV2; an object's identity is its ETag and
 size), the indexes and then the references (sidecars, frozen plans, manifests) are brought into the root's local
 mirror (base/s3.py: ``sync_down``) and read there; a unit is running while its lease object is held by a live run
 (a stale lease, its holder gone, is no run); a deletion is a DELETE with ``If-Match`` on the ETag the listing saw
@@ -79,7 +79,7 @@ def _identity(path: Path):
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-class _Folder:
+class Folder:
     """The store and references of a root that is a folder: files, read where they are."""
 
     def __init__(self, root):
@@ -143,7 +143,7 @@ class _Folder:
         return []
 
 
-class _Bucket(_Folder):
+class Bucket(Folder):
     """The store and references of a root in S3: objects listed and deleted there, indexes and references read
     from the root's local mirror (module docstring)."""
 
@@ -219,7 +219,7 @@ class _Bucket(_Folder):
 
 
 def _store(root):
-    return _Bucket(root) if s3.is_url(root) else _Folder(root)
+    return Bucket(root) if s3.is_url(root) else Folder(root)
 
 
 def _upload_unit(url: s3.Url, key: str) -> tuple[s3.Url, str] | None:
@@ -344,4 +344,4 @@ def _uploads(root, store) -> dict:
 def has_live(root: Path, shard: str, garbage: int) -> bool:
     """A shard holds entries besides its `garbage` ones (counted from its tar's members; a takedown's hole,
     lineage/holes.py, is no entry)."""
-    return _Folder(root).entries(shard, None) > garbage
+    return Folder(root).entries(shard, None) > garbage

@@ -89,7 +89,7 @@ def finished_units(root, source: str) -> list[str]:
     return sorted(n.removesuffix(".parquet") for n in names if n[:1].isdigit() and n.endswith(".parquet"))
 
 
-def _sync_plan(root, source: str) -> None:
+def sync_plan(root, source: str) -> None:
     if (remote := remote_dir(root, source)) is not None:
         s3.sync_down(
             remote,
@@ -108,7 +108,7 @@ def unit_name(source: str, index: int) -> str:
 
 
 def load_plan(root, source: str) -> tuple[IngestConfig, dict]:
-    _sync_plan(root, source)
+    sync_plan(root, source)
     path = plan_dir(root, source) / "plan.json"
     if not path.exists():
         raise UserError(f"no plan for source {source!r} under {root}: run `reelcache ingest plan` first")
@@ -137,7 +137,7 @@ def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[st
     remote = remote_dir(root, cfg.source)
     num_units = -(-table.num_rows // cfg.rows_per_unit)
     units = [unit_name(cfg.source, i) for i in range(num_units)]
-    _sync_plan(root, cfg.source)
+    sync_plan(root, cfg.source)
     done = finished_units(root, cfg.source)
     old = pdir / "plan.json"
     if old.exists():
@@ -178,7 +178,7 @@ def make_plan(root: str, cfg: IngestConfig, *, replace: bool = False) -> list[st
     if remote is not None:  # the table first, plan.json last: a present plan.json names a whole plan
         for name in ("input.parquet", "plan.json"):
             s3.upload_file(pdir / name, remote / "_plan" / name)
-        _sync_plan(root, cfg.source)  # the mirror's copies now carry the objects' times: not downloaded again
+        sync_plan(root, cfg.source)  # the mirror's copies now carry the objects' times: not downloaded again
     errs = sum(1 for e in table.column("row_error").to_pylist() if e)
     dups = table.num_rows - table.column("duplicate_of").null_count
     say(

@@ -60,13 +60,13 @@ def _sync(caller: str, root: str) -> None:
 
         local_root(root)
     elif caller == "gc_indexes":
-        from reelcache.cache.gc import _Bucket
+        from reelcache.cache.gc import Bucket
 
-        _Bucket(root).fetch_indexes({})
+        Bucket(root).fetch_indexes({})
     elif caller == "gc_refs":
-        from reelcache.cache.gc import _Bucket
+        from reelcache.cache.gc import Bucket
 
-        _Bucket(root).fetch_references()
+        Bucket(root).fetch_references()
     elif caller == "takedown":
         from reelcache.lineage.takedown import Files
 
@@ -84,9 +84,9 @@ def _sync(caller: str, root: str) -> None:
 
         view_root(root)
     elif caller == "ingest_plan":
-        from reelcache.ingest.plan import _sync_plan
+        from reelcache.ingest.plan import sync_plan
 
-        _sync_plan(root, "openvid")
+        sync_plan(root, "openvid")
 
 
 def _upload(s3_server, root: str) -> None:

@@ -170,7 +170,7 @@ def test_gc_keeps_the_shards_of_a_unit_that_finishes_between_its_listing_and_its
         for p in sorted(local.rglob("*")):
             if p.is_file():
                 c.put_object(Bucket=u.bucket, Key=f"{u.key}/{p.relative_to(local).as_posix()}", Body=p.read_bytes())
-    store_cls = gc_mod._Bucket if where == "s3" else gc_mod._Folder
+    store_cls = gc_mod.Bucket if where == "s3" else gc_mod.Folder
     checks = []
     running = store_cls.running
 
