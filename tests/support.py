@@ -692,14 +692,15 @@ def finish(procs, ok: bool = True, timeout: float = 300) -> list[str]:
     return outs
 
 
-def same_run(a: Path, b: Path, last: int) -> None:
+def same_run(a: Path, b: Path, last: int, which=("model",)) -> None:
     """Two runs trained steps 0..last-1 with the same losses, and their checkpoints at `last` hold the same
-    weights, exactly."""
+    weights (each of `which`: model, ema), exactly."""
     ma, mb = metrics(a), metrics(b)
     assert sorted(ma) == sorted(mb) == list(range(last))
     assert [ma[s]["loss"] for s in sorted(ma)] == [mb[s]["loss"] for s in sorted(mb)]
-    wa, wb = weights(a / f"ckpt-{last:08d}"), weights(b / f"ckpt-{last:08d}")
-    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    for w in which:
+        wa, wb = weights(a / f"ckpt-{last:08d}", w), weights(b / f"ckpt-{last:08d}", w)
+        assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa), w
 
 
 def node_s3_env(server) -> dict:

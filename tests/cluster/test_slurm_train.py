@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from latent_data import write_latents
 from slurm_local import local_slurm_or_skip
-from support import REPO, WHOLE, data_args, free_port, metrics, same_data, weights
+from support import REPO, WHOLE, data_args, free_port, metrics, same_data, same_run
 
 from reelcache.cluster.hosts import expand_nodelist
 
@@ -110,13 +110,8 @@ def test_a_requeued_job_resumes_from_its_newest_checkpoint_and_ends_like_an_unin
     )
     assert "#SBATCH --gpus-per-node=1" in (run / "slurm/eval.sbatch").read_text()
     assert "attempt 0" in log and "attempt 1" in log and "resumed from" in log, log[-3000:]
-    whole, resumed = metrics(ddp_reference), metrics(run)
-    assert sorted(resumed) == sorted(whole) == list(range(15))
-    assert [resumed[s]["loss"] for s in whole] == [whole[s]["loss"] for s in whole]
-    assert max(row["generation"] for row in resumed.values()) == 1  # the second attempt trained the rest
-    for which in ("model", "ema"):
-        a, b = weights(ddp_reference / "ckpt-00000015", which), weights(run / "ckpt-00000015", which)
-        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    same_run(ddp_reference, run, 15, which=("model", "ema"))
+    assert max(row["generation"] for row in metrics(run).values()) == 1  # the second attempt trained the rest
 
 
 def test_a_job_on_an_s3_root_requeued_resumes_from_s3_and_ends_like_an_uninterrupted_run(
@@ -189,13 +184,8 @@ def test_a_job_on_an_s3_root_requeued_resumes_from_s3_and_ends_like_an_uninterru
     assert len(ckpts) > 1 and all(f"{ckpt}/state.json" in keys for ckpt in ckpts)
     assert [k for k in keys if k.startswith("slurm/")] == ["slurm/eval.sbatch", "slurm/train.sbatch"], keys
     assert "run.lease" not in keys and "stop" not in keys
-    whole, resumed = metrics(ddp_reference), metrics(got)
-    assert sorted(resumed) == sorted(whole) == list(range(15))
-    assert [resumed[s]["loss"] for s in whole] == [whole[s]["loss"] for s in whole]
-    assert max(row["generation"] for row in resumed.values()) == 1  # the second attempt trained the rest
-    for which in ("model", "ema"):
-        a, b = weights(ddp_reference / "ckpt-00000015", which), weights(got / "ckpt-00000015", which)
-        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    same_run(ddp_reference, got, 15, which=("model", "ema"))
+    assert max(row["generation"] for row in metrics(got).values()) == 1  # the second attempt trained the rest
 
     assert sorted(k.split("/")[1] for k in keys if k.endswith("/val_loss.json")) == ckpts
     ref = tmp_path / "ref/runs/whole"  # the reference's last checkpoint (read only: evaluated in a copy)
