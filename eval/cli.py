@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from reelcache import UserError
 from reelcache.args import arg, existing_file
@@ -156,22 +155,17 @@ def _serve(a) -> None:
 
 def _submit(a) -> None:
     """``eval serve --slurm``: the same command as a job on one GPU (cluster/slurm/jobs.py), after --after starts.
-    A run in S3: the run exists there (an object under its prefix: the training job's script from the moment
-    ``train --slurm`` submitted it), and the job keeps a mirror of its own (jobs.py)."""
+    A run in S3: the run exists there (its config.json, or the training job's script from the moment ``train
+    --slurm`` submitted it: ``run_in_s3``), and the job keeps a mirror of its own (jobs.py)."""
     from reelcache.base import s3
     from reelcache.cluster.slurm import jobs
 
     rel = a.run
     if s3.is_url(a.root):
         s3.check_root(a.root)  # the bucket, the credentials, conditional writes: one line before any work
-        rel = Path(a.run).as_posix().strip("/")
-        if Path(a.run).is_absolute() or ".." in Path(rel).parts:  # as the evaluator says it
-            raise UserError(f"--run {a.run}: with an s3:// --root, the run under it: runs/<name>")
-        remote = s3.parse(a.root) / rel
         from reelcache.eval.evaluate import run_in_s3
 
-        if not run_in_s3(remote):
-            raise UserError(f"no run at {remote} (no config.json under it, no training submitted there)")
+        rel, _ = run_in_s3(s3.parse(a.root), a.run)  # as the evaluator finds it
     _check_inputs(a)
     argv = sys.argv[sys.argv.index("serve") + 1 :]
     res = slurm_options.resources(a)

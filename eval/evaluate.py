@@ -80,10 +80,17 @@ RUN_FILES = ("config.json", "wandb_id")  # of a run in S3, mirrored for the wand
 SUBMITTED = "slurm/train.sbatch"  # a training submitted by `train --slurm` (cluster/slurm/jobs.py), before it starts
 
 
-def run_in_s3(remote: s3.Url) -> bool:
-    """A run exists at ``remote``: its config.json, or the script of a training submitted there; two HEADs at
-    most, never a listing of its prefix (the consumed log: tens of thousands of parts on a long run)."""
-    return s3.head(remote / "config.json") is not None or s3.head(remote / SUBMITTED) is not None
+def run_in_s3(root: s3.Url, run) -> tuple[str, s3.Url]:
+    """``--run`` under a root in S3: (its path under the root, its prefix), or one line saying what is wrong. It
+    exists when its config.json or the script of a training submitted there does: two HEADs at most, never a
+    listing of its prefix (the consumed log: tens of thousands of parts on a long run)."""
+    rel = Path(run).as_posix().strip("/")
+    if Path(run).is_absolute() or ".." in Path(rel).parts:
+        raise UserError(f"--run {run}: with an s3:// --root, the run under it: runs/<name>")
+    remote = root / rel
+    if s3.head(remote / "config.json") is None and s3.head(remote / SUBMITTED) is None:
+        raise UserError(f"no run at {remote} (no config.json under it, no training submitted there)")
+    return rel, remote
 
 
 class _Progress:
@@ -122,12 +129,7 @@ class Evaluator:
         if s3.is_url(self.root):  # a run in S3: its folder mirrored locally (module docstring)
             self.root_url = s3.parse(self.root)
             self.root = s3.mirror_dir(self.root_url)
-            rel = Path(self.run_dir).as_posix().strip("/")
-            if Path(self.run_dir).is_absolute() or ".." in Path(rel).parts:
-                raise UserError(f"--run {self.run_dir}: with an s3:// --root, the run under it: runs/<name>")
-            self.remote = self.root_url / rel
-            if not run_in_s3(self.remote):
-                raise UserError(f"no run at {self.remote} (no config.json under it, no training submitted there)")
+            rel, self.remote = run_in_s3(self.root_url, self.run_dir)
             mirrored_inputs(self.root_url)
             (self.root / rel).mkdir(parents=True, exist_ok=True)
             self._mirror_run_files(self.root / rel)

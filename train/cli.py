@@ -310,8 +310,7 @@ def _simulate(a) -> None:
         from reelcache.train.runfiles import mirrored_inputs
 
         s3.check_root(root, write=False)
-        mirrored_inputs(root)
-        root = s3.mirror_dir(root)
+        root = mirrored_inputs(root)
     try:
         simulate(
             manifests,
