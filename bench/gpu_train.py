@@ -379,6 +379,6 @@ def projection(ctx: Ctx) -> list[dict]:
 
 def quiet_colossalai() -> None:
     """Import ColossalAI once, in the main thread, without its notices (before the kernel thread)."""
-    from reelcache.train.parallel import _colossalai
+    from reelcache.train.parallel import colossalai_classes
 
-    _colossalai()
+    colossalai_classes()

@@ -49,7 +49,7 @@ class RankRecord:
     proc_start: int | None  # see proc_start(); None where the node has no /proc
     boot_id: str  # the kernel's boot id ("" where it has none): a reboot makes every pid another's
     started: float  # time.time() when the rank wrote the record
-    launcher_pid: int | None  # the rank's parent: torchrun's or colossalai run's agent
+    launcher_pid: int | None  # torchrun's or colossalai run's agent, or `reelcache train --nproc`
     launcher_proc_start: int | None
     stacks: str | None  # absolute path of the file SIGUSR1 makes the rank append its stacks to
 
@@ -101,7 +101,10 @@ def _check(name: str, value, types, optional: bool = False) -> None:
 def write(run_dir, rank: int, world_size: int, local_rank: int, stacks_path) -> Path:
     """Record the calling process as `rank` of the run in `run_dir` (host, pid, start times, boot id
     filled in here); `stacks_path`: its SIGUSR1 stacks file, or None. Returns the record's path."""
-    pid, parent = os.getpid(), os.getppid()
+    pid = os.getpid()
+    # the launcher: the rank's parent (torchrun's or colossalai run's agent), or the `reelcache train --nproc` that
+    # names itself in REELCACHE_LAUNCH (train/launch.py: its ranks may be children of its fork server)
+    parent = int(os.environ.get("REELCACHE_LAUNCH") or os.getppid())
     rec = RankRecord(
         rank=rank,
         world_size=world_size,

@@ -438,23 +438,34 @@ def same_data(a: Path, b: Path) -> None:
     assert ma == mb and all(pq.read_table(a / m).equals(pq.read_table(b / m)) for m in ma), (ma, mb)
 
 
+TRAINER = ("-m", "reelcache.train")
+
+
 def torchrun(
     root: Path,
     args: list[str],
     nproc: int = 1,
-    entry: list[str] = ("-m", "reelcache.train"),
+    entry: list[str] = TRAINER,
     env: dict | None = None,
     config: Path = CONFIG,
+    launcher: str = "reelcache",
     **kw,
 ) -> subprocess.Popen:
-    """The trainer on nproc ranks (torchrun beyond 1): ``entry CONFIG --root ROOT args``; entry: the
-    program each rank runs (the trainer, or a check script such as tests/grad_check.py)."""
+    """The trainer on nproc ranks: ``entry CONFIG --root ROOT args``; entry: the program each rank runs (the
+    trainer, or a check script such as tests/grad_check.py). Beyond one rank the trainer starts through its own
+    launcher, ``reelcache train --nproc N`` (train/launch.py: on this CPU build of torch its ranks are forked
+    from one process that imported what a rank imports, most of a test training's work); a check script, or
+    launcher="torchrun", through torchrun."""
     env = quiet_env(**(env or {}))
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+    if nproc > 1 and tuple(entry) == TRAINER and launcher == "reelcache":
+        cmd = [sys.executable, "-m", "reelcache", "train", str(config), "--root", str(root), "--nproc", str(nproc)]
+    else:
+        cmd = [sys.executable]
+        if nproc > 1:
+            cmd += ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+        cmd += [*entry, str(config), "--root", str(root)]
     return subprocess.Popen(
-        cmd + [*entry, str(config), "--root", str(root), *args],
+        cmd + args,
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

@@ -15,6 +15,13 @@ the same arguments and their output goes straight to this terminal, but for thei
   goes (gloo: "Connection reset by peer"): those ranks put their traceback in their error file, print
   nothing, and are never named as the cause.
 
+On a CPU build of torch the ranks are forked from one process (multiprocessing's fork server) that imported
+what a rank imports (train/preload.py: torch, the trainer, ColossalAI) once, instead of each rank importing it
+again: a rank's imports are most of a short run's work. With a CUDA or ROCm build each rank is its own
+interpreter, as under torchrun: ColossalAI's imports touch the GPUs (bitsandbytes probes them), and a
+process forked after that cannot use them. Either way a rank runs ``python -m reelcache.train`` with the same
+arguments, its own ``sys.argv`` and its interpreter's exit (its ``atexit`` functions run).
+
 The rendezvous is torchrun's single-node one (``static``, rank 0 of one node, a free local port); no
 restarts (a failed training is resumed with ``--resume``, not replayed by the launcher). For many nodes
 use ``torchrun``/``colossalai run`` or ``train --slurm`` (docs/CLUSTER.md).
@@ -22,10 +29,15 @@ use ``torchrun``/``colossalai run`` or ``train --slurm`` (docs/CLUSTER.md).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import multiprocessing
+import multiprocessing.process
 import os
+import runpy
 import signal
 import sys
+import traceback
 
 # torch is imported by `launch`, when a launch runs: `reelcache train --help` builds without it.
 
@@ -40,11 +52,14 @@ def launch(rank_args: list[str], nproc: int) -> int:
     from reelcache.log import say_error
     from reelcache.train.parallel import free_port
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # its per-rank warnings: the line below says it
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks share the cores
-    os.environ["REELCACHE_LAUNCH"] = "1"  # a rank's refusal goes to its error file, said here once
+    # a rank's refusal goes to its error file, said here once; its record names this process as its launcher
+    # (cluster/ranks.py: a forked rank's parent is the fork server)
+    os.environ["REELCACHE_LAUNCH"] = str(os.getpid())
+    fork = forked()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -55,9 +70,15 @@ def launch(rank_args: list[str], nproc: int) -> int:
         rdzv_configs={"rank": 0},
         max_restarts=0,
         monitor_interval=0.1,
+        start_method="forkserver" if fork else "spawn",
     )
+    if fork:
+        multiprocessing.set_forkserver_preload(["reelcache.train.preload"])
+        entry, args = _rank, rank_args
+    else:
+        entry, args = sys.executable, ["-m", "reelcache.train", *rank_args]
     try:
-        elastic_launch(config, sys.executable)("-m", "reelcache.train", *rank_args)
+        elastic_launch(config, entry)(*args)
     except SignalException as e:  # Ctrl-C or a TERM to this launcher: the ranks were stopped with it
         return 128 + int(e.sigval)
     except ChildFailedError as e:
@@ -87,3 +108,37 @@ def launch(rank_args: list[str], nproc: int) -> int:
         say_error(f"rank {rank} (pid {failure.pid}) {how}{others}")
         return 1
     return 0
+
+
+def forked() -> bool:
+    """Whether ranks are forked from one process that imported theirs (a build of torch without CUDA or ROCm)."""
+    import torch
+
+    return torch.version.cuda is None and torch.version.hip is None
+
+
+def _rank(*rank_args: str) -> None:
+    """A forked rank: ``python -m reelcache.train *rank_args`` run in this process, as its interpreter would.
+    Its exit status is the module's; a crash prints its traceback and exits 1 (torch's wrapper would keep it
+    in a file: the launcher says "its output is above"); the atexit functions run, as at an interpreter's exit
+    (multiprocessing's children leave without them)."""
+    sys.argv = ["reelcache.train", *rank_args]
+    # multiprocessing as in a fresh interpreter: its own default start method (the fork server's children
+    # inherit "forkserver": a DataLoader's workers would each be a new interpreter) and its own temp dir (not
+    # the launcher's, which the launcher removes when it ends, perhaps before this rank)
+    multiprocessing.set_start_method(None, force=True)
+    multiprocessing.process.current_process()._config.pop("tempdir", None)
+    code = 0
+    try:
+        runpy.run_module("reelcache.train", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if code:
+        sys.exit(code)

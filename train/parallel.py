@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # train/sections.py builds these lazily: annotations only, no
     from reelcache.train.sections import OptimConfig, ParallelConfig
 
 # colossalai is imported when the booster is first needed (Parallel._booster: the optimizer or the boost,
-# after every check of a start has passed), first through _colossalai() (quietly: its import prints
+# after every check of a start has passed), first through colossalai_classes() (quietly: its import prints
 # notices about optional CUDA kernels), and so is train/zero_cpu.py, which imports it at its top; what
 # else uses this module (setup, free_port, the optimizer files for the checkpoint writer) needs none.
 
@@ -90,7 +90,7 @@ class Parallel:
         if self.booster is not None:
             return self.booster
         cfg, cuda = self.cfg, self.device.type == "cuda"
-        Booster, LowLevelZeroPlugin, TorchDDPPlugin = _colossalai()
+        Booster, LowLevelZeroPlugin, TorchDDPPlugin = colossalai_classes()
         if not cuda:  # else ColossalAI finds the GPU itself and moves the model there
             from colossalai.accelerator import set_accelerator
 
@@ -313,7 +313,7 @@ def read_optimizer(path) -> tuple[dict, dict]:
     return load_file(os.path.join(path, "state.safetensors")), meta
 
 
-def _colossalai():
+def colossalai_classes():
     """ColossalAI's booster and plugins, without the import-time noise about optional CUDA kernels."""
     quiet_libraries()
     with warnings.catch_warnings():

@@ -1,9 +1,12 @@
 """``reelcache train --nproc N`` (train/launch.py): the ranks started through torch's elastic launch API, a failed
 start said in one line, never torchrun's ChildFailedError report (issue 30.6).
 
-Two real 2-rank launches of the debug stage: one refused (a live process on this machine holds the run's lease:
+Three real 2-rank launches of the debug stage: one refused (a live process on this machine holds the run's lease:
 both ranks refuse alike, one line), one whose rank 1 is killed with SIGKILL once it runs (what `make demo`
-does on purpose: one line naming the rank, its pid read from its own rank record, and the signal).
+does on purpose: one line naming the rank, its pid read from its own rank record, and the signal), one whose
+rank crashes on a sample that is not a latent (its traceback shown, then one line). On this CPU build of torch
+the ranks are forked from the launcher's fork server (train/launch.py); tests/train/test_train.py compares
+runs started so with torchrun's and with the session's reference, loss for loss.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -23,7 +27,7 @@ from support import data_args, torchrun
 
 from reelcache.base.lease import boot_id, pid_start
 
-pytestmark = pytest.mark.slow  # two 2-rank launches
+pytestmark = pytest.mark.slow  # three 2-rank launches
 
 LAUNCH = ("-m", "reelcache", "train")
 
@@ -86,3 +90,27 @@ def test_a_rank_killed_mid_run_is_one_line(root):
         lines(out)[-1]
         == f"reelcache: error: rank 1 (pid {victim}) was killed by SIGKILL; the launch stopped the other 1 rank(s)"
     )
+
+
+def test_a_rank_that_crashes_shows_its_traceback_and_is_named_in_one_line(tmp_path):
+    """A sample whose bytes are not a latent (its safetensors header overwritten, the shard's length unchanged,
+    so the start's checks pass): the rank that reads it crashes. Its traceback is in the output, as its
+    interpreter prints it (a forked rank prints it itself: torch's wrapper would keep it in a file), and the
+    launcher's last line names that rank and points at it."""
+    manifest = write_latents(tmp_path, 24, name="train")
+    shard = sorted((tmp_path / "latents/train").glob("*.tar"))[0]
+    with tarfile.open(shard) as t:
+        member = t.getmembers()[0]
+    with open(shard, "r+b") as f:
+        f.seek(member.offset_data)
+        f.write(b"\xff" * 8)  # safetensors' header length: far beyond the member
+    p = torchrun(tmp_path, [*data_args(manifest, "--run.name=crash"), "--nproc", "2"], entry=LAUNCH)
+    out, _ = p.communicate(timeout=240)
+    assert p.returncode == 1, out[-4000:]
+    assert "Traceback (most recent call last)" in out and "SafetensorError" in out, out[-4000:]
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"reelcache: error: rank [01] \(pid \d+\) exited with status 1 \(its output is above\); the launch stopped "
+        r"the other 1 rank\(s\)",
+        last,
+    ), out[-4000:]

@@ -50,7 +50,8 @@ def test_s3_run_lease_is_an_object_and_a_second_start_is_refused_in_one_line(s3_
     assert keys(s3_server, str(remote)) == []
 
     # a live holder on another node (its heartbeat fresh by the store's clock), then one on this machine
-    monkeypatch.setenv("REELCACHE_LAUNCH", "1")  # refusals raised as one UserError (what a launch's rank says)
+    # refusals raised as one UserError (what a rank of `reelcache train --nproc` says; the variable: its launcher)
+    monkeypatch.setenv("REELCACHE_LAUNCH", str(os.getpid()))
     c = s3_server.client()
     other = {"host": "node7", "boot_id": "x", "pid": 4242, "pid_start": 1, "started_at": "t", "token": "first"}
     c.put_object(Bucket=remote.bucket, Key=f"{remote.key}/run.lease", Body=json.dumps(other).encode())

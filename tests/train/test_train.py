@@ -1,5 +1,5 @@
-"""The trainer, end to end on CPU: real torchrun processes, gloo, ColossalAI's TorchDDP booster,
-the real loader over real latent shards, the tiny STDiT3.
+"""The trainer, end to end on CPU: real launches (`reelcache train --nproc`, torchrun, colossalai run), gloo,
+ColossalAI's TorchDDP booster, the real loader over real latent shards, the tiny STDiT3.
 
 References are independent of the code under test: an uninterrupted run for the killed-and-
 resumed one, a plain single-process autograd computation for the multi-rank gradient, the
@@ -45,7 +45,7 @@ from wandb_files import history, run_files
 if TYPE_CHECKING:
     import torch
 
-# Every test here runs the trainer in processes of its own (torchrun, colossalai run): the component
+# Every test here runs the trainer in processes of its own (its launcher, torchrun, colossalai run): the component
 # tests beside them are test_guard.py, test_step.py, test_checkpoint.py, test_watchdog.py, test_state.py.
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def test_a_stop_request_to_one_rank_checkpoints_every_rank_and_resume_continues_
     args = data_args(manifest, *WHOLE)
     reference = uninterrupted(request, r, args, "ddp")  # auto: DDP on CPU (train/sections.py)
     run = r / "runs/stop-requested"
-    p = torchrun(r, args + ["--run.name=stop-requested"], nproc=2)
+    p = torchrun(r, args + ["--run.name=stop-requested"], nproc=2, launcher="torchrun")  # as the README's alternative
     deadline = time.monotonic() + 180
     while not (run / "ckpt-00000004").exists():
         assert p.poll() is None and time.monotonic() < deadline, p.stdout.read()[-3000:]
@@ -160,7 +160,7 @@ def test_a_stop_request_to_one_rank_checkpoints_every_rank_and_resume_continues_
     stopped = max(checkpoints(run))
     assert 4 < stopped < 15 and f"stopped on request at step {stopped}" in out, out[-3000:]
     assert json.loads((run / f"ckpt-{stopped:08d}/state.json").read_text())["global_step"] == stopped
-    train(r, args + ["--run.name=stop-requested", "--resume"], nproc=2)
+    train(r, args + ["--run.name=stop-requested", "--resume"], nproc=2, launcher="torchrun")
     whole, resumed = metrics(reference), metrics(run)
     assert sorted(resumed) == sorted(whole) and [resumed[s]["loss"] for s in whole] == [whole[s]["loss"] for s in whole]
     a, b = weights(reference / "ckpt-00000015"), weights(run / "ckpt-00000015")
