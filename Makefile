@@ -226,6 +226,7 @@ bench: install
 	$(BIN)/python bench/bench_view.py
 	$(BIN)/python bench/bench_lineage.py
 	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/python bench/bench_train.py
+	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/python bench/bench_launch.py
 	DEMO_ROOT=$(DEMO_ROOT) $(BIN)/torchrun --nproc_per_node 2 bench/bench_log.py
 
 # docs/imports.png, the picture in docs/DESIGN.md ("Floors"): the import graph of the package drawn from the code

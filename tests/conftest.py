@@ -63,7 +63,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 # The longest groups first, so that xdist's workers start on them (it hands groups out in collection
-# order): the system group alone is about 12 of the suite's minutes on 2 cores, the critical path.
+# order): the system group alone took 36 of the suite's 39 minutes in a profiled run on a slow 2-core machine
+# (2026-12-02; the three workers busy throughout): the critical path.
 LONGEST_FIRST = (
     "system",
     "s3",  # every test_s3*.py: 66 tests, ~3 CPU-min, one worker
