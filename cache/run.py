@@ -33,6 +33,7 @@ gives the clean result.
 
 from __future__ import annotations
 
+import _posixshmem
 import functools
 import itertools
 import json
@@ -95,9 +96,17 @@ class SharedFrames:
 
 
 def _unlink_shared(name: str) -> None:
+    """Remove the block `name` if it exists. A worker killed between creating its block and sizing it
+    leaves an empty one, which SharedMemory() refuses to map (and which its resource tracker never
+    registered): that one is unlinked by name."""
     try:
         shared_memory.SharedMemory(name=name).unlink()
-    except (FileNotFoundError, OSError):
+    except ValueError:  # "cannot mmap an empty file"
+        try:
+            _posixshmem.shm_unlink("/" + name)
+        except FileNotFoundError:
+            pass
+    except OSError:  # FileNotFoundError: never made, or already removed
         pass
 
 
