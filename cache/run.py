@@ -95,7 +95,7 @@ class SharedFrames:
         self.shm.unlink()
 
 
-def _unlink_shared(name: str) -> None:
+def unlink_shared(name: str) -> None:
     """Remove the block `name` if it exists. A worker killed between creating its block and sizing it
     leaves an empty one, which SharedMemory() refuses to map (and which its resource tracker never
     registered): that one is unlinked by name."""
@@ -163,7 +163,7 @@ def decoded(
             if isinstance(res, S3Error):  # the store failed reading a raw clip: the unit fails, no clip rejected
                 raise res
             if isinstance(res, Failed):
-                _unlink_shared(job["shm"])
+                unlink_shared(job["shm"])
             elif isinstance(res, tuple):
                 res = SharedFrames(*res)
                 handed.add(job["shm"])
@@ -181,7 +181,7 @@ def decoded(
         # only its name left: a shared-memory block outlives its process, so remove each such name.
         for job in jobs:
             if job["shm"] not in handed:
-                _unlink_shared(job["shm"])
+                unlink_shared(job["shm"])
 
 
 def run_unit(root: str, unit: str, device: str | None = None, wait: bool = False) -> dict:

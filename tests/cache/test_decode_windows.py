@@ -90,14 +90,14 @@ def test_a_block_left_empty_by_a_killed_worker_is_removed(tmp_path):
     """A decode worker killed (its timeout) between creating its block and sizing it leaves an empty
     /dev/shm file, which SharedMemory() refuses to map: the unit's cleanup still removes it (CI saw the
     `cannot mmap an empty file` fail a unit and leave its blocks behind)."""
-    from reelcache.cache.run import _unlink_shared
+    from reelcache.cache.run import unlink_shared
 
     name = f"rc{os.getpid()}-empty-{tmp_path.name}"
     os.close(os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))  # as shm_open left it
     assert os.stat(f"/dev/shm/{name}").st_size == 0
-    _unlink_shared(name)
+    unlink_shared(name)
     assert not Path(f"/dev/shm/{name}").exists()
-    _unlink_shared(name)  # gone already (or never made): nothing to do
+    unlink_shared(name)  # gone already (or never made): nothing to do
 
 
 def test_rotated_clips_decode_upright_like_ffmpeg_autorotate(tmp_path):
