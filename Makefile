@@ -30,7 +30,7 @@ GPU_TORCH ?= 2.5.1
 GPU_PINS ?= torch==$(GPU_TORCH) transformers==4.51.3 diffusers==0.39.0 peft==0.17.1
 GPU_STAMP := $(VENV)/.installed-gpu
 
-.PHONY: sysdeps test-sysdeps install install-gpu gpu-kernels gpu-check gpu-wheels gpu-check-device demo ingest cache lint format test test-fast bench imports clean
+.PHONY: sysdeps test-sysdeps install lock install-gpu gpu-kernels gpu-check gpu-wheels gpu-check-device demo ingest cache lint format test test-fast bench imports clean
 
 # The programs the pipeline runs besides Python: ffmpeg (the tests' reference decoder) and GNU parallel
 # (ingest and cache units, cluster checks): all `make demo` (and ingest, cache) installs. Installed once, with
@@ -67,13 +67,21 @@ endif
 # torch is pinned (an unpinned one pulls gigabytes of CUDA wheels); colossalai 0.5.0 pins an old
 # torch, so it goes in with --no-deps plus the few modules it imports, never via pyproject. It goes in
 # last: a resolving install after it would print pip's false "dependency resolver" error about its pins.
-$(STAMP): pyproject.toml
+# constraints.txt holds every other package at the version the suite last passed with.
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip setuptools wheel
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,train,view,s3]' diffusers psutil einops peft accelerate bitsandbytes fabric
-	$(BIN)/pip install -q --no-deps colossalai==0.5.0 galore-torch
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,train,view,s3]' diffusers psutil einops peft accelerate bitsandbytes fabric
+	$(BIN)/pip install -q -c constraints.txt --no-deps colossalai==0.5.0 galore-torch
 	touch $@
+
+# make lock: constraints.txt from this venv (run it after `make test` passed on newer packages:
+# `$(BIN)/pip install -U ...`, then the suite, then this). Its header stays; torch's local label (+cpu) goes.
+lock: install
+	@{ grep '^#' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^#' | \
+	    sed 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+	@echo "constraints.txt: $$(grep -vc '^#' constraints.txt) packages"
 
 install-gpu: $(GPU_STAMP)
 	@$(MAKE) --no-print-directory gpu-kernels VENV=$(VENV)
